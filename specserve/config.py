@@ -1,0 +1,209 @@
+"""Frozen configuration records: the model's shape and the speculative config.
+
+`ModelConfig` is the one description of a Llama-family decoder that every loader
+produces (GGUF header, Hugging Face `config.json`) and the decoder consumes; it
+round-trips through the Hugging Face `config.json` format so a prepared artifact is an
+ordinary checkpoint folder. `SpecConfig` parses vLLM's `--speculative-config` JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from specserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What distinguishes one member of the Llama family from another."""
+
+    hf_model_type: str
+    hf_class_name: str
+    attention_bias: bool  # q/k/v projections carry biases (qwen2)
+    qk_norm: bool  # RMSNorm on each head of q and k before RoPE (qwen3)
+
+
+# The one registry of architectures: keyed by GGUF `general.architecture` and
+# Hugging Face `model_type`, which agree for this family.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", "LlamaForCausalLM", attention_bias=False, qk_norm=False),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", attention_bias=True, qk_norm=False),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", attention_bias=False, qk_norm=True),
+}
+
+
+def architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ConfigError(
+            f"unsupported model architecture {name!r}; specserve runs: {known}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # a key of ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Hugging Face `rope_scaling` dict ("llama3", "linear", ...) or None.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        architecture(self.arch)  # fail early on an unknown family member
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[self.arch]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face `config.json` dict."""
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            raise ConfigError("config.json has no 'model_type'; is this a Hugging Face checkpoint?")
+        arch = architecture(model_type)
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            arch=arch.hf_model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta")
+            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            rope_scaling=_scaling_or_none(cfg.get("rope_scaling")),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face `config.json` dict that `from_hf` and transformers both read."""
+        arch = self.architecture
+        cfg: dict[str, Any] = {
+            "architectures": [arch.hf_class_name],
+            "model_type": arch.hf_model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": arch.attention_bias,
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = self.rope_scaling
+        return cfg
+
+
+def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Hugging Face writes `{"rope_type": "default"}` for no scaling at all."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    return None if kind in (None, "default") else dict(scaling)
+
+
+SPEC_METHODS = ("draft_model", "ngram")
+FUTURE_SPEC_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """vLLM's `--speculative-config`: which proposer drafts, and how many tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft: catalogue name or path (draft_model only)
+    prompt_lookup_min: int = 1  # n-gram sizes tried, longest first (ngram only)
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, raw: str | dict[str, Any] | None) -> SpecConfig | None:
+        """Parse the JSON of `--speculative-config`; None or empty means no speculation."""
+        if raw is None or raw == "":
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"--speculative-config is not valid JSON ({e.msg} at position {e.pos}); "
+                    'example: \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}\''
+                ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config has unknown key(s) {unknown}; known keys: {sorted(known)}"
+            )
+        method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+        if method is None:
+            raise ConfigError(
+                '--speculative-config needs "method" ("draft_model" or "ngram") or a draft "model"'
+            )
+        if method in FUTURE_SPEC_METHODS:
+            raise ConfigError(
+                f"speculative method {method!r} is not implemented yet; "
+                f"use one of {list(SPEC_METHODS)}"
+            )
+        if method not in SPEC_METHODS:
+            raise ConfigError(
+                f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}"
+            )
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(
+                f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}"
+            )
+        model = raw.get("model")
+        if method == "draft_model" and not model:
+            raise ConfigError('method "draft_model" needs "model": a catalogue name or a path')
+        if method == "ngram" and model:
+            raise ConfigError('method "ngram" takes no "model"; drop it or use "draft_model"')
+        # As in vLLM: one bound given alone stands for both.
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if lo > hi:
+            raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+        return cls(
+            method=method,
+            num_speculative_tokens=k,
+            model=model,
+            prompt_lookup_min=lo,
+            prompt_lookup_max=hi,
+        )

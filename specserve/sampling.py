@@ -1,0 +1,71 @@
+"""Sampling parameters, the logits -> probabilities transform, and seeded sampling.
+
+One transform (temperature, then top-k, then top-p) serves the target and the draft:
+the verifier is lossless only if both distributions went through the same one.
+Temperature 0 means greedy: no probabilities are formed at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator:
+        """A request's own random stream: seeded runs repeat, whatever else runs beside."""
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> probs [n, V] float32 after temperature, top-k and top-p."""
+    assert not params.greedy, "greedy decoding takes the argmax, not probabilities"
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the tokens before it already cover top_p; the first stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= params.top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs [n, V] -> token ids [n] int64, one draw per row from the request's stream."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers draft tokens, the verifier keeps the output lossless."""

@@ -1,0 +1,51 @@
+"""What a proposer is: the `Draft` it returns and the `Proposer` protocol.
+
+A proposer sees sequences only through `SequenceView` (an id and every token so far),
+so n-gram lookup, a draft model, and later heads on the target's hidden states are
+interchangeable. k is ragged: each sequence asks for its own number of tokens, and a
+proposer may return fewer (an n-gram lookup that finds nothing returns none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from specserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [k] int64, k may be 0
+    probs: torch.Tensor | None = None  # [k, V] float32; None = deterministic (one-hot) draft
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft(torch.empty(0, dtype=torch.int64))
+
+
+class SequenceView(Protocol):
+    seq_id: int
+    token_ids: list[int]  # prompt + output so far; the last one is the next step's input
+    params: SamplingParams
+    generator: torch.Generator  # the request's own random stream, shared with the verifier
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+        """Draft up to num_tokens[i] tokens after seqs[i].token_ids."""
+        ...
+
+    def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
+        """Learn how many drafted tokens were accepted (after seqs were updated)."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """Forget a finished sequence."""
+        ...
