@@ -94,7 +94,8 @@ class ModelConfig:
             or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            rope_scaling=_scaling_or_none(cfg.get("rope_scaling")),
+            # transformers 5 writes `rope_parameters`, older releases `rope_scaling`.
+            rope_scaling=_scaling_or_none(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
         )
 
     def to_hf(self) -> dict[str, Any]:

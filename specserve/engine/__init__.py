@@ -1,0 +1,1 @@
+"""Sequences, the step loop that speculates and verifies a whole batch, and its stats."""

@@ -1,0 +1,77 @@
+"""One request's state as it moves through the engine.
+
+Invariant: once the sequence has run a step, its target `cache` holds exactly
+`len(token_ids) - 1` positions; the newest token is the next step's input. A step may
+therefore feed several tokens at once (the whole prompt, or the newest token plus k
+drafted ones) and a rejection is undone by moving the cache's end pointer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.model.kv_cache import KVCache
+from specserve.sampling import SamplingParams
+from specserve.spec.stats import SpecStats
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt, then every output token so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    cache: KVCache
+    stop_token_ids: frozenset[int]  # EOS ids and the request's own stop ids
+    spec: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - self.num_output_tokens
+
+    def append(self, new_tokens: list[int]) -> list[int]:
+        """Append a step's tokens up to a stop token or max_tokens; return those kept."""
+        kept: list[int] = []
+        for token in new_tokens[: self.remaining_tokens]:
+            kept.append(token)
+            if token in self.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+        self.token_ids.extend(kept)
+        now = time.perf_counter()
+        if self.first_token_time is None and kept:
+            self.first_token_time = now
+        if self.finish_reason is None and self.remaining_tokens == 0:
+            self.finish_reason = "length"
+        if self.finished:
+            self.finish_time = now
+        return kept
+
+    def timings(self) -> dict[str, float | None]:
+        """TTFT, time per output token after the first, and end-to-end latency (s)."""
+        end = self.finish_time or time.perf_counter()
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        tpot = None
+        if ttft is not None and self.num_output_tokens > 1:
+            tpot = (end - self.first_token_time) / (self.num_output_tokens - 1)
+        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": end - self.arrival_time}

@@ -1,0 +1,85 @@
+"""Build an engine from flags, and run one request through it with its figures.
+
+Shared by `specserve generate` and the benchmark scripts, so both report the same
+numbers in the same words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.models import load_model
+from specserve.sampling import SamplingParams
+from specserve.spec.factory import make_proposer
+from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def build_engine(
+    model: str,
+    spec: SpecConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int | None = None,
+) -> tuple[Engine, Tokenizer]:
+    target = load_model(model, dtype)
+    if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
+        raise ConfigError(
+            f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "
+            f"for {model!r}, got {max_model_len}"
+        )
+    proposer = None if spec is None else make_proposer(spec, target, dtype)
+    engine = Engine(
+        target.decoder,
+        eos_token_ids=target.tokenizer.eos_token_ids,
+        proposer=proposer,
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        max_model_len=max_model_len,
+    )
+    return engine, target.tokenizer
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None) -> list[int]:
+    """Token ids of raw text, or of one user message wrapped in the chat template."""
+    if chat is not None:
+        return tokenizer.encode_chat([{"role": "user", "content": chat}])
+    if not prompt:
+        raise ConfigError("the prompt is empty: pass some text with --prompt or --chat")
+    return tokenizer.encode(prompt)
+
+
+def run_one(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    on_text: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Generate for one prompt; stream text to on_text; return `generate --json`'s object."""
+    seq = engine.add_request(prompt_ids, params)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    emitted = 0
+    while not seq.finished:
+        engine.step()
+        if on_text is not None:
+            on_text(detokenizer.add(seq.output_ids[emitted:]))
+            emitted = seq.num_output_tokens
+    if on_text is not None:
+        on_text(detokenizer.flush())
+    timings = seq.timings()
+    decode_s = timings["e2e_s"] - timings["ttft_s"]
+    return {
+        "text": tokenizer.decode(seq.output_ids),
+        "token_ids": seq.output_ids,
+        "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_output_tokens": seq.num_output_tokens,
+        "finish_reason": seq.finish_reason,
+        **timings,
+        "output_tokens_per_s": seq.num_output_tokens / timings["e2e_s"],
+        # Tokens after the first, per second after the first: the decode rate alone.
+        "decode_tokens_per_s": (seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
+        "spec": seq.spec.to_dict() if engine.proposer is not None else None,
+    }

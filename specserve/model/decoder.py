@@ -1,0 +1,259 @@
+"""The Llama-family decoder (llama, qwen2, qwen3) over a ragged batch of sequences.
+
+A forward pass takes the new tokens of several sequences flattened into one stream
+[T] together with each sequence's `KVCache`. The projections and the MLP (nearly all
+the arithmetic) run once over the whole stream; attention runs per sequence against
+its own cache. That one shape serves a prompt's prefill, a decode step, the target's
+verification of k drafted tokens, and any mix of them in one batch, with no padding.
+
+Weights use the Hugging Face layout and names at load (`load_hf_state_dict`), fused
+into one q/k/v and one gate/up matrix for fewer, larger matmuls. RoPE is the
+rotate-half form of Hugging Face checkpoints (GGUF loaders undo llama.cpp's
+interleaving before the weights get here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a batch: `num_tokens` new tokens appended to `cache`."""
+
+    cache: KVCache
+    num_tokens: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the weight dtype, as the reference models do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 angular frequencies, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling.get("rope_type") or scaling.get("type")
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, smooth between.
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > old_context / low_freq_factor, inv_freq / factor, inv_freq)
+        mid = (wavelen >= old_context / high_freq_factor) & (wavelen <= old_context / low_freq_factor)
+        return torch.where(mid, blended, scaled).float()
+    raise ConfigError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        arch = config.architecture
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        layer: int,
+        segments: list[Segment],
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        outputs = []
+        offset = 0
+        for seg in segments:
+            n, start = seg.num_tokens, seg.cache.length
+            end = start + n
+            cache_k = seg.cache.keys[layer]  # [kv_heads, capacity, head_dim]
+            cache_v = seg.cache.values[layer]
+            cache_k[:, start:end] = k[offset : offset + n].transpose(0, 1)
+            cache_v[:, start:end] = v[offset : offset + n].transpose(0, 1)
+            seg_q = q[offset : offset + n].transpose(0, 1)  # [heads, n, head_dim]
+            # Query i sits at position start + i and sees keys 0..start + i.
+            mask = None
+            if n > 1:
+                mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
+            out = F.scaled_dot_product_attention(
+                seg_q, cache_k[:, :end], cache_v[:, :end], attn_mask=mask, enable_gqa=True
+            )  # [heads, n, head_dim]
+            outputs.append(out.transpose(0, 1).reshape(n, -1))
+            offset += n
+        return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, layer, segments):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, segments)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64: every segment's new tokens, in segment order
+        segments: list[Segment],
+        logits_rows: torch.Tensor | None = None,  # [R] rows of the stream to score; None = all
+    ) -> torch.Tensor:  # [R, vocab] float32
+        """Append the segments' tokens to their caches and return logits for chosen rows."""
+        assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
+        positions = torch.cat(
+            [torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments]
+        )  # [T]
+        for seg in segments:
+            seg.cache.reserve(seg.cache.length + seg.num_tokens)
+        angles = positions.unsqueeze(1).float() * self.inv_freq  # [T, head_dim // 2]
+        angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, i, segments)
+        for seg in segments:
+            seg.cache.length += seg.num_tokens
+        if logits_rows is not None:
+            h = h[logits_rows]  # [R, hidden]
+        return self.lm_head(self.norm(h)).float()
+
+    @classmethod
+    def from_hf_weights(
+        cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
+    ) -> Decoder:
+        """Build the decoder around Hugging Face-named weights, with no random init."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_hf_state_dict(weights, dtype)
+        return model.eval()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Take Hugging Face-named weights, checking every name and shape, fusing q/k/v
+        and gate/up. Raises ModelLoadError naming what is missing, extra or misshapen."""
+        own = self.state_dict()
+        fused: dict[str, torch.Tensor] = {}
+        consumed: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"checkpoint has no tensor {name!r}")
+            consumed.add(name)
+            return weights[name]
+
+        for i in range(self.config.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [take(f"{attn}.{p}_proj.weight") for p in "qkv"]
+            )
+            if self.config.architecture.attention_bias:
+                fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [take(f"{attn}.{p}_proj.bias") for p in "qkv"]
+                )
+            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [take(f"{mlp}.gate_proj.weight"), take(f"{mlp}.up_proj.weight")]
+            )
+        tied = self.config.tie_word_embeddings
+        for name in own:
+            if name in fused or (tied and name == "lm_head.weight"):
+                continue
+            fused[name] = take(name if name == "lm_head.weight" else f"model.{name}")
+        # Tied checkpoints sometimes still carry a copy of the head: ignore it.
+        extra = set(weights) - consumed - {"lm_head.weight"}
+        if extra:
+            raise ModelLoadError(f"checkpoint has unexpected tensors, e.g. {sorted(extra)[:3]}")
+        for name, tensor in fused.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(own[name].shape)}"
+                )
+            fused[name] = tensor.to(dtype).contiguous()
+        self.load_state_dict(fused, strict=not tied, assign=True)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inverse_frequencies(self.config)  # buffers are not in the state dict

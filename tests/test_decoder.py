@@ -1,0 +1,114 @@
+"""Our decoder against transformers' reference on the same random weights, and the
+invariants of the ragged batch and the position-indexed KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specserve.model.decoder import Decoder, Segment
+from tests.conftest import tiny_config
+
+
+def reference_and_ours(config, seed: int = 0):
+    torch.manual_seed(seed)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf())).eval()
+    with torch.no_grad():  # the reference initialises norms to 1; perturb them to test them
+        for name, p in reference.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    ours = Decoder.from_hf_weights(config, dict(reference.state_dict()), torch.float32)
+    return reference, ours
+
+
+def prefill(model: Decoder, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache()
+    return model(torch.tensor(ids), [Segment(cache, len(ids))])
+
+
+PROMPT = [3, 17, 42, 5, 88, 61, 7, 7, 23, 90, 1, 54]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ],
+    ids=["untied", "tied", "llama3-rope", "linear-rope"],
+)
+def test_logits_match_transformers(arch, overrides):
+    config = tiny_config(arch, **overrides)
+    reference, ours = reference_and_ours(config)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]  # [T, V]
+    torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_incremental_decode_equals_prefill(arch):
+    _, model = reference_and_ours(tiny_config(arch))
+    full = prefill(model, PROMPT)
+    cache = model.new_cache()
+    model(torch.tensor(PROMPT[:5]), [Segment(cache, 5)])
+    rows = [model(torch.tensor([t]), [Segment(cache, 1)])[0] for t in PROMPT[5:]]
+    torch.testing.assert_close(torch.stack(rows), full[5:], rtol=1e-4, atol=1e-4)
+    assert cache.length == len(PROMPT)
+
+
+def test_ragged_batch_equals_each_sequence_alone(arch):
+    _, model = reference_and_ours(tiny_config(arch))
+    a, b, c = PROMPT, [9, 8, 7], [60]
+    caches = [model.new_cache() for _ in range(3)]
+    model(torch.tensor(a[:4]), [Segment(caches[0], 4)])  # a mid-sequence, b and c fresh
+    batch = torch.tensor(a[4:] + b + c)
+    logits = model(batch, [Segment(caches[0], len(a) - 4), Segment(caches[1], 3), Segment(caches[2], 1)])
+    torch.testing.assert_close(logits[: len(a) - 4], prefill(model, a)[4:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[len(a) - 4 : -1], prefill(model, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[-1:], prefill(model, c), rtol=1e-4, atol=1e-4)
+
+
+def test_logits_rows_selects_rows():
+    _, model = reference_and_ours(tiny_config("qwen2"))
+    full = prefill(model, PROMPT)
+    rows = torch.tensor([0, 5, len(PROMPT) - 1])
+    picked = model(torch.tensor(PROMPT), [Segment(model.new_cache(), len(PROMPT))], rows)
+    torch.testing.assert_close(picked, full[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_rollback_then_other_tokens_equals_fresh_sequence(arch):
+    """Rejected drafts leave stale entries past the end pointer; they must not leak."""
+    _, model = reference_and_ours(tiny_config(arch))
+    cache = model.new_cache()
+    model(torch.tensor(PROMPT), [Segment(cache, len(PROMPT))])
+    cache.truncate(6)  # reject everything after the sixth token
+    other = [11, 12, 13]
+    logits = model(torch.tensor(other), [Segment(cache, 3)])
+    torch.testing.assert_close(logits, prefill(model, PROMPT[:6] + other)[6:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError):
+        cache.truncate(100)
+
+
+def test_cache_grows_past_initial_capacity():
+    _, model = reference_and_ours(tiny_config("llama"))
+    ids = [i % 90 for i in range(300)]
+    cache = model.new_cache()
+    for chunk in range(0, 300, 100):
+        model(torch.tensor(ids[chunk : chunk + 100]), [Segment(cache, 100)])
+    assert cache.length == 300 and cache.capacity >= 300
+    torch.testing.assert_close(
+        model(torch.tensor([5]), [Segment(cache, 1)]),
+        prefill(model, ids + [5])[-1:], rtol=1e-4, atol=1e-4,
+    )
+
+
+def test_bfloat16_runs_and_roughly_agrees():
+    reference, _ = reference_and_ours(tiny_config("qwen3"))
+    model = Decoder.from_hf_weights(tiny_config("qwen3"), dict(reference.state_dict()), torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prefill(model, PROMPT), expected, rtol=0.1, atol=0.1)
