@@ -1,0 +1,69 @@
+"""--speculative-config parsing, ModelConfig round trips, sampling-parameter checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import ModelConfig, SpecConfig
+from specserve.errors import ConfigError
+from specserve.sampling import SamplingParams
+from tests.conftest import tiny_config
+
+
+def test_model_without_method_means_draft_model():
+    spec = SpecConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}')
+    assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b")
+
+
+def test_ngram_lookup_bounds():
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)  # one bound stands for both
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 5})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 4)
+
+
+def test_empty_means_no_speculation():
+    assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "not implemented yet"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "not implemented yet"),
+        ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method"),
+        ('{"num_speculative_tokens": 3}', "needs \"method\""),
+        ('{"model": "m"}', "num_speculative_tokens"),
+        ('{"model": "m", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"model": "m", "num_speculative_tokens": "7"}', "num_speculative_tokens"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
+        ('{"method": "ngram", "model": "m", "num_speculative_tokens": 3}', "takes no \"model\""),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must not exceed"),
+        ('{"model": "m", "num_speculative_tokens": 3, "draft_tp": 2}', "unknown key"),
+    ],
+)
+def test_bad_speculative_configs_say_what_is_wrong(raw, words):
+    with pytest.raises(ConfigError, match=words):
+        SpecConfig.parse(raw)
+
+
+def test_model_config_round_trips_through_hf_format(arch):
+    config = tiny_config(arch, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_unknown_architecture_is_refused():
+    with pytest.raises(ConfigError, match="unsupported model architecture 'gemma3'"):
+        ModelConfig.from_hf({**tiny_config("llama").to_hf(), "model_type": "gemma3"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")],
+)
+def test_bad_sampling_params(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        SamplingParams(**kwargs)

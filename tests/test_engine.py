@@ -1,0 +1,147 @@
+"""The engine on tiny random-weight models: greedy equivalence with speculation on and
+off, ragged batches, stopping rules, seeded reproducibility, and rollback of both caches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder
+from specserve.sampling import SamplingParams
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from tests.conftest import tiny_config
+
+EOS = 95
+
+
+def random_decoder(arch: str, seed: int) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(tiny_config(arch)).eval()
+    with torch.no_grad():  # sharper logits than the default init, so greedy paths are stable
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+def perturbed(model: Decoder, scale: float, seed: int) -> Decoder:
+    """A draft that mostly agrees with the target but not always."""
+    draft = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * p.std() * torch.randn_like(p))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    return random_decoder("qwen2", seed=1)
+
+
+PROMPTS = [[5, 9, 13, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def plain_tokens(target: Decoder, prompt: list[int], params=GREEDY) -> list[int]:
+    return Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram"])
+def test_greedy_equivalence(target, k, proposer_kind):
+    proposer = (
+        DraftModelProposer(perturbed(target, 0.3, seed=2))
+        if proposer_kind == "draft" else NgramProposer(1, 3)
+    )
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k)
+    for prompt in PROMPTS:
+        seq = engine.generate(prompt, GREEDY)
+        assert seq.output_ids == plain_tokens(target, prompt)
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    # Some drafts must be rejected, or rollback is not being exercised.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert not engine.running and (proposer_kind == "ngram" or not proposer.caches)
+
+
+def test_ragged_batch_gives_each_sequence_its_solo_output(target):
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    lengths = [5, 24, 11, 17]
+    seqs = [
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, n in zip(PROMPTS, lengths)
+    ]
+    late = None
+    steps = 0
+    while engine.running:
+        engine.step()
+        steps += 1
+        if steps == 3:  # a request that joins a running batch
+            late = engine.add_request([8, 8, 8], GREEDY)
+    for seq, prompt, n in zip(seqs, PROMPTS, lengths):
+        assert seq.finish_reason == "length" and seq.num_output_tokens == n
+        assert seq.output_ids == plain_tokens(target, prompt)[:n]
+    assert late.output_ids == plain_tokens(target, [8, 8, 8])
+
+
+def test_stop_tokens_end_a_step_early(target):
+    reference = plain_tokens(target, PROMPTS[1])
+    stop = reference[6]
+    first = reference.index(stop)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=NgramProposer(1, 3), num_speculative_tokens=7)
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop,))
+    seq = engine.generate(PROMPTS[1], params)
+    assert seq.finish_reason == "stop"
+    assert seq.output_ids == reference[: first + 1]  # the stop token is the last one kept
+
+
+def test_eos_stops_unless_ignored(target):
+    reference = plain_tokens(target, PROMPTS[0])
+    engine = Engine(target, eos_token_ids=[reference[3]])
+    seq = engine.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0))
+    assert seq.finish_reason == "stop" and seq.output_ids == reference[: reference.index(reference[3]) + 1]
+    seq = engine.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert seq.finish_reason == "length" and seq.output_ids == reference
+
+
+def test_seeded_sampling_repeats_with_speculation(target):
+    draft = perturbed(target, 0.3, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+
+    def run() -> list[int]:
+        engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(draft),
+                        num_speculative_tokens=3)
+        return engine.generate(PROMPTS[0], params).output_ids
+
+    first = run()
+    assert first == run()
+    other = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(draft), num_speculative_tokens=3)
+    assert other.generate(PROMPTS[0], SamplingParams(**{**params.__dict__, "seed": 99})).output_ids != first
+
+
+def test_request_validation(target):
+    engine = Engine(target, eos_token_ids=[EOS], max_model_len=32)
+    with pytest.raises(ConfigError, match="maximum model length 32"):
+        engine.add_request(list(range(20)), SamplingParams(max_tokens=13))
+    with pytest.raises(ConfigError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.add_request([1, 500], SamplingParams())
+    assert not engine.running
+
+
+def test_caches_hold_one_position_less_than_the_tokens(target):
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=5)
+    seq = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+        assert seq.cache.length == len(seq.token_ids) - 1
+        draft_cache = proposer.caches.get(seq.seq_id)  # none before the first draft
+        assert draft_cache is None or draft_cache.length <= len(seq.token_ids) - 1
+    assert seq.seq_id in proposer.caches

@@ -1,0 +1,443 @@
+"""The verifier: greedy equivalence, edge cases, and a statistical test of losslessness.
+
+The statistical test runs speculative decoding end to end on a tiny bigram "model"
+(the next token's logits depend on the previous token), so the target row the verifier
+sees after an accepted draft is the right conditional. It compares the emitted tokens'
+distribution, the first token alone and the first three jointly, with the target's by a
+chi-square goodness-of-fit test; the same check must reject deliberately wrong verifiers,
+which shows it has the power to catch the bugs it is there for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from specserve.sampling import SamplingParams, logits_to_probs, sample
+from specserve.spec.proposer import Draft
+from specserve.spec.verify import PAD_TOKEN, Verdict, rejection_sample, verify, verify_batch
+
+VOCAB = 6
+START_TOKEN = 0
+NUM_SAMPLES = 40_000
+# Pass when the chi-square p-value exceeds this; the runs are seeded, so a pass or fail
+# repeats, and a correct verifier fails about once in 10^4 seeds.
+MIN_P_VALUE = 1e-4
+
+# Next-token logits after token c are the base rolled by c: token (c + j) % V gets base[j].
+TARGET_BASE = torch.tensor([3.0, 2.0, 1.2, 0.5, -0.5, -2.0])
+# Most mass where the target has little, including tokens the target's top-k removes.
+ADVERSARIAL_BASE = torch.tensor([-1.0, 0.0, 1.5, 0.8, 2.5, 3.0])
+
+
+def bigram_table(base: torch.Tensor) -> torch.Tensor:
+    """base [V] -> logits [V, V]; row c holds the logits of the token after token c."""
+    return torch.stack([base.roll(c) for c in range(len(base))])
+
+
+TARGET_TABLE = bigram_table(TARGET_BASE)  # [V, V]
+ADVERSARIAL_TABLE = bigram_table(ADVERSARIAL_BASE)  # [V, V]
+NEAR_TABLE = TARGET_TABLE + 0.8 * torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(7))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    params: SamplingParams
+    k: int
+    draft_table: torch.Tensor | None  # [V, V] draft logits; None: deterministic draft
+    draft_shift: int = 0  # deterministic draft: after token c it proposes (c + shift) % V
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ADVERSARIAL_TOP_K = Scenario("adversarial draft, top-k", SamplingParams(top_k=4), 2, ADVERSARIAL_TABLE)
+ADVERSARIAL_TOP_P = Scenario(
+    "adversarial draft, temperature and top-p", SamplingParams(temperature=0.7, top_p=0.8), 3, ADVERSARIAL_TABLE
+)
+NEAR_DRAFT = Scenario("draft near the target", SamplingParams(top_k=5, top_p=0.95), 2, NEAR_TABLE)
+EQUAL_DRAFT = Scenario("draft equals target", SamplingParams(temperature=0.9, top_k=5), 2, TARGET_TABLE)
+# base[3] = 0.5: the target gives the proposed token about 5%.
+DETERMINISTIC_UNLIKELY = Scenario("deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3)
+# top_k=3 removes base[4]: the target never emits the proposed token.
+DETERMINISTIC_IMPOSSIBLE = Scenario(
+    "deterministic draft, token outside top-k", SamplingParams(temperature=1.3, top_k=3), 2, None, draft_shift=4
+)
+SCENARIOS = [
+    ADVERSARIAL_TOP_K, ADVERSARIAL_TOP_P, NEAR_DRAFT, EQUAL_DRAFT, DETERMINISTIC_UNLIKELY, DETERMINISTIC_IMPOSSIBLE,
+]
+
+# (target_logits [B, k+1, V], draft_tokens [B, k], draft_probs [B, k, V] | None, params,
+#  generator) -> (tokens [B, k+1], num_accepted [B]): the shape of `verify_batch`.
+Verifier = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def draw_drafts(scenario: Scenario, previous: torch.Tensor,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """previous [B] -> draft_tokens [B, k], draft_probs [B, k, V] or None, drafted one
+    token at a time the way a draft model does, through the same transform as the target."""
+    tokens, probs = [], []
+    for _ in range(scenario.k):
+        if scenario.draft_table is None:
+            previous = (previous + scenario.draft_shift) % VOCAB
+        else:
+            row_probs = logits_to_probs(scenario.draft_table[previous], scenario.params)  # [B, V]
+            previous = sample(row_probs, generator)
+            probs.append(row_probs)
+        tokens.append(previous)
+    draft_probs = torch.stack(probs, dim=1) if probs else None
+    return torch.stack(tokens, dim=1), draft_probs
+
+
+def speculative_decode(verifier: Verifier, scenario: Scenario, num_samples: int, length: int,
+                       seed: int) -> torch.Tensor:
+    """Decode num_samples independent sequences from START_TOKEN until each has at least
+    `length` tokens -> their first `length` tokens [num_samples, length]."""
+    generator = torch.Generator().manual_seed(seed)
+    emitted = torch.full((num_samples, length), PAD_TOKEN)  # [N, length]
+    num_emitted = torch.zeros(num_samples, dtype=torch.int64)  # [N]
+    last_token = torch.full((num_samples,), START_TOKEN)  # [N]
+    while (num_emitted < length).any():
+        active = (num_emitted < length).nonzero().squeeze(1)  # [A]
+        draft_tokens, draft_probs = draw_drafts(scenario, last_token[active], generator)  # [A, k]
+        # Row i predicts the token after draft[:i], so it follows the i-th token of history.
+        history = torch.cat([last_token[active, None], draft_tokens], dim=1)  # [A, k+1]
+        tokens, num_accepted = verifier(
+            TARGET_TABLE[history], draft_tokens, draft_probs, scenario.params, generator
+        )  # [A, k+1], [A]
+        for position in range(scenario.k + 1):
+            slot = num_emitted[active] + position  # [A]
+            keep = (position <= num_accepted) & (slot < length)
+            emitted[active[keep], slot[keep]] = tokens[keep, position]
+        num_emitted[active] += num_accepted + 1
+        last_token[active] = tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    return emitted
+
+
+def target_joint_probs(params: SamplingParams, length: int) -> torch.Tensor:
+    """The target's probability of each token string -> [V] * length, float64."""
+    next_probs = logits_to_probs(TARGET_TABLE, params).double()  # [V, V]: row c = after c
+    joint = next_probs[START_TOKEN]  # [V]
+    for _ in range(length - 1):
+        joint = joint.unsqueeze(-1) * next_probs  # [..., V, V]: the last axis follows the one before
+    return joint
+
+
+def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """samples [N, length] of tokens < V, expected_probs [V] * length -> the p-value of
+    Pearson's chi-square test; 0 when a sample has probability 0. Cells expecting fewer
+    than 5 samples are pooled so the chi-square approximation holds."""
+    num_samples, length = samples.shape
+    cell = (samples * VOCAB ** torch.arange(length - 1, -1, -1)).sum(dim=1)  # [N] row-major index
+    observed = torch.bincount(cell, minlength=VOCAB**length).double()  # [V**length]
+    expected_probs = expected_probs.flatten()
+    if observed[expected_probs == 0].sum() > 0:
+        return 0.0
+    expected = expected_probs * num_samples
+    large = expected >= 5
+    observed_cells = torch.cat([observed[large], observed[~large].sum(0, keepdim=True)])
+    expected_cells = torch.cat([expected[large], expected[~large].sum(0, keepdim=True)])
+    if expected_cells[-1] < 5:  # fold a small pool into the smallest large cell
+        smallest = expected_cells[:-1].argmin()
+        observed_cells[smallest] += observed_cells[-1]
+        expected_cells[smallest] += expected_cells[-1]
+        observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
+    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
+    degrees_of_freedom = torch.tensor(len(expected_cells) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(degrees_of_freedom / 2, statistic / 2))
+
+
+def goodness_of_fit(verifier: Verifier, scenario: Scenario, num_samples: int = NUM_SAMPLES,
+                    seed: int = 0) -> float:
+    """The smaller p-value of the first token's distribution and the first k+1 tokens'
+    joint distribution against the target's."""
+    length = scenario.k + 1  # covers every draft position and the bonus token
+    samples = speculative_decode(verifier, scenario, num_samples, length, seed)
+    first = chi_square_p_value(samples[:, :1], target_joint_probs(scenario.params, 1))
+    joint = chi_square_p_value(samples, target_joint_probs(scenario.params, length))
+    return min(first, joint)
+
+
+# -- wrong verifiers: each must fail the same check ---------------------------------------
+
+
+def _target_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    batch, rows, vocab = target_logits.shape
+    return logits_to_probs(target_logits.reshape(-1, vocab), params).view(batch, rows, vocab)
+
+
+def recovers_from_target(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: the recovered token comes from target_probs instead of the residual."""
+    target_probs = _target_probs(target_logits, params)
+    tokens, num_accepted = rejection_sample(target_probs, draft_tokens, draft_probs, generator)
+    rejected = (num_accepted < draft_tokens.shape[1]).nonzero().squeeze(1)
+    rows = target_probs[rejected, num_accepted[rejected]]  # [R, V]
+    tokens[rejected, num_accepted[rejected]] = torch.multinomial(rows, 1, generator=generator).squeeze(1)
+    return tokens, num_accepted
+
+
+def swaps_target_and_draft(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: target_probs and draft_probs trade places (accept with min(1, draft/target))."""
+    target_probs = _target_probs(target_logits, params)
+    k = draft_tokens.shape[1]
+    swapped_target = torch.cat([draft_probs, target_probs[:, k:]], dim=1)
+    return rejection_sample(swapped_target, draft_tokens, target_probs[:, :k], generator)
+
+
+def ignores_draft_probs(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: a sampled draft is verified as if it were deterministic."""
+    return rejection_sample(_target_probs(target_logits, params), draft_tokens, None, generator)
+
+
+def verify_each_row(target_logits, draft_tokens, draft_probs, params, generator):
+    """The single-sequence contract, `verify`, called once per row."""
+    tokens = torch.full((draft_tokens.shape[0], draft_tokens.shape[1] + 1), PAD_TOKEN)
+    num_accepted = torch.empty(draft_tokens.shape[0], dtype=torch.int64)
+    for row in range(draft_tokens.shape[0]):
+        draft = Draft(draft_tokens[row], None if draft_probs is None else draft_probs[row])
+        verdict = verify(target_logits[row], draft, params, generator)
+        tokens[row, : len(verdict.tokens)] = torch.tensor(verdict.tokens)
+        num_accepted[row] = verdict.num_accepted
+    return tokens, num_accepted
+
+
+# -- the statistical test -------------------------------------------------------------
+
+
+def test_scenarios_are_not_degenerate():
+    """The adversarial drafts must overlap the target partly and propose tokens the
+    target never emits; otherwise the wrong verifiers below could pass by accident."""
+    params = ADVERSARIAL_TOP_K.params
+    target_probs = logits_to_probs(TARGET_TABLE, params)  # [V, V]
+    draft_probs = logits_to_probs(ADVERSARIAL_TABLE, params)  # [V, V]
+    acceptance = torch.minimum(target_probs, draft_probs).sum(dim=1)  # [V]
+    assert ((acceptance > 0.1) & (acceptance < 0.5)).all()
+    assert (draft_probs[target_probs == 0] > 0.3).any()
+    assert (logits_to_probs(TARGET_TABLE, DETERMINISTIC_IMPOSSIBLE.params)[0, 4] == 0).item()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=str)
+def test_emitted_tokens_follow_the_target_distribution(scenario):
+    assert goodness_of_fit(verify_batch, scenario) > MIN_P_VALUE
+
+
+@pytest.mark.parametrize("scenario", [ADVERSARIAL_TOP_K, DETERMINISTIC_UNLIKELY], ids=str)
+def test_single_sequence_verify_follows_the_target_distribution(scenario):
+    assert goodness_of_fit(verify_each_row, scenario, num_samples=6_000, seed=1) > MIN_P_VALUE
+
+
+@pytest.mark.parametrize(
+    "wrong_verifier, scenario",
+    [
+        (recovers_from_target, ADVERSARIAL_TOP_K),
+        (recovers_from_target, NEAR_DRAFT),
+        (recovers_from_target, DETERMINISTIC_UNLIKELY),
+        (swaps_target_and_draft, ADVERSARIAL_TOP_K),
+        (swaps_target_and_draft, ADVERSARIAL_TOP_P),
+        (swaps_target_and_draft, NEAR_DRAFT),
+        (ignores_draft_probs, ADVERSARIAL_TOP_P),
+        (ignores_draft_probs, NEAR_DRAFT),
+    ],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_the_check_rejects_wrong_verifiers(wrong_verifier, scenario):
+    assert goodness_of_fit(wrong_verifier, scenario) < MIN_P_VALUE
+
+
+def test_chi_square_p_value_is_right_on_known_counts():
+    # 2 cells, 50/50 expected, 60/40 observed: statistic 4 with 1 degree of freedom,
+    # p = erfc(sqrt(2)) ~ 0.0455.
+    samples = torch.tensor([0] * 60 + [1] * 40).unsqueeze(1)
+    expected = torch.tensor([0.5, 0.5, 0, 0, 0, 0], dtype=torch.float64)
+    assert chi_square_p_value(samples, expected) == pytest.approx(0.0455, abs=1e-4)
+    assert chi_square_p_value(torch.tensor([[2]]), expected) == 0.0
+
+
+# -- acceptance -----------------------------------------------------------------------
+
+
+def one_step(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+             params: SamplingParams, num_samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same step repeated on num_samples sequences: [k+1, V] logits for all."""
+    batch_logits = target_logits.expand(num_samples, *target_logits.shape)
+    generator = torch.Generator().manual_seed(seed)
+    return verify_batch(batch_logits, draft_tokens, draft_probs, params, generator)
+
+
+def test_mean_accepted_is_the_overlap_of_the_distributions():
+    params = SamplingParams(temperature=0.8, top_k=5)
+    target_logits = TARGET_TABLE[:2]  # [2, V]: k = 1
+    draft_row = logits_to_probs(ADVERSARIAL_TABLE[:1], params)  # [1, V]
+    overlap = float(torch.minimum(logits_to_probs(target_logits[:1], params), draft_row).sum())
+    num_samples = 40_000
+    draft_tokens = torch.multinomial(draft_row.expand(num_samples, -1), 1, replacement=True,
+                                     generator=torch.Generator().manual_seed(3))  # [N, 1]
+    draft_probs = draft_row.expand(num_samples, 1, -1)  # [N, 1, V]
+    _, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=4)
+    standard_error = (overlap * (1 - overlap) / num_samples) ** 0.5
+    assert abs(num_accepted.double().mean().item() - overlap) < 5 * standard_error
+
+
+def test_deterministic_draft_is_accepted_with_the_target_probability():
+    params = SamplingParams(top_p=0.9)
+    target_logits = TARGET_TABLE[:2]  # [2, V]: k = 1
+    drafted = 2
+    target_at_draft = float(logits_to_probs(target_logits[:1], params)[0, drafted])
+    num_samples = 40_000
+    draft_tokens = torch.full((num_samples, 1), drafted)
+    tokens, num_accepted = one_step(target_logits, draft_tokens, None, params, num_samples, seed=5)
+    standard_error = (target_at_draft * (1 - target_at_draft) / num_samples) ** 0.5
+    assert abs(num_accepted.double().mean().item() - target_at_draft) < 5 * standard_error
+    # The residual of a one-hot draft excludes the rejected token.
+    assert (tokens[num_accepted == 0, 0] != drafted).all()
+
+
+def test_draft_equal_to_target_is_always_accepted():
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    target_logits = TARGET_TABLE[[0, 1, 2]]  # [3, V]: k = 2
+    target_probs = logits_to_probs(target_logits, params)  # [3, V]
+    num_samples = 5_000
+    generator = torch.Generator().manual_seed(6)
+    draft_tokens = torch.stack(
+        [torch.multinomial(target_probs[i], num_samples, replacement=True, generator=generator) for i in range(2)],
+        dim=1,
+    )  # [N, 2]
+    draft_probs = target_probs[:2].expand(num_samples, 2, -1)
+    tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=7)
+    assert (num_accepted == 2).all()
+    assert torch.equal(tokens[:, :2], draft_tokens)
+
+
+def test_a_token_the_target_never_emits_is_always_rejected():
+    params = SamplingParams(top_k=2)
+    target_logits = TARGET_TABLE[:2]  # [2, V]: the target keeps only tokens 0 and 1 first
+    num_samples = 2_000
+    for draft_probs in (None, torch.full((num_samples, 1, VOCAB), 1 / VOCAB)):
+        draft_tokens = torch.full((num_samples, 1), 4)
+        tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=8)
+        assert (num_accepted == 0).all()
+        assert set(tokens[:, 0].tolist()) == {0, 1}
+        assert (tokens[:, 1] == PAD_TOKEN).all()
+
+
+# -- edge cases -----------------------------------------------------------------------
+
+
+def test_draft_without_mass_on_its_token_is_judged_by_the_target_alone():
+    """A draft cannot sample a token it gives probability 0; if it claims to, accept it
+    exactly when the target allows it, and never divide by zero."""
+    target_probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]).expand(200, 2, 3)
+    draft_probs = torch.tensor([[[0.0, 0.0, 1.0]]]).expand(200, 1, 3)
+    generator = torch.Generator().manual_seed(9)
+    tokens, num_accepted = rejection_sample(target_probs, torch.zeros(200, 1, dtype=torch.int64), draft_probs, generator)
+    assert (num_accepted == 1).all() and (tokens[:, 0] == 0).all()
+    tokens, num_accepted = rejection_sample(target_probs, torch.full((200, 1), 2), draft_probs, generator)
+    assert (num_accepted == 0).all() and set(tokens[:, 0].tolist()) <= {0, 1}
+
+
+def test_negligible_residual_falls_back_to_the_target():
+    """With the draft at or above the target everywhere (here unnormalized, as rounding
+    can leave it), the residual is zero: sample the target row instead of failing."""
+    target_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]).expand(4_000, 2, 4)
+    draft_probs = torch.tensor([[[1.0, 0.5, 0.1, 0.0]]]).expand(4_000, 1, 4)
+    generator = torch.Generator().manual_seed(10)
+    tokens, num_accepted = rejection_sample(target_probs, torch.zeros(4_000, 1, dtype=torch.int64), draft_probs, generator)
+    recovered = tokens[num_accepted == 0, 0]
+    assert 1_500 < len(recovered) < 2_500  # accepted with probability 0.5 / 1.0
+    assert set(recovered.tolist()) == {0, 1}
+
+
+def test_k_zero_is_plain_sampling_with_the_same_draw():
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    target_logits = TARGET_TABLE[3:4]  # [1, V]
+    for seed in range(20):
+        verdict = verify(target_logits, Draft.empty(), params, torch.Generator().manual_seed(seed))
+        expected = sample(logits_to_probs(target_logits, params), torch.Generator().manual_seed(seed))
+        assert verdict == Verdict(tokens=expected.tolist(), num_accepted=0)
+
+
+def test_same_seed_same_verdicts():
+    params = SamplingParams(temperature=1.1, top_k=5)
+    target_logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(11))  # [k+1, V]
+    draft_probs = logits_to_probs(torch.randn(4, 50, generator=torch.Generator().manual_seed(12)), params)
+    draft = Draft(sample(draft_probs, torch.Generator().manual_seed(13)), draft_probs)
+
+    def run(seed: int) -> list[Verdict]:
+        generator = torch.Generator().manual_seed(seed)
+        return [verify(target_logits, draft, params, generator) for _ in range(50)]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+@pytest.mark.parametrize("target_shape, probs_shape", [((3, 6), (2, 6)), ((4, 6), (3, 5)), ((6,), None)])
+def test_mismatched_shapes_are_refused(target_shape, probs_shape):
+    draft_tokens = torch.zeros(3, dtype=torch.int64)
+    draft = Draft(draft_tokens, None if probs_shape is None else torch.full(probs_shape, 0.2))
+    with pytest.raises(ValueError):
+        verify(torch.zeros(target_shape), draft, SamplingParams(), torch.Generator())
+
+
+# -- greedy ---------------------------------------------------------------------------
+
+
+GREEDY = SamplingParams(temperature=0.0)
+GREEDY_ARGMAX = [3, 1, 4, 2]
+
+
+def greedy_logits() -> torch.Tensor:
+    """[4, 8] logits whose rows' argmax are GREEDY_ARGMAX."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(14))
+    logits[torch.arange(4), GREEDY_ARGMAX] = 10.0
+    return logits
+
+
+def greedy_verify(draft_tokens: list[int], logits: torch.Tensor | None = None) -> Verdict:
+    logits = greedy_logits()[: len(draft_tokens) + 1] if logits is None else logits
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    verdict = verify(logits, Draft(torch.tensor(draft_tokens, dtype=torch.int64)), GREEDY, generator)
+    assert torch.equal(generator.get_state(), state)  # greedy draws nothing
+    return verdict
+
+
+def test_greedy_all_accepted_adds_the_bonus_argmax():
+    assert greedy_verify([3, 1, 4]) == Verdict(tokens=[3, 1, 4, 2], num_accepted=3)
+
+
+@pytest.mark.parametrize(
+    "draft_tokens, expected",
+    [([0, 1, 4], Verdict([3], 0)), ([3, 0, 4], Verdict([3, 1], 1)), ([3, 1, 5], Verdict([3, 1, 4], 2))],
+)
+def test_greedy_stops_at_the_first_mismatch_with_the_recovered_argmax(draft_tokens, expected):
+    assert greedy_verify(draft_tokens) == expected
+
+
+def test_greedy_with_nothing_drafted_is_the_argmax():
+    assert greedy_verify([]) == Verdict(tokens=[3], num_accepted=0)
+
+
+def test_greedy_ignores_draft_probs_and_emits_only_target_argmax():
+    logits = greedy_logits()
+    draft_probs = torch.full((3, 8), 1 / 8)
+    verdict = verify(logits, Draft(torch.tensor([3, 1, 7]), draft_probs), GREEDY, torch.Generator())
+    assert verdict == Verdict(tokens=[3, 1, 4], num_accepted=2)
+
+
+def test_greedy_batch_matches_single_sequences():
+    generator = torch.Generator().manual_seed(15)
+    target_logits = torch.randn(64, 4, 5, generator=generator)  # [B, k+1, V]
+    # Drafts that agree with the argmax for a random number of leading positions.
+    draft_tokens = target_logits[:, :3].argmax(dim=-1)  # [B, 3]
+    flip = torch.rand(64, 3, generator=generator) < 0.3
+    draft_tokens = torch.where(flip, (draft_tokens + 1) % 5, draft_tokens)
+    tokens, num_accepted = verify_batch(target_logits, draft_tokens, None, GREEDY, generator)
+    for row in range(64):
+        verdict = verify(target_logits[row], Draft(draft_tokens[row]), GREEDY, generator)
+        assert verdict.num_accepted == num_accepted[row]
+        assert tokens[row].tolist() == verdict.tokens + [PAD_TOKEN] * (3 - verdict.num_accepted)
+        assert verdict.tokens == target_logits[row].argmax(dim=-1)[: verdict.num_accepted + 1].tolist()
