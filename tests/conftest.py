@@ -32,3 +32,21 @@ def tiny_config(arch: str, **overrides) -> ModelConfig:
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def prepared_cache(tmp_path_factory):
+    """Prepared artifacts for the whole test session, in a cache of its own.
+
+    SPECSERVE_TEST_CACHE reuses a cache across runs (handy locally; CI starts clean).
+    """
+    import os
+
+    root = os.environ.get("SPECSERVE_TEST_CACHE") or str(tmp_path_factory.mktemp("specserve-cache"))
+    previous = os.environ.get("SPECSERVE_CACHE")
+    os.environ["SPECSERVE_CACHE"] = root
+    yield root
+    if previous is None:
+        os.environ.pop("SPECSERVE_CACHE", None)
+    else:
+        os.environ["SPECSERVE_CACHE"] = previous

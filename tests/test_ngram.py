@@ -99,7 +99,8 @@ def test_matches_a_brute_force_reference():
         lo = 1 + trial % 3
         hi = lo + trial % 4
         k = trial % 6
-        assert propose(NgramProposer(lo, hi), tokens, k) == reference(tokens, lo, hi, k), (tokens, lo, hi, k)
+        expected = reference(tokens, lo, hi, k)
+        assert propose(NgramProposer(lo, hi), tokens, k) == expected, (tokens, lo, hi, k)
 
 
 def test_observe_and_free_are_harmless():

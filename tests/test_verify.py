@@ -3,7 +3,7 @@
 The statistical test runs speculative decoding end to end on a tiny bigram "model"
 (the next token's logits depend on the previous token), so the target row the verifier
 sees after an accepted draft is the right conditional. It compares the emitted tokens'
-distribution, the first token alone and the first three jointly, with the target's by a
+distribution, the first token alone and the first k+1 jointly, with the target's by a
 chi-square goodness-of-fit test; the same check must reject deliberately wrong verifiers,
 which shows it has the power to catch the bugs it is there for.
 """
@@ -40,7 +40,8 @@ def bigram_table(base: torch.Tensor) -> torch.Tensor:
 
 TARGET_TABLE = bigram_table(TARGET_BASE)  # [V, V]
 ADVERSARIAL_TABLE = bigram_table(ADVERSARIAL_BASE)  # [V, V]
-NEAR_TABLE = TARGET_TABLE + 0.8 * torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(7))
+_NOISE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(7))
+NEAR_TABLE = TARGET_TABLE + 0.8 * _NOISE  # [V, V]
 
 
 @dataclass(frozen=True)
@@ -57,23 +58,47 @@ class Scenario:
 
 ADVERSARIAL_TOP_K = Scenario("adversarial draft, top-k", SamplingParams(top_k=4), 2, ADVERSARIAL_TABLE)
 ADVERSARIAL_TOP_P = Scenario(
-    "adversarial draft, temperature and top-p", SamplingParams(temperature=0.7, top_p=0.8), 3, ADVERSARIAL_TABLE
+    "adversarial draft, temperature and top-p",
+    SamplingParams(temperature=1.5, top_p=0.9),
+    3,
+    ADVERSARIAL_TABLE,
 )
 NEAR_DRAFT = Scenario("draft near the target", SamplingParams(top_k=5, top_p=0.95), 2, NEAR_TABLE)
 EQUAL_DRAFT = Scenario("draft equals target", SamplingParams(temperature=0.9, top_k=5), 2, TARGET_TABLE)
 # base[3] = 0.5: the target gives the proposed token about 5%.
-DETERMINISTIC_UNLIKELY = Scenario("deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3)
+DETERMINISTIC_UNLIKELY = Scenario(
+    "deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3
+)
 # top_k=3 removes base[4]: the target never emits the proposed token.
 DETERMINISTIC_IMPOSSIBLE = Scenario(
-    "deterministic draft, token outside top-k", SamplingParams(temperature=1.3, top_k=3), 2, None, draft_shift=4
+    "deterministic draft, token outside top-k",
+    SamplingParams(temperature=1.3, top_k=3),
+    2,
+    None,
+    draft_shift=4,
 )
 SCENARIOS = [
-    ADVERSARIAL_TOP_K, ADVERSARIAL_TOP_P, NEAR_DRAFT, EQUAL_DRAFT, DETERMINISTIC_UNLIKELY, DETERMINISTIC_IMPOSSIBLE,
+    ADVERSARIAL_TOP_K,
+    ADVERSARIAL_TOP_P,
+    NEAR_DRAFT,
+    EQUAL_DRAFT,
+    DETERMINISTIC_UNLIKELY,
+    DETERMINISTIC_IMPOSSIBLE,
 ]
 
 # (target_logits [B, k+1, V], draft_tokens [B, k], draft_probs [B, k, V] | None, params,
 #  generator) -> (tokens [B, k+1], num_accepted [B]): the shape of `verify_batch`.
 Verifier = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: a second thread only adds wake-ups, which cost
+    milliseconds per op when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def draw_drafts(scenario: Scenario, previous: torch.Tensor,
@@ -170,14 +195,30 @@ def _target_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.
     return logits_to_probs(target_logits.reshape(-1, vocab), params).view(batch, rows, vocab)
 
 
-def recovers_from_target(target_logits, draft_tokens, draft_probs, params, generator):
-    """Bug: the recovered token comes from target_probs instead of the residual."""
+def _resample_recovered(target_logits, draft_tokens, draft_probs, params, generator,
+                        drop_rejected_token: bool):
+    """Run the real verifier, then redraw each recovered token from target_probs, with
+    or without the rejected token."""
     target_probs = _target_probs(target_logits, params)
     tokens, num_accepted = rejection_sample(target_probs, draft_tokens, draft_probs, generator)
-    rejected = (num_accepted < draft_tokens.shape[1]).nonzero().squeeze(1)
-    rows = target_probs[rejected, num_accepted[rejected]]  # [R, V]
-    tokens[rejected, num_accepted[rejected]] = torch.multinomial(rows, 1, generator=generator).squeeze(1)
+    rejected = (num_accepted < draft_tokens.shape[1]).nonzero().squeeze(1)  # [R]
+    at = num_accepted[rejected]  # [R]
+    rows = target_probs[rejected, at].clone()  # [R, V]
+    if drop_rejected_token:
+        rows[torch.arange(len(rejected)), draft_tokens[rejected, at]] = 0
+    tokens[rejected, at] = torch.multinomial(rows, 1, generator=generator).squeeze(1)
     return tokens, num_accepted
+
+
+def recovers_from_target(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: the recovered token comes from target_probs instead of the residual."""
+    return _resample_recovered(target_logits, draft_tokens, draft_probs, params, generator, False)
+
+
+def recovers_without_the_rejected_token(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: the recovered token comes from target_probs with the rejected token removed
+    (right for a one-hot draft only) instead of max(0, target_probs - draft_probs)."""
+    return _resample_recovered(target_logits, draft_tokens, draft_probs, params, generator, True)
 
 
 def swaps_target_and_draft(target_logits, draft_tokens, draft_probs, params, generator):
@@ -188,9 +229,29 @@ def swaps_target_and_draft(target_logits, draft_tokens, draft_probs, params, gen
     return rejection_sample(swapped_target, draft_tokens, target_probs[:, :k], generator)
 
 
-def ignores_draft_probs(target_logits, draft_tokens, draft_probs, params, generator):
-    """Bug: a sampled draft is verified as if it were deterministic."""
-    return rejection_sample(_target_probs(target_logits, params), draft_tokens, None, generator)
+def accepts_what_the_target_allows(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: a draft is accepted whenever the target gives it any probability."""
+    no_draft_mass = torch.zeros_like(draft_probs)  # u * 0 < target_probs: accept unless 0
+    return rejection_sample(_target_probs(target_logits, params), draft_tokens, no_draft_mass, generator)
+
+
+def judges_with_the_next_row(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: off by one, draft i is judged by the row after it (row i+1)."""
+    target_probs = _target_probs(target_logits, params).roll(-1, dims=1)
+    return rejection_sample(target_probs, draft_tokens, draft_probs, generator)
+
+
+def bonus_from_the_row_before(target_logits, draft_tokens, draft_probs, params, generator):
+    """Bug: the bonus token comes from row k-1, the row that judged the last draft."""
+    target_probs = _target_probs(target_logits, params)
+    target_probs = torch.cat([target_probs[:, :-1], target_probs[:, -2:-1]], dim=1)
+    return rejection_sample(target_probs, draft_tokens, draft_probs, generator)
+
+
+def verifies_as_deterministic(target_logits, draft_tokens, draft_probs, params, generator):
+    """Not a bug: verifying a sampled draft as one-hot (probs=None) stays lossless, since
+    the one-hot test is lossless for any way of choosing the token; it accepts less."""
+    return verify_batch(target_logits, draft_tokens, None, params, generator)
 
 
 def verify_each_row(target_logits, draft_tokens, draft_probs, params, generator):
@@ -208,16 +269,37 @@ def verify_each_row(target_logits, draft_tokens, draft_probs, params, generator)
 # -- the statistical test -------------------------------------------------------------
 
 
-def test_scenarios_are_not_degenerate():
-    """The adversarial drafts must overlap the target partly and propose tokens the
-    target never emits; otherwise the wrong verifiers below could pass by accident."""
-    params = ADVERSARIAL_TOP_K.params
-    target_probs = logits_to_probs(TARGET_TABLE, params)  # [V, V]
-    draft_probs = logits_to_probs(ADVERSARIAL_TABLE, params)  # [V, V]
-    acceptance = torch.minimum(target_probs, draft_probs).sum(dim=1)  # [V]
-    assert ((acceptance > 0.1) & (acceptance < 0.5)).all()
-    assert (draft_probs[target_probs == 0] > 0.3).any()
-    assert (logits_to_probs(TARGET_TABLE, DETERMINISTIC_IMPOSSIBLE.params)[0, 4] == 0).item()
+def acceptance_probability(scenario: Scenario) -> torch.Tensor:
+    """[V]: the chance the first draft is accepted after each context token."""
+    target_probs = logits_to_probs(TARGET_TABLE, scenario.params)  # [V, V]
+    if scenario.draft_table is None:
+        contexts = torch.arange(VOCAB)
+        return target_probs[contexts, (contexts + scenario.draft_shift) % VOCAB]
+    draft_probs = logits_to_probs(scenario.draft_table, scenario.params)  # [V, V]
+    return torch.minimum(target_probs, draft_probs).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    "scenario, low, high",
+    [
+        (ADVERSARIAL_TOP_K, 0.1, 0.5),
+        (ADVERSARIAL_TOP_P, 0.1, 0.5),
+        (NEAR_DRAFT, 0.5, 0.99),
+        (EQUAL_DRAFT, 1 - 1e-6, 1 + 1e-6),
+        (DETERMINISTIC_UNLIKELY, 0.01, 0.1),
+        (DETERMINISTIC_IMPOSSIBLE, 0, 0),
+    ],
+    ids=lambda x: str(x) if isinstance(x, Scenario) else "",
+)
+def test_scenarios_are_what_their_names_say(scenario, low, high):
+    """Degenerate scenarios (no overlap, no rejection) would let wrong verifiers pass."""
+    acceptance = acceptance_probability(scenario)  # [V]
+    assert ((acceptance >= low) & (acceptance <= high)).all(), acceptance
+    if scenario in (ADVERSARIAL_TOP_K, ADVERSARIAL_TOP_P):
+        target_probs = logits_to_probs(TARGET_TABLE, scenario.params)  # [V, V]
+        draft_probs = logits_to_probs(scenario.draft_table, scenario.params)  # [V, V]
+        mass_the_target_never_emits = (draft_probs * (target_probs == 0)).sum(dim=1)  # [V]
+        assert (mass_the_target_never_emits > 0.5).all()
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=str)
@@ -225,9 +307,15 @@ def test_emitted_tokens_follow_the_target_distribution(scenario):
     assert goodness_of_fit(verify_batch, scenario) > MIN_P_VALUE
 
 
+@pytest.mark.parametrize("scenario", [ADVERSARIAL_TOP_K, NEAR_DRAFT], ids=str)
+def test_sampled_draft_verified_as_deterministic_follows_the_target_distribution(scenario):
+    assert goodness_of_fit(verifies_as_deterministic, scenario) > MIN_P_VALUE
+
+
 @pytest.mark.parametrize("scenario", [ADVERSARIAL_TOP_K, DETERMINISTIC_UNLIKELY], ids=str)
 def test_single_sequence_verify_follows_the_target_distribution(scenario):
-    assert goodness_of_fit(verify_each_row, scenario, num_samples=6_000, seed=1) > MIN_P_VALUE
+    # One `verify` call per row is slow: fewer samples, the same check.
+    assert goodness_of_fit(verify_each_row, scenario, num_samples=3_000, seed=1) > MIN_P_VALUE
 
 
 @pytest.mark.parametrize(
@@ -239,8 +327,15 @@ def test_single_sequence_verify_follows_the_target_distribution(scenario):
         (swaps_target_and_draft, ADVERSARIAL_TOP_K),
         (swaps_target_and_draft, ADVERSARIAL_TOP_P),
         (swaps_target_and_draft, NEAR_DRAFT),
-        (ignores_draft_probs, ADVERSARIAL_TOP_P),
-        (ignores_draft_probs, NEAR_DRAFT),
+        (accepts_what_the_target_allows, ADVERSARIAL_TOP_K),
+        (accepts_what_the_target_allows, NEAR_DRAFT),
+        (judges_with_the_next_row, NEAR_DRAFT),
+        (judges_with_the_next_row, ADVERSARIAL_TOP_P),
+        (recovers_without_the_rejected_token, ADVERSARIAL_TOP_K),
+        (recovers_without_the_rejected_token, NEAR_DRAFT),
+        # Only the joint distribution sees this one: the bonus is never the first token.
+        (bonus_from_the_row_before, NEAR_DRAFT),
+        (bonus_from_the_row_before, EQUAL_DRAFT),
     ],
     ids=lambda x: getattr(x, "__name__", str(x)),
 )
@@ -260,8 +355,9 @@ def test_chi_square_p_value_is_right_on_known_counts():
 # -- acceptance -----------------------------------------------------------------------
 
 
-def one_step(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-             params: SamplingParams, num_samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def one_step(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+             draft_probs: torch.Tensor | None, params: SamplingParams, num_samples: int,
+             seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same step repeated on num_samples sequences: [k+1, V] logits for all."""
     batch_logits = target_logits.expand(num_samples, *target_logits.shape)
     generator = torch.Generator().manual_seed(seed)
@@ -303,11 +399,16 @@ def test_draft_equal_to_target_is_always_accepted():
     num_samples = 5_000
     generator = torch.Generator().manual_seed(6)
     draft_tokens = torch.stack(
-        [torch.multinomial(target_probs[i], num_samples, replacement=True, generator=generator) for i in range(2)],
+        [
+            torch.multinomial(row, num_samples, replacement=True, generator=generator)
+            for row in target_probs[:2]
+        ],
         dim=1,
     )  # [N, 2]
     draft_probs = target_probs[:2].expand(num_samples, 2, -1)
-    tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=7)
+    tokens, num_accepted = one_step(
+        target_logits, draft_tokens, draft_probs, params, num_samples, seed=7
+    )
     assert (num_accepted == 2).all()
     assert torch.equal(tokens[:, :2], draft_tokens)
 
@@ -318,7 +419,9 @@ def test_a_token_the_target_never_emits_is_always_rejected():
     num_samples = 2_000
     for draft_probs in (None, torch.full((num_samples, 1, VOCAB), 1 / VOCAB)):
         draft_tokens = torch.full((num_samples, 1), 4)
-        tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=8)
+        tokens, num_accepted = one_step(
+            target_logits, draft_tokens, draft_probs, params, num_samples, seed=8
+        )
         assert (num_accepted == 0).all()
         assert set(tokens[:, 0].tolist()) == {0, 1}
         assert (tokens[:, 1] == PAD_TOKEN).all()
@@ -333,9 +436,11 @@ def test_draft_without_mass_on_its_token_is_judged_by_the_target_alone():
     target_probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]).expand(200, 2, 3)
     draft_probs = torch.tensor([[[0.0, 0.0, 1.0]]]).expand(200, 1, 3)
     generator = torch.Generator().manual_seed(9)
-    tokens, num_accepted = rejection_sample(target_probs, torch.zeros(200, 1, dtype=torch.int64), draft_probs, generator)
+    drafted_first = torch.zeros(200, 1, dtype=torch.int64)
+    tokens, num_accepted = rejection_sample(target_probs, drafted_first, draft_probs, generator)
     assert (num_accepted == 1).all() and (tokens[:, 0] == 0).all()
-    tokens, num_accepted = rejection_sample(target_probs, torch.full((200, 1), 2), draft_probs, generator)
+    drafted_impossible = torch.full((200, 1), 2)
+    tokens, num_accepted = rejection_sample(target_probs, drafted_impossible, draft_probs, generator)
     assert (num_accepted == 0).all() and set(tokens[:, 0].tolist()) <= {0, 1}
 
 
@@ -345,7 +450,8 @@ def test_negligible_residual_falls_back_to_the_target():
     target_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]).expand(4_000, 2, 4)
     draft_probs = torch.tensor([[[1.0, 0.5, 0.1, 0.0]]]).expand(4_000, 1, 4)
     generator = torch.Generator().manual_seed(10)
-    tokens, num_accepted = rejection_sample(target_probs, torch.zeros(4_000, 1, dtype=torch.int64), draft_probs, generator)
+    drafted_first = torch.zeros(4_000, 1, dtype=torch.int64)
+    tokens, num_accepted = rejection_sample(target_probs, drafted_first, draft_probs, generator)
     recovered = tokens[num_accepted == 0, 0]
     assert 1_500 < len(recovered) < 2_500  # accepted with probability 0.5 / 1.0
     assert set(recovered.tolist()) == {0, 1}
@@ -363,7 +469,8 @@ def test_k_zero_is_plain_sampling_with_the_same_draw():
 def test_same_seed_same_verdicts():
     params = SamplingParams(temperature=1.1, top_k=5)
     target_logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(11))  # [k+1, V]
-    draft_probs = logits_to_probs(torch.randn(4, 50, generator=torch.Generator().manual_seed(12)), params)
+    draft_logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(12))  # [k, V]
+    draft_probs = logits_to_probs(draft_logits, params)
     draft = Draft(sample(draft_probs, torch.Generator().manual_seed(13)), draft_probs)
 
     def run(seed: int) -> list[Verdict]:
@@ -374,7 +481,9 @@ def test_same_seed_same_verdicts():
     assert run(0) != run(1)
 
 
-@pytest.mark.parametrize("target_shape, probs_shape", [((3, 6), (2, 6)), ((4, 6), (3, 5)), ((6,), None)])
+@pytest.mark.parametrize(
+    "target_shape, probs_shape", [((3, 6), (2, 6)), ((4, 6), (3, 5)), ((6,), None)]
+)
 def test_mismatched_shapes_are_refused(target_shape, probs_shape):
     draft_tokens = torch.zeros(3, dtype=torch.int64)
     draft = Draft(draft_tokens, None if probs_shape is None else torch.full(probs_shape, 0.2))
@@ -396,8 +505,8 @@ def greedy_logits() -> torch.Tensor:
     return logits
 
 
-def greedy_verify(draft_tokens: list[int], logits: torch.Tensor | None = None) -> Verdict:
-    logits = greedy_logits()[: len(draft_tokens) + 1] if logits is None else logits
+def verify_greedily(draft_tokens: list[int]) -> Verdict:
+    logits = greedy_logits()[: len(draft_tokens) + 1]  # [k+1, 8]
     generator = torch.Generator().manual_seed(0)
     state = generator.get_state()
     verdict = verify(logits, Draft(torch.tensor(draft_tokens, dtype=torch.int64)), GREEDY, generator)
@@ -406,19 +515,23 @@ def greedy_verify(draft_tokens: list[int], logits: torch.Tensor | None = None) -
 
 
 def test_greedy_all_accepted_adds_the_bonus_argmax():
-    assert greedy_verify([3, 1, 4]) == Verdict(tokens=[3, 1, 4, 2], num_accepted=3)
+    assert verify_greedily([3, 1, 4]) == Verdict(tokens=[3, 1, 4, 2], num_accepted=3)
 
 
 @pytest.mark.parametrize(
     "draft_tokens, expected",
-    [([0, 1, 4], Verdict([3], 0)), ([3, 0, 4], Verdict([3, 1], 1)), ([3, 1, 5], Verdict([3, 1, 4], 2))],
+    [
+        ([0, 1, 4], Verdict([3], 0)),
+        ([3, 0, 4], Verdict([3, 1], 1)),
+        ([3, 1, 5], Verdict([3, 1, 4], 2)),
+    ],
 )
 def test_greedy_stops_at_the_first_mismatch_with_the_recovered_argmax(draft_tokens, expected):
-    assert greedy_verify(draft_tokens) == expected
+    assert verify_greedily(draft_tokens) == expected
 
 
 def test_greedy_with_nothing_drafted_is_the_argmax():
-    assert greedy_verify([]) == Verdict(tokens=[3], num_accepted=0)
+    assert verify_greedily([]) == Verdict(tokens=[3], num_accepted=0)
 
 
 def test_greedy_ignores_draft_probs_and_emits_only_target_argmax():
@@ -440,4 +553,5 @@ def test_greedy_batch_matches_single_sequences():
         verdict = verify(target_logits[row], Draft(draft_tokens[row]), GREEDY, generator)
         assert verdict.num_accepted == num_accepted[row]
         assert tokens[row].tolist() == verdict.tokens + [PAD_TOKEN] * (3 - verdict.num_accepted)
-        assert verdict.tokens == target_logits[row].argmax(dim=-1)[: verdict.num_accepted + 1].tolist()
+        target_argmax = target_logits[row].argmax(dim=-1)  # [k+1]
+        assert verdict.tokens == target_argmax[: verdict.num_accepted + 1].tolist()

@@ -17,12 +17,15 @@ class SpecStats:
     num_drafts: int = 0  # steps that drafted at least one token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft position i was accepted
+    # [i]: how many times draft position i was accepted; as long as the longest draft
+    accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """Count one sequence's step: num_drafted tokens proposed, num_accepted kept."""
         if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}")
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}"
+            )
         if num_drafted == 0:
             return
         self.num_drafts += 1

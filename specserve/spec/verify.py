@@ -50,7 +50,9 @@ def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
     """One sequence's step: target_logits [k+1, V], k = draft.num_tokens (may be 0)."""
     k = draft.num_tokens
     if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
-        raise ValueError(f"target_logits must be [k+1, V] = [{k + 1}, V], got {list(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must be [k+1, V] = [{k + 1}, V], got {list(target_logits.shape)}"
+        )
     draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, k, V]
     tokens, num_accepted = verify_batch(
         target_logits.unsqueeze(0), draft.tokens.unsqueeze(0), draft_probs, params, generator
@@ -115,7 +117,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     if draft_probs is None:
         draft_at_draft = torch.ones_like(target_at_draft)  # [B, k]
     else:
-        draft_at_draft = draft_probs.gather(2, draft_tokens.unsqueeze(2)).squeeze(2).to(target_probs.dtype)
+        draft_at_draft = draft_probs.gather(2, draft_tokens.unsqueeze(2)).squeeze(2)  # [B, k]
+        draft_at_draft = draft_at_draft.to(target_probs.dtype)
     uniforms = torch.rand((batch, k), generator=generator, dtype=target_probs.dtype)  # [B, k]
     accepted = uniforms * draft_at_draft < target_at_draft  # [B, k]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]: drafts before the first rejection

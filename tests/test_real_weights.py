@@ -1,0 +1,107 @@
+"""The bundled smollm2-135m through the whole stack: preparation into the artifacts
+cache, logits parity with transformers' own GGUF reader, greedy equivalence of
+speculation on and off for n-gram and draft-model proposers, and sane text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import models
+from specserve.config import SpecConfig
+from specserve.engine.engine import Engine
+from specserve.generate import build_engine, encode_prompt
+from specserve.model import checkpoint
+from specserve.model.decoder import Decoder, Segment
+from specserve.sampling import SamplingParams
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.factory import make_proposer
+from specserve.spec.ngram import NgramProposer
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smollm(prepared_cache):
+    return models.load_model(MODEL)
+
+
+def test_prepared_folder_is_a_checkpoint_and_reloads(smollm, prepared_cache):
+    folder = models.prepared_dir(MODEL)
+    assert models.is_prepared(folder) and checkpoint.is_checkpoint_dir(folder)
+    assert models.resolve(MODEL) == folder  # prepared once: resolving again reuses it
+    assert smollm.config.arch == "llama" and smollm.config.tie_word_embeddings
+    assert smollm.config.num_layers == 30 and smollm.config.vocab_size == 49152
+
+
+def test_logits_match_transformers_reading_the_gguf_itself(smollm):
+    """transformers un-permutes llama.cpp's q/k rows with its own code: an independent check."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = models.CATALOGUE[MODEL].gguf_sources()[0]
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ids = smollm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    ours = smollm.decoder(torch.tensor(ids), [Segment(smollm.decoder.new_cache(), len(ids))])
+    torch.testing.assert_close(ours, expected, rtol=1e-3, atol=1e-3)
+
+
+def first_layers(model: Decoder, num_layers: int) -> Decoder:
+    """A self-speculative draft: the target's first layers and its own head."""
+    config = model.config.__class__(**{**model.config.__dict__, "num_layers": num_layers})
+    draft = Decoder(config).eval()
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("layers.") or int(k.split(".")[1]) < num_layers}
+    draft.load_state_dict(state)
+    return draft
+
+
+PROMPTS = [
+    "List the numbers from one to twenty, one per line.",
+    "Repeat the following line exactly 5 times: the cat sat on the mat.",
+    "Write a Python function that returns the sum of a list.",
+    "I believe the meaning of life is",
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm):
+    engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids)
+    return {p: engine.generate(encode_prompt(smollm.tokenizer, chat=p), GREEDY).output_ids for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("proposer_kind", ["ngram", "draft"])
+def test_greedy_equivalence_on_real_weights(smollm, plain_outputs, k, proposer_kind):
+    proposer = (
+        NgramProposer(1, 4) if proposer_kind == "ngram"
+        else DraftModelProposer(first_layers(smollm.decoder, 12))
+    )
+    engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, proposer, num_speculative_tokens=k)
+    for prompt in PROMPTS:
+        seq = engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY)
+        assert seq.output_ids == plain_outputs[prompt], prompt
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes exercised
+
+
+def test_catalogue_draft_through_the_factory(smollm, plain_outputs):
+    """The path `--speculative-config '{"model": "smollm2-135m", ...}'` takes."""
+    spec = SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 5})
+    proposer = make_proposer(spec, smollm, torch.float32)
+    engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, proposer, num_speculative_tokens=5)
+    prompt = PROMPTS[0]
+    seq = engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY)
+    assert seq.output_ids == plain_outputs[prompt]
+    assert seq.spec.acceptance_rate == 1.0  # the same model agrees with itself at temperature 0
+
+
+def test_greedy_answer_makes_sense(prepared_cache):
+    engine, tokenizer = build_engine(MODEL)
+    ids = encode_prompt(tokenizer, chat="What is the capital of France?")
+    seq = engine.generate(ids, SamplingParams(max_tokens=20, temperature=0.0))
+    assert "Paris" in tokenizer.decode(seq.output_ids)
