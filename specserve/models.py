@@ -269,6 +269,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
     folder = resolve(name_or_path)
     config = checkpoint.read_config(folder)
     decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype)
+    decoder.pack_linear_weights()
     try:
         tokenizer = Tokenizer.from_dir(folder)
     except OSError as e:

@@ -49,13 +49,15 @@ def test_logits_match_transformers_reading_the_gguf_itself(smollm):
     torch.testing.assert_close(ours, expected, rtol=1e-3, atol=1e-3)
 
 
-def first_layers(model: Decoder, num_layers: int) -> Decoder:
+def first_layers(num_layers: int) -> Decoder:
     """A self-speculative draft: the target's first layers and its own head."""
-    config = model.config.__class__(**{**model.config.__dict__, "num_layers": num_layers})
-    draft = Decoder(config).eval()
-    state = {k: v for k, v in model.state_dict().items()
-             if not k.startswith("layers.") or int(k.split(".")[1]) < num_layers}
-    draft.load_state_dict(state)
+    folder = models.prepared_dir(MODEL)
+    config = checkpoint.read_config(folder)
+    config = config.__class__(**{**config.__dict__, "num_layers": num_layers})
+    weights = {k: v for k, v in checkpoint.read_weights(folder).items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    draft = Decoder.from_hf_weights(config, weights, torch.float32)
+    draft.pack_linear_weights()
     return draft
 
 
@@ -79,7 +81,7 @@ def plain_outputs(smollm):
 def test_greedy_equivalence_on_real_weights(smollm, plain_outputs, k, proposer_kind):
     proposer = (
         NgramProposer(1, 4) if proposer_kind == "ngram"
-        else DraftModelProposer(first_layers(smollm.decoder, 12))
+        else DraftModelProposer(first_layers(12))
     )
     engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, proposer, num_speculative_tokens=k)
     for prompt in PROMPTS:
