@@ -1,0 +1,94 @@
+"""`specserve generate` and `specserve models` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specserve.cli import main
+
+CHAT = ["--model", "smollm2-135m", "--chat", "Count from 1 to 10, separated by commas.", "--max-tokens", "24"]
+
+
+def specserve(*args: str, cache: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECSERVE_CACHE": cache}
+    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def plain(prepared_cache):
+    result = specserve("generate", *CHAT, "--json", cache=prepared_cache)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_generate_json_has_the_figures(plain):
+    for key in ("text", "token_ids", "num_output_tokens", "ttft_s", "tpot_s", "e2e_s", "output_tokens_per_s"):
+        assert key in plain
+    assert plain["num_output_tokens"] == len(plain["token_ids"]) > 0
+    assert plain["spec"] is None
+    assert 0 < plain["ttft_s"] <= plain["e2e_s"] and plain["output_tokens_per_s"] > 0
+    assert "1, 2, 3" in plain["text"]
+
+
+@pytest.mark.parametrize("spec", [
+    '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+    '{"model": "smollm2-135m", "num_speculative_tokens": 3}',
+])
+def test_speculation_from_the_cli_gives_the_same_tokens(plain, prepared_cache, spec):
+    result = specserve("generate", *CHAT, "--json", "--speculative-config", spec, cache=prepared_cache)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    assert set(out["spec"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                "acceptance_rate", "mean_acceptance_length", "accepted_per_position"}
+    assert out["spec"]["num_drafts"] > 0
+
+
+def test_readable_output_streams_text_then_a_stats_line(prepared_cache, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache  # the fixture restores it afterwards
+    assert main(["generate", *CHAT, "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
+    out, err = capsys.readouterr()
+    assert "1, 2, 3" in out
+    assert "tok/s decode" in err and "acceptance" in err
+
+
+def test_seeded_sampling_repeats(prepared_cache, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    runs = []
+    for _ in range(2):
+        assert main(["generate", *CHAT, "--json", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+        runs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 3}'], "not implemented yet"),
+    (["--speculative-config", "{oops"], "not valid JSON"),
+    (["--model", "no-such-model"], "neither a catalogue model"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["--max-model-len", "10"], "maximum model length 10"),
+])
+def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    argv = ["generate", *CHAT, *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: ") and words in err and "Traceback" not in err
+
+
+def test_models_lists_the_catalogue(prepared_cache, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        assert name in out
+    assert main(["models", "prepare", "no-such-model"]) == 2

