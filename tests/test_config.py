@@ -13,6 +13,9 @@ from tests.conftest import tiny_config
 def test_model_without_method_means_draft_model():
     spec = SpecConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}')
     assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b")
+    assert spec.draft_confidence_threshold == 0.5
+    fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "draft_confidence_threshold": 0})
+    assert fixed.draft_confidence_threshold == 0.0
 
 
 def test_ngram_lookup_bounds():
@@ -42,6 +45,8 @@ def test_empty_means_no_speculation():
         ('{"method": "ngram", "model": "m", "num_speculative_tokens": 3}', "takes no \"model\""),
         ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must not exceed"),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_tp": 2}', "unknown key"),
+        ('{"model": "m", "num_speculative_tokens": 3, "draft_confidence_threshold": 1}', "in \\[0, 1\\)"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', "draft_model\" only"),
     ],
 )
 def test_bad_speculative_configs_say_what_is_wrong(raw, words):

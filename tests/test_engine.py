@@ -145,3 +145,41 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
         draft_cache = proposer.caches.get(seq.seq_id)  # none before the first draft
         assert draft_cache is None or draft_cache.length <= len(seq.token_ids) - 1
     assert seq.seq_id in proposer.caches
+
+
+def test_speculative_engine_samples_the_target_distribution():
+    """End to end at temperature > 0: a batch of requests through the draft proposer
+    (early stops included), ragged verification and rollback gives 4-token outputs
+    distributed exactly as the target's own sampling would (chi-square over all 4^4)."""
+    import itertools
+
+    from specserve.model.decoder import Segment
+    from specserve.sampling import logits_to_probs
+    from tests.chi_square import chi_square_p_value
+
+    vocab, length, prompt = 4, 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    draft = perturbed(target, 1.5, seed=4)
+    params = dict(max_tokens=length, temperature=0.9, top_p=0.95, ignore_eos=True)
+
+    # Exact target probabilities of every continuation, one prefix at a time.
+    expected = torch.ones([vocab] * length, dtype=torch.float64)
+    for cont in itertools.product(range(vocab), repeat=length):
+        ids = prompt + list(cont)
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])
+        probs = logits_to_probs(logits[len(prompt) - 1 : -1], SamplingParams(**params))  # [length, V]
+        expected[cont] = probs[torch.arange(length), torch.tensor(cont)].prod()
+
+    proposer = DraftModelProposer(draft, confidence_threshold=0.5)
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    samples = []
+    for batch in range(10):
+        seqs = [engine.add_request(prompt, SamplingParams(**params, seed=batch * 1000 + i)) for i in range(600)]
+        while engine.running:
+            engine.step()
+        samples += [s.output_ids for s in seqs]
+    stats = engine.spec_stats
+    assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
+    assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
+    assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4

@@ -107,3 +107,15 @@ def test_greedy_answer_makes_sense(prepared_cache):
     ids = encode_prompt(tokenizer, chat="What is the capital of France?")
     seq = engine.generate(ids, SamplingParams(max_tokens=20, temperature=0.0))
     assert "Paris" in tokenizer.decode(seq.output_ids)
+
+
+def test_bfloat16_speculation_matches_bfloat16_plain(prepared_cache):
+    """--dtype bfloat16: speculation stays lossless with respect to the target as served."""
+    target = models.load_model(MODEL, torch.bfloat16)
+    assert target.decoder.dtype == torch.bfloat16
+    ids = encode_prompt(target.tokenizer, chat=PROMPTS[0])
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = Engine(target.decoder, target.tokenizer.eos_token_ids).generate(ids, params).output_ids
+    engine = Engine(target.decoder, target.tokenizer.eos_token_ids, NgramProposer(1, 4), num_speculative_tokens=4)
+    assert engine.generate(ids, params).output_ids == plain
+    assert "1" in target.tokenizer.decode(plain)

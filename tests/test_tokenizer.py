@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_tokenizer_fields
+from specserve.gguf_vocab import read_gguf_tokenizer_fields
+from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 QWEN05_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
@@ -234,11 +235,11 @@ def test_read_gguf_tokenizer_fields_agrees_with_gguf_reader():
 def test_read_gguf_tokenizer_fields_rejects_other_files(tmp_path):
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(64))
-    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file .it starts with"):
         read_gguf_tokenizer_fields(not_gguf)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(_smollm2_gguf().read_bytes()[:4096])
-    with pytest.raises(ModelLoadError, match="cannot read"):
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file.*is it complete"):
         read_gguf_tokenizer_fields(truncated)
 
 

@@ -19,6 +19,7 @@ import torch
 from specserve.sampling import SamplingParams, logits_to_probs, sample
 from specserve.spec.proposer import Draft
 from specserve.spec.verify import PAD_TOKEN, Verdict, rejection_sample, verify, verify_batch
+from tests.chi_square import chi_square_p_value
 
 VOCAB = 6
 START_TOKEN = 0
@@ -150,30 +151,6 @@ def target_joint_probs(params: SamplingParams, length: int) -> torch.Tensor:
     for _ in range(length - 1):
         joint = joint.unsqueeze(-1) * next_probs  # [..., V, V]: the last axis follows the one before
     return joint
-
-
-def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """samples [N, length] of tokens < V, expected_probs [V] * length -> the p-value of
-    Pearson's chi-square test; 0 when a sample has probability 0. Cells expecting fewer
-    than 5 samples are pooled so the chi-square approximation holds."""
-    num_samples, length = samples.shape
-    cell = (samples * VOCAB ** torch.arange(length - 1, -1, -1)).sum(dim=1)  # [N] row-major index
-    observed = torch.bincount(cell, minlength=VOCAB**length).double()  # [V**length]
-    expected_probs = expected_probs.flatten()
-    if observed[expected_probs == 0].sum() > 0:
-        return 0.0
-    expected = expected_probs * num_samples
-    large = expected >= 5
-    observed_cells = torch.cat([observed[large], observed[~large].sum(0, keepdim=True)])
-    expected_cells = torch.cat([expected[large], expected[~large].sum(0, keepdim=True)])
-    if expected_cells[-1] < 5:  # fold a small pool into the smallest large cell
-        smallest = expected_cells[:-1].argmin()
-        observed_cells[smallest] += observed_cells[-1]
-        expected_cells[smallest] += expected_cells[-1]
-        observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
-    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
-    degrees_of_freedom = torch.tensor(len(expected_cells) - 1, dtype=torch.float64)
-    return float(torch.special.gammaincc(degrees_of_freedom / 2, statistic / 2))
 
 
 def goodness_of_fit(verifier: Verifier, scenario: Scenario, num_samples: int = NUM_SAMPLES,

@@ -18,6 +18,7 @@ import torch
 
 from specserve.config import ARCHITECTURES, ModelConfig
 from specserve.errors import ModelLoadError
+from specserve.model.gguf_header import read_gguf_header
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _BLOCK_NAMES = {
@@ -48,11 +49,6 @@ def open_gguf(path: str | Path):
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises bare ValueErrors and struct errors
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e}); is it complete?") from None
-
-
-def header_fields(reader) -> dict[str, Any]:
-    """Every header key as a Python value (str, int, float, bool or list)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def config_from_header(fields: dict[str, Any], num_vocab_rows: int) -> ModelConfig:
@@ -127,8 +123,8 @@ def dequantized_tensors(reader) -> Iterator[tuple[str, np.ndarray]]:
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, Hugging Face-named float32 weights, header fields) of a GGUF file."""
+    fields = read_gguf_header(path)
     reader = open_gguf(path)
-    fields = header_fields(reader)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError(

@@ -23,8 +23,13 @@ from specserve.spec.proposer import Draft, SequenceView
 
 
 class DraftModelProposer:
-    def __init__(self, draft: Decoder):
+    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0):
         self.draft = draft
+        # Stop drafting a sequence after a guess the draft itself gives less than this
+        # probability: later guesses would build on it and rarely survive, and on
+        # open-ended text they cost more than they save. The choice depends only on the
+        # draft's own outputs, so verification stays lossless.
+        self.confidence_threshold = confidence_threshold
         self.caches: dict[int, KVCache] = {}
 
     def _cache(self, seq: SequenceView) -> KVCache:
@@ -43,16 +48,24 @@ class DraftModelProposer:
             flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64)
             last_rows = torch.tensor([len(inputs[i]) for i in order]).cumsum(0) - 1
             logits = self.draft(flat, segments, last_rows)  # [len(order), V]
+            unsure: set[int] = set()
             for row, i in enumerate(order):
                 params = seqs[i].params
                 if params.greedy:
-                    drafted[i].append(int(logits[row].argmax()))
+                    token = int(logits[row].argmax())
+                    confidence = self._greedy_confidence(logits[row])
                 else:
                     row_probs = logits_to_probs(logits[row : row + 1], params)  # [1, V]
-                    drafted[i].append(int(sample(row_probs, seqs[i].generator)))
+                    token = int(sample(row_probs, seqs[i].generator))
+                    confidence = float(row_probs[0, token])
                     draft_probs[i].append(row_probs[0])
+                drafted[i].append(token)
+                if confidence < self.confidence_threshold:
+                    unsure.add(i)
             # The newest guess is fed only if another one is wanted after it.
-            inputs = {i: drafted[i][-1:] for i in order if len(drafted[i]) < num_tokens[i]}
+            inputs = {
+                i: drafted[i][-1:] for i in order if len(drafted[i]) < num_tokens[i] and i not in unsure
+            }
         return [
             Draft(
                 torch.tensor(drafted[i], dtype=torch.int64),
@@ -62,6 +75,12 @@ class DraftModelProposer:
             else Draft.empty()
             for i in range(len(seqs))
         ]
+
+    def _greedy_confidence(self, logits: torch.Tensor) -> float:
+        """The draft's probability of its argmax (logits [V]); skipped when unused."""
+        if self.confidence_threshold <= 0:
+            return 1.0
+        return float(logits.softmax(-1).max())
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq in seqs:

@@ -36,4 +36,4 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype) -> 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_model(spec.model, dtype)
     check_same_vocabulary(target, draft)
-    return DraftModelProposer(draft.decoder)
+    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold)

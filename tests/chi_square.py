@@ -1,0 +1,30 @@
+"""Pearson's chi-square goodness-of-fit test, for the statistical tests of speculation."""
+
+from __future__ import annotations
+
+import torch
+
+
+def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """samples [N, length] of tokens < V, expected_probs [V] * length -> the p-value of
+    Pearson's chi-square test; 0 when a sample has probability 0. Cells expecting fewer
+    than 5 samples are pooled so the chi-square approximation holds."""
+    num_samples, length = samples.shape
+    vocab = expected_probs.shape[0]
+    cell = (samples * vocab ** torch.arange(length - 1, -1, -1)).sum(dim=1)  # [N] row-major index
+    observed = torch.bincount(cell, minlength=vocab**length).double()  # [V**length]
+    expected_probs = expected_probs.flatten()
+    if observed[expected_probs == 0].sum() > 0:
+        return 0.0
+    expected = expected_probs * num_samples
+    large = expected >= 5
+    observed_cells = torch.cat([observed[large], observed[~large].sum(0, keepdim=True)])
+    expected_cells = torch.cat([expected[large], expected[~large].sum(0, keepdim=True)])
+    if expected_cells[-1] < 5:  # fold a small pool into the smallest large cell
+        smallest = expected_cells[:-1].argmin()
+        observed_cells[smallest] += observed_cells[-1]
+        expected_cells[smallest] += expected_cells[-1]
+        observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
+    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
+    degrees_of_freedom = torch.tensor(len(expected_cells) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(degrees_of_freedom / 2, statistic / 2))
