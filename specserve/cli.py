@@ -1,4 +1,4 @@
-"""The `specserve` command line: `generate` and `models`.
+"""The `specserve` command line: `serve`, `generate` and `models`.
 
 Every user-caused failure is a `SpecserveError` and is printed as one line naming the
 fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -15,16 +16,18 @@ import torch
 
 from specserve import models
 from specserve.config import SpecConfig
+from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError, SpecserveError
 
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=models.DEFAULT_TARGET,
-        help=f"target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})",
-    )
+def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    help = f"target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})"
+    if positional:  # `vllm serve MODEL`
+        parser.add_argument("model", nargs="?", default=models.DEFAULT_TARGET, help=help)
+    else:
+        parser.add_argument("--model", default=models.DEFAULT_TARGET, help=help)
     parser.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='e.g. \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}\' or '
@@ -53,6 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object with figures")
     gen.set_defaults(run=run_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching")
+    add_model_flags(srv, positional=True)
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECSERVE_API_KEY)")
+    srv.add_argument("--max-num-seqs", type=int, default=8, help="most sequences in the running batch")
+    srv.add_argument("--max-queue-len", type=int, default=64,
+                     help="most requests waiting to join the batch; more get HTTP 429")
+    srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                     help="most prompt tokens prefilled per step; longer prompts go in chunks")
+    srv.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                     help="seconds between throughput/acceptance log lines (0: off)")
+    srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, how long requests in flight may still run")
+    srv.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(run=run_serve)
 
     mod = sub.add_parser("models", help="list, install or prepare the bundled models")
     mod.add_argument("action", nargs="?", choices=["list", "install", "prepare"], default="list")
@@ -84,6 +107,27 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print()
         print(stats_line(result), file=sys.stderr)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from specserve.server.serve import ServerConfig, serve
+
+    spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--prefill-chunk-size", args.prefill_chunk_size),
+                        ("--port", args.port)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if args.max_queue_len < 0:
+        raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    serve(ServerConfig(
+        model=args.model, spec=spec, dtype=DTYPES[args.dtype], host=args.host, port=args.port,
+        served_model_name=args.served_model_name, api_key=args.api_key or None,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
+        log_stats_interval_s=args.log_stats_interval, shutdown_grace_s=args.shutdown_grace,
+        log_level=args.uvicorn_log_level,
+    ))
     return 0
 
 

@@ -24,7 +24,9 @@ def build_engine(
     spec: SpecConfig | None = None,
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
+    **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
+    """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size."""
     target = load_model(model, dtype)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
@@ -38,6 +40,7 @@ def build_engine(
         proposer=proposer,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         max_model_len=max_model_len,
+        **engine_options,
     )
     return engine, target.tokenizer
 

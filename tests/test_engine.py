@@ -78,7 +78,7 @@ def test_ragged_batch_gives_each_sequence_its_solo_output(target):
     ]
     late = None
     steps = 0
-    while engine.running:
+    while engine.has_unfinished():
         engine.step()
         steps += 1
         if steps == 3:  # a request that joins a running batch
@@ -132,7 +132,7 @@ def test_request_validation(target):
         engine.add_request([], SamplingParams())
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.add_request([1, 500], SamplingParams())
-    assert not engine.running
+    assert not engine.has_unfinished()
 
 
 def test_caches_hold_one_position_less_than_the_tokens(target):
@@ -176,10 +176,60 @@ def test_speculative_engine_samples_the_target_distribution():
     samples = []
     for batch in range(10):
         seqs = [engine.add_request(prompt, SamplingParams(**params, seed=batch * 1000 + i)) for i in range(600)]
-        while engine.running:
+        while engine.has_unfinished():
             engine.step()
         samples += [s.output_ids for s in seqs]
     stats = engine.spec_stats
     assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
     assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
+
+
+def test_max_num_seqs_bounds_the_batch_and_the_rest_wait(target):
+    engine = Engine(target, eos_token_ids=[EOS], proposer=NgramProposer(1, 3),
+                    num_speculative_tokens=3, max_num_seqs=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    assert len(engine.waiting) == 4 and not engine.running
+    most_running = 0
+    while engine.has_unfinished():
+        engine.step()
+        most_running = max(most_running, len(engine.running))
+        assert len(engine.running) <= 2
+    assert most_running == 2
+    for seq, prompt in zip(seqs, PROMPTS):
+        assert seq.output_ids == plain_tokens(target, prompt)[:6]
+
+
+def test_chunked_prefill_keeps_running_sequences_decoding(target):
+    """A long prompt arriving mid-run is fed in chunks while the running sequence still
+    gets tokens every step; both outputs equal their solo runs."""
+    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=8)
+    running = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()  # PROMPTS[0] (5 tokens) fits one chunk
+    long_prompt = list(range(3, 60))  # 57 tokens: 8 chunks
+    late = engine.add_request(long_prompt, GREEDY)
+    for chunk in range(7):
+        advanced = engine.step()
+        assert advanced == [running]  # the late prompt's partial chunks sample nothing
+        assert late.cache.length == 8 * (chunk + 1) and late.num_output_tokens == 0
+    assert late in engine.step() and late.num_output_tokens == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert running.output_ids == plain_tokens(target, PROMPTS[0])
+    assert late.output_ids == plain_tokens(target, long_prompt)
+
+
+def test_abort_removes_a_sequence_wherever_it_is(target):
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, max_num_seqs=1)
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    second = engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    engine.step()
+    assert first.seq_id in proposer.caches
+    engine.abort(second.seq_id)  # still waiting
+    engine.abort(first.seq_id)  # running, with a draft cache
+    assert not engine.has_unfinished() and not proposer.caches
+    assert first.finish_reason == second.finish_reason == "abort"
+    engine.abort(first.seq_id)  # a second abort is harmless

@@ -1,19 +1,27 @@
-"""The engine: one `step()` advances every running sequence by one verified step.
+"""The engine: continuous batching, and one `step()` that advances every running
+sequence by one verified step.
 
-A step asks the proposer for each sequence's drafts (ragged k), then feeds the target,
-in ONE forward pass over the whole batch, each sequence's unseen tokens (the prompt
-on its first step, else its newest token) followed by its drafts, and scores the last
-k+1 positions of each. The verifier turns those logits into 1..k+1 tokens per
-sequence, the target cache is rolled back past rejected drafts, and the proposer is
-told what was accepted.
+Requests wait in a FIFO queue and join the running batch between steps while fewer
+than `max_num_seqs` run; finished ones leave at the end of the step that finished
+them. A step asks the proposer for each decoding sequence's drafts (ragged k), then
+feeds the target, in ONE forward pass over the whole batch, each sequence's unseen
+tokens followed by its drafts, and scores the last k+1 positions of each. The
+verifier turns those logits into 1..k+1 tokens per sequence, the target cache is
+rolled back past rejected drafts, and the proposer is told what was accepted.
 
-A sequence's first step is its prefill and drafts nothing, so time to first token is
-what it would be without speculation.
+Prompts are prefilled in chunks: at most `prefill_chunk_size` prompt tokens (over all
+sequences) go into one step, so a long new prompt delays the running sequences by one
+chunk per step rather than by its whole prefill. A sequence's first token comes from
+the step that feeds its prompt's last chunk, and that step drafts nothing, so time to
+first token is what it would be without speculation.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -26,6 +34,19 @@ from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
 from specserve.spec.verify import verify
 
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_PREFILL_CHUNK_SIZE = 512
+
+
+@dataclass
+class _Work:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    tokens: list[int]  # fed to the target: unseen tokens (maybe a prompt chunk), then drafts
+    draft: Draft
+    scored: bool  # False for a prompt chunk that is not the last: nothing is sampled
+
 
 class Engine:
     def __init__(
@@ -35,17 +56,27 @@ class Engine:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
     ):
+        if max_num_seqs < 1 or prefill_chunk_size < 1:
+            raise ConfigError(
+                f"max_num_seqs and prefill_chunk_size must be >= 1, got {max_num_seqs} and {prefill_chunk_size}"
+            )
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = max_model_len or target.config.max_position_embeddings
-        self.running: dict[int, Sequence] = {}
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # in order of admission
         self.spec_stats = SpecStats()  # every sequence's drafts, for metrics
         self._next_id = itertools.count()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ConfigError, naming the fix, for a request the engine cannot run."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -56,9 +87,15 @@ class Engine:
                 "shorten the prompt or lower max_tokens"
             )
         vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in itertools.chain(prompt_ids, params.stop_token_ids) if not 0 <= t < vocab]
         if bad:
-            raise ConfigError(f"prompt token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+            raise ConfigError(f"token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> Sequence:
+        """Validate a request and queue it; it joins the batch at a later step."""
+        self.check_request(prompt_ids, params)
         stops = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= self.eos_token_ids
@@ -70,41 +107,72 @@ class Engine:
             generator=params.make_generator(),
             cache=self.target.new_cache(),
             stop_token_ids=stops,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
         )
-        self.running[seq.seq_id] = seq
+        self.waiting.append(seq)
         return seq
 
-    def abort(self, seq_id: int) -> None:
-        self.running.pop(seq_id, None)
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def abort(self, seq_id: int, reason: str = "abort") -> None:
+        """Remove a sequence wherever it is; it keeps an earlier finish reason if it had one."""
+        seq = self.running.pop(seq_id, None)
+        if seq is None:
+            seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
+            if seq is None:
+                return
+            self.waiting.remove(seq)
+        seq.finish(reason)
         if self.proposer is not None:
             self.proposer.free(seq_id)
 
     def _num_draft_tokens(self, seq: Sequence) -> int:
-        if seq.cache.length == 0:  # prefill step: draft nothing, keep TTFT unchanged
-            return 0
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return max(0, min(self.num_speculative_tokens, seq.remaining_tokens - 1))
 
-    def step(self) -> list[Sequence]:
-        """Advance every running sequence by one step; return those that finished."""
-        seqs = list(self.running.values())
-        if not seqs:
-            return []
-        wanted = [self._num_draft_tokens(s) for s in seqs]
-        drafts = [Draft.empty()] * len(seqs)
+    def _schedule(self) -> list[_Work]:
+        """Admit waiting requests, then choose what each running sequence feeds this step."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            self.running[seq.seq_id] = seq
+        decoding = [s for s in self.running.values() if s.prefilled]
+        wanted = [self._num_draft_tokens(s) for s in decoding]
+        drafts = [Draft.empty()] * len(decoding)
         if self.proposer is not None and any(wanted):
-            drafts = self.proposer.propose(seqs, wanted)
+            drafts = self.proposer.propose(decoding, wanted)
+        work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in zip(decoding, drafts)]
 
-        inputs = [s.token_ids[s.cache.length :] + d.tokens.tolist() for s, d in zip(seqs, drafts)]
-        segments = [Segment(s.cache, len(tokens)) for s, tokens in zip(seqs, inputs)]
-        ends = torch.tensor([len(tokens) for tokens in inputs]).cumsum(0)
-        # Score the last k+1 positions of each sequence: its newest token and its drafts.
-        rows = torch.cat([torch.arange(end - d.num_tokens - 1, end) for end, d in zip(ends, drafts)])
-        flat = torch.tensor([t for tokens in inputs for t in tokens], dtype=torch.int64)
-        logits = self.target(flat, segments, rows)  # [sum(k_i + 1), V]
+        budget = self.prefill_chunk_size
+        for seq in self.running.values():
+            if seq.prefilled or budget == 0:
+                continue
+            unseen = seq.token_ids[seq.cache.length :]
+            chunk = unseen[:budget]
+            budget -= len(chunk)
+            work.append(_Work(seq, chunk, Draft.empty(), scored=len(chunk) == len(unseen)))
+        return work
 
+    def step(self) -> list[Sequence]:
+        """Advance the batch by one step; return the sequences that got new tokens
+        (check `finished` on each: finished ones have left the batch)."""
+        work = self._schedule()
+        if not work:
+            return []
+        segments = [Segment(w.seq.cache, len(w.tokens)) for w in work]
+        ends = torch.tensor([len(w.tokens) for w in work]).cumsum(0)
+        # Score the last k+1 positions of each scored sequence: its newest token and its drafts.
+        rows = torch.cat(
+            [torch.arange(end - w.draft.num_tokens - 1, end) for end, w in zip(ends, work) if w.scored]
+            or [torch.empty(0, dtype=torch.int64)]
+        )
+        flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64)
+        logits = self.target(flat, segments, rows)  # [sum over scored of (k_i + 1), V]
+
+        advanced = [w.seq for w in work if w.scored]
+        drafts = [w.draft for w in work if w.scored]
         num_accepted = []
-        for seq, draft, seq_logits in zip(seqs, drafts, logits.split([d.num_tokens + 1 for d in drafts])):
+        for seq, draft, seq_logits in zip(advanced, drafts, logits.split([d.num_tokens + 1 for d in drafts])):
             verdict = verify(seq_logits, draft, seq.params, seq.generator)
             seq.append(verdict.tokens)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
@@ -113,15 +181,15 @@ class Engine:
                 self.spec_stats.record(draft.num_tokens, verdict.num_accepted)
             num_accepted.append(verdict.num_accepted)
         if self.proposer is not None:
-            self.proposer.observe(seqs, num_accepted)
+            self.proposer.observe(advanced, num_accepted)
 
-        finished = [s for s in seqs if s.finished]
-        for seq in finished:
-            self.abort(seq.seq_id)
-        return finished
+        for seq in advanced:
+            if seq.finished:
+                self.abort(seq.seq_id)
+        return advanced
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Run one request to completion on its own."""
+        """Run one request to completion (with whatever else is queued)."""
         seq = self.add_request(prompt_ids, params)
         while not seq.finished:
             self.step()

@@ -1,9 +1,10 @@
 """One request's state as it moves through the engine.
 
-Invariant: once the sequence has run a step, its target `cache` holds exactly
-`len(token_ids) - 1` positions; the newest token is the next step's input. A step may
-therefore feed several tokens at once (the whole prompt, or the newest token plus k
-drafted ones) and a rejection is undone by moving the cache's end pointer.
+Invariant: once the sequence has its first output token (`prefilled`), its target
+`cache` holds exactly `len(token_ids) - 1` positions; the newest token is the next
+step's input. A step may therefore feed several tokens at once (a chunk of the prompt,
+or the newest token plus k drafted ones) and a rejection is undone by moving the
+cache's end pointer. Before that, the cache holds the prompt chunks fed so far.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Sequence:
     cache: KVCache
     stop_token_ids: frozenset[int]  # EOS ids and the request's own stop ids
     spec: SpecStats = field(default_factory=SpecStats)
-    finish_reason: str | None = None  # "stop" or "length" once finished
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -44,6 +45,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilled(self) -> bool:
+        """The whole prompt is in the cache and the first token was sampled."""
+        return len(self.token_ids) > self.num_prompt_tokens
 
     @property
     def remaining_tokens(self) -> int:
@@ -66,6 +72,12 @@ class Sequence:
         if self.finished:
             self.finish_time = now
         return kept
+
+    def finish(self, reason: str) -> None:
+        """End the sequence from outside (a stop string, an abort), unless it ended already."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finish_time = time.perf_counter()
 
     def timings(self) -> dict[str, float | None]:
         """TTFT, time per output token after the first, and end-to-end latency (s)."""

@@ -50,6 +50,22 @@ class SpecStats:
         total.merge(other)
         return total
 
+    def __sub__(self, earlier: SpecStats) -> SpecStats:
+        """What was counted since `earlier`, a copy of self taken before."""
+        positions = [
+            count - (earlier.accepted_per_position[i] if i < len(earlier.accepted_per_position) else 0)
+            for i, count in enumerate(self.accepted_per_position)
+        ]
+        return SpecStats(
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            positions,
+        )
+
+    def copy(self) -> SpecStats:
+        return SpecStats() + self
+
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted / drafted tokens."""

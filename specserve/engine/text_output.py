@@ -1,0 +1,55 @@
+"""One request's text as its tokens arrive: incremental detokenization and stop strings.
+
+`TextOutput.add` takes a step's new token ids and returns the text that may be sent
+now. Invariants:
+- The text sent, joined, never contains a stop string: the text ends just before the
+  first stop string found, and that ends the request (finish reason "stop").
+- While a request runs, the last `len(longest stop string) - 1` characters are held
+  back, since the next tokens might complete a stop string that begins in them.
+- A stop token id (EOS or the request's own) ends the output without adding its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextOutput:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 stop_token_ids: Collection[int] = ()):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stop = tuple(s for s in stop if s)
+        self._hold_back = max((len(s) for s in self._stop), default=1) - 1
+        self._stop_token_ids = stop_token_ids
+        self.text = ""  # all text so far (up to a stop string)
+        self._num_sent = 0  # characters of `text` already returned
+        self.stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    def add(self, new_ids: Sequence[int], finished: bool) -> str:
+        """The text to send for a step's new ids; `finished`: no more ids will come.
+        After it returns, a set `stop_reason` means the request must end here."""
+        if new_ids and new_ids[-1] in self._stop_token_ids:
+            self.stop_reason = new_ids[-1]
+            new_ids = new_ids[:-1]
+        searched_to = max(0, len(self.text) - self._hold_back)
+        self.text += self._detokenizer.add(new_ids)
+        if finished or self.stop_reason is not None:
+            self.text += self._detokenizer.flush()
+        if self._stop and self._truncate_at_stop_string(searched_to):
+            finished = True
+        end = len(self.text) if finished or self.stop_reason is not None else len(self.text) - self._hold_back
+        delta = self.text[self._num_sent : max(end, self._num_sent)]
+        self._num_sent += len(delta)
+        return delta
+
+    def _truncate_at_stop_string(self, start: int) -> bool:
+        """Cut `text` before the earliest stop string found at or after `start`."""
+        found = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        self.text = self.text[:index]
+        self.stop_reason = stop
+        return True

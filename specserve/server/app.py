@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
+/health and /metrics.
+
+Every error leaves as {"error": {"message", "type", "param", "code"}} with a 4xx status
+(5xx only for our own bugs). When an API key is set, every /v1 route needs
+`Authorization: Bearer <key>`; /health and /metrics stay open for probes and scrapers.
+A streaming response sends one SSE `data:` line per engine step (which may carry
+several tokens under speculation) and `data: [DONE]` last; an error after the stream
+started is sent as a `data: {"error": ...}` line before [DONE].
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.errors import SpecserveError
+from specserve.server.async_engine import AsyncEngine, QueueFullError, RequestOutput, ShuttingDownError
+from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from specserve.tokenizer import Tokenizer
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+    }
+
+
+def _spec_decode(out: RequestOutput) -> dict[str, Any] | None:
+    """Per-request speculation figures, under a field of their own."""
+    if out.spec is None:
+        return None
+    return {k: out.spec[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                     "acceptance_rate", "mean_acceptance_length")}
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _as_api_error(error: Exception) -> APIError:
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, QueueFullError):
+        return APIError(str(error), status=429, type="rate_limit_error", code="queue_full")
+    if isinstance(error, ShuttingDownError):
+        return APIError(str(error), status=503, type="service_unavailable", code="shutting_down")
+    if isinstance(error, SpecserveError):
+        return APIError(str(error))
+    return APIError(f"internal error: {error}", status=500, type="internal_error")
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
+              lifespan: Callable | None = None) -> FastAPI:
+    app = FastAPI(title="specserve", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(error.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(str(error.detail), status=error.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, error: Exception) -> JSONResponse:
+        return _error_response(_as_api_error(error))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _error_response(APIError(
+                f"the request body is {int(length):,} bytes, more than the limit of {MAX_BODY_BYTES:,}",
+                status=413,
+            ))
+        if settings.api_key is not None and request.url.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+                return _error_response(APIError(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    status=401, code="invalid_api_key",
+                ))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return _error_response(APIError("the engine is not running", status=503, type="service_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "specserve", "root": settings.served_model_name,
+            "max_model_len": settings.max_model_len,
+        }]}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.served_model_name:
+            raise APIError(f"the model {name!r} does not exist; this server serves "
+                           f"{settings.served_model_name!r}", status=404, param="model",
+                           type="not_found_error", code="model_not_found")
+
+    def max_tokens_for(requested: int | None, num_prompt_tokens: int) -> int:
+        # As vLLM: no max_tokens means the rest of the context.
+        return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
+
+    async def run(body, prompt_ids: list[int], arrival: float,
+                  make_chunk: Callable[[RequestOutput, bool], dict[str, Any] | None],
+                  make_response: Callable[[str, RequestOutput], dict[str, Any]]) -> Response:
+        check_model(body.model)
+        params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
+        outputs = engine.generate(prompt_ids, params, body.stop_strings(), arrival)
+        if not body.stream:
+            text, last = [], None
+            try:
+                async for out in outputs:
+                    text.append(out.text)
+                    last = out
+            except Exception as e:
+                raise _as_api_error(e) from None
+            return JSONResponse(make_response("".join(text), last))
+
+        # Start the engine before answering, so a refusal (429, 503) is a status, not a stream.
+        try:
+            first = await anext(outputs)
+        except Exception as e:
+            raise _as_api_error(e) from None
+
+        async def stream() -> AsyncIterator[bytes]:
+            out, is_first = first, True
+            try:
+                while True:
+                    piece = make_chunk(out, is_first)
+                    if piece is not None:
+                        yield _sse(piece)
+                    if out.finished:
+                        break
+                    out, is_first = await anext(outputs), False
+                if body.include_usage:
+                    yield _sse(make_chunk(out, False, usage_only=True))
+            except Exception as e:  # the stream has started: report in-band
+                yield _sse(_as_api_error(e).body())
+            finally:
+                await outputs.aclose()  # client gone: abort the request now
+            yield _sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        arrival = time.perf_counter()
+        body.refuse_unsupported()
+        prompt = body.single_prompt()
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": request_id, "object": "text_completion", "created": created,
+                "model": settings.served_model_name}
+
+        def choice(text: str, out: RequestOutput) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": None,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                    "stop_reason": out.stop_reason}
+
+        def chunk(out: RequestOutput, first: bool, usage_only: bool = False) -> dict[str, Any] | None:
+            if usage_only:
+                return {**head, "choices": [], "usage": _usage(out)}
+            text = (prompt_text if first and body.echo else "") + out.text
+            if not text and not out.finished:
+                return None
+            piece = {**head, "choices": [choice(text, out)]}
+            if out.finished:
+                piece["spec_decode"] = _spec_decode(out)
+            return piece
+
+        def response(text: str, out: RequestOutput) -> dict[str, Any]:
+            text = (prompt_text if body.echo else "") + text
+            return {**head, "choices": [choice(text, out)], "usage": _usage(out),
+                    "spec_decode": _spec_decode(out)}
+
+        return await run(body, prompt_ids, arrival, chunk, response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        arrival = time.perf_counter()
+        body.refuse_unsupported()  # roles first: the template must not see unknown ones
+        try:
+            prompt_ids = tokenizer.encode_chat(body.template_messages())
+        except SpecserveError as e:
+            raise APIError(str(e), param="messages") from None
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": settings.served_model_name}
+
+        def chunk(out: RequestOutput, first: bool, usage_only: bool = False) -> dict[str, Any] | None:
+            if usage_only:
+                return {**head, "choices": [], "usage": _usage(out)}
+            if not out.text and not out.finished and not first:
+                return None
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if out.text or first:
+                delta["content"] = out.text
+            piece = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": out.finish_reason if out.finished else None,
+                                          "stop_reason": out.stop_reason}]}
+            if out.finished:
+                piece["spec_decode"] = _spec_decode(out)
+            return piece
+
+        def response(text: str, out: RequestOutput) -> dict[str, Any]:
+            return {**head, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                 "stop_reason": out.stop_reason}],
+                    "usage": _usage(out), "spec_decode": _spec_decode(out)}
+
+        return await run(body, prompt_ids, arrival, chunk, response)
+
+    return app

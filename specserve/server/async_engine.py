@@ -1,0 +1,271 @@
+"""The bridge between the HTTP handlers (asyncio) and the engine (one thread).
+
+The engine is not thread-safe and its steps are long, blocking computations, so it
+lives on a thread of its own: handlers send commands (add, abort) through a
+thread-safe queue, the thread applies them between steps, runs `Engine.step()`, and
+posts each request's `RequestOutput`s to that request's asyncio queue.
+
+Invariants:
+- Only the engine thread touches the engine, its sequences and the metrics' counters.
+- A request leaves the engine when it finishes, when its handler stops listening
+  (client gone: the handler's `finally` aborts it at once), or at shutdown.
+- At most `max_num_seqs + max_queue_len` requests are unfinished; one more gets
+  `QueueFullError` (HTTP 429) at once, so waiting requests never pile up unbounded.
+- A failing step fails the requests of that batch with `EngineStepError` and the
+  thread goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.engine.engine import Engine
+from specserve.engine.sequence import Sequence as EngineSequence
+from specserve.engine.text_output import TextOutput
+from specserve.errors import SpecserveError
+from specserve.sampling import SamplingParams
+from specserve.server.metrics import ServerMetrics, StatLogger
+from specserve.tokenizer import Tokenizer
+
+log = logging.getLogger("specserve")
+
+
+class QueueFullError(SpecserveError):
+    """Too many requests are waiting already."""
+
+
+class ShuttingDownError(SpecserveError):
+    """The server is stopping and takes no more work."""
+
+
+class EngineStepError(Exception):
+    """A step failed (a bug): the requests in that batch cannot go on."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    text: str  # new text since the previous output
+    num_new_tokens: int
+    finished: bool
+    finish_reason: str | None = None  # "stop" or "length" (or "abort" at shutdown)
+    stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far
+    spec: dict[str, Any] | None = None  # the request's SpecStats.to_dict(), None without speculation
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    arrival_time: float
+    outputs: asyncio.Queue  # of RequestOutput or Exception
+    loop: asyncio.AbstractEventLoop
+    seq: EngineSequence | None = None
+    text: TextOutput | None = None
+    num_sent_tokens: int = 0
+    last_token_time: float | None = None
+    done: bool = False
+
+    def post(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+@dataclass
+class _Commands:
+    """Thread-safe inbox of the engine thread."""
+
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+
+    def put(self, kind: str, request: _Request | None = None) -> None:
+        self.inbox.put((kind, request))
+
+    def drain(self, block: bool) -> list[tuple[str, _Request | None]]:
+        items = [self.inbox.get()] if block else []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: ServerMetrics,
+                 max_queue_len: int = 64, log_interval_s: float = 10.0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_unfinished = engine.max_num_seqs + max_queue_len
+        self.num_unfinished = 0  # touched on the event loop only
+        self._commands = _Commands()
+        self._requests: dict[int, _Request] = {}  # by seq_id; engine thread only
+        self._stat_logger = StatLogger(log_interval_s)
+        self._spec_seen = engine.spec_stats.copy()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+
+    # ----- event-loop side -----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the engine's ConfigError for a request it would refuse."""
+        self.engine.check_request(prompt_ids, params)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, stop: Sequence[str] = (),
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one request; yield its outputs until the finished one. Stopping the
+        iteration early (client gone) aborts the request in the engine."""
+        if self._stopping or not self.alive:
+            raise ShuttingDownError("the server is shutting down; retry against another replica")
+        self.check(prompt_ids, params)
+        if self.num_unfinished >= self.max_unfinished:
+            raise QueueFullError(
+                f"the server is at capacity ({self.engine.max_num_seqs} running and "
+                f"{self.max_unfinished - self.engine.max_num_seqs} waiting); retry later"
+            )
+        request = _Request(
+            prompt_ids=list(prompt_ids), params=params, stop=tuple(stop),
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            outputs=asyncio.Queue(), loop=asyncio.get_running_loop(),
+        )
+        self.num_unfinished += 1
+        self._commands.put("add", request)
+        try:
+            while True:
+                item = await request.outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.num_unfinished -= 1
+            if not request.done:
+                self._commands.put("abort", request)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fail what is left, stop the thread (called at shutdown, after the grace time)."""
+        self._stopping = True
+        self._commands.put("stop")
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def refuse_new_requests(self) -> None:
+        self._stopping = True
+
+    # ----- engine thread -----
+
+    def _run(self) -> None:
+        while True:
+            for kind, request in self._commands.drain(block=not self.engine.has_unfinished()):
+                if kind == "add":
+                    self._add(request)
+                elif kind == "abort":
+                    self._abort(request)
+                else:
+                    self._fail_all(ShuttingDownError("the server shut down before this request finished"))
+                    return
+            if self.engine.has_unfinished():
+                self._step()
+            self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+            self._stat_logger.maybe_log(len(self.engine.running), len(self.engine.waiting))
+
+    def _add(self, request: _Request) -> None:
+        try:
+            seq = self.engine.add_request(request.prompt_ids, request.params, request.arrival_time)
+        except SpecserveError as e:
+            request.done = True
+            request.post(e)
+            return
+        request.seq = seq
+        request.text = TextOutput(self.tokenizer, request.prompt_ids, request.stop, seq.stop_token_ids)
+        self._requests[seq.seq_id] = request
+
+    def _abort(self, request: _Request) -> None:
+        if request.seq is not None and self._requests.pop(request.seq.seq_id, None) is not None:
+            self.engine.abort(request.seq.seq_id)
+            self._record_finish(request.seq)
+
+    def _step(self) -> None:
+        batch = [self._requests[s] for s in self.engine.running if s in self._requests]
+        try:
+            advanced = self.engine.step()
+        except Exception as e:  # a bug: fail this batch, keep serving the rest
+            log.exception("engine step failed")
+            for request in batch:
+                self._requests.pop(request.seq.seq_id, None)
+                self.engine.abort(request.seq.seq_id)
+                request.done = True
+                request.post(EngineStepError(f"internal error while generating: {e!r}"))
+            return
+        now = time.perf_counter()
+        for seq in advanced:
+            request = self._requests.get(seq.seq_id)
+            if request is not None:
+                self._emit(request, now)
+        spec = self.engine.spec_stats
+        delta = spec - self._spec_seen
+        self._spec_seen = spec.copy()
+        self.metrics.speculation(delta)
+        self._stat_logger.count(0, 0, delta)
+
+    def _emit(self, request: _Request, now: float) -> None:
+        seq = request.seq
+        new_ids = seq.output_ids[request.num_sent_tokens :]
+        request.num_sent_tokens = seq.num_output_tokens
+        text = request.text.add(new_ids, finished=seq.finished)
+        stop_reason = request.text.stop_reason
+        if stop_reason is not None and not seq.finished:  # a stop string ended it
+            self.engine.abort(seq.seq_id, reason="stop")
+        if request.last_token_time is None:
+            self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens)
+            self._stat_logger.count(seq.num_prompt_tokens, 0, None)
+            gap = None
+        else:
+            gap = now - request.last_token_time
+        request.last_token_time = now
+        self.metrics.tokens(len(new_ids), gap)
+        self._stat_logger.count(0, len(new_ids), None)
+        if seq.finished:
+            request.done = True
+            self._requests.pop(seq.seq_id, None)
+            self._record_finish(seq)
+        request.post(RequestOutput(
+            text=text,
+            num_new_tokens=len(new_ids),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            spec=seq.spec.to_dict() if self.engine.proposer is not None else None,
+        ))
+
+    def _record_finish(self, seq: EngineSequence) -> None:
+        self.metrics.finished(seq.finish_reason or "abort", seq.timings()["e2e_s"],
+                              seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request in list(self._requests.values()):
+            self.engine.abort(request.seq.seq_id)
+            self._record_finish(request.seq)
+            request.done = True
+            request.post(error)
+        self._requests.clear()

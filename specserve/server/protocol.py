@@ -1,0 +1,203 @@
+"""The OpenAI request bodies we accept, and the turn from a body into engine terms.
+
+Bodies are validated strictly (a string where a number belongs is an error, not a
+guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
+parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
+options keep working. Options we do not implement (n > 1, logprobs, tools, ...)
+are refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.errors import SpecserveError
+from specserve.sampling import SamplingParams
+
+
+class APIError(SpecserveError):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extension: 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise APIError(f"n={self.n} is not supported: send one request per completion", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(f"{name} is not supported; leave it at 0", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return tuple(s for s in stop if s)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams of this body; out-of-range values become APIError(400, param)."""
+        checks = [
+            ("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise APIError(message, param=param)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # the OpenAI default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for name in ("logprobs", "suffix"):
+            if getattr(self, name) is not None:
+                raise APIError(f"{name} is not supported", param=name)
+        if self.best_of not in (None, 1):
+            raise APIError("best_of is not supported", param="best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids. A batch of several is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(
+                    f"got {len(prompt)} prompts; send one prompt per request", param="prompt"
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError("the prompt is empty", param="prompt")
+        return prompt
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise APIError(
+                    f"unknown role {message.role!r}; use one of {list(CHAT_ROLES)}",
+                    param=f"messages[{i}].role",
+                )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; templates know "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """Pydantic's first error as an APIError naming the parameter, e.g. messages[0].role."""
+    error = errors[0]
+    location = [str(p) for p in error.get("loc", ()) if p != "body"]
+    param = ""
+    for part in location:
+        if part.isdigit():
+            param += f"[{part}]"
+        elif part.isidentifier():  # union members show up as types like list[int]: skip them
+            if part in ("str", "int", "float", "bool"):
+                break
+            param += ("." if param else "") + part
+        else:
+            break
+    message = error.get("msg", "invalid request")
+    if error.get("type") == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}")
+    if error.get("type") == "missing" and not param:
+        return APIError("the request needs a JSON object body")
+    if error.get("type") == "missing":
+        return APIError(f"missing required parameter {param!r}", param=param or None)
+    return APIError(f"invalid value for {param!r}: {message}" if param else message, param=param or None)

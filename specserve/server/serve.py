@@ -1,0 +1,86 @@
+"""`specserve serve`: load the models, start the engine thread, serve HTTP with uvicorn.
+
+Shutdown on SIGTERM or Ctrl-C: new requests get 503 at once, requests in flight may
+finish for `shutdown_grace_s`, then whatever is left ends with a clear error (HTTP
+503, or an error event in a stream) and the process exits; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+
+from specserve.config import SpecConfig
+from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.generate import build_engine
+from specserve.server.app import ApiSettings, build_app
+from specserve.server.async_engine import AsyncEngine
+from specserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("specserve")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    spec: SpecConfig | None = None
+    dtype: torch.dtype = torch.float32
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_queue_len: int = 64
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
+    log_stats_interval_s: float = 10.0
+    shutdown_grace_s: float = 30.0
+    log_level: str = "info"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on a stop signal, refuse new requests and bound the grace time."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float):
+        super().__init__(config)
+        self._engine, self._grace_s = engine, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            log.info("shutting down: finishing requests in flight (at most %.0f s)", self._grace_s)
+            self._engine.refuse_new_requests()
+            timer = threading.Timer(self._grace_s, self._engine.stop)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    name = config.served_model_name or config.model
+    engine, tokenizer = build_engine(
+        config.model, config.spec, config.dtype, config.max_model_len,
+        max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
+    )
+    async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
+                               config.log_stats_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        async_engine.start()
+        yield
+        async_engine.stop()
+
+    settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key)
+    app = build_app(async_engine, tokenizer, settings, lifespan=lifespan)
+    spec = "off" if config.spec is None else f"{config.spec.method}, k={config.spec.num_speculative_tokens}"
+    log.info("serving %r as %r (speculation %s, max_num_seqs %d, max_model_len %d)",
+             config.model, name, spec, config.max_num_seqs, engine.max_model_len)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
+    _Server(uv_config, async_engine, config.shutdown_grace_s).run()
