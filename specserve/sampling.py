@@ -7,11 +7,16 @@ Temperature 0 means greedy: no probabilities are formed at all.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from specserve.errors import ConfigError
+
+
+# What torch.Generator.manual_seed takes.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -27,10 +32,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ConfigError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
 

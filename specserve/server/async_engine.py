@@ -190,7 +190,9 @@ class AsyncEngine:
     def _add(self, request: _Request) -> None:
         try:
             seq = self.engine.add_request(request.prompt_ids, request.params, request.arrival_time)
-        except SpecserveError as e:
+        except Exception as e:  # refused (SpecserveError) or a bug: either way only this request fails
+            if not isinstance(e, SpecserveError):
+                log.exception("adding a request failed")
             request.done = True
             request.post(e)
             return

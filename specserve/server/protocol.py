@@ -9,12 +9,13 @@ are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.errors import SpecserveError
-from specserve.sampling import SamplingParams
+from specserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class APIError(SpecserveError):
@@ -76,9 +77,12 @@ class _Sampling(_Body):
         """SamplingParams of this body; out-of-range values become APIError(400, param)."""
         checks = [
             ("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
-            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("temperature", 0 <= self.temperature < math.inf,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
             ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
         ]
         for param, ok, message in checks:
             if not ok:

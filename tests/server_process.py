@@ -1,0 +1,60 @@
+"""A real `specserve serve` process on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout_s: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="specserve-server-", suffix=".log")[1])
+        command = [sys.executable, "-m", "specserve.cli", "serve", *args,
+                   "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {startup_timeout_s} s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

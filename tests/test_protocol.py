@@ -1,0 +1,228 @@
+"""Request bodies: strict validation, errors naming the parameter, refusals of what we do
+not implement, and the turn from a body into engine terms (prompt, stops, sampling)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+
+from specserve.sampling import SamplingParams
+from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+
+USER = {"role": "user", "content": "hi"}
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "Hello", **fields})
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [USER], **fields})
+
+
+def invalid(model: type[pydantic.BaseModel], body: dict[str, Any] | bytes) -> APIError:
+    """The APIError the server would answer for this body."""
+    with pytest.raises(pydantic.ValidationError) as caught:
+        model.model_validate_json(body) if isinstance(body, bytes) else model.model_validate(body)
+    return validation_error(caught.value.errors())
+
+
+# --- strict validation and validation_error --------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"), ("max_tokens", 5.5), ("max_tokens", True),
+    ("temperature", True), ("temperature", "0.7"), ("top_k", 1.0), ("stream", "true"),
+])
+def test_strict_types_are_not_coerced(field, value):
+    error = invalid(CompletionRequest, {"prompt": "Hello", field: value})
+    assert (error.status, error.param, error.type) == (400, field, "invalid_request_error")
+    assert field in str(error)
+
+
+def test_a_number_where_a_float_belongs_is_fine_and_unknown_fields_are_ignored():
+    body = completion(temperature=1, top_p=1, some_future_option={"x": 1})
+    assert body.temperature == 1.0 and not hasattr(body, "some_future_option")
+
+
+def test_missing_role_names_the_message():
+    error = invalid(ChatCompletionRequest, {"messages": [USER, {"content": "no role"}]})
+    assert error.param == "messages[1].role"
+    assert "missing" in str(error)
+
+
+@pytest.mark.parametrize("prompt", [5, None, [1, "a"], {"text": "hi"}])
+def test_wrong_prompt_type_names_prompt_not_the_union_member(prompt):
+    assert invalid(CompletionRequest, {"prompt": prompt}).param == "prompt"
+
+
+def test_missing_prompt():
+    error = invalid(CompletionRequest, {"max_tokens": 5})
+    assert error.param == "prompt" and "missing required parameter" in str(error)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": []}, "messages"),
+    ({"messages": [USER], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"messages": [USER], "stop": [1]}, "stop"),
+])
+def test_nested_errors_name_the_nested_parameter(body, param):
+    assert invalid(ChatCompletionRequest, body).param == param
+
+
+def test_invalid_json_is_reported_as_such():
+    error = invalid(CompletionRequest, b'{"prompt": "Hello",')
+    assert error.param is None and error.status == 400
+    assert str(error).startswith("the request body is not valid JSON")
+
+
+def test_a_json_body_that_is_not_an_object_has_no_param():
+    error = invalid(CompletionRequest, b"[1, 2]")
+    assert error.param is None and error.status == 400
+
+
+def test_fastapi_locations_drop_the_body_prefix():
+    # FastAPI reports locations as ("body", ...); a missing body has only ("body",).
+    nested = validation_error([{"type": "missing", "loc": ("body", "messages", 0, "role"), "msg": "Field required"}])
+    assert nested.param == "messages[0].role"
+    no_body = validation_error([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    assert no_body.param is None and "JSON object body" in str(no_body)
+
+
+def test_error_body_is_openai_shaped():
+    assert APIError("bad n", param="n").body() == {
+        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}}
+
+
+# --- refuse_unsupported -----------------------------------------------------------------
+
+@pytest.mark.parametrize("make, fields, param", [
+    (completion, {"n": 2}, "n"),
+    (chat, {"n": 3}, "n"),
+    (completion, {"logprobs": 1}, "logprobs"),
+    (completion, {"suffix": "!"}, "suffix"),
+    (completion, {"best_of": 2}, "best_of"),
+    (completion, {"presence_penalty": 0.5}, "presence_penalty"),
+    (chat, {"frequency_penalty": -1.0}, "frequency_penalty"),
+    (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
+    (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (chat, {"logprobs": True}, "logprobs"),
+    (chat, {"top_logprobs": 2}, "logprobs"),
+    (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
+])
+def test_unsupported_options_are_refused_by_name(make, fields, param):
+    body = make(**fields)
+    with pytest.raises(APIError) as caught:
+        body.refuse_unsupported()
+    assert (caught.value.param, caught.value.status) == (param, 400)
+
+
+@pytest.mark.parametrize("body", [
+    completion(n=1, best_of=1, presence_penalty=0.0, logit_bias={}, stream=True,
+               stream_options={"include_usage": True}),
+    chat(logprobs=False, tools=[], response_format={"type": "text"},
+         messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]),
+])
+def test_supported_values_of_those_options_pass(body):
+    body.refuse_unsupported()
+
+
+def test_include_usage_needs_stream_options():
+    assert not completion(stream=True).include_usage
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+# --- sampling_params --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, max_tokens, param", [
+    ({}, 0, "max_tokens"),
+    ({"temperature": -0.1}, 16, "temperature"),
+    ({"temperature": float("nan")}, 16, "temperature"),
+    ({"top_p": 0.0}, 16, "top_p"),
+    ({"top_p": 1.01}, 16, "top_p"),
+    ({"top_k": -2}, 16, "top_k"),
+])
+def test_out_of_range_sampling_values_name_the_param(fields, max_tokens, param):
+    with pytest.raises(APIError) as caught:
+        completion(**fields).sampling_params(max_tokens)
+    assert (caught.value.param, caught.value.status) == (param, 400)
+
+
+def test_sampling_params_carry_the_body():
+    body = completion(temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=[3, 4])
+    assert body.sampling_params(5) == SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=(3, 4))
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_outside_64_bits_is_refused(seed):
+    """torch's Generator takes 64-bit seeds; a bigger one once killed the engine thread."""
+    with pytest.raises(APIError) as caught:
+        completion(seed=seed).sampling_params(16)
+    assert caught.value.param == "seed"
+    completion(seed=2**64 - 1).sampling_params(16)  # the largest one is fine
+
+
+# --- prompt, stops, max tokens, messages ------------------------------------------------
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("Hello", "Hello"),
+    ([1, 2, 3], [1, 2, 3]),
+    (["Hello"], "Hello"),
+    ([[1, 2]], [1, 2]),
+])
+def test_single_prompt(prompt, expected):
+    assert completion(prompt=prompt).single_prompt() == expected
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (["a", "b"], "2 prompts"),
+    ([[1], [2], [3]], "3 prompts"),
+    ("", "empty"),
+    ([], "empty"),
+    ([""], "empty"),
+    ([[]], "empty"),
+])
+def test_several_or_empty_prompts_are_refused(prompt, message):
+    with pytest.raises(APIError) as caught:
+        completion(prompt=prompt).single_prompt()
+    assert caught.value.param == "prompt" and message in str(caught.value)
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (None, ()), ("\n", ("\n",)), (["a", "", "bc"], ("a", "bc")), ("", ()),
+])
+def test_stop_strings(stop, expected):
+    assert completion(stop=stop).stop_strings() == expected
+
+
+def test_requested_max_tokens():
+    assert completion().requested_max_tokens() == 16  # OpenAI's default for completions
+    assert completion(max_tokens=None).requested_max_tokens() is None
+    assert chat().requested_max_tokens() is None  # the server fills in the rest of the context
+    assert chat(max_tokens=5).requested_max_tokens() == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).requested_max_tokens() == 9
+
+
+def test_template_messages():
+    body = chat(messages=[
+        {"role": "developer", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert body.template_messages() == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hello, there"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_infinite_temperature_is_refused():
+    with pytest.raises(APIError) as caught:
+        completion(temperature=float("inf")).sampling_params(16)
+    assert caught.value.param == "temperature"

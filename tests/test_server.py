@@ -1,0 +1,367 @@
+"""`specserve serve` as users meet it: a real server process on loopback with the
+bundled smollm2-135m, talked to with the official `openai` client and raw HTTP.
+
+Two servers run for the module: `plain` (no speculation, API key on, a tiny batch and
+queue so 429 is reachable) and `spec` (smollm2 drafting for itself, k=3, no key,
+--max-num-seqs 4). At temperature 0 both must give the same text as each other and as
+`specserve generate`, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import ServerProcess
+
+MODEL = "smollm2-135m"
+KEY = "test-key-123"
+SPEC = json.dumps({"model": MODEL, "num_speculative_tokens": 3})
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, there was a",
+    "import numpy as np\n",
+    "The quick brown fox",
+    "Q: What is 2 + 2?\nA:",
+    "My favourite colour is",
+]
+
+
+@pytest.fixture(scope="module")
+def plain(prepared_cache):
+    server = ServerProcess(MODEL, "--max-num-seqs", "2", "--max-queue-len", "1", "--max-model-len", "512",
+                           env={"SPECSERVE_API_KEY": KEY})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def spec(prepared_cache):
+    server = ServerProcess(MODEL, "--speculative-config", SPEC, "--max-num-seqs", "4",
+                           "--max-queue-len", "16", "--max-model-len", "1024", "--log-stats-interval", "1",
+                           "--served-model-name", "smol")
+    yield server
+    server.stop()
+
+
+def client(server: ServerProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def complete(server: ServerProcess, prompt: str, model: str, **kwargs) -> openai.types.Completion:
+    return client(server).completions.create(model=model, prompt=prompt, temperature=0, **kwargs)
+
+
+def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
+
+# ----- the happy paths -----
+
+def test_health_and_models(plain, spec):
+    assert httpx.get(plain.url + "/health").status_code == 200  # open even with a key
+    models = client(spec).models.list().data
+    assert [m.id for m in models] == ["smol"]
+    assert client(plain).models.list().data[0].id == MODEL
+
+
+def test_greedy_text_is_the_same_with_and_without_speculation_and_as_generate(plain, spec, prepared_cache):
+    from specserve.generate import build_engine, run_one
+    from specserve.sampling import SamplingParams
+
+    engine, tokenizer = build_engine(MODEL)
+    for prompt in PROMPTS[:4]:
+        ours = complete(plain, prompt, MODEL, max_tokens=32)
+        drafted = complete(spec, prompt, "smol", max_tokens=32)
+        assert drafted.choices[0].text == ours.choices[0].text
+        expected = run_one(engine, tokenizer, tokenizer.encode(prompt), SamplingParams(max_tokens=32, temperature=0))
+        assert ours.choices[0].text == expected["text"]
+        assert ours.usage.completion_tokens == expected["num_output_tokens"]
+        assert ours.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert ours.usage.total_tokens == ours.usage.prompt_tokens + ours.usage.completion_tokens
+        spec_figures = drafted.model_extra["spec_decode"]
+        assert spec_figures["num_draft_tokens"] > 0 and 0 <= spec_figures["acceptance_rate"] <= 1
+        assert ours.model_extra["spec_decode"] is None
+
+
+def test_chat_streaming_with_usage_matches_the_whole_response(spec):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "List three fruits."}]
+    whole = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=40)
+    chunks = list(client(spec).chat.completions.create(
+        model="smol", messages=messages, temperature=0, max_tokens=40, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert whole.usage.completion_tokens <= 40
+
+
+def test_completion_stream_sends_several_tokens_per_chunk_under_speculation(spec):
+    stream = client(spec).completions.create(model="smol", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=48,
+                                             temperature=0, stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices]
+    assert chunks[-1].usage.completion_tokens == 48
+    assert len(text_chunks) < 48  # drafts accepted: fewer chunks than tokens
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_the_text_before_them(plain, spec):
+    reference = complete(plain, PROMPTS[0], MODEL, max_tokens=40).choices[0].text
+    stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
+    expected = reference[: reference.index(stop)]
+    for server, name in ((plain, MODEL), (spec, "smol")):
+        result = complete(server, PROMPTS[0], name, max_tokens=40, stop=[stop, "never-there"])
+        assert result.choices[0].text == expected
+        assert result.choices[0].finish_reason == "stop"
+        assert result.choices[0].model_extra["stop_reason"] == stop
+        chunks = list(client(server).completions.create(model=name, prompt=PROMPTS[0], temperature=0,
+                                                        max_tokens=40, stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_stop_token_ids_ignore_eos_and_echo(plain):
+    from specserve.tokenizer import Tokenizer
+    from specserve import models
+
+    tokenizer = Tokenizer.from_dir(models.prepared_dir(MODEL))
+    reference = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"ignore_eos": True})
+    ids = tokenizer.encode(PROMPTS[2] + reference.choices[0].text)[len(tokenizer.encode(PROMPTS[2])):]
+    stop_id = ids[5]
+    stopped = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["stop_reason"] == stop_id
+    assert stopped.usage.completion_tokens == ids.index(stop_id) + 1
+    assert reference.usage.completion_tokens == 20 and reference.choices[0].finish_reason == "length"
+    echoed = complete(plain, PROMPTS[2], MODEL, max_tokens=5, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPTS[2])
+    token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20,
+                            extra_body={"ignore_eos": True})
+    assert token_prompt.choices[0].text == reference.choices[0].text
+
+
+def test_seeds_repeat_and_differ(spec):
+    def sample(seed: int) -> str:
+        return client(spec).completions.create(
+            model="smol", prompt=PROMPTS[3], max_tokens=24, temperature=1.0, top_p=0.95, seed=seed,
+            extra_body={"top_k": 50},
+        ).choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    assert len({first, sample(8), sample(9)}) > 1
+
+
+def test_metrics_count_requests_tokens_and_speculation(spec):
+    before = metrics(spec)
+    result = complete(spec, PROMPTS[4], "smol", max_tokens=16, extra_body={"ignore_eos": True})
+    after = metrics(spec)
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("specserve:generation_tokens_total") == 16 == result.usage.completion_tokens
+    assert moved("specserve:prompt_tokens_total") == result.usage.prompt_tokens
+    assert moved("specserve:request_success_total", (("finished_reason", "length"),)) == 1
+    assert moved("specserve:time_to_first_token_seconds_count") == 1
+    assert moved("specserve:e2e_request_latency_seconds_count") == 1
+    assert moved("specserve:inter_token_latency_seconds_count") == 15
+    spec_figures = result.model_extra["spec_decode"]
+    assert moved("specserve:spec_decode_num_drafts_total") == spec_figures["num_drafts"] > 0
+    assert moved("specserve:spec_decode_num_draft_tokens_total") == spec_figures["num_draft_tokens"]
+    accepted = moved("specserve:spec_decode_num_accepted_tokens_total")
+    assert accepted == spec_figures["num_accepted_tokens"]
+    per_position = sum(moved("specserve:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))
+                       for i in range(3))
+    assert per_position == accepted
+    assert after[("specserve:num_requests_running", ())] == 0
+    assert ("specserve:num_requests_waiting", ()) in after
+
+
+def test_periodic_log_line_reports_acceptance(spec):
+    complete(spec, PROMPTS[5], "smol", max_tokens=16)
+    deadline = time.monotonic() + 5
+    while "SpecDecoding metrics" not in spec.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "SpecDecoding metrics: Mean acceptance length" in spec.log()
+    assert "Application startup complete" in spec.log()
+
+
+# ----- auth, bad input, load -----
+
+def test_api_key_guards_v1_routes(plain):
+    assert httpx.get(plain.url + "/v1/models").status_code == 401
+    wrong = httpx.get(plain.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(plain, key="nope").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert httpx.get(plain.url + "/metrics").status_code == 200
+
+
+BAD_REQUESTS = [
+    # (route, body, status, param)
+    ("completions", b"{not json", 400, None),
+    ("completions", {"model": MODEL}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 600}, 400, None),  # > --max-model-len 512
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": 12}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, None),  # token id outside the vocabulary
+    ("completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", ["not", "an", "object"], 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(plain, route, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{plain.url}/v1/{route}", content=content,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert complete(plain, "hi", MODEL, max_tokens=2).choices[0].text is not None
+
+
+def test_unknown_route_and_oversized_body(plain):
+    missing = httpx.get(plain.url + "/v2/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    # Announce a 100 MB body without sending it: refused on the header alone.
+    with socket.create_connection(("127.0.0.1", plain.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{")
+        reply = conn.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413")
+
+
+def test_full_queue_gets_429_and_everyone_else_is_served(plain):
+    """--max-num-seqs 2 and --max-queue-len 1: of 6 simultaneous requests 3 run or wait
+    and the rest are refused at once with 429; the accepted ones all finish."""
+    async def one(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 24,
+                                                        "ignore_eos": True, "temperature": 0})
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=plain.url, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            return await asyncio.gather(*(one(http) for _ in range(6)))
+
+    statuses = sorted(r.status_code for r in asyncio.run(burst()))
+    assert statuses.count(200) >= 3 and set(statuses) <= {200, 429}, statuses
+    refused = [r for r in asyncio.run(burst()) if r.status_code == 429]
+    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in refused)
+
+
+def test_disconnect_mid_stream_frees_the_slot(spec):
+    before = metrics(spec).get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0)
+    with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
+                      json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 800,
+                            "ignore_eos": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # got a chunk; leave
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = metrics(spec)
+        if now[("specserve:num_requests_running", ())] == 0 and \
+                now.get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0) == before + 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the abandoned request still runs: {now}")
+    assert now[("specserve:generation_tokens_total", ())] < 10_000
+
+
+def test_sixteen_concurrent_requests_each_get_their_solo_answer(spec):
+    lengths = [12 + 3 * (i % 5) for i in range(16)]
+    requests = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), n) for i, n in enumerate(lengths)]
+    solo = [complete(spec, prompt, "smol", max_tokens=n).choices[0].text for prompt, n in requests]
+
+    async def together() -> list[str]:
+        async_client = openai.AsyncOpenAI(base_url=spec.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        async def one(prompt: str, n: int, stream: bool) -> str:
+            if stream:
+                chunks = await async_client.completions.create(model="smol", prompt=prompt, max_tokens=n,
+                                                               temperature=0, stream=True)
+                return "".join([c.choices[0].text async for c in chunks])
+            result = await async_client.completions.create(model="smol", prompt=prompt, max_tokens=n, temperature=0)
+            return result.choices[0].text
+        return await asyncio.gather(*(one(p, n, i % 2 == 0) for i, (p, n) in enumerate(requests)))
+
+    most_running = 0
+    async def watch_and_run() -> list[str]:
+        nonlocal most_running
+        task = asyncio.ensure_future(together())
+        async with httpx.AsyncClient(base_url=spec.url) as http:
+            while not task.done():
+                text = (await http.get("/metrics")).text
+                for family in text_string_to_metric_families(text):
+                    if family.name == "specserve:num_requests_running":
+                        most_running = max(most_running, family.samples[0].value)
+                await asyncio.sleep(0.05)
+        return await task
+
+    assert asyncio.run(watch_and_run()) == solo
+    assert most_running <= 4
+
+
+def test_sigterm_finishes_or_fails_requests_in_flight_and_exits(prepared_cache):
+    server = ServerProcess(MODEL, "--shutdown-grace", "2")
+    try:
+        lines: list[str] = []
+
+        async def long_stream() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                async with http.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": "Once", "max_tokens": 4000, "ignore_eos": True,
+                        "stream": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line:
+                            lines.append(line)
+                        if len(lines) == 2:
+                            server.terminate()
+
+        started = time.monotonic()
+        asyncio.run(long_stream())
+        # uvicorn re-raises the signal after its graceful shutdown: -SIGTERM is a clean exit.
+        assert server.process.wait(30) in (0, -15)
+        assert "Finished server process" in server.log()
+        assert time.monotonic() - started < 30
+        assert lines[-1] == "data: [DONE]"
+        assert "shut down" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+    finally:
+        server.stop()
