@@ -21,22 +21,11 @@ import time
 import torch
 
 from specserve import models
+from specserve.bench.suites import SUITES, prompts_of
 from specserve.config import SpecConfig
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.sampling import SamplingParams
 from specserve.tokenizer import Tokenizer
-
-SUITES = {
-    "structured": {
-        "count": "List the numbers from one to twenty, one per line.",
-        "repeat": "Repeat the following line exactly 20 times: The quick brown fox jumps over the lazy dog.",
-        "code": "Write a Python function that checks whether a number is prime.",
-    },
-    "open-ended": {
-        "meaning": "I believe the meaning of life is",
-    },
-}
-
 
 def our_modes(args) -> dict[str, SpecConfig | None]:
     modes: dict[str, SpecConfig | None] = {"plain": None}
@@ -133,7 +122,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead")
     args = parser.parse_args()
 
-    prompts = {n: t for s in args.suites.split(",") for n, t in SUITES[s].items()}
+    prompts = prompts_of(args.suites)
     if args.prompts:
         prompts = {n: t for n, t in prompts.items() if n in args.prompts.split(",")}
     rows = run_ours(args, prompts)

@@ -73,7 +73,7 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
     (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 3}'], "not implemented yet"),
     (["--speculative-config", "{oops"], "not valid JSON"),
     (["--model", "no-such-model"], "neither a catalogue model"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--max-model-len", "10"], "maximum model length 10"),
 ])
@@ -92,3 +92,37 @@ def test_models_lists_the_catalogue(prepared_cache, capsys):
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
         assert name in out
     assert main(["models", "prepare", "no-such-model"]) == 2
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'], "not implemented yet"),
+    (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
+    (["--max-model-len", "100000"], "--max-model-len must be in"),
+])
+def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    assert main(["serve", "smollm2-135m", "--port", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: ") and words in err and "Traceback" not in err
+
+
+def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp_path):
+    import shutil
+
+    from specserve import models
+
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    folder = tmp_path / "other-vocab"
+    shutil.copytree(models.prepare("smollm2-135m"), folder)
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    first = next(t for t, i in vocab.items() if i == 1000)
+    vocab[first] = 49151  # one token moves to another id
+    vocab[next(t for t, i in vocab.items() if i == 49151 and t != first)] = 1000
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    spec = json.dumps({"model": str(folder), "num_speculative_tokens": 3})
+    assert main(["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec]) == 2
+    err = capsys.readouterr().err
+    assert "does not share the vocabulary" in err and "Traceback" not in err

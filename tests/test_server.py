@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_process import ServerProcess
+from specserve.bench.local_server import ServerProcess
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"

@@ -206,12 +206,11 @@ class AsyncEngine:
             self._record_finish(request.seq)
 
     def _step(self) -> None:
-        batch = [self._requests[s] for s in self.engine.running if s in self._requests]
         try:
             advanced = self.engine.step()
         except Exception as e:  # a bug: fail this batch, keep serving the rest
             log.exception("engine step failed")
-            for request in batch:
+            for request in [self._requests[s] for s in list(self.engine.running) if s in self._requests]:
                 self._requests.pop(request.seq.seq_id, None)
                 self.engine.abort(request.seq.seq_id)
                 request.done = True

@@ -1,4 +1,5 @@
-"""A real `specserve serve` process on a free loopback port, for the server tests."""
+"""A `specserve serve` process of our own on a free loopback port: for tests, and for
+benchmarks that start the servers they measure."""
 
 from __future__ import annotations
 

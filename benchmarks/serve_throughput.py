@@ -1,0 +1,136 @@
+"""Serving throughput with and without speculation, side by side in one run.
+
+Starts `specserve serve` for the plain target, then for the target with its draft,
+and at each concurrency level keeps that many streaming chat requests in flight over
+the structured and open-ended prompts (temperature 0, so both variants generate the
+same tokens). Output tokens come from the server's `usage`, never from counting SSE
+chunks. Prints output throughput, TTFT, inter-token latency and acceptance, with the
+speculative/plain ratio per level.
+
+    .venv/bin/python benchmarks/serve_throughput.py                       # default pair, k=7
+    .venv/bin/python benchmarks/serve_throughput.py --concurrency 1,4,8 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve import models
+from specserve.bench.local_server import ServerProcess
+from specserve.bench.suites import prompts_of
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    usage = None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+            usage = chunk.get("usage") or usage
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"]
+    return {"tokens": tokens, "ttft_s": (first or end) - start, "e2e_s": end - start,
+            "itl_s": (end - (first or end)) / max(tokens - 1, 1)}
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int) -> dict:
+    queue = itertools.islice(itertools.cycle(prompts), num_requests)
+    records: list[dict] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for prompt in queue:  # workers share one iterator: each request is taken once
+            records.append(await one_request(http, prompt, max_tokens))
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return {
+        "concurrency": concurrency, "requests": len(records), "output_tokens": sum(r["tokens"] for r in records),
+        "output_tokens_per_s": sum(r["tokens"] for r in records) / wall,
+        "ttft_s_p50": statistics.median(r["ttft_s"] for r in records),
+        "itl_s_p50": statistics.median(r["itl_s"] for r in records),
+    }
+
+
+def spec_counters(url: str) -> tuple[float, float, float]:
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            values[sample.name] = sample.value
+    return tuple(values.get(f"specserve:spec_decode_{n}_total", 0.0)
+                 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+
+
+def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> list[dict]:
+    print(f"starting {variant} server ...", file=sys.stderr, flush=True)
+    server = ServerProcess(args.target, "--max-num-seqs", str(max(args.levels)), "--log-stats-interval", "0",
+                           *serve_args, startup_timeout_s=600)
+    rows = []
+    try:
+        asyncio.run(run_level(server.url, prompts[:1], 1, 1, 8))  # warm-up
+        for level in args.levels:
+            before = spec_counters(server.url)
+            row = asyncio.run(run_level(server.url, prompts, level, args.requests_per_level * level, args.max_tokens))
+            drafts, drafted, accepted = (a - b for a, b in zip(spec_counters(server.url), before))
+            row.update(variant=variant, acceptance_rate=accepted / drafted if drafted else None,
+                       mean_acceptance_length=1 + accepted / drafts if drafts else None)
+            rows.append(row)
+            print(f"  {variant} c={level}: {row['output_tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=models.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--requests-per-level", type=int, default=2, help="requests per concurrent slot")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--suites", default="structured,open-ended")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = list(prompts_of(args.suites).values())
+
+    spec = json.dumps({"model": args.draft, "num_speculative_tokens": args.k})
+    rows = measure("plain", [], args, prompts) + measure(f"draft k={args.k}", ["--speculative-config", spec], args, prompts)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    plain = {r["concurrency"]: r for r in rows if r["variant"] == "plain"}
+    print(f"\n{args.target} (draft {args.draft}), {args.max_tokens} max tokens, suites {args.suites}, temperature 0\n")
+    print(f"{'variant':<12}{'conc':>5}{'reqs':>6}{'out tok':>9}{'tok/s':>9}{'x plain':>9}"
+          f"{'ttft p50 s':>12}{'itl p50 ms':>12}{'accept':>8}{'mean len':>9}")
+    for r in rows:
+        ratio = r["output_tokens_per_s"] / plain[r["concurrency"]]["output_tokens_per_s"]
+        rate, length = r["acceptance_rate"], r["mean_acceptance_length"]
+        print(f"{r['variant']:<12}{r['concurrency']:>5}{r['requests']:>6}{r['output_tokens']:>9}"
+              f"{r['output_tokens_per_s']:>9.2f}{ratio:>8.2f}x{r['ttft_s_p50']:>12.2f}{r['itl_s_p50'] * 1000:>12.0f}"
+              f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Measuring servers: prompt suites, load generation, reports."""
