@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import SpecConfig
-from specserve.engine.engine import Engine
+from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE, Engine
 from specserve.errors import ConfigError
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
@@ -33,7 +33,8 @@ def build_engine(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "
             f"for {model!r}, got {max_model_len}"
         )
-    proposer = None if spec is None else make_proposer(spec, target, dtype)
+    chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
+    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk)
     engine = Engine(
         target.decoder,
         eos_token_ids=target.tokenizer.eos_token_ids,

@@ -233,3 +233,21 @@ def test_abort_removes_a_sequence_wherever_it_is(target):
     assert not engine.has_unfinished() and not proposer.caches
     assert first.finish_reason == second.finish_reason == "abort"
     engine.abort(first.seq_id)  # a second abort is harmless
+
+
+def test_draft_catches_up_on_a_long_prompt_in_chunks(target):
+    """A new sequence feeds the draft one chunk per step and is not drafted for until
+    the draft has seen everything; the output is still the target's own."""
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2), catch_up_chunk_size=8)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    prompt = list(range(3, 40))  # 37 tokens
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()  # the target's prefill: first token
+    draft_lengths = []
+    while seq.spec.num_drafts == 0:
+        engine.step()
+        draft_lengths.append(proposer.caches[seq.seq_id].length)
+    assert draft_lengths[:4] == [8, 16, 24, 32]  # a chunk per step, no drafts meanwhile
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == plain_tokens(target, prompt)

@@ -227,6 +227,8 @@ class Decoder(nn.Module):
         for seg in segments:
             seg.cache.length += seg.num_tokens
         if logits_rows is not None:
+            if logits_rows.numel() == 0:  # cache-filling only (a prompt chunk)
+                return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
             h = h[logits_rows]  # [R, hidden]
         return self.lm_head(self.norm(h)).float()
 

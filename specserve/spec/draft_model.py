@@ -8,6 +8,8 @@ cache back to the longest prefix that still agrees with the sequence.
 
 Drafting for a batch is batched: one forward for everyone's catch-up tokens, then one
 single-token forward per further draft position for the sequences that want more.
+A long catch-up (a new sequence's prompt) goes in chunks, one per step, with no drafts
+for that sequence until it is done.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from specserve.spec.proposer import Draft, SequenceView
 
 
 class DraftModelProposer:
-    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0):
+    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0, catch_up_chunk_size: int = 512):
         self.draft = draft
+        self.catch_up_chunk_size = catch_up_chunk_size
         # Stop drafting a sequence after a guess the draft itself gives less than this
         # probability: later guesses would build on it and rarely survive, and on
         # open-ended text they cost more than they save. The choice depends only on the
@@ -42,6 +45,15 @@ class DraftModelProposer:
         draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
         inputs = {i: seqs[i].token_ids[self._cache(seqs[i]).length :] for i in drafted}
+        # A sequence new to the draft has its whole prompt unseen: it catches up a chunk
+        # per step and drafts nothing until it has, so the batch never waits for a long
+        # draft prefill. The rule looks at the sequence alone, so seeded outputs do not
+        # depend on what else is in the batch.
+        catching_up = {i for i in drafted if len(inputs[i]) > self.catch_up_chunk_size}
+        if catching_up:
+            self._catch_up({i: inputs.pop(i)[: self.catch_up_chunk_size] for i in catching_up}, seqs)
+            for i in catching_up:
+                del drafted[i], draft_probs[i]
         while inputs:
             order = list(inputs)
             segments = [Segment(self._cache(seqs[i]), len(inputs[i])) for i in order]
@@ -75,6 +87,12 @@ class DraftModelProposer:
             else Draft.empty()
             for i in range(len(seqs))
         ]
+
+    def _catch_up(self, chunks: dict[int, list[int]], seqs: Sequence[SequenceView]) -> None:
+        """Feed each sequence's chunk of unseen tokens into its draft cache."""
+        segments = [Segment(self._cache(seqs[i]), len(chunk)) for i, chunk in chunks.items()]
+        flat = torch.tensor([t for chunk in chunks.values() for t in chunk], dtype=torch.int64)
+        self.draft(flat, segments, torch.empty(0, dtype=torch.int64))  # no logits wanted
 
     def _greedy_confidence(self, logits: torch.Tensor) -> float:
         """The draft's probability of its argmax (logits [V]); skipped when unused."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpecConfig
+from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
@@ -31,9 +32,10 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype) -> Proposer:
+def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
+                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_model(spec.model, dtype)
     check_same_vocabulary(target, draft)
-    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold)
+    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
