@@ -1,4 +1,4 @@
-"""The `specserve` command line: `serve`, `generate` and `models`.
+"""The `specserve` command line: `serve`, `generate`, `bench`, `compare` and `models`.
 
 Every user-caused failure is a `SpecserveError` and is printed as one line naming the
 fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from specserve import models
+from specserve.bench.options import add_bench_flags, options_from_args
+from specserve.bench.suites import SUITES
 from specserve.config import SpecConfig
 from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError, SpecserveError
@@ -82,6 +84,39 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("names", nargs="*", help="catalogue names (install/prepare)")
     mod.add_argument("--force", action="store_true", help="reinstall / prepare again")
     mod.set_defaults(run=run_models)
+
+    bench = sub.add_parser("bench", help="measure an OpenAI-compatible server (LLMPerf's flags and result files)")
+    add_bench_flags(bench)
+    bench.set_defaults(run=run_bench)
+
+    ab = sub.add_parser("ab", help="serve the target plainly, then with speculation; bench both; compare")
+    add_model_flags(ab, positional=True)
+    ab.add_argument("--max-num-seqs", type=int, default=8, help="passed to both servers")
+    add_bench_flags(ab, own_servers=True)
+    ab.set_defaults(run=run_ab, results_dir="results/ab")
+
+    tune = sub.add_parser("tune", help="measure which draft and k pay per test case; recommend one")
+    tune.add_argument("model", nargs="?", default=models.DEFAULT_TARGET,
+                      help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})")
+    tune.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    tune.add_argument("--drafts", default=models.DEFAULT_DRAFT,
+                      help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {models.DEFAULT_DRAFT})")
+    tune.add_argument("--k", default="1,3,5,7,9,11,15", help="comma-separated num_speculative_tokens to try")
+    tune.add_argument("--suites", default="structured,open-ended", help=f"of {', '.join(SUITES)}")
+    tune.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
+    tune.add_argument("--results-dir", default="results/tune", help="where tune.md and tune.json go")
+    tune.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    tune.set_defaults(run=run_tune)
+
+    cmp = sub.add_parser("compare", help="compare `specserve bench` result folders: Markdown tables and plots")
+    cmp.add_argument("results_dirs", nargs="+", metavar="RESULTS_DIR",
+                     help="result folders of `specserve bench --results-dir`; the first is the baseline")
+    cmp.add_argument("--output-dir", default=None,
+                     help="where comparison.md and the PNG plots go (default: comparison/ beside the first folder)")
+    cmp.add_argument("--names", default=None, metavar="A,B,...",
+                     help="variant names, one per folder (default: each summary's variant, else the folder's name)")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    cmp.set_defaults(run=run_compare)
     return parser
 
 
@@ -167,6 +202,83 @@ def run_models(args: argparse.Namespace) -> int:
         else:
             print(models.prepare(name, force=args.force))
     return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from specserve.bench import benchmark
+
+    for result in benchmark.run(options_from_args(args)):
+        print(json.dumps(result.summary) if args.json else benchmark.describe(result), flush=True)
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    names = args.names.split(",") if args.names is not None else None
+    return print_comparison(args.results_dirs, args.output_dir, names, args.json)
+
+
+def print_comparison(results_dirs: list, output_dir: str | None, names: list[str] | None, as_json: bool) -> int:
+    """Write comparison.md and the plots; print the Markdown (or the JSON)."""
+    from specserve.bench import compare
+    from specserve.bench.ab import write_comparison
+
+    markdown, files = write_comparison(results_dirs, output_dir, names)
+    if as_json:
+        comparison = compare.build_comparison(compare.load_variants(results_dirs, names))
+        print(json.dumps({**compare.to_json(comparison), "files": [str(f) for f in files]}))
+    else:
+        print(markdown, end="")
+    print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specserve.bench.tune import Tuner, recommend, to_markdown
+
+    drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        raise ConfigError(f"--k takes comma-separated integers, e.g. 1,3,7; got {args.k!r}") from None
+    suites = [s.strip() for s in args.suites.split(",")]
+    unknown = [s for s in suites if s not in SUITES]
+    if not drafts or any(k < 1 for k in ks) or unknown or args.max_tokens < 2:
+        raise ConfigError(
+            f"tune needs at least one draft, k >= 1, suites from {', '.join(SUITES)} and --max-tokens >= 2 "
+            f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
+        )
+    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, DTYPES[args.dtype]).run()
+    best = recommend(rows)
+    header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
+              f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
+    markdown = to_markdown(rows, best, header)
+    folder = Path(args.results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tune.md").write_text(markdown)
+    (folder / "tune.json").write_text(json.dumps({"rows": rows, "recommended": best}, indent=2))
+    print(json.dumps({"rows": rows, "recommended": best}) if args.json else markdown, end="" if not args.json else "\n")
+    print(f"wrote {folder / 'tune.md'}, {folder / 'tune.json'}", file=sys.stderr)
+    return 0
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specserve.bench.ab import run_ab as ab
+
+    spec = args.speculative_config or json.dumps(
+        {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7})
+    SpecConfig.parse(spec)  # refuse a bad config before starting anything
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    serve_args = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len is not None:
+        serve_args += ["--max-model-len", str(args.max_model_len)]
+    root = Path(args.results_dir)
+    results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root)
+    return print_comparison(results_dirs, str(root / "comparison"), None, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ finish for `shutdown_grace_s`, then whatever is left ends with a clear error (HT
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import uvicorn
 
 from specserve.config import SpecConfig
 from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.errors import ConfigError
 from specserve.generate import build_engine
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
@@ -72,7 +74,6 @@ def serve(config: ServerConfig) -> None:
 
     @asynccontextmanager
     async def lifespan(_app):
-        async_engine.start()
         yield
         async_engine.stop()
 
@@ -83,4 +84,20 @@ def serve(config: ServerConfig) -> None:
              config.model, name, spec, config.max_num_seqs, engine.max_model_len)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_grace_s + 5)
-    _Server(uv_config, async_engine, config.shutdown_grace_s).run()
+    server = _Server(uv_config, async_engine, config.shutdown_grace_s)
+    # HTTP on a second thread, the engine on the main one (see async_engine); uvicorn
+    # installs no signal handlers off the main thread, so stop signals come here.
+    def run_http() -> None:
+        try:
+            server.run()
+        finally:  # also when uvicorn gives up (a taken port): never leave the engine waiting
+            async_engine.stop()
+
+    http = threading.Thread(target=run_http, name="specserve-http")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    http.start()
+    async_engine.run()  # returns once uvicorn's shutdown has stopped the engine
+    http.join()
+    if not server.started:  # e.g. the port was taken: uvicorn logged why
+        raise ConfigError(f"the HTTP server did not start on {config.host}:{config.port}; see the log above")

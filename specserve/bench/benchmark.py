@@ -1,0 +1,204 @@
+"""`specserve bench`: each test case's requests against an OpenAI-compatible server, its
+/metrics scraped before and after, and two files per test case in --results-dir:
+
+- `<name>_summary.json`: one flat object: the run's settings ("name", "model",
+  "test_case", "variant", "url", the length flags, "num_concurrent_requests",
+  "request_rate", "additional_sampling_params", "metadata", "timestamp", "version"),
+  then the `results_*` keys of `summary.summarise` and `spec_metrics.spec_figures`,
+  and "results_num_token_count_disagreements" (requests whose usage and tokenizer
+  count differ by more than one token; usage is kept);
+- `<name>_individual_responses.json`: the per-request records, in start order;
+
+with name = `{test_case}_{model}_{mean_input_tokens}_{mean_output_tokens}`, each run of
+characters other than letters, digits, `.`, `_` and `-` replaced by `-`.
+`specserve compare` reads these files: their keys are a contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import specserve
+from specserve.bench.client import ENDPOINTS, StreamedResponse, open_session, stream_request
+from specserve.bench.options import BenchOptions
+from specserve.bench.runner import LoadResult, run_load
+from specserve.bench.spec_metrics import spec_figures
+from specserve.bench.summary import CountTokens, output_tokens, request_record, summarise, usage_disagrees
+from specserve.bench.workload import BenchRequest, Workload, build_requests
+from specserve.errors import ConfigError
+from specserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    summary: dict[str, Any]
+    summary_path: Path
+    individual_responses_path: Path
+
+
+def result_name(test_case: str, model: str, mean_input_tokens: int, mean_output_tokens: int) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{test_case}_{model}_{mean_input_tokens}_{mean_output_tokens}")
+
+
+def run(options: BenchOptions) -> Iterator[BenchResult]:
+    """Run the test cases one after another, yielding each one's result once written."""
+    model = check_server(options)
+    tokenizer_name = options.tokenizer or (model if _is_catalogue_name(model) else None)
+    tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
+    count_tokens = None if tokenizer is None else (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    planned = [(workload, build_requests(
+        workload, options.max_num_completed_requests, options.lengths, api=options.api, model=model,
+        sampling_params=options.additional_sampling_params, tokenizer=tokenizer, seed=options.seed,
+    )) for workload in options.workloads]  # every prompt is built before any is sent
+    for workload, requests in planned:
+        yield run_test_case(options, workload, requests, model, count_tokens)
+
+
+def check_server(options: BenchOptions) -> str:
+    """Refuse an unreachable server or a refused key before any work; the model to send."""
+    try:
+        reply = httpx.get(f"{options.url}/v1/models", headers=_auth(options.api_key), timeout=30)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach the server at {options.url} ({type(e).__name__}: {e}); "
+                          "start it or pass --url") from None
+    if reply.status_code in (401, 403):
+        raise ConfigError(f"the server at {options.url} refused the API key (HTTP {reply.status_code}); "
+                          "pass --api-key or set OPENAI_API_KEY")
+    served = _served_models(reply)
+    if options.model and served and options.model not in served:
+        raise ConfigError(f"the server at {options.url} serves {', '.join(served)}, not {options.model!r}; "
+                          "pass one of those as --model")
+    if options.model:
+        return options.model
+    if not served:
+        raise ConfigError(f"the server at {options.url} lists no model at /v1/models; pass --model")
+    return served[0]
+
+
+def _served_models(reply: httpx.Response) -> list[str]:
+    """The model ids of a /v1/models reply; empty when it is not one."""
+    try:
+        return [str(model["id"]) for model in reply.json()["data"]] if reply.status_code == 200 else []
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """A folder holding tokenizer.json, else whatever `specserve.models.resolve` accepts."""
+    from specserve import models
+
+    folder = Path(name_or_path).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        folder = models.resolve(name_or_path)
+    return Tokenizer.from_dir(folder)
+
+
+def _is_catalogue_name(name: str) -> bool:
+    from specserve import models
+
+    return name in models.CATALOGUE
+
+
+def run_test_case(options: BenchOptions, workload: Workload, requests: list[BenchRequest], model: str,
+                  count_tokens: CountTokens | None) -> BenchResult:
+    metrics_before = scrape_metrics(options)
+    timestamp = time.time()
+    load = asyncio.run(_drive(options, requests, count_tokens, workload.name))
+    metrics_after = scrape_metrics(options)
+
+    records = [request_record(request, response, test_case=workload.name, run_started_at=load.started_at,
+                              count_tokens=count_tokens)
+               for request, response in zip(requests, load.responses)]
+    name = result_name(workload.name, model, options.lengths.mean_input_tokens, options.lengths.mean_output_tokens)
+    summary = {
+        "name": name, "model": model, "test_case": workload.name, "variant": options.metadata.get("variant"),
+        "url": options.url,
+        "mean_input_tokens": options.lengths.mean_input_tokens,
+        "stddev_input_tokens": options.lengths.stddev_input_tokens,
+        "mean_output_tokens": options.lengths.mean_output_tokens,
+        "stddev_output_tokens": options.lengths.stddev_output_tokens,
+        "num_concurrent_requests": options.num_concurrent_requests,
+        "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
+        "additional_sampling_params": options.additional_sampling_params, "metadata": options.metadata,
+        "timestamp": timestamp, "version": specserve.__version__,
+        **summarise(records, load.duration_s, options.goodput_slos_ms),
+        "results_num_token_count_disagreements": sum(usage_disagrees(r, count_tokens) for r in load.responses),
+        **spec_figures(metrics_before, metrics_after),
+    }
+    options.results_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = options.results_dir / f"{name}_summary.json"
+    individual_path = options.results_dir / f"{name}_individual_responses.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    individual_path.write_text(json.dumps(records, indent=2) + "\n")
+    return BenchResult(summary, summary_path, individual_path)
+
+
+async def _drive(options: BenchOptions, requests: list[BenchRequest], count_tokens: CountTokens | None,
+                 description: str) -> LoadResult:
+    async with open_session(options.url, options.api_key, options.num_concurrent_requests) as http:
+        async def send(request: BenchRequest, deadline: float) -> StreamedResponse:
+            response = await stream_request(http, ENDPOINTS[options.api], request.body, deadline)
+            if response.ok:
+                output_tokens(response, count_tokens)  # no usage and no tokenizer: stop the run now
+            return response
+
+        return await run_load(requests, send, concurrency=options.num_concurrent_requests,
+                              request_rate=options.request_rate, timeout_s=options.timeout_s,
+                              seed=options.seed, description=description)
+
+
+def scrape_metrics(options: BenchOptions) -> str | None:
+    """The server's /metrics text, or None where it has none."""
+    try:
+        reply = httpx.get(f"{options.url}/metrics", headers=_auth(options.api_key), timeout=30)
+    except httpx.HTTPError:
+        return None
+    return reply.text if reply.status_code == 200 else None
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def describe(result: BenchResult) -> str:
+    """A few readable lines about one test case."""
+    s = result.summary
+
+    def ms(metric: str, q: str) -> str:
+        value = s[f"results_{metric}_{q}"]
+        return "-" if value is None else f"{value * 1000:.0f} ms"
+
+    lines = [
+        f"{s['test_case']}: {s['results_num_completed_requests']}/{s['results_num_requests_started']} requests ok "
+        f"in {s['results_duration_s']:.1f} s against {s['model']} at {s['url']}",
+        f"  ttft          p50 {ms('ttft_s', 'quantiles_p50')}, p99 {ms('ttft_s', 'quantiles_p99')}",
+        f"  inter-token   p50 {ms('inter_token_latency_s', 'quantiles_p50')}, "
+        f"p99 {ms('inter_token_latency_s', 'quantiles_p99')}",
+        f"  end-to-end    p50 {ms('end_to_end_latency_s', 'quantiles_p50')}, "
+        f"p99 {ms('end_to_end_latency_s', 'quantiles_p99')}",
+        f"  output        {s['results_mean_output_throughput_token_per_s']:.1f} tok/s overall, "
+        f"mean {s['results_number_output_tokens_mean'] or 0:.1f} tokens per request",
+    ]
+    if s["results_spec_acceptance_rate"] is not None:
+        lines.append(f"  speculation   acceptance {s['results_spec_acceptance_rate']:.1%}, "
+                     f"mean acceptance length {s['results_spec_mean_acceptance_length']:.2f}")
+    if s["results_goodput_requests_per_s"] is not None:
+        lines.append(f"  goodput       {s['results_goodput_requests_per_s']:.2f} req/s "
+                     f"({s['results_goodput_fraction']:.0%} of requests within the SLOs)")
+    if s["results_number_errors"]:
+        lines.append(f"  errors        {s['results_number_errors']} ({s['results_error_code_frequency']})")
+    if s["results_num_token_count_disagreements"]:
+        lines.append(f"  warning       {s['results_num_token_count_disagreements']} requests: the server's usage "
+                     "and the tokenizer's count disagree (usage kept)")
+    lines.append(f"  -> {result.summary_path}")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""`specserve tune`: which draft and which k pay, per test case, measured in-process.
+
+The target and every draft are loaded once; each configuration (plain, then every
+draft with every k) decodes the same prompts of the chosen suites at temperature 0,
+one request at a time, so the figures are the decode speed a lone user sees. For each
+configuration and test case the table gives acceptance, inter-token latency, output
+throughput, the speedup of the decode rate over the plain target, and beside it the
+speedup Leviathan et al. (2023) predict from the measured acceptance rate `alpha` and
+the measured draft/target cost ratio `c` of one decode step:
+
+    predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+The formula assumes verifying k + 1 tokens costs what one token costs and that drafts
+are accepted independently; where the measured speedup falls short of it, that is the
+price of verification and of correlated rejections.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.bench.suites import SUITES
+from specserve.config import SpecConfig
+from specserve.engine.engine import Engine
+from specserve.generate import encode_prompt, run_one
+from specserve.models import LoadedModel, load_model
+from specserve.sampling import SamplingParams
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.factory import check_same_vocabulary
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.stats import SpecStats
+
+NGRAM = "ngram"
+PLAIN = "plain"
+
+
+@dataclass
+class Measurement:
+    """One configuration on one test case, summed over its prompts."""
+
+    output_tokens: int = 0
+    decode_tokens: int = 0  # output tokens after the first of each request
+    decode_s: float = 0.0
+    e2e_s: float = 0.0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def predicted_speedup(alpha: float | None, k: int, cost_ratio: float) -> float | None:
+    """Leviathan et al.'s expected speedup in wall time for acceptance rate alpha."""
+    if alpha is None or k == 0:
+        return None
+    tokens_per_step = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens_per_step / (k * cost_ratio + 1)
+
+
+def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: int) -> float:
+    """Seconds per decode step of `model` alone, plain, after its first token."""
+    engine = Engine(model.decoder, eos_token_ids=())
+    run_one(engine, model.tokenizer, prompt_ids, SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    result = run_one(engine, model.tokenizer, prompt_ids,
+                     SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+    return 1 / result["decode_tokens_per_s"]
+
+
+class Tuner:
+    def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
+                 dtype: torch.dtype = torch.float32):
+        self.target = load_model(target, dtype)
+        self.drafts: dict[str, LoadedModel | None] = {}
+        for name in drafts:
+            if name == NGRAM:
+                self.drafts[name] = None
+                continue
+            draft = load_model(name, dtype)
+            check_same_vocabulary(self.target, draft)
+            self.drafts[name] = draft
+        self.ks = ks
+        self.max_tokens = max_tokens
+        tokenizer = self.target.tokenizer
+        self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
+                        for suite in suites}
+        self.threshold = SpecConfig.draft_confidence_threshold  # as served by default
+
+    def measure(self, proposer_name: str, k: int) -> dict[str, Measurement]:
+        proposer = None
+        if proposer_name == NGRAM:
+            proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
+        elif proposer_name != PLAIN:
+            proposer = DraftModelProposer(self.drafts[proposer_name].decoder, self.threshold)
+        engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, k)
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=0)
+        first = next(iter(self.prompts.values()))[0]
+        run_one(engine, self.target.tokenizer, first, SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        by_suite = {}
+        for suite, prompts in self.prompts.items():
+            total = Measurement()
+            for ids in prompts:
+                result = run_one(engine, self.target.tokenizer, ids, params)
+                total.output_tokens += result["num_output_tokens"]
+                total.decode_tokens += result["num_output_tokens"] - 1
+                total.decode_s += result["e2e_s"] - result["ttft_s"]
+                total.e2e_s += result["e2e_s"]
+                if result["spec"] is not None:
+                    total.spec.merge(SpecStats(**{k: result["spec"][k] for k in (
+                        "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")}))
+            by_suite[suite] = total
+        return by_suite
+
+    def cost_ratios(self) -> dict[str, float]:
+        """Draft decode step / target decode step, per draft (n-gram lookup costs ~0)."""
+        ids = next(iter(self.prompts.values()))[0]
+        target_s = decode_step_seconds(self.target, ids, 32)
+        return {name: 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
+                for name, draft in self.drafts.items()}
+
+    def run(self) -> list[dict[str, Any]]:
+        ratios = self.cost_ratios()
+        configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks]
+        rows = []
+        plain: dict[str, Measurement] = {}
+        for name, k in configs:
+            print(f"tune: {name} k={k} ...", file=sys.stderr, flush=True)
+            for suite, m in self.measure(name, k).items():
+                if name == PLAIN:
+                    plain[suite] = m
+                speedup = m.decode_tokens_per_s / plain[suite].decode_tokens_per_s
+                rows.append({
+                    "test_case": suite, "proposer": name, "k": k,
+                    "acceptance_rate": m.spec.acceptance_rate,
+                    "mean_acceptance_length": m.spec.mean_acceptance_length,
+                    "inter_token_latency_s": 1 / m.decode_tokens_per_s if m.decode_tokens_per_s else None,
+                    "output_tokens_per_s": m.output_tokens / m.e2e_s,
+                    "decode_tokens_per_s": m.decode_tokens_per_s,
+                    "speedup": speedup,
+                    "predicted_speedup": predicted_speedup(m.spec.acceptance_rate, k, ratios.get(name, 0.0)),
+                    "cost_ratio": ratios.get(name),
+                })
+        return rows
+
+
+def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The fastest configuration per test case, and overall by the geometric mean of speedups."""
+    best = {}
+    for suite in dict.fromkeys(r["test_case"] for r in rows):
+        best[suite] = max((r for r in rows if r["test_case"] == suite), key=lambda r: r["speedup"])
+    configs = dict.fromkeys((r["proposer"], r["k"]) for r in rows)
+    overall = max(configs, key=lambda c: statistics.geometric_mean(
+        r["speedup"] for r in rows if (r["proposer"], r["k"]) == c))
+    best["overall"] = {"proposer": overall[0], "k": overall[1], "speedup": statistics.geometric_mean(
+        r["speedup"] for r in rows if (r["proposer"], r["k"]) == overall)}
+    return best
+
+
+def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], header: str) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    lines = [header, "",
+             "| test case | proposer | k | acceptance | mean acc. len | ITL (ms) | output tok/s | speedup | predicted |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['test_case']} | {r['proposer']} | {r['k']} | {fmt(r['acceptance_rate'], '.1%')} "
+            f"| {fmt(r['mean_acceptance_length'], '.2f')} | {fmt(r['inter_token_latency_s'] and r['inter_token_latency_s'] * 1000, '.0f')} "
+            f"| {fmt(r['output_tokens_per_s'], '.2f')} | {fmt(r['speedup'], '.2f')}x | {fmt(r['predicted_speedup'], '.2f')}"
+            f"{'' if r['predicted_speedup'] is None else 'x'} |")
+    lines += ["", "Recommended:"]
+    for suite, r in best.items():
+        config = PLAIN if r["proposer"] == PLAIN else f"{r['proposer']}, k={r['k']}"
+        lines.append(f"- {suite}: {config} ({r['speedup']:.2f}x the plain target's decode)")
+    return "\n".join(lines) + "\n"

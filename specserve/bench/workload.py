@@ -1,0 +1,186 @@
+"""The requests of one test case, built before the timed loop as LLMPerf builds them:
+which prompt each request sends, its `max_tokens`, and its prompt length counted with
+the tokenizer when there is one.
+
+Invariants: the same seed, test case and flags give the same requests, whatever other
+test cases run beside it. Lengths are drawn from normal(mean, stddev) and drawn again
+until they are at least 1 (LLMPerf's truncated normal). Prompts are sent in shuffled
+rounds, so every prompt of a suite is sent equally often, give or take one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specserve.bench import suites
+from specserve.errors import ConfigError
+from specserve.tokenizer import Tokenizer
+
+SONNET_INSTRUCTION = ("Randomly stream lines from the following text with {num_output_tokens} output tokens. "
+                      "Don't generate eos tokens:\n\n")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str
+    text: str | None = None  # a raw prompt, or under the chat API the one user message
+    messages: tuple[dict[str, str], ...] | None = None
+    max_tokens: int | None = None  # overrides the sampled output length
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A test case: a name and its prompts (none for `sonnet`: each request builds its own)."""
+
+    name: str
+    prompts: tuple[Prompt, ...]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token-length distributions: input lengths shape only the sonnet prompt."""
+
+    mean_input_tokens: int
+    stddev_input_tokens: int
+    mean_output_tokens: int
+    stddev_output_tokens: int
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt_name: str
+    body: dict[str, Any]  # the JSON body, less the streaming fields the client adds
+    num_input_tokens: int | None  # the prompt counted with the tokenizer; None without one
+
+
+def builtin_workload(name: str) -> Workload:
+    if name == suites.SONNET:
+        return Workload(name, ())
+    try:
+        prompts = suites.prompts_for_test_case(name)
+    except ValueError as e:
+        raise ConfigError(f"{e}; or pass --prompts-file") from None
+    return Workload(name, tuple(Prompt(prompt_name, text=text) for prompt_name, text in prompts.items()))
+
+
+def load_prompts_file(path: str | Path, api: str) -> Workload:
+    """A JSONL file of {"prompt": str} or {"messages": [...]}, with optional "max_tokens"
+    and "name"; the test case is named after the file."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read --prompts-file {path}: {e}") from None
+    prompts = [_prompt_of_line(line, path, number, api) for number, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts-file {path} holds no prompts; write one JSON object per line")
+    return Workload(path.stem, tuple(prompts))
+
+
+def _prompt_of_line(line: str, path: Path, number: int, api: str) -> Prompt:
+    where = f"{path}:{number}"
+    fix = 'each line must be {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}'
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not JSON ({e}); {fix}") from None
+    if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
+        raise ConfigError(f"{where}: {fix}")
+    max_tokens = entry.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ConfigError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
+    name = str(entry.get("name", number))
+    if "prompt" in entry:
+        if not isinstance(entry["prompt"], str):
+            raise ConfigError(f"{where}: {fix}")
+        return Prompt(name, text=entry["prompt"], max_tokens=max_tokens)
+    messages = entry["messages"]
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ConfigError(f"{where}: {fix}")
+    if api == "completions":
+        raise ConfigError(f"{where} has messages, which the completions API cannot send; drop --api completions")
+    return Prompt(name, messages=tuple(messages), max_tokens=max_tokens)
+
+
+def sample_length(rng: random.Random, mean: int, stddev: int) -> int:
+    """A token count from normal(mean, stddev), drawn again until it is at least 1."""
+    while True:
+        length = round(rng.gauss(mean, stddev))
+        if length >= 1:
+            return length
+
+
+def build_requests(workload: Workload, num_requests: int, lengths: Lengths, *, api: str, model: str,
+                   sampling_params: dict[str, Any], tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
+    rng = random.Random(f"{seed}:{workload.name}")
+    if not workload.prompts and tokenizer is None:
+        raise ConfigError("the sonnet test case counts prompt tokens with a tokenizer; pass --tokenizer "
+                          "(a catalogue name or a folder with tokenizer.json)")
+    order = _prompt_order(workload.prompts, num_requests, rng)
+    requests = []
+    for index in range(num_requests):
+        num_output_tokens = sample_length(rng, lengths.mean_output_tokens, lengths.stddev_output_tokens)
+        if workload.prompts:
+            prompt = order[index]
+        else:
+            num_input_tokens = sample_length(rng, lengths.mean_input_tokens, lengths.stddev_input_tokens)
+            prompt = Prompt(suites.SONNET, text=sonnet_prompt(rng, num_input_tokens, num_output_tokens, tokenizer))
+        body = {"model": model, **_prompt_fields(prompt, api),
+                "max_tokens": prompt.max_tokens or num_output_tokens, **sampling_params}
+        count = None if tokenizer is None else count_prompt_tokens(tokenizer, body)
+        requests.append(BenchRequest(index, prompt.name, body, count))
+    return requests
+
+
+def _prompt_order(prompts: tuple[Prompt, ...], num_requests: int, rng: random.Random) -> list[Prompt]:
+    order: list[Prompt] = []
+    while prompts and len(order) < num_requests:
+        round_ = list(prompts)
+        rng.shuffle(round_)
+        order += round_
+    return order[:num_requests]
+
+
+def _prompt_fields(prompt: Prompt, api: str) -> dict[str, Any]:
+    if api == "completions":
+        return {"prompt": prompt.text}
+    return {"messages": list(prompt.messages or ({"role": "user", "content": prompt.text},))}
+
+
+def count_prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> int:
+    """The prompt's tokens as the server sees them: the chat template applied where there is one."""
+    if "prompt" in body:
+        return len(tokenizer.encode(body["prompt"]))
+    if tokenizer.chat_template:
+        return len(tokenizer.encode_chat(body["messages"]))
+    return len(tokenizer.encode("\n".join(m["content"] for m in body["messages"])))
+
+
+def sonnet_prompt(rng: random.Random, num_input_tokens: int, num_output_tokens: int, tokenizer: Tokenizer) -> str:
+    """LLMPerf's prompt: the instruction, then shuffled sonnet lines until the text holds
+    `num_input_tokens` tokens (never fewer than the instruction's own); the last line is
+    cut at a token boundary."""
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    prompt = SONNET_INSTRUCTION.format(num_output_tokens=num_output_tokens)
+    remaining = num_input_tokens - count(prompt)
+    lines = suites.sonnet_lines()
+    rng.shuffle(lines)
+    while remaining > 0:
+        for line in lines:
+            size = count(line)
+            if size > remaining:
+                prompt += tokenizer.decode(tokenizer.encode(line, add_special_tokens=False)[:remaining])
+                remaining = 0
+                break
+            prompt += line
+            remaining -= size
+    return prompt

@@ -1,0 +1,42 @@
+"""`specserve ab` end to end on smollm2-135m: a plain and a speculative server, one
+after the other, the same workload against each, then the comparison and its plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from specserve.cli import main
+
+
+def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    results = tmp_path / "ab"
+    stale = results / "baseline" / "old_summary.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")  # a previous run's file must not mix in
+    argv = ["ab", "smollm2-135m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+            "--test-case", "count,meaning", "--max-num-completed-requests", "2", "--mean-output-tokens", "24",
+            "--stddev-output-tokens", "0", "--additional-sampling-params", '{"temperature": 0}',
+            "--results-dir", str(results), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not stale.exists()
+    for variant in ("baseline", "speculative"):
+        summaries = sorted((results / variant).glob("*_summary.json"))
+        assert [json.loads(p.read_text())["test_case"] for p in summaries] == ["count", "meaning"]
+        for path in summaries:
+            summary = json.loads(path.read_text())
+            assert summary["variant"] == variant and summary["results_num_completed_requests"] == 2
+            assert summary["results_number_errors"] == 0
+            spec_rate = summary["results_spec_acceptance_rate"]
+            assert (spec_rate is None) == (variant == "baseline")
+    # At temperature 0 both servers generate the same tokens.
+    outputs = {v: json.loads(next((results / v).glob("count_*_summary.json")).read_text())
+               ["results_number_output_tokens_mean"] for v in ("baseline", "speculative")}
+    assert outputs["baseline"] == outputs["speculative"]
+    comparison = results / "comparison"
+    assert (comparison / "comparison.md").read_text().count("| Output throughput") == 2
+    for plot in ("e2e_latency.png", "inter_token_latency.png", "ttft.png"):
+        assert (comparison / plot).stat().st_size > 5000
+    assert {str(comparison / "comparison.md")} <= set(report["files"])

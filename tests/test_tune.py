@@ -1,0 +1,64 @@
+"""`specserve tune`: the Leviathan prediction, the recommendation, and a real sweep on
+smollm2-135m (drafting for itself, and n-gram lookup)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specserve.bench.tune import predicted_speedup, recommend
+from specserve.cli import main
+
+
+def test_predicted_speedup_is_leviathans_formula():
+    # alpha 0.5, k 3: (1 - 0.5^4) / 0.5 = 1.875 tokens per step; cost 3 * 0.1 + 1 = 1.3
+    assert predicted_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    assert predicted_speedup(1.0, 7, 0.0) == 8  # every draft accepted, free drafts
+    assert predicted_speedup(0.0, 5, 0.2) == pytest.approx(1 / 2)  # nothing accepted: pure cost
+    assert predicted_speedup(None, 3, 0.1) is None and predicted_speedup(0.5, 0, 0.1) is None
+
+
+def test_recommend_takes_the_fastest_per_test_case_and_the_best_geometric_mean():
+    rows = [
+        {"test_case": "structured", "proposer": "plain", "k": 0, "speedup": 1.0},
+        {"test_case": "open-ended", "proposer": "plain", "k": 0, "speedup": 1.0},
+        {"test_case": "structured", "proposer": "d", "k": 7, "speedup": 2.5},
+        {"test_case": "open-ended", "proposer": "d", "k": 7, "speedup": 0.5},
+        {"test_case": "structured", "proposer": "d", "k": 3, "speedup": 1.8},
+        {"test_case": "open-ended", "proposer": "d", "k": 3, "speedup": 0.9},
+    ]
+    best = recommend(rows)
+    assert (best["structured"]["proposer"], best["structured"]["k"]) == ("d", 7)
+    assert best["open-ended"]["proposer"] == "plain"
+    # geometric means: plain 1.0, k=7 sqrt(1.25) = 1.118, k=3 sqrt(1.62) = 1.273
+    assert (best["overall"]["proposer"], best["overall"]["k"]) == ("d", 3)
+
+
+def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    argv = ["tune", "smollm2-135m", "--drafts", "smollm2-135m,ngram", "--k", "1,3", "--suites", "structured",
+            "--max-tokens", "12", "--results-dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert [(r["proposer"], r["k"]) for r in rows] == [
+        ("plain", 0), ("smollm2-135m", 1), ("smollm2-135m", 3), ("ngram", 1), ("ngram", 3)]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["acceptance_rate"] is None
+    self_draft = rows[2]
+    assert self_draft["acceptance_rate"] > 0.9  # the target drafting for itself is (nearly) always right
+    assert 0.5 < self_draft["cost_ratio"] < 2  # ... and costs what the target costs
+    assert self_draft["predicted_speedup"] == pytest.approx(
+        predicted_speedup(self_draft["acceptance_rate"], 3, self_draft["cost_ratio"]))
+    assert rows[3]["cost_ratio"] == 0.0
+    assert set(report["recommended"]) == {"structured", "overall"}
+    assert "Recommended:" in (tmp_path / "tune.md").read_text()
+    assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
+
+
+def test_tune_refuses_bad_flags_in_one_line(capsys):
+    assert main(["tune", "smollm2-135m", "--k", "one"]) == 2
+    assert "--k takes comma-separated integers" in capsys.readouterr().err
+    assert main(["tune", "smollm2-135m", "--suites", "poetry"]) == 2
+    assert "suites from" in capsys.readouterr().err
