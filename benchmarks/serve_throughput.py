@@ -88,7 +88,8 @@ def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> li
         asyncio.run(run_level(server.url, prompts[:1], 1, 1, 8))  # warm-up
         for level in args.levels:
             before = spec_counters(server.url)
-            row = asyncio.run(run_level(server.url, prompts, level, args.requests_per_level * level, args.max_tokens))
+            num_requests = max(len(prompts), args.requests_per_level * level)  # every prompt at least once
+            row = asyncio.run(run_level(server.url, prompts, level, num_requests, args.max_tokens))
             drafts, drafted, accepted = (a - b for a, b in zip(spec_counters(server.url), before))
             row.update(variant=variant, acceptance_rate=accepted / drafted if drafted else None,
                        mean_acceptance_length=1 + accepted / drafts if drafts else None)

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -143,7 +143,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         # As vLLM: no max_tokens means the rest of the context.
         return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
 
-    async def run(body, prompt_ids: list[int], arrival: float,
+    async def run(body, prompt_ids: list[int], arrival: float, head: dict[str, Any],
                   make_chunk: Callable[[RequestOutput, bool], dict[str, Any] | None],
                   make_response: Callable[[str, RequestOutput], dict[str, Any]]) -> Response:
         check_model(body.model)
@@ -176,7 +176,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                         break
                     out, is_first = await anext(outputs), False
                 if body.include_usage:
-                    yield _sse(make_chunk(out, False, usage_only=True))
+                    yield _sse({**head, "choices": [], "usage": _usage(out)})
             except Exception as e:  # the stream has started: report in-band
                 yield _sse(_as_api_error(e).body())
             finally:
@@ -201,9 +201,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                     "finish_reason": out.finish_reason if out.finished else None,
                     "stop_reason": out.stop_reason}
 
-        def chunk(out: RequestOutput, first: bool, usage_only: bool = False) -> dict[str, Any] | None:
-            if usage_only:
-                return {**head, "choices": [], "usage": _usage(out)}
+        def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
             text = (prompt_text if first and body.echo else "") + out.text
             if not text and not out.finished:
                 return None
@@ -217,7 +215,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
             return {**head, "choices": [choice(text, out)], "usage": _usage(out),
                     "spec_decode": _spec_decode(out)}
 
-        return await run(body, prompt_ids, arrival, chunk, response)
+        return await run(body, prompt_ids, arrival, head, chunk, response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -231,9 +229,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": settings.served_model_name}
 
-        def chunk(out: RequestOutput, first: bool, usage_only: bool = False) -> dict[str, Any] | None:
-            if usage_only:
-                return {**head, "choices": [], "usage": _usage(out)}
+        def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
             if not out.text and not out.finished and not first:
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -253,6 +249,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                                  "stop_reason": out.stop_reason}],
                     "usage": _usage(out), "spec_decode": _spec_decode(out)}
 
-        return await run(body, prompt_ids, arrival, chunk, response)
+        return await run(body, prompt_ids, arrival, head, chunk, response)
 
     return app
