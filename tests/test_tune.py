@@ -50,7 +50,8 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     assert self_draft["acceptance_rate"] > 0.9  # the target drafting for itself is (nearly) always right
     assert 0.5 < self_draft["cost_ratio"] < 2  # ... and costs what the target costs
     assert self_draft["predicted_speedup"] == pytest.approx(
-        predicted_speedup(self_draft["acceptance_rate"], 3, self_draft["cost_ratio"]))
+        predicted_speedup(self_draft["acceptance_rate"], self_draft["mean_draft_length"], self_draft["cost_ratio"]))
+    assert 1 <= self_draft["mean_draft_length"] <= 3
     assert rows[3]["cost_ratio"] == 0.0
     assert set(report["recommended"]) == {"structured", "overall"}
     assert "Recommended:" in (tmp_path / "tune.md").read_text()

@@ -11,6 +11,7 @@
 
 with name = `{test_case}_{model}_{mean_input_tokens}_{mean_output_tokens}`, each run of
 characters other than letters, digits, `.`, `_` and `-` replaced by `-`.
+With --emf, each request's figures also go out as CloudWatch EMF lines (see emf.py).
 `specserve compare` reads these files: their keys are a contract.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 import httpx
 
 import specserve
+from specserve.bench import emf
 from specserve.bench.client import ENDPOINTS, StreamedResponse, open_session, stream_request
 from specserve.bench.options import BenchOptions
 from specserve.bench.runner import LoadResult, run_load
@@ -52,6 +54,8 @@ def result_name(test_case: str, model: str, mean_input_tokens: int, mean_output_
 
 def run(options: BenchOptions) -> Iterator[BenchResult]:
     """Run the test cases one after another, yielding each one's result once written."""
+    if options.emf is not None:
+        emf.check_variant(options.metadata)
     model = check_server(options)
     tokenizer_name = options.tokenizer or (model if _is_catalogue_name(model) else None)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
@@ -140,6 +144,8 @@ def run_test_case(options: BenchOptions, workload: Workload, requests: list[Benc
     individual_path = options.results_dir / f"{name}_individual_responses.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     individual_path.write_text(json.dumps(records, indent=2) + "\n")
+    if options.emf is not None:
+        emf.emit(options.emf, records, summary)
     return BenchResult(summary, summary_path, individual_path)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specserve.bench import suites
+from specserve.bench import emf, suites
 from specserve.bench.client import ENDPOINTS
 from specserve.bench.summary import GOODPUT_SLOS
 from specserve.bench.workload import Lengths, Workload, builtin_workload, load_prompts_file
@@ -43,6 +43,7 @@ class BenchOptions:
     goodput_slos_ms: dict[str, float] | None
     seed: int
     json: bool
+    emf: emf.EmfSettings | None = None  # None: no EMF lines
 
 
 def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) -> None:
@@ -85,6 +86,7 @@ def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) 
                         help="SLOs a good request meets, any of ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--seed", type=int, default=0, help="prompt choice, lengths and arrivals")
     parser.add_argument("--json", action="store_true", help="print each summary as one JSON object")
+    emf.add_flags(parser)
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -110,6 +112,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         request_rate=args.request_rate, timeout_s=args.timeout, results_dir=Path(args.results_dir),
         additional_sampling_params=_sampling_params(args.additional_sampling_params),
         metadata=_metadata(args.metadata), goodput_slos_ms=_goodput(args.goodput), seed=args.seed, json=args.json,
+        emf=emf.settings_from_args(args),
     )
 
 

@@ -10,7 +10,9 @@ the measured draft/target cost ratio `c` of one decode step:
 
     predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
 
-The formula assumes verifying k + 1 tokens costs what one token costs and that drafts
+with k the mean number of tokens actually drafted per step (the draft stops early
+after a guess it is unsure of, so on open-ended text it drafts far fewer than the
+configured k). The formula assumes verifying k + 1 tokens costs what one token costs and that drafts
 are accepted independently; where the measured speedup falls short of it, that is the
 price of verification and of correlated rejections.
 """
@@ -51,12 +53,18 @@ class Measurement:
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
+    def mean_draft_length(self) -> float:
+        """Tokens actually drafted per step: k, less where the draft stopped early."""
+        return self.spec.num_draft_tokens / self.spec.num_drafts if self.spec.num_drafts else 0.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def predicted_speedup(alpha: float | None, k: int, cost_ratio: float) -> float | None:
-    """Leviathan et al.'s expected speedup in wall time for acceptance rate alpha."""
+def predicted_speedup(alpha: float | None, k: float, cost_ratio: float) -> float | None:
+    """Leviathan et al.'s expected speedup in wall time for acceptance rate alpha and
+    k tokens drafted per step (a mean: the draft stops early when unsure)."""
     if alpha is None or k == 0:
         return None
     tokens_per_step = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -142,7 +150,9 @@ class Tuner:
                     "output_tokens_per_s": m.output_tokens / m.e2e_s,
                     "decode_tokens_per_s": m.decode_tokens_per_s,
                     "speedup": speedup,
-                    "predicted_speedup": predicted_speedup(m.spec.acceptance_rate, k, ratios.get(name, 0.0)),
+                    "predicted_speedup": predicted_speedup(m.spec.acceptance_rate, m.mean_draft_length,
+                                                           ratios.get(name, 0.0)),
+                    "mean_draft_length": m.mean_draft_length,
                     "cost_ratio": ratios.get(name),
                 })
         return rows
@@ -166,11 +176,13 @@ def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], hea
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
     lines = [header, "",
-             "| test case | proposer | k | acceptance | mean acc. len | ITL (ms) | output tok/s | speedup | predicted |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| test case | proposer | k | drafted/step | acceptance | mean acc. len | ITL (ms) | output tok/s "
+             "| speedup | predicted |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['test_case']} | {r['proposer']} | {r['k']} | {fmt(r['acceptance_rate'], '.1%')} "
+            f"| {r['test_case']} | {r['proposer']} | {r['k']} | {fmt(r['mean_draft_length'] or None, '.2f')} "
+            f"| {fmt(r['acceptance_rate'], '.1%')} "
             f"| {fmt(r['mean_acceptance_length'], '.2f')} | {fmt(r['inter_token_latency_s'] and r['inter_token_latency_s'] * 1000, '.0f')} "
             f"| {fmt(r['output_tokens_per_s'], '.2f')} | {fmt(r['speedup'], '.2f')}x | {fmt(r['predicted_speedup'], '.2f')}"
             f"{'' if r['predicted_speedup'] is None else 'x'} |")
