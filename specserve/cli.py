@@ -1,4 +1,4 @@
-"""The `specserve` command line: `serve`, `generate`, `bench`, `compare` and `models`.
+"""The `specserve` command line: `serve`, `generate`, `bench`, `compare`, `ab`, `tune` and `models`.
 
 Every user-caused failure is a `SpecserveError` and is printed as one line naming the
 fix, with exit status 2; anything else is a bug and keeps its traceback.
