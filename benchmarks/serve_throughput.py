@@ -4,7 +4,7 @@ Starts `specserve serve` for the plain target, then for the target with its draf
 and at each concurrency level keeps that many streaming chat requests in flight over
 the structured and open-ended prompts (temperature 0, so both variants generate the
 same tokens). Output tokens come from the server's `usage`, never from counting SSE
-chunks. Prints output throughput, TTFT, inter-token latency and acceptance, with the
+chunks; requests go through `specserve bench`'s streaming client. Prints output throughput, TTFT, inter-token latency and acceptance, with the
 speculative/plain ratio per level.
 
     .venv/bin/python benchmarks/serve_throughput.py                       # default pair, k=7
@@ -22,32 +22,24 @@ import sys
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import models
+from specserve.bench.client import ENDPOINTS, open_session, stream_request
 from specserve.bench.local_server import ServerProcess
+from specserve.bench.spec_metrics import spec_figures
 from specserve.bench.suites import prompts_of
 
 
 async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = None
-    usage = None
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter()
-            usage = chunk.get("usage") or usage
-    end = time.perf_counter()
-    tokens = usage["completion_tokens"]
-    return {"tokens": tokens, "ttft_s": (first or end) - start, "e2e_s": end - start,
-            "itl_s": (end - (first or end)) / max(tokens - 1, 1)}
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+    deadline = asyncio.get_running_loop().time() + 3600
+    response = await stream_request(http, ENDPOINTS["chat"], body, deadline)
+    if not response.ok:
+        raise RuntimeError(f"a request failed: {response.error_msg}")
+    tokens = response.completion_tokens
+    ttft = response.chunk_times_s[0] if response.chunk_times_s else response.end_to_end_s
+    return {"tokens": tokens, "ttft_s": ttft, "e2e_s": response.end_to_end_s,
+            "itl_s": (response.end_to_end_s - ttft) / max(tokens - 1, 1)}
 
 
 async def run_level(url: str, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int) -> dict:
@@ -58,7 +50,7 @@ async def run_level(url: str, prompts: list[str], concurrency: int, num_requests
         for prompt in queue:  # workers share one iterator: each request is taken once
             records.append(await one_request(http, prompt, max_tokens))
 
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+    async with open_session(url, api_key=None, max_connections=concurrency) as http:
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         wall = time.perf_counter() - start
@@ -70,15 +62,6 @@ async def run_level(url: str, prompts: list[str], concurrency: int, num_requests
     }
 
 
-def spec_counters(url: str) -> tuple[float, float, float]:
-    values = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            values[sample.name] = sample.value
-    return tuple(values.get(f"specserve:spec_decode_{n}_total", 0.0)
-                 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
-
-
 def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> list[dict]:
     print(f"starting {variant} server ...", file=sys.stderr, flush=True)
     server = ServerProcess(args.target, "--max-num-seqs", str(max(args.levels)), "--log-stats-interval", "0",
@@ -87,12 +70,12 @@ def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> li
     try:
         asyncio.run(run_level(server.url, prompts[:1], 1, 1, 8))  # warm-up
         for level in args.levels:
-            before = spec_counters(server.url)
+            before = httpx.get(server.url + "/metrics").text
             num_requests = max(len(prompts), args.requests_per_level * level)  # every prompt at least once
             row = asyncio.run(run_level(server.url, prompts, level, num_requests, args.max_tokens))
-            drafts, drafted, accepted = (a - b for a, b in zip(spec_counters(server.url), before))
-            row.update(variant=variant, acceptance_rate=accepted / drafted if drafted else None,
-                       mean_acceptance_length=1 + accepted / drafts if drafts else None)
+            spec = spec_figures(before, httpx.get(server.url + "/metrics").text)
+            row.update(variant=variant, acceptance_rate=spec["results_spec_acceptance_rate"],
+                       mean_acceptance_length=spec["results_spec_mean_acceptance_length"])
             rows.append(row)
             print(f"  {variant} c={level}: {row['output_tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
     finally:

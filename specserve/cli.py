@@ -17,8 +17,7 @@ import torch
 from specserve import models
 from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
-from specserve.config import SpecConfig
-from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError, SpecserveError
 
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -257,8 +256,12 @@ def run_tune(args: argparse.Namespace) -> int:
     folder = Path(args.results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tune.md").write_text(markdown)
-    (folder / "tune.json").write_text(json.dumps({"rows": rows, "recommended": best}, indent=2))
-    print(json.dumps({"rows": rows, "recommended": best}) if args.json else markdown, end="" if not args.json else "\n")
+    report = {"rows": rows, "recommended": best}
+    (folder / "tune.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(markdown, end="")
     print(f"wrote {folder / 'tune.md'}, {folder / 'tune.json'}", file=sys.stderr)
     return 0
 

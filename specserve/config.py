@@ -132,6 +132,10 @@ def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if kind in (None, "default") else dict(scaling)
 
 
+# Most prompt tokens one step prefills, over all sequences: a longer prompt goes in
+# chunks, so running sequences keep decoding (the target's and the draft's prefill alike).
+DEFAULT_PREFILL_CHUNK_SIZE = 512
+
 SPEC_METHODS = ("draft_model", "ngram")
 FUTURE_SPEC_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
 

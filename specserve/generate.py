@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from specserve.config import SpecConfig
-from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE, Engine
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.models import load_model
 from specserve.sampling import SamplingParams

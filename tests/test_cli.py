@@ -78,8 +78,12 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
     (["--max-model-len", "10"], "maximum model length 10"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
-    os.environ["SPECSERVE_CACHE"] = prepared_cache
-    argv = ["generate", *CHAT, *args]
+    assert_refused(prepared_cache, capsys, ["generate", *CHAT, *args], words)
+
+
+def assert_refused(cache: str, capsys, argv: list[str], words: str) -> None:
+    """The command exits 2 with one `specserve: error:` line holding `words`, no traceback."""
+    os.environ["SPECSERVE_CACHE"] = cache
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("specserve: error: ") and words in err and "Traceback" not in err
@@ -102,10 +106,7 @@ def test_models_lists_the_catalogue(prepared_cache, capsys):
     (["--max-model-len", "100000"], "--max-model-len must be in"),
 ])
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
-    os.environ["SPECSERVE_CACHE"] = prepared_cache
-    assert main(["serve", "smollm2-135m", "--port", "1", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("specserve: error: ") and words in err and "Traceback" not in err
+    assert_refused(prepared_cache, capsys, ["serve", "smollm2-135m", "--port", "1", *args], words)
 
 
 def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp_path):
@@ -123,6 +124,5 @@ def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp
     vocab[next(t for t, i in vocab.items() if i == 49151 and t != first)] = 1000
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     spec = json.dumps({"model": str(folder), "num_speculative_tokens": 3})
-    assert main(["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec]) == 2
-    err = capsys.readouterr().err
-    assert "does not share the vocabulary" in err and "Traceback" not in err
+    assert_refused(prepared_cache, capsys, ["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec],
+                   "does not share the vocabulary")

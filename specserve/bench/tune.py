@@ -112,15 +112,14 @@ class Tuner:
         by_suite = {}
         for suite, prompts in self.prompts.items():
             total = Measurement()
+            spec_before = engine.spec_stats.copy()
             for ids in prompts:
                 result = run_one(engine, self.target.tokenizer, ids, params)
                 total.output_tokens += result["num_output_tokens"]
                 total.decode_tokens += result["num_output_tokens"] - 1
                 total.decode_s += result["e2e_s"] - result["ttft_s"]
                 total.e2e_s += result["e2e_s"]
-                if result["spec"] is not None:
-                    total.spec.merge(SpecStats(**{k: result["spec"][k] for k in (
-                        "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")}))
+            total.spec = engine.spec_stats - spec_before
             by_suite[suite] = total
         return by_suite
 

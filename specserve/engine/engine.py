@@ -26,6 +26,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
@@ -35,7 +36,6 @@ from specserve.spec.stats import SpecStats
 from specserve.spec.verify import verify
 
 DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_PREFILL_CHUNK_SIZE = 512
 
 
 @dataclass

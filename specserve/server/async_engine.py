@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -120,7 +119,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopping = False
-        self._ids = itertools.count()
 
     # ----- event-loop side -----
 
@@ -133,17 +131,13 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._running
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise the engine's ConfigError for a request it would refuse."""
-        self.engine.check_request(prompt_ids, params)
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams, stop: Sequence[str] = (),
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Run one request; yield its outputs until the finished one. Stopping the
         iteration early (client gone) aborts the request in the engine."""
         if self._stopping or not self.alive:
             raise ShuttingDownError("the server is shutting down; retry against another replica")
-        self.check(prompt_ids, params)
+        self.engine.check_request(prompt_ids, params)  # refuse now, not on the engine thread
         if self.num_unfinished >= self.max_unfinished:
             raise QueueFullError(
                 f"the server is at capacity ({self.engine.max_num_seqs} running and "
@@ -197,7 +191,8 @@ class AsyncEngine:
                 elif kind == "abort":
                     self._abort(request)
                 else:
-                    self._fail_all(ShuttingDownError("the server shut down before this request finished"))
+                    self._fail(list(self._requests.values()),
+                               ShuttingDownError("the server shut down before this request finished"))
                     return
             if self.engine.has_unfinished():
                 self._step()
@@ -227,11 +222,8 @@ class AsyncEngine:
             advanced = self.engine.step()
         except Exception as e:  # a bug: fail this batch, keep serving the rest
             log.exception("engine step failed")
-            for request in [self._requests[s] for s in list(self.engine.running) if s in self._requests]:
-                self._requests.pop(request.seq.seq_id, None)
-                self.engine.abort(request.seq.seq_id)
-                request.done = True
-                request.post(EngineStepError(f"internal error while generating: {e!r}"))
+            batch = [self._requests[s] for s in self.engine.running if s in self._requests]
+            self._fail(batch, EngineStepError(f"internal error while generating: {e!r}"))
             return
         now = time.perf_counter()
         for seq in advanced:
@@ -280,10 +272,11 @@ class AsyncEngine:
         self.metrics.finished(seq.finish_reason or "abort", seq.timings()["e2e_s"],
                               seq.num_prompt_tokens, seq.num_output_tokens)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request in list(self._requests.values()):
+    def _fail(self, requests: list[_Request], error: Exception) -> None:
+        """End these requests in the engine and answer each with `error`."""
+        for request in requests:
+            self._requests.pop(request.seq.seq_id, None)
             self.engine.abort(request.seq.seq_id)
             self._record_finish(request.seq)
             request.done = True
             request.post(error)
-        self._requests.clear()

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 import uvicorn
 
-from specserve.config import SpecConfig
-from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError
 from specserve.generate import build_engine
 from specserve.server.app import ApiSettings, build_app

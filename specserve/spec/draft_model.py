@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.sampling import logits_to_probs, sample
@@ -25,7 +26,8 @@ from specserve.spec.proposer import Draft, SequenceView
 
 
 class DraftModelProposer:
-    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0, catch_up_chunk_size: int = 512):
+    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0,
+                 catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE):
         self.draft = draft
         self.catch_up_chunk_size = catch_up_chunk_size
         # Stop drafting a sequence after a guess the draft itself gives less than this

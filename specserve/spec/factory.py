@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import SpecConfig
-from specserve.engine.engine import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
