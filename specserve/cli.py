@@ -19,8 +19,25 @@ from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError, SpecserveError
+from specserve.model.quant import QUANTIZATIONS, QUANTIZED_ACTIVATION_DTYPE
 
-DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ["auto", *DTYPES]
+
+
+def add_format_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="activations and unquantized weights (auto: float32, or bfloat16 "
+                        "with --quantization, which its kernels need)")
+    parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="none",
+                        help="weight-only quantization of the linear layers, target and draft alike "
+                        "(int8 per channel, int4 per group of 32); prepared once into the cache")
+
+
+def dtype_of(args: argparse.Namespace) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.float32 if args.quantization == "none" else QUANTIZED_ACTIVATION_DTYPE
+    return DTYPES[args.dtype]
 
 
 def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -34,8 +51,7 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         help='e.g. \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}\' or '
         '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                        help="weights and activations (auto = float32 on CPU)")
+    add_format_flags(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's context)")
 
@@ -97,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure which draft and k pay per test case; recommend one")
     tune.add_argument("model", nargs="?", default=models.DEFAULT_TARGET,
                       help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})")
-    tune.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    add_format_flags(tune)
     tune.add_argument("--drafts", default=models.DEFAULT_DRAFT,
                       help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {models.DEFAULT_DRAFT})")
     tune.add_argument("--k", default="1,3,5,7,9,11,15", help="comma-separated num_speculative_tokens to try")
@@ -132,7 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    engine, tokenizer = build_engine(args.model, spec, DTYPES[args.dtype], args.max_model_len)
+    engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization)
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
@@ -155,7 +171,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     serve(ServerConfig(
-        model=args.model, spec=spec, dtype=DTYPES[args.dtype], host=args.host, port=args.port,
+        model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
+        host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
@@ -248,7 +265,7 @@ def run_tune(args: argparse.Namespace) -> int:
             f"tune needs at least one draft, k >= 1, suites from {', '.join(SUITES)} and --max-tokens >= 2 "
             f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
         )
-    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, DTYPES[args.dtype]).run()
+    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization).run()
     best = recommend(rows)
     header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
               f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
@@ -276,7 +293,8 @@ def run_ab(args: argparse.Namespace) -> int:
     SpecConfig.parse(spec)  # refuse a bad config before starting anything
     if args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    serve_args = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    serve_args = ["--dtype", args.dtype, "--quantization", args.quantization,
+                  "--max-num-seqs", str(args.max_num_seqs)]
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]
     root = Path(args.results_dir)

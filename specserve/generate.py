@@ -24,17 +24,18 @@ def build_engine(
     spec: SpecConfig | None = None,
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
+    quantization: str = "none",
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size."""
-    target = load_model(model, dtype)
+    target = load_model(model, dtype, quantization)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "
             f"for {model!r}, got {max_model_len}"
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
-    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk)
+    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization)
     engine = Engine(
         target.decoder,
         eos_token_ids=target.tokenizer.eos_token_ids,

@@ -32,7 +32,8 @@ import torch
 from specserve.config import ModelConfig
 from specserve.errors import ModelLoadError
 from specserve.model import checkpoint
-from specserve.model.decoder import Decoder
+from specserve.model.decoder import Decoder, rope_inverse_frequencies
+from specserve.model.quant import check_quantization, load_quantized_state, quantized_state
 from specserve.tokenizer import Tokenizer
 
 PREPARED_MARKER = "specserve.json"
@@ -265,13 +266,55 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
+               quantization: str = "none") -> LoadedModel:
+    """Load a model; with int8/int4 quantization the quantized weights are prepared once
+    into the cache (see `specserve.model.quant`)."""
+    check_quantization(quantization, dtype)
     folder = resolve(name_or_path)
     config = checkpoint.read_config(folder)
-    decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype)
-    decoder.pack_linear_weights()
+    if quantization == "none":
+        decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype)
+        decoder.pack_linear_weights()
+    else:
+        decoder = _load_quantized(folder, config, quantization)
     try:
         tokenizer = Tokenizer.from_dir(folder)
     except OSError as e:
         raise ModelLoadError(f"cannot read the tokenizer in {folder}: {e}") from None
     return LoadedModel(name=name_or_path, config=config, decoder=decoder, tokenizer=tokenizer)
+
+
+def _quantized_file(folder: Path, quantization: str) -> Path:
+    """Where a checkpoint folder's quantized weights are kept: keyed by the folder and
+    its weights' sizes and times, so a changed checkpoint is quantized again."""
+    stamps = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.glob("*.safetensors"))]
+    key = hashlib.sha256(f"{folder.resolve()}|{'|'.join(stamps)}".encode()).hexdigest()[:12]
+    return cache_root() / "quantized" / f"{folder.name}-{key}-{quantization}.safetensors"
+
+
+def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Decoder:
+    from safetensors.torch import load_file, save_file
+
+    path = _quantized_file(folder, quantization)
+    with _locked(path.stem):
+        if not path.is_file():
+            started = time.monotonic()
+            print(f"quantizing {folder.name} to {quantization} into {path} (once) ...",
+                  file=sys.stderr, flush=True)
+            float_model = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), torch.float32)
+            state = quantized_state(float_model, quantization)
+            del float_model
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            save_file(state, str(partial))
+            partial.rename(path)
+            print(f"quantized in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    with torch.device("meta"):
+        decoder = Decoder(config)
+    try:
+        load_quantized_state(decoder, load_file(path))
+    except (KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"{path} does not fit {folder.name} ({e}); delete it and it is made again") from None
+    decoder.inv_freq = rope_inverse_frequencies(config)  # a buffer, not in the saved state
+    return decoder.eval()

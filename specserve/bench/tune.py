@@ -82,14 +82,14 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
 
 class Tuner:
     def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
-                 dtype: torch.dtype = torch.float32):
-        self.target = load_model(target, dtype)
+                 dtype: torch.dtype = torch.float32, quantization: str = "none"):
+        self.target = load_model(target, dtype, quantization)
         self.drafts: dict[str, LoadedModel | None] = {}
         for name in drafts:
             if name == NGRAM:
                 self.drafts[name] = None
                 continue
-            draft = load_model(name, dtype)
+            draft = load_model(name, dtype, quantization)
             check_same_vocabulary(self.target, draft)
             self.drafts[name] = draft
         self.ks = ks

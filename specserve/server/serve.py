@@ -31,6 +31,7 @@ class ServerConfig:
     model: str
     spec: SpecConfig | None = None
     dtype: torch.dtype = torch.float32
+    quantization: str = "none"
     host: str = "0.0.0.0"
     port: int = 8000
     served_model_name: str | None = None
@@ -65,7 +66,7 @@ def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
-        config.model, config.spec, config.dtype, config.max_model_len,
+        config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
         max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,

@@ -32,9 +32,10 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
-                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> Proposer:
+                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+                  quantization: str = "none") -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    draft = load_model(spec.model, dtype)
+    draft = load_model(spec.model, dtype, quantization)
     check_same_vocabulary(target, draft)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
