@@ -72,6 +72,14 @@ class ModelConfig:
     def architecture(self) -> Architecture:
         return ARCHITECTURES[self.arch]
 
+    @property
+    def weights_per_token(self) -> int:
+        """Weights a decode step reads per token: every linear layer and the head
+        (the embedding lookup reads one row)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * self.hidden_size
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face `config.json` dict."""
@@ -154,6 +162,17 @@ class SpecConfig:
     # Measured on the default pair it keeps open-ended text near plain speed while
     # leaving structured prompts untouched; 0 drafts exactly k tokens, as vLLM does.
     draft_confidence_threshold: float = 0.5
+    # Our addition: choose each request's k per step from its acceptance and the
+    # measured costs (spec/adaptive.py), from 0 (plain decoding) up to
+    # max_speculative_tokens; a seeded sampling request keeps num_speculative_tokens so
+    # its output repeats. False drafts num_speculative_tokens every step, as vLLM.
+    adaptive: bool = True
+    max_speculative_tokens: int = 15  # adaptive only; parse() makes it >= num_speculative_tokens
+
+    def describe_k(self) -> str:
+        if self.adaptive:
+            return f"adaptive k in 0..{self.max_speculative_tokens}"
+        return f"k={self.num_speculative_tokens}"
 
     @classmethod
     def parse(cls, raw: str | dict[str, Any] | None) -> SpecConfig | None:
@@ -215,9 +234,21 @@ class SpecConfig:
         threshold = raw.get("draft_confidence_threshold", cls.draft_confidence_threshold)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
             raise ConfigError(f"draft_confidence_threshold must be a number in [0, 1), got {threshold!r}")
+        adaptive = raw.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
+        max_k = raw.get("max_speculative_tokens", max(15, k) if adaptive else k)
+        if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < k:
+            raise ConfigError(
+                f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k}), got {max_k!r}"
+            )
+        if not adaptive and "max_speculative_tokens" in raw:
+            raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(
             method=method,
             num_speculative_tokens=k,
+            adaptive=adaptive,
+            max_speculative_tokens=max_k,
             model=model,
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,

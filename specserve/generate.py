@@ -15,7 +15,8 @@ from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
-from specserve.spec.factory import make_proposer
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.factory import make_proposer, prior_cost_ratio
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,12 +37,16 @@ def build_engine(
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
     proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization)
+    adaptive = None
+    if spec is not None and spec.adaptive:
+        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.config))
     engine = Engine(
         target.decoder,
         eos_token_ids=target.tokenizer.eos_token_ids,
         proposer=proposer,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         max_model_len=max_model_len,
+        adaptive=adaptive,
         **engine_options,
     )
     return engine, target.tokenizer

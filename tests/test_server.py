@@ -23,7 +23,7 @@ from specserve.bench.local_server import ServerProcess
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
-SPEC = json.dumps({"model": MODEL, "num_speculative_tokens": 3})
+SPEC = json.dumps({"model": MODEL, "num_speculative_tokens": 3, "adaptive": False})
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",

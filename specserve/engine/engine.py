@@ -31,6 +31,7 @@ from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
 from specserve.spec.verify import verify
@@ -58,7 +59,11 @@ class Engine:
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+        adaptive: AdaptiveSpecLength | None = None,
     ):
+        """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
+        except a seeded sampling request's, which stays num_speculative_tokens so that
+        it repeats; without, every step drafts num_speculative_tokens."""
         if max_num_seqs < 1 or prefill_chunk_size < 1:
             raise ConfigError(
                 f"max_num_seqs and prefill_chunk_size must be >= 1, got {max_num_seqs} and {prefill_chunk_size}"
@@ -67,6 +72,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.adaptive = adaptive if proposer is not None else None
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
@@ -126,10 +132,30 @@ class Engine:
         seq.finish(reason)
         if self.proposer is not None:
             self.proposer.free(seq_id)
+        if self.adaptive is not None:
+            self.adaptive.free(seq_id)
 
-    def _num_draft_tokens(self, seq: Sequence) -> int:
+    def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
+        ks = [self.num_speculative_tokens] * len(decoding)
+        # Adaptive k depends on measured timings, and a sampled token depends on where
+        # the draft stopped: a seeded sampling request keeps the fixed k so it repeats.
+        adaptable = [i for i, s in enumerate(decoding) if s.params.greedy or s.params.seed is None]
+        if self.adaptive is not None and adaptable:
+            for i, k in zip(adaptable, self.adaptive.choose([decoding[i].seq_id for i in adaptable])):
+                ks[i] = k
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
-        return max(0, min(self.num_speculative_tokens, seq.remaining_tokens - 1))
+        return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
+
+    def _propose(self, decoding: list[Sequence]) -> list[Draft]:
+        wanted = self._num_draft_tokens(decoding)
+        if self.proposer is None or not any(wanted):
+            return [Draft.empty()] * len(decoding)
+        started = time.perf_counter()
+        drafts = self.proposer.propose(decoding, wanted)
+        # A draft catching up a long prompt drafts nothing this step: not a drafting cost.
+        if self.adaptive is not None and all(d.num_tokens for d, k in zip(drafts, wanted) if k):
+            self.adaptive.observe_draft(max(d.num_tokens for d in drafts), time.perf_counter() - started)
+        return drafts
 
     def _schedule(self) -> list[_Work]:
         """Admit waiting requests, then choose what each running sequence feeds this step."""
@@ -137,10 +163,7 @@ class Engine:
             seq = self.waiting.popleft()
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
-        wanted = [self._num_draft_tokens(s) for s in decoding]
-        drafts = [Draft.empty()] * len(decoding)
-        if self.proposer is not None and any(wanted):
-            drafts = self.proposer.propose(decoding, wanted)
+        drafts = self._propose(decoding)
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in zip(decoding, drafts)]
 
         budget = self.prefill_chunk_size
@@ -159,7 +182,7 @@ class Engine:
         work = self._schedule()
         if not work:
             return []
-        segments = [Segment(w.seq.cache, len(w.tokens)) for w in work]
+        segments = [Segment(w.seq.cache, len(w.tokens), one_query_at_a_time=w.draft.num_tokens > 0) for w in work]
         ends = torch.tensor([len(w.tokens) for w in work]).cumsum(0)
         # Score the last k+1 positions of each scored sequence: its newest token and its drafts.
         rows = torch.cat(
@@ -167,7 +190,10 @@ class Engine:
             or [torch.empty(0, dtype=torch.int64)]
         )
         flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64)
+        started = time.perf_counter()
         logits = self.target(flat, segments, rows)  # [sum over scored of (k_i + 1), V]
+        if self.adaptive is not None and len(flat) == len(rows):  # a pure decode step
+            self.adaptive.observe_target(len(flat), time.perf_counter() - started)
 
         advanced = [w.seq for w in work if w.scored]
         drafts = [w.draft for w in work if w.scored]
@@ -179,6 +205,8 @@ class Engine:
             if draft.num_tokens:
                 seq.spec.record(draft.num_tokens, verdict.num_accepted)
                 self.spec_stats.record(draft.num_tokens, verdict.num_accepted)
+            if self.adaptive is not None:
+                self.adaptive.record(seq.seq_id, draft.num_tokens, verdict.num_accepted)
             num_accepted.append(verdict.num_accepted)
         if self.proposer is not None:
             self.proposer.observe(advanced, num_accepted)

@@ -28,10 +28,18 @@ from specserve.model.kv_cache import KVCache
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's share of a batch: `num_tokens` new tokens appended to `cache`."""
+    """One sequence's share of a batch: `num_tokens` new tokens appended to `cache`.
+
+    `one_query_at_a_time`: attend with each new token separately, exactly as decoding
+    them one per step would. Attention kernels round differently for one query and for
+    several under a mask, and in bfloat16 that can flip a near-tie: the target verifying
+    drafts this way computes bitwise what plain decoding computes (the linear layers'
+    rows do not depend on the batch), so greedy speculation gives the same tokens.
+    """
 
     cache: KVCache
     num_tokens: int
+    one_query_at_a_time: bool = False
 
 
 class PackedLinear(nn.Module):
@@ -148,12 +156,19 @@ class Attention(nn.Module):
             cache_v[:, start:end] = v[offset : offset + n].transpose(0, 1)
             seg_q = q[offset : offset + n].transpose(0, 1)  # [heads, n, head_dim]
             # Query i sits at position start + i and sees keys 0..start + i.
-            mask = None
-            if n > 1:
+            if n == 1 or seg.one_query_at_a_time:
+                out = torch.cat([
+                    F.scaled_dot_product_attention(
+                        seg_q[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1],
+                        enable_gqa=True,
+                    )
+                    for i in range(n)
+                ], dim=1)  # [heads, n, head_dim]
+            else:
                 mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
-            out = F.scaled_dot_product_attention(
-                seg_q, cache_k[:, :end], cache_v[:, :end], attn_mask=mask, enable_gqa=True
-            )  # [heads, n, head_dim]
+                out = F.scaled_dot_product_attention(
+                    seg_q, cache_k[:, :end], cache_v[:, :end], attn_mask=mask, enable_gqa=True
+                )  # [heads, n, head_dim]
             outputs.append(out.transpose(0, 1).reshape(n, -1))
             offset += n
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])

@@ -79,7 +79,7 @@ def serve(config: ServerConfig) -> None:
 
     settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key)
     app = build_app(async_engine, tokenizer, settings, lifespan=lifespan)
-    spec = "off" if config.spec is None else f"{config.spec.method}, k={config.spec.num_speculative_tokens}"
+    spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
     log.info("serving %r as %r (speculation %s, max_num_seqs %d, max_model_len %d)",
              config.model, name, spec, config.max_num_seqs, engine.max_model_len)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,

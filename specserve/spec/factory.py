@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, ModelConfig, SpecConfig
 from specserve.errors import ConfigError
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
@@ -39,3 +39,11 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     draft = load_model(spec.model, dtype, quantization)
     check_same_vocabulary(target, draft)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
+
+
+def prior_cost_ratio(proposer: Proposer, target: ModelConfig) -> float:
+    """A first guess of one draft position's cost in target forwards, before any is
+    measured: the ratio of weights read per token (an n-gram lookup reads none)."""
+    if isinstance(proposer, DraftModelProposer):
+        return proposer.draft.config.weights_per_token / target.weights_per_token
+    return 0.0

@@ -1,0 +1,156 @@
+"""Adaptive speculation: the cost fit, the choice of k, probing, and lossless output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import SpecConfig
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder
+from specserve.sampling import SamplingParams
+from specserve.spec import adaptive as adaptive_module
+from specserve.spec.adaptive import AdaptiveSpecLength, LinearFit, expected_tokens
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from tests.conftest import tiny_config
+
+
+def controller(fixed=1.0, per_row=0.02, draft_fixed=0.1, per_position=0.3, max_k=15) -> AdaptiveSpecLength:
+    """A controller whose measured costs are exactly the given lines (seconds)."""
+    ctl = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5)
+    for _ in range(400):  # enough to wash the priors out
+        for rows in (1, 4, 16):
+            ctl.observe_target(rows, fixed + per_row * rows)
+        for positions in (1, 3, 8):
+            ctl.observe_draft(positions, draft_fixed + per_position * positions)
+    return ctl
+
+
+def test_linear_fit_finds_the_line_and_forgets_the_prior():
+    fit = LinearFit(((1, 100.0), (2, 100.0)))
+    for _ in range(300):
+        for x in (1, 5, 9):
+            fit.add(x, 2.0 + 0.5 * x)
+    intercept, slope = fit.coefficients()
+    assert intercept == pytest.approx(2.0, abs=1e-3) and slope == pytest.approx(0.5, abs=1e-3)
+    # One x only: no slope can be told, the mean stays the answer.
+    flat = LinearFit(((3, 1.0), (3, 1.0)))
+    assert flat.coefficients() == (1.0, 0.0)
+
+
+def test_expected_tokens_is_leviathans_formula():
+    assert expected_tokens(0.0, 5) == 1
+    assert expected_tokens(1.0, 5) == 6
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_k_grows_with_acceptance_and_falls_with_batch_size():
+    ctl = controller()
+    ks = [ctl.best_k(rate, batch=1) for rate in (0.2, 0.6, 0.8, 0.95, 0.99)]
+    assert ks[0] == 0  # speculation would lose: decode plainly
+    assert ks == sorted(ks) and ks[-1] > 7  # very predictable text drafts beyond 7
+    # Under load each verified row costs as much as the shared weight read saved.
+    assert ctl.best_k(0.8, batch=64) < ctl.best_k(0.8, batch=1)
+    # A free proposer (n-gram) with free verification drafts as long as it may.
+    assert controller(per_row=0.0, draft_fixed=0.0, per_position=0.0).best_k(0.9, 1) == 15
+
+
+def test_the_chosen_k_maximises_the_predicted_speedup():
+    ctl = controller()
+    for rate in (0.5, 0.7, 0.9):
+        k = ctl.best_k(rate, 1)
+        assert all(ctl.speedup(rate, k, 1) >= ctl.speedup(rate, other, 1) - 1e-12 for other in range(16))
+
+
+def test_a_sequence_that_stops_paying_decodes_plainly_and_probes_less_often():
+    ctl = controller()
+    assert ctl.choose([7]) == [ctl.best_k(0.8, 1)] and ctl.choose([7])[0] > 0  # the prior
+    for _ in range(10):  # every draft rejected at once
+        ctl.record(7, num_drafted=4, num_accepted=0)
+    probes = []
+    for step in range(200):
+        (k,) = ctl.choose([7])
+        if k:
+            probes.append(step)
+            ctl.record(7, k, 0)  # the probe fails too
+        else:
+            ctl.record(7, 0, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and probes[0] == adaptive_module.PROBE_INTERVAL
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off
+    assert max(gaps) <= adaptive_module.MAX_PROBE_INTERVAL + 1
+
+
+def test_a_probe_that_pays_brings_drafting_back():
+    ctl = controller()
+    for _ in range(10):
+        ctl.record(3, 4, 0)
+    for _ in range(adaptive_module.PROBE_INTERVAL):
+        assert ctl.choose([3]) == [0]
+        ctl.record(3, 0, 0)
+    for _ in range(6):  # probes, then longer drafts, all accepted
+        (k,) = ctl.choose([3])
+        assert k > 0
+        ctl.record(3, k, k)
+    assert ctl.choose([3])[0] > adaptive_module.PROBE_TOKENS
+
+
+def test_config_keys():
+    spec = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7})
+    assert spec.adaptive and spec.max_speculative_tokens == 15
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 20}).max_speculative_tokens == 20
+    fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "adaptive": False})
+    assert not fixed.adaptive and fixed.describe_k() == "k=7"
+    for bad, message in (
+        ({"adaptive": "yes"}, "adaptive must be true or false"),
+        ({"max_speculative_tokens": 3}, ">= num_speculative_tokens"),
+        ({"adaptive": False, "max_speculative_tokens": 9}, "applies to"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, **bad})
+
+
+class FreeCosts(AdaptiveSpecLength):
+    """Ignores real timings: drafting is free, so k follows acceptance alone."""
+
+    def observe_target(self, rows, seconds):
+        super().observe_target(rows, 1.0)
+
+    def observe_draft(self, positions, seconds):
+        super().observe_draft(positions, 0.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_adaptive_engine_keeps_the_target_output(arch, temperature):
+    torch.manual_seed(3)
+    config = tiny_config(arch)
+    target, draft = Decoder(config).eval(), Decoder(config).eval()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    params = SamplingParams(max_tokens=40, temperature=temperature, ignore_eos=True)
+    plain = Engine(target, eos_token_ids=[0]).generate(prompt, params).output_ids
+    for proposer in (NgramProposer(1, 3), DraftModelProposer(draft)):
+        engine = Engine(target, eos_token_ids=[0], proposer=proposer, adaptive=FreeCosts(15, 0.5))
+        seq = engine.generate(prompt, params)
+        if temperature == 0:
+            assert seq.output_ids == plain
+        else:
+            assert len(seq.output_ids) == 40
+        assert seq.spec.num_drafts > 0
+        assert not engine.adaptive.sequences  # freed with the sequence
+
+
+def test_seeded_sampling_keeps_the_fixed_k_and_repeats():
+    torch.manual_seed(4)
+    config = tiny_config("llama")
+    target = Decoder(config).eval()
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = Engine(target, eos_token_ids=[0], proposer=NgramProposer(1, 3), num_speculative_tokens=2,
+                        adaptive=FreeCosts(15, 0.5))
+        seq = engine.generate([5, 6, 7, 5, 6, 7, 5, 6], params)
+        assert len(seq.spec.accepted_per_position) <= 2  # never more than the fixed k
+        runs.append(seq.output_ids)
+    assert runs[0] == runs[1]
