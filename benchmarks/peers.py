@@ -1,0 +1,524 @@
+"""Decode speed against the peers, side by side in one run, and the memory roofline.
+
+For each prompt of the structured and open-ended suites (chat template, temperature 0,
+the same token ids everywhere): specserve plain, with the draft model at a fixed k,
+with adaptive speculation and with n-gram lookup; the `transformers` library's plain
+and assisted generation on the same float32 weights; llama.cpp (llama-cpp-python) on
+the GGUF file itself, plain and with its prompt-lookup decoding. Models run one after
+the other, each freed before the next loads. Every system is timed the same way: TTFT
+is the time to the first output token, the decode rate counts the tokens after the
+first over the time after the first.
+
+Then the roofline: the weight bytes a decode step reads per model and format, the
+memory bandwidth measured on the spot, and each measured plain decode as a share of
+the limit they imply. With `--dtype` or `--quantization` other than float32, a quality
+section compares the format with float32: perplexity on a fixed text and greedy
+agreement on the prompts.
+
+    .venv/bin/python benchmarks/peers.py                           # default pair, every row
+    .venv/bin/python benchmarks/peers.py --quantization int8 --peers transformers
+    .venv/bin/python benchmarks/peers.py --modes plain,ngram --prompts count,meaning --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from gguf import GGUFReader
+
+from specserve import models
+from specserve.bench.gguf_file import gguf_file, gguf_format
+from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
+from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth, weight_bytes_per_token
+from specserve.bench.suites import SUITES, prompts_of
+from specserve.cli import DTYPE_CHOICES, dtype_of
+from specserve.config import SpecConfig
+from specserve.errors import SpecserveError
+from specserve.generate import build_engine, encode_prompt, run_one
+from specserve.model.decoder import Decoder
+from specserve.model.quant import QUANTIZATIONS, check_quantization
+from specserve.sampling import SamplingParams
+from specserve.spec.stats import SpecStats
+from specserve.tokenizer import Tokenizer
+
+OUR_MODES = ("plain", "draft", "adaptive", "ngram")
+PEERS = ("transformers", "llama.cpp")
+FLOAT32_PLAIN = "plain-float32"  # the reference the quality section compares against
+WARM_UP_TOKENS = 2
+SUITE_OF = {prompt: suite for suite, prompts in SUITES.items() for prompt in prompts}
+
+
+# ---------------------------------------------------------------- rows, timed alike
+
+
+def timed_row(system: str, mode: str, fmt: str, prompt: str, token_ids: list[int], ttft_s: float, e2e_s: float,
+              spec: SpecStats | dict | None = None, k: int | None = None, num_first_tokens: int = 1) -> dict:
+    """One row; every system's decode rate is the tokens after the first arrival over the
+    time after it. The first arrival is one token, except in transformers' assisted
+    generation, whose first step already verifies drafts."""
+    decode_s, decode_tokens = e2e_s - ttft_s, len(token_ids) - num_first_tokens
+    spec = spec.to_dict() if isinstance(spec, SpecStats) else (spec or {})
+    return {
+        "system": system, "mode": mode, "k": k, "format": fmt, "suite": SUITE_OF.get(prompt),
+        "prompt": prompt, "num_output_tokens": len(token_ids), "ttft_s": ttft_s, "e2e_s": e2e_s,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else None,
+        "acceptance_rate": spec.get("acceptance_rate"),
+        "mean_acceptance_length": spec.get("mean_acceptance_length"),
+        "token_ids": token_ids,
+    }
+
+
+def format_of(dtype: torch.dtype, quantization: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return name if quantization == "none" else f"{quantization}/{name}"
+
+
+@dataclasses.dataclass
+class Report:
+    fixed_text_ids: list[int]
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    models: list[dict] = dataclasses.field(default_factory=list)  # roofline entries
+    perplexities: dict[str, float] = dataclasses.field(default_factory=dict)  # format -> ppl
+
+    def add_model(self, role: str, model: str, system: str, fmt: str, bytes_per_token: int,
+                  measured_mode: str | None) -> None:
+        """A model and format to put on the roofline; measured_mode: the rows of `system`
+        whose decode rate is this model's plain decode (None: none is)."""
+        self.models.append({"role": role, "model": model, "of_system": system, "format": fmt,
+                            "bytes_per_token": bytes_per_token, "measured_mode": measured_mode})
+
+    def add_perplexity(self, fmt: str, value: float) -> None:
+        self.perplexities[fmt] = value
+
+    def rows_of(self, system: str, mode: str) -> Iterator[dict]:
+        return (r for r in self.rows if r["system"] == system and r["mode"] == mode)
+
+
+# ---------------------------------------------------------------- specserve
+
+
+@dataclasses.dataclass(frozen=True)
+class OurRun:
+    mode: str
+    spec: SpecConfig | None
+    dtype: torch.dtype
+    quantization: str
+
+    @property
+    def format(self) -> str:
+        return format_of(self.dtype, self.quantization)
+
+    @property
+    def fixed_k(self) -> int | None:
+        """k of a fixed-k row; None for plain and adaptive rows."""
+        return None if self.spec is None or self.mode == "adaptive" else self.spec.num_speculative_tokens
+
+
+def our_spec(mode: str, args) -> SpecConfig | None:
+    if mode in ("plain", FLOAT32_PLAIN):
+        return None
+    raw: dict[str, Any] = {"num_speculative_tokens": args.k}
+    raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
+    raw["adaptive"] = mode == "adaptive"  # its k ranges up to the config's default maximum
+    return SpecConfig.parse(raw)
+
+
+def our_runs(args) -> list[OurRun]:
+    runs = [OurRun(m, our_spec(m, args), dtype_of(args), args.quantization) for m in args.modes]
+    if quality_wanted(args):
+        runs.append(OurRun(FLOAT32_PLAIN, None, torch.float32, "none"))
+    return runs
+
+
+def quality_wanted(args) -> bool:
+    return dtype_of(args) != torch.float32 or args.quantization != "none"
+
+
+def run_ours(args, prompt_ids: dict[str, list[int]], report: Report) -> None:
+    for run in our_runs(args):
+        engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization)
+        for name, ids in prompt_ids.items():
+            run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
+            result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+            report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],
+                                         result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k))
+        note_our_models(args, run, engine, report)
+        del engine
+        gc.collect()
+
+
+def note_our_models(args, run: OurRun, engine, report: Report) -> None:
+    """Roofline entries (and perplexity) for the models this run has loaded."""
+    if run.spec is None:
+        report.add_model("target", args.target, "specserve", run.format, weight_bytes_per_token(engine.target),
+                         run.mode)
+        if quality_wanted(args):
+            report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
+    draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
+    if isinstance(draft, Decoder) and not any(m["role"] == "draft" for m in report.models):
+        report.add_model("draft", args.draft, "specserve", run.format, weight_bytes_per_token(draft), None)
+
+
+# ---------------------------------------------------------------- transformers
+
+
+class FirstTokenClock:
+    """A `transformers` streamer that notes when the first output tokens arrive, and
+    how many: its first `put` is the prompt, its second the first generated token(s)."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_token_time: float | None = None
+        self.num_first_tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:  # [1, n] or [n] token ids
+        self.num_puts += 1
+        if self.num_puts == 2:
+            self.first_token_time = time.perf_counter()
+            self.num_first_tokens = value.numel()
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], report: Report) -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()  # its deprecation notes are not results
+    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(models.resolve(name), dtype=torch.float32)
+                     .eval() for name in (args.target, args.draft))
+    report.add_model("target", args.target, "transformers", "float32", weight_bytes_per_token(target), "plain")
+    for mode, assistant in (("plain", None), ("assisted", draft)):
+        for name, ids in prompt_ids.items():
+            transformers_greedy(target, assistant, ids, WARM_UP_TOKENS, eos_ids)
+            tokens, ttft_s, e2e_s, num_first = transformers_greedy(target, assistant, ids, args.max_tokens, eos_ids)
+            report.rows.append(timed_row("transformers", mode, "float32", name, tokens, ttft_s, e2e_s,
+                                         num_first_tokens=num_first))
+    del target, draft
+    gc.collect()
+
+
+def transformers_greedy(target, assistant, ids: list[int], max_tokens: int,
+                        eos_ids: list[int]) -> tuple[list[int], float, float, int]:
+    """(tokens, ttft_s, e2e_s, tokens in the first arrival) of one greedy `generate`."""
+    clock = FirstTokenClock()
+    extra = {} if assistant is None else {"assistant_model": assistant}
+    prompt = torch.tensor([ids])  # [1, prompt_len]
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = target.generate(prompt, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
+                              eos_token_id=eos_ids, pad_token_id=eos_ids[0], **extra)  # [1, prompt_len + n]
+    end = time.perf_counter()
+    return out[0, len(ids):].tolist(), clock.first_token_time - start, end - start, clock.num_first_tokens
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def run_llama_cpp(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], gguf: Path, report: Report) -> None:
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    class CountingPromptLookup(LlamaPromptLookupDecoding):
+        """Prompt lookup that keeps its proposals, so acceptance is counted as ours is."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proposals: list[tuple[int, list[int]]] = []  # (tokens seen, draft)
+
+        def __call__(self, input_ids, /, **kwargs):
+            draft = super().__call__(input_ids, **kwargs)
+            self.proposals.append((len(input_ids), draft.tolist()))
+            return draft
+
+    reader = GGUFReader(gguf)  # reads the header (a second or two for a big vocabulary): once
+    fmt = gguf_format(reader)
+    report.add_model("target", args.target, "llama.cpp", fmt, gguf_weight_bytes_per_token(reader), "plain")
+    lookup_max = SpecConfig.prompt_lookup_max  # the n-gram sizes our ngram row tries
+    threads = torch.get_num_threads()
+    n_ctx = max(len(ids) for ids in prompt_ids.values()) + args.max_tokens + args.k + 16
+    for mode, k in (("plain", None), ("prompt-lookup", args.k)):
+        lookup = CountingPromptLookup(max_ngram_size=lookup_max, num_pred_tokens=k) if k else None
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                              draft_model=lookup, verbose=False)
+        for name, ids in prompt_ids.items():
+            greedy_llama_cpp(llm, ids, WARM_UP_TOKENS, eos_ids)
+            if lookup is not None:
+                lookup.proposals.clear()
+            tokens, ttft_s, e2e_s = greedy_llama_cpp(llm, ids, args.max_tokens, eos_ids)
+            spec = lookup_stats(lookup.proposals, len(ids), tokens) if lookup is not None else None
+            report.rows.append(timed_row("llama.cpp", mode, fmt, name, tokens, ttft_s, e2e_s, spec, k))
+        llm.close()
+        del llm
+        gc.collect()
+
+
+def greedy_llama_cpp(llm, ids: list[int], max_tokens: int, eos_ids: list[int]) -> tuple[list[int], float, float]:
+    """(tokens, ttft_s, e2e_s) of one greedy generation from a cold context."""
+    llm.reset()  # no reuse of the previous request's cache: every prompt is prefilled
+    tokens: list[int] = []
+    start = time.perf_counter()
+    ttft_s = 0.0
+    for token in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
+        if not tokens:
+            ttft_s = time.perf_counter() - start
+        tokens.append(int(token))
+        if token in eos_ids or len(tokens) == max_tokens:
+            break
+    return tokens, ttft_s, time.perf_counter() - start
+
+
+def lookup_stats(proposals: list[tuple[int, list[int]]], prompt_len: int, tokens: list[int]) -> SpecStats:
+    """Acceptance of llama.cpp's drafts: at temperature 0 a draft keeps exactly its
+    prefix that equals the tokens then generated."""
+    stats = SpecStats()
+    for seen, draft in proposals:
+        emitted = seen - prompt_len  # output tokens before this draft
+        if emitted < len(tokens):  # a draft made after the last kept token was never used
+            stats.record(len(draft), common_prefix_length(draft, tokens[emitted:]))
+    return stats
+
+
+# ---------------------------------------------------------------- the report
+
+
+def compare_with_plain(rows: list[dict]) -> None:
+    """Each row's tokens and speed against our plain row of the same prompt."""
+    plain = {r["prompt"]: r for r in rows if r["system"] == "specserve" and r["mode"] == "plain"}
+    for r in rows:
+        base = plain.get(r["prompt"])
+        if base is None:
+            continue
+        r["same_tokens_as_plain"] = r["token_ids"] == base["token_ids"]
+        r["common_prefix_with_plain"] = common_prefix_length(base["token_ids"], r["token_ids"])
+        r["num_plain_tokens"] = len(base["token_ids"])
+        r["agreement_with_plain"] = prefix_agreement(base["token_ids"], r["token_ids"])
+        r["decode_ratio_to_plain"] = ratio(r["decode_tokens_per_s"], base["decode_tokens_per_s"])
+        r["ttft_ratio_to_plain"] = ratio(r["ttft_s"], base["ttft_s"])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def roofline_rows(report: Report, bandwidth: float, method: str) -> list[dict]:
+    rows = []
+    for entry in report.models:
+        limit = bandwidth / entry["bytes_per_token"]
+        rates = [r["decode_tokens_per_s"] for r in report.rows_of(entry["of_system"], entry["measured_mode"])
+                 if r["decode_tokens_per_s"]]
+        measured = statistics.mean(rates) if rates else None
+        rows.append({"system": "roofline", **entry, "bandwidth_bytes_per_s": bandwidth, "bandwidth_method": method,
+                     "limit_tokens_per_s": limit, "measured_decode_tokens_per_s": measured,
+                     "fraction_of_limit": measured / limit if measured else None})
+    return rows
+
+
+def quality_rows(report: Report, fmt: str) -> list[dict]:
+    float32 = report.perplexities["float32"]
+    rows = [{"system": "quality", "mode": "perplexity", "format": f, "perplexity": value,
+             "num_tokens": len(report.fixed_text_ids), "text": "sonnets.txt", "change_vs_float32": value / float32 - 1}
+            for f, value in report.perplexities.items()]
+    reference = {r["prompt"]: r["token_ids"] for r in report.rows_of("specserve", FLOAT32_PLAIN)}
+    for r in report.rows_of("specserve", "plain"):
+        ref = reference[r["prompt"]]
+        rows.append({"system": "quality", "mode": "greedy agreement", "format": fmt, "suite": r["suite"],
+                     "prompt": r["prompt"], "agreement": prefix_agreement(ref, r["token_ids"]),
+                     "common_prefix": common_prefix_length(ref, r["token_ids"]), "num_float32_tokens": len(ref),
+                     "same_tokens": r["token_ids"] == ref})
+    return rows
+
+
+# ---------------------------------------------------------------- printing
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'prompt':<10}{'system':<14}{'mode':<19}{'format':<15}{'tokens':>7}{'ttft ms':>9}"
+              f"{'decode tok/s':>14}{'x ours plain':>14}{'accept':>8}{'mean len':>9}  same tokens")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        mode = r["mode"] + (f" k={r['k']}" if r["k"] else "")
+        decode, x = r["decode_tokens_per_s"], r.get("decode_ratio_to_plain")
+        rate, length = r["acceptance_rate"], r["mean_acceptance_length"]
+        print(f"{r['prompt']:<10}{r['system']:<14}{mode:<19}{r['format']:<15}{r['num_output_tokens']:>7}"
+              f"{r['ttft_s'] * 1000:>9.0f}{'' if decode is None else f'{decode:.2f}':>14}"
+              f"{'' if x is None else f'{x:.2f}x':>14}"
+              f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}"
+              f"  {same_tokens_text(r)}")
+    print()
+    for suite in SUITES:
+        for system, mode in dict.fromkeys((r["system"], r["mode"]) for r in rows):
+            picked = [r for r in rows if (r["system"], r["mode"], r["suite"]) == (system, mode, suite)]
+            decode = [r["decode_ratio_to_plain"] for r in picked if r.get("decode_ratio_to_plain")]
+            ttft = [r["ttft_ratio_to_plain"] for r in picked if r.get("ttft_ratio_to_plain")]
+            if decode and ttft:
+                print(f"{suite:<11} {system:<13} {mode:<14} geometric mean: decode "
+                      f"{statistics.geometric_mean(decode):.2f}x, ttft {statistics.geometric_mean(ttft):.2f}x ours plain")
+
+
+def same_tokens_text(r: dict) -> str:
+    """'yes', or how many of our plain tokens it reproduces before the first difference."""
+    if "same_tokens_as_plain" not in r:
+        return ""
+    return "yes" if r["same_tokens_as_plain"] else f"{r['common_prefix_with_plain']}/{r['num_plain_tokens']}"
+
+
+def print_roofline(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\nRoofline: memory bandwidth {rows[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+          f"({rows[0]['bandwidth_method']}); limit = bandwidth / weight bytes read per token")
+    print(f"{'role':<8}{'model':<22}{'system':<14}{'format':<15}{'MB/token':>10}{'limit tok/s':>13}"
+          f"{'measured':>10}{'of limit':>10}")
+    for r in rows:
+        measured, share = r["measured_decode_tokens_per_s"], r["fraction_of_limit"]
+        print(f"{r['role']:<8}{r['model']:<22}{r['of_system']:<14}{r['format']:<15}{r['bytes_per_token'] / 1e6:>10.1f}"
+              f"{r['limit_tokens_per_s']:>13.1f}{'' if measured is None else f'{measured:.1f}':>10}"
+              f"{'' if share is None else f'{share:.0%}':>10}")
+
+
+def print_quality(rows: list[dict], fmt: str) -> None:
+    if not rows:
+        return
+    print(f"\nQuality of {fmt} against float32")
+    by_format = {r["format"]: r for r in rows if r["mode"] == "perplexity"}
+    reference, chosen = by_format["float32"], by_format[fmt]
+    print(f"  perplexity on the first {chosen['num_tokens']} tokens of {chosen['text']}: float32 "
+          f"{reference['perplexity']:.3f}, {fmt} {chosen['perplexity']:.3f} ({chosen['change_vs_float32']:+.2%})")
+    for suite in SUITES:
+        picked = [r for r in rows if r["mode"] == "greedy agreement" and r["suite"] == suite]
+        if picked:
+            each = ", ".join(f"{r['prompt']} {r['common_prefix']}/{r['num_float32_tokens']}" for r in picked)
+            print(f"  greedy agreement, {suite}: mean {statistics.mean(r['agreement'] for r in picked):.0%} "
+                  f"of float32's tokens before the first difference ({each})")
+
+
+# ---------------------------------------------------------------- flags and main
+
+
+def comma_list(known: tuple[str, ...], flag: str) -> Callable[[str], list[str]]:
+    def parse(value: str) -> list[str]:
+        chosen = [v for v in value.split(",") if v]
+        unknown = [v for v in chosen if v not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {flag} {unknown}; choose from {', '.join(known)}")
+        return chosen
+    return parse
+
+
+def positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=models.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
+    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="our target and draft (auto: float32, or bfloat16 with --quantization, as specserve's)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="weight-only quantization of our target and draft")
+    parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(OUR_MODES),
+                        help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none)")
+    parser.add_argument("--peers", type=comma_list(PEERS, "peer(s)"), default=list(PEERS),
+                        help=f"comma-separated, from {','.join(PEERS)} ('' for none)")
+    parser.add_argument("--suites", default="structured,open-ended")
+    parser.add_argument("--prompts", default=None, help="comma-separated prompt names to keep")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
+    args = parser.parse_args(argv)
+    try:
+        check_quantization(args.quantization, dtype_of(args))
+    except SpecserveError as e:
+        parser.error(str(e))
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be at least 2: the decode rate counts tokens after the first")
+    try:
+        prompts = prompts_of(args.suites)
+    except ValueError as e:
+        parser.error(f"--suites: {e}")
+    if args.prompts:
+        wanted = args.prompts.split(",")
+        unknown = [p for p in wanted if p not in prompts]
+        if unknown:
+            parser.error(f"--prompts: unknown {unknown} in suites {args.suites}; known: {', '.join(prompts)}")
+        prompts = {n: t for n, t in prompts.items() if n in wanted}
+    if quality_wanted(args) and "plain" not in args.modes:
+        args.modes.insert(0, "plain")  # the quality section compares plain tokens
+    return args, prompts
+
+
+def skip(what: str, why: str) -> None:
+    print(f"{what}: skipped, {why}", file=sys.stderr, flush=True)
+
+
+def available_peers(args) -> tuple[list[str], Path | None]:
+    """The peers that can run here (a message for each that cannot), and llama.cpp's GGUF."""
+    peers, gguf = [], None
+    if "transformers" in args.peers:
+        if importlib.util.find_spec("transformers") is None:
+            skip("transformers", "the transformers package is not installed")
+        else:
+            peers.append("transformers")
+    if "llama.cpp" in args.peers:
+        try:
+            import llama_cpp  # noqa: F401
+            gguf = gguf_file(args.target)
+            peers.append("llama.cpp")
+        except Exception as e:  # ImportError, or a native library that fails to load
+            skip("llama.cpp", f"{type(e).__name__}: {e}; it needs llama-cpp-python "
+                 "(build note in benchmarks/README.md) and a GGUF target")
+    return peers, gguf
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, prompts = parse_args(argv)
+    peers, gguf = available_peers(args)
+    # Measured before any model is loaded, while the memory is quiet.
+    bandwidth, method = measure_read_bandwidth()
+    try:
+        tokenizer = Tokenizer.from_dir(models.resolve(args.target))
+        prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
+        eos_ids = list(tokenizer.eos_token_ids)
+        report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
+        run_ours(args, prompt_ids, report)
+        if "transformers" in peers:
+            run_transformers(args, prompt_ids, eos_ids, report)
+        if "llama.cpp" in peers:
+            run_llama_cpp(args, prompt_ids, eos_ids, gguf, report)
+    except SpecserveError as e:
+        print(f"peers.py: error: {e}", file=sys.stderr)
+        return 1
+    compare_with_plain(report.rows)
+    fmt = format_of(dtype_of(args), args.quantization)
+    roofline = roofline_rows(report, bandwidth, method)
+    quality = quality_rows(report, fmt) if quality_wanted(args) else []
+    if args.json:
+        for row in [*report.rows, *roofline, *quality]:
+            print(json.dumps(row))
+    else:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.target}, "
+              f"draft {args.draft}, {args.max_tokens} tokens, greedy, chat template\n")
+        print_table(report.rows)
+        print_roofline(roofline)
+        print_quality(quality, fmt)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

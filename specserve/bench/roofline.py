@@ -1,0 +1,75 @@
+"""The memory roofline of a decode step: weight bytes read per token, and bandwidth.
+
+Decoding one token at batch 1 reads every weight the step uses once and does little
+arithmetic with each byte, so the step is bound by memory bandwidth: no decoder can
+emit more than `bandwidth / bytes_per_token` tokens per second (the KV cache and
+activations add a little more traffic; at the context lengths of the suites they are
+small next to the weights and are left out, so the limit is an upper bound).
+
+What a step reads: every linear weight, the head included, with its bias and
+quantization scales; the norms; and one row of the embedding table. A head tied to
+the embedding reads the whole table, so a tied table counts once, as the head.
+"""
+
+from __future__ import annotations
+
+import time
+
+import gguf
+import torch
+from torch import nn
+
+BANDWIDTH_PASSES = 5
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    # Also right for oneDNN (mkldnn) tensors, whose numel and element_size are the
+    # dense tensor's.
+    return t.numel() * t.element_size()
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step of `model` reads (see the module docstring).
+
+    Works on any module tree: our `Decoder` (nn.Linear, PackedLinear, quantized linear
+    layers alike, whatever tensors they hold) and a `transformers` model.
+    """
+    counted: dict[int, int] = {}  # id(tensor) -> bytes, so a shared tensor counts once
+    embeddings: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            embeddings.append(module.weight)
+            continue
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            counted[id(t)] = tensor_bytes(t)
+    for table in embeddings:
+        if id(table) not in counted:  # untied: a lookup reads one row [hidden]
+            counted[id(table)] = tensor_bytes(table[0])
+    return sum(counted.values())
+
+
+def gguf_weight_bytes_per_token(reader: gguf.GGUFReader) -> int:
+    """The same count for a GGUF file, from its tensors' stored (quantized) sizes."""
+    tensors = {t.name: t for t in reader.tensors}
+    total = sum(t.n_bytes for name, t in tensors.items() if name != "token_embd.weight")
+    table = tensors.get("token_embd.weight")
+    if table is not None:
+        tied = "output.weight" not in tensors  # llama.cpp's head is then the table itself
+        num_rows = int(table.shape[-1])  # GGUF shapes run innermost first: [hidden, vocab]
+        total += table.n_bytes if tied else table.n_bytes // num_rows
+    return total
+
+
+def measure_read_bandwidth(gib: float = 1.0, passes: int = BANDWIDTH_PASSES) -> tuple[float, str]:
+    """(bytes/s, how it was measured): the best of `passes` torch.sum passes over a
+    float32 tensor far bigger than the caches, with torch's threads, as a decode uses."""
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)  # [N]
+    data.sum()  # first touch: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    method = (f"best of {passes} torch.sum passes over a {gib:g} GiB float32 tensor, "
+              f"{torch.get_num_threads()} threads")
+    return tensor_bytes(data) / best, method
