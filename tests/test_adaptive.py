@@ -154,3 +154,15 @@ def test_seeded_sampling_keeps_the_fixed_k_and_repeats():
         assert len(seq.spec.accepted_per_position) <= 2  # never more than the fixed k
         runs.append(seq.output_ids)
     assert runs[0] == runs[1]
+
+
+def test_a_fully_accepted_probe_drafts_even_where_the_prior_would_not():
+    ctl = controller(per_position=0.7)  # a draft so dear that acceptance 0.8 does not pay
+    assert ctl.best_k(0.8, 1) == 0 and ctl.best_k(0.95, 1) > adaptive_module.PROBE_TOKENS
+    for _ in range(adaptive_module.PROBE_INTERVAL):
+        assert ctl.choose([1]) == [0]
+        ctl.record(1, 0, 0)
+    (k,) = ctl.choose([1])
+    assert k == adaptive_module.PROBE_TOKENS
+    ctl.record(1, k, k)
+    assert ctl.choose([1])[0] > adaptive_module.PROBE_TOKENS

@@ -17,8 +17,8 @@ to plain decoding is
 and each sequence drafts the k in [0, max_k] that maximises it with its own a. When no
 k beats plain decoding by a margin the sequence decodes plainly (k = 0) and probes with
 a short draft now and then, less often after each probe that fails, so a prompt that
-turns predictable is noticed (a fully accepted probe restarts the estimate from the
-prior) while an open-ended one costs next to nothing. As the
+turns predictable is noticed (a fully accepted probe restarts the estimate from that
+probe alone) while an open-ended one costs next to nothing. As the
 batch grows, per_row * B grows against the draft's fixed costs and k falls: under load
 the weights are already shared by many rows and verification is no longer free.
 
@@ -41,6 +41,8 @@ TIMING_DECAY = 0.97
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.6, 0.4
 # Plain steps before the first probe; the gap doubles after each failed probe up to the max.
 PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS = 16, 128, 2
+# Rejections a fully accepted probe starts the new estimate with: 2 of 2 accepted -> 0.9.
+PROBE_DOUBT = 0.2
 
 
 class LinearFit:
@@ -137,8 +139,10 @@ class AdaptiveSpecLength:
             state.plain_steps += 1
             return
         if state.probing and num_accepted == num_drafted:
-            # The text may have turned predictable: forget the streak that stopped drafting.
-            state.accepted, state.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+            # The text may have turned predictable: forget the streak that stopped drafting
+            # and go by this probe, with a little doubt (not the prior: under costs where
+            # the prior itself does not pay, the sequence would only ever probe).
+            state.accepted, state.rejected = 0.0, PROBE_DOUBT
         state.record(num_drafted, num_accepted)
         state.plain_steps = 0
         if state.probing:  # a probe that still does not pay waits twice as long next time
