@@ -39,13 +39,14 @@ from gguf import GGUFReader
 from specserve import models
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
-from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth, weight_bytes_per_token
+from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, dtype_of
 from specserve.config import SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model.decoder import Decoder
+from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
 from specserve.spec.stats import SpecStats

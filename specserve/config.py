@@ -72,14 +72,6 @@ class ModelConfig:
     def architecture(self) -> Architecture:
         return ARCHITECTURES[self.arch]
 
-    @property
-    def weights_per_token(self) -> int:
-        """Weights a decode step reads per token: every linear layer and the head
-        (the embedding lookup reads one row)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * per_layer + self.vocab_size * self.hidden_size
-
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face `config.json` dict."""

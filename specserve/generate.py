@@ -39,7 +39,7 @@ def build_engine(
     proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization)
     adaptive = None
     if spec is not None and spec.adaptive:
-        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.config))
+        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
     engine = Engine(
         target.decoder,
         eos_token_ids=target.tokenizer.eos_token_ids,

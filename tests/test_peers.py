@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from specserve import models
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
-from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth, weight_bytes_per_token
+from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
 from specserve.errors import ModelLoadError
 from specserve.model.decoder import Decoder, Segment
+from specserve.model.footprint import weight_bytes_per_token
 from tests.conftest import tiny_config
 
 PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"

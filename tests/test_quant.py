@@ -41,8 +41,8 @@ def dequantize_int4(state, in_features):
 def test_kernel_computes_the_stored_weights(quantization):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
-    layer = QuantizedLinear.quantize(linear, quantization)
     state = (quantize_int8 if quantization == "int8" else quantize_int4)(linear.weight.detach())
+    layer = QuantizedLinear.from_state(state, linear.bias)
     weight = dequantize_int8(state) if quantization == "int8" else dequantize_int4(state, 128)
     x = torch.randn(5, 128).bfloat16()
     expected = x.float() @ weight.t() + linear.bias.detach()

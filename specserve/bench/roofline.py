@@ -6,9 +6,8 @@ emit more than `bandwidth / bytes_per_token` tokens per second (the KV cache and
 activations add a little more traffic; at the context lengths of the suites they are
 small next to the weights and are left out, so the limit is an upper bound).
 
-What a step reads: every linear weight, the head included, with its bias and
-quantization scales; the norms; and one row of the embedding table. A head tied to
-the embedding reads the whole table, so a tied table counts once, as the head.
+What a step reads is counted by `specserve.model.footprint.weight_bytes_per_token`;
+this module adds the same count for a GGUF file, and the bandwidth.
 """
 
 from __future__ import annotations
@@ -17,35 +16,10 @@ import time
 
 import gguf
 import torch
-from torch import nn
+
+from specserve.model.footprint import tensor_bytes
 
 BANDWIDTH_PASSES = 5
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    # Also right for oneDNN (mkldnn) tensors, whose numel and element_size are the
-    # dense tensor's.
-    return t.numel() * t.element_size()
-
-
-def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of weights one decode step of `model` reads (see the module docstring).
-
-    Works on any module tree: our `Decoder` (nn.Linear, PackedLinear, quantized linear
-    layers alike, whatever tensors they hold) and a `transformers` model.
-    """
-    counted: dict[int, int] = {}  # id(tensor) -> bytes, so a shared tensor counts once
-    embeddings: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            embeddings.append(module.weight)
-            continue
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            counted[id(t)] = tensor_bytes(t)
-    for table in embeddings:
-        if id(table) not in counted:  # untied: a lookup reads one row [hidden]
-            counted[id(table)] = tensor_bytes(table[0])
-    return sum(counted.values())
 
 
 def gguf_weight_bytes_per_token(reader: gguf.GGUFReader) -> int:

@@ -157,13 +157,14 @@ class Attention(nn.Module):
             seg_q = q[offset : offset + n].transpose(0, 1)  # [heads, n, head_dim]
             # Query i sits at position start + i and sees keys 0..start + i.
             if n == 1 or seg.one_query_at_a_time:
-                out = torch.cat([
+                per_query = [
                     F.scaled_dot_product_attention(
                         seg_q[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1],
                         enable_gqa=True,
                     )
                     for i in range(n)
-                ], dim=1)  # [heads, n, head_dim]
+                ]  # n x [heads, 1, head_dim]
+                out = per_query[0] if n == 1 else torch.cat(per_query, dim=1)  # [heads, n, head_dim]
             else:
                 mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
                 out = F.scaled_dot_product_attention(

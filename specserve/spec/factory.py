@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, ModelConfig, SpecConfig
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder
+from specserve.model.footprint import weight_bytes_per_token
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
@@ -41,9 +43,9 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
 
 
-def prior_cost_ratio(proposer: Proposer, target: ModelConfig) -> float:
+def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     """A first guess of one draft position's cost in target forwards, before any is
-    measured: the ratio of weights read per token (an n-gram lookup reads none)."""
+    measured: the ratio of weight bytes read per token (an n-gram lookup reads none)."""
     if isinstance(proposer, DraftModelProposer):
-        return proposer.draft.config.weights_per_token / target.weights_per_token
+        return weight_bytes_per_token(proposer.draft) / weight_bytes_per_token(target)
     return 0.0
