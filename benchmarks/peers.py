@@ -49,6 +49,7 @@ from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
+from specserve.spec.factory import draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
@@ -130,6 +131,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
         return None
     raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
+    if mode != "ngram" and args.draft_quantization:
+        raw["quantization"] = args.draft_quantization
     raw["adaptive"] = mode == "adaptive"  # its k ranges up to the config's default maximum
     return SpecConfig.parse(raw)
 
@@ -167,7 +170,8 @@ def note_our_models(args, run: OurRun, engine, report: Report) -> None:
             report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
     if isinstance(draft, Decoder) and not any(m["role"] == "draft" for m in report.models):
-        report.add_model("draft", args.draft, "specserve", run.format, weight_bytes_per_token(draft), None)
+        draft_format_name = format_of(*draft_format(run.spec.quantization, run.dtype, run.quantization))
+        report.add_model("draft", args.draft, "specserve", draft_format_name, weight_bytes_per_token(draft), None)
 
 
 # ---------------------------------------------------------------- transformers
@@ -435,6 +439,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="our target and draft (auto: float32, or bfloat16 with --quantization, as specserve's)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weight-only quantization of our target and draft")
+    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
+                        help="our draft's own weight format (default: --quantization's)")
     parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(OUR_MODES),
                         help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none)")
     parser.add_argument("--peers", type=comma_list(PEERS, "peer(s)"), default=list(PEERS),
@@ -514,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
     else:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.target}, "
-              f"draft {args.draft}, {args.max_tokens} tokens, greedy, chat template\n")
+              f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
+              f"{args.max_tokens} tokens, greedy, chat template\n")
         print_table(report.rows)
         print_roofline(roofline)
         print_quality(quality, fmt)

@@ -116,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_format_flags(tune)
     tune.add_argument("--drafts", default=models.DEFAULT_DRAFT,
                       help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {models.DEFAULT_DRAFT})")
-    tune.add_argument("--k", default="1,3,5,7,9,11,15", help="comma-separated num_speculative_tokens to try")
+    tune.add_argument("--k", default="1,3,5,7,9,11,15",
+                      help="comma-separated num_speculative_tokens to try; adaptive rows draft up to the largest")
+    tune.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
+                      help="the drafts' weight format (default: the target's --quantization)")
     tune.add_argument("--suites", default="structured,open-ended", help=f"of {', '.join(SUITES)}")
     tune.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
     tune.add_argument("--results-dir", default="results/tune", help="where tune.md and tune.json go")
@@ -265,7 +268,8 @@ def run_tune(args: argparse.Namespace) -> int:
             f"tune needs at least one draft, k >= 1, suites from {', '.join(SUITES)} and --max-tokens >= 2 "
             f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
         )
-    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization).run()
+    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
+                 args.draft_quantization).run()
     best = recommend(rows)
     header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
               f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")

@@ -136,6 +136,9 @@ def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
 # chunks, so running sequences keep decoding (the target's and the draft's prefill alike).
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 
+# Weight formats of the linear layers (model/quant.py): --quantization, and a draft's own.
+QUANTIZATIONS = ("none", "int8", "int4")
+
 SPEC_METHODS = ("draft_model", "ngram")
 FUTURE_SPEC_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
 
@@ -160,6 +163,10 @@ class SpecConfig:
     # its output repeats. False drafts num_speculative_tokens every step, as vLLM.
     adaptive: bool = True
     max_speculative_tokens: int = 15  # adaptive only; parse() makes it >= num_speculative_tokens
+    # vLLM's key: the draft's weight format ("none", "int8", "int4"); None = the target's
+    # --quantization. A draft need not match the target's numbers (its guesses are
+    # verified), so an int4 draft in front of a float32 target costs a third as much.
+    quantization: str | None = None
 
     def describe_k(self) -> str:
         if self.adaptive:
@@ -234,6 +241,14 @@ class SpecConfig:
             raise ConfigError(
                 f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k}), got {max_k!r}"
             )
+        quantization = raw.get("quantization")
+        if quantization is not None:
+            if method != "draft_model":
+                raise ConfigError('quantization applies to "draft_model" only')
+            if quantization not in QUANTIZATIONS:
+                raise ConfigError(
+                    f"unknown draft quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+                )
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(
@@ -245,4 +260,5 @@ class SpecConfig:
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,
             draft_confidence_threshold=float(threshold),
+            quantization=quantization,
         )

@@ -16,6 +16,8 @@ def test_model_without_method_means_draft_model():
     assert spec.draft_confidence_threshold == 0.5
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "draft_confidence_threshold": 0})
     assert fixed.draft_confidence_threshold == 0.0
+    assert spec.quantization is None  # the draft takes the target's --quantization
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "quantization": "int4"}).quantization == "int4"
 
 
 def test_ngram_lookup_bounds():
@@ -47,6 +49,8 @@ def test_empty_means_no_speculation():
         ('{"model": "m", "num_speculative_tokens": 3, "draft_tp": 2}', "unknown key"),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_confidence_threshold": 1}', "in \\[0, 1\\)"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', "draft_model\" only"),
+        ('{"model": "m", "num_speculative_tokens": 3, "quantization": "int3"}', "unknown draft quantization"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', "draft_model\" only"),
     ],
 )
 def test_bad_speculative_configs_say_what_is_wrong(raw, words):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specserve import models
+from specserve.config import SpecConfig
 from specserve.errors import ConfigError
 from specserve.generate import build_engine
 from specserve.model.decoder import Decoder, Segment
@@ -21,6 +22,7 @@ from specserve.model.quant import (
     quantized_state,
 )
 from specserve.sampling import SamplingParams
+from specserve.spec.factory import draft_format
 from tests.conftest import tiny_config
 
 
@@ -109,3 +111,27 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     # Weights read back from the file feed the multi-row kernels too (a prompt's prefill).
     rows = torch.arange(100, 164)
     assert again.target(rows, [Segment(again.target.new_cache(), 64)]).isfinite().all()
+
+
+def test_a_quantized_draft_in_front_of_a_float_target_changes_nothing(prepared_cache):
+    """The draft's own `quantization` key: an int8 draft (bfloat16 activations) proposes
+    for a float32 target, whose tokens stay exactly its plain ones."""
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    plain, _ = build_engine("smollm2-135m")
+    spec = SpecConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 4,
+                             "quantization": "int8", "adaptive": False})
+    engine, _ = build_engine("smollm2-135m", spec)
+    assert engine.target.dtype == torch.float32
+    assert engine.proposer.draft.dtype == torch.bfloat16
+    assert any(isinstance(m, QuantizedLinear) for m in engine.proposer.draft.modules())
+    seq = engine.generate(prompt, params)
+    assert seq.output_ids == plain.generate(prompt, params).output_ids
+    assert seq.spec.num_accepted_tokens > 0  # an int8 copy of the target is mostly right
+
+
+def test_draft_format_follows_the_target_unless_the_draft_names_its_own():
+    assert draft_format(None, torch.float32, "none") == (torch.float32, "none")
+    assert draft_format(None, torch.bfloat16, "int4") == (torch.bfloat16, "int4")
+    assert draft_format("int4", torch.float32, "none") == (torch.bfloat16, "int4")
+    assert draft_format("none", torch.bfloat16, "int4") == (torch.bfloat16, "none")

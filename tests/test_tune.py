@@ -44,7 +44,8 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
     assert [(r["proposer"], r["k"]) for r in rows] == [
-        ("plain", 0), ("smollm2-135m", 1), ("smollm2-135m", 3), ("ngram", 1), ("ngram", 3)]
+        ("plain", 0), ("smollm2-135m", 1), ("smollm2-135m", 3), ("ngram", 1), ("ngram", 3),
+        ("smollm2-135m", "adaptive"), ("ngram", "adaptive")]
     assert rows[0]["speedup"] == 1.0 and rows[0]["acceptance_rate"] is None
     self_draft = rows[2]
     assert self_draft["acceptance_rate"] > 0.9  # the target drafting for itself is (nearly) always right
@@ -53,6 +54,10 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
         predicted_speedup(self_draft["acceptance_rate"], self_draft["mean_draft_length"], self_draft["cost_ratio"]))
     assert 1 <= self_draft["mean_draft_length"] <= 3
     assert rows[3]["cost_ratio"] == 0.0
+    # A draft that costs what the target costs cannot pay: adaptive decodes plainly.
+    assert rows[5]["acceptance_rate"] is None and rows[5]["mean_draft_length"] == 0
+    assert rows[6]["acceptance_rate"] > 0 and 0 < rows[6]["mean_draft_length"] <= 3  # n-gram drafts are free
+    assert rows[6]["predicted_speedup"] is None  # the formula assumes one k every step
     assert set(report["recommended"]) == {"structured", "overall"}
     assert "Recommended:" in (tmp_path / "tune.md").read_text()
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows

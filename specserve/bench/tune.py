@@ -3,7 +3,8 @@
 The target and every draft are loaded once; each configuration (plain, then every
 draft with every k) decodes the same prompts of the chosen suites at temperature 0,
 one request at a time, so the figures are the decode speed a lone user sees. For each
-configuration and test case the table gives acceptance, inter-token latency, output
+configuration and test case (and each draft with adaptive k, as served by default:
+spec/adaptive.py) the table gives acceptance, inter-token latency, output
 throughput, the speedup of the decode rate over the plain target, and beside it the
 speedup Leviathan et al. (2023) predict from the measured acceptance rate `alpha` and
 the measured draft/target cost ratio `c` of one decode step:
@@ -34,12 +35,14 @@ from specserve.generate import encode_prompt, run_one
 from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
-from specserve.spec.factory import check_same_vocabulary
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.factory import check_same_vocabulary, draft_format, prior_cost_ratio
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.stats import SpecStats
 
 NGRAM = "ngram"
 PLAIN = "plain"
+ADAPTIVE = "adaptive"  # the k column of adaptive rows
 
 
 @dataclass
@@ -82,30 +85,39 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
 
 class Tuner:
     def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
-                 dtype: torch.dtype = torch.float32, quantization: str = "none"):
+                 dtype: torch.dtype = torch.float32, quantization: str = "none",
+                 draft_quantization: str | None = None, adaptive: bool = True):
+        """Sweeps plain, then each draft with each k, then (with `adaptive`) each draft
+        with adaptive k up to max(ks) as served by default."""
         self.target = load_model(target, dtype, quantization)
         self.drafts: dict[str, LoadedModel | None] = {}
         for name in drafts:
             if name == NGRAM:
                 self.drafts[name] = None
                 continue
-            draft = load_model(name, dtype, quantization)
+            draft = load_model(name, *draft_format(draft_quantization, dtype, quantization))
             check_same_vocabulary(self.target, draft)
             self.drafts[name] = draft
         self.ks = ks
+        self.adaptive = adaptive
         self.max_tokens = max_tokens
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
                         for suite in suites}
         self.threshold = SpecConfig.draft_confidence_threshold  # as served by default
 
-    def measure(self, proposer_name: str, k: int) -> dict[str, Measurement]:
+    def measure(self, proposer_name: str, k: int | str) -> dict[str, Measurement]:
+        """k: a fixed number of drafted tokens, or ADAPTIVE (up to max(ks))."""
         proposer = None
         if proposer_name == NGRAM:
             proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
         elif proposer_name != PLAIN:
             proposer = DraftModelProposer(self.drafts[proposer_name].decoder, self.threshold)
-        engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, k)
+        adaptive = None
+        if k == ADAPTIVE:
+            k = max(self.ks)
+            adaptive = AdaptiveSpecLength(k, prior_cost_ratio(proposer, self.target.decoder))
+        engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, k, adaptive=adaptive)
         params = SamplingParams(max_tokens=self.max_tokens, temperature=0)
         first = next(iter(self.prompts.values()))[0]
         run_one(engine, self.target.tokenizer, first, SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -133,6 +145,8 @@ class Tuner:
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()
         configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks]
+        if self.adaptive:
+            configs += [(name, ADAPTIVE) for name in self.drafts]
         rows = []
         plain: dict[str, Measurement] = {}
         for name, k in configs:
@@ -149,8 +163,9 @@ class Tuner:
                     "output_tokens_per_s": m.output_tokens / m.e2e_s,
                     "decode_tokens_per_s": m.decode_tokens_per_s,
                     "speedup": speedup,
-                    "predicted_speedup": predicted_speedup(m.spec.acceptance_rate, m.mean_draft_length,
-                                                           ratios.get(name, 0.0)),
+                    # The formula assumes the same k every step; adaptive varies it.
+                    "predicted_speedup": None if k == ADAPTIVE else predicted_speedup(
+                        m.spec.acceptance_rate, m.mean_draft_length, ratios.get(name, 0.0)),
                     "mean_draft_length": m.mean_draft_length,
                     "cost_ratio": ratios.get(name),
                 })
@@ -187,6 +202,7 @@ def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], hea
             f"{'' if r['predicted_speedup'] is None else 'x'} |")
     lines += ["", "Recommended:"]
     for suite, r in best.items():
-        config = PLAIN if r["proposer"] == PLAIN else f"{r['proposer']}, k={r['k']}"
+        k = "adaptive k" if r["k"] == ADAPTIVE else f"k={r['k']}"
+        config = PLAIN if r["proposer"] == PLAIN else f"{r['proposer']}, {k}"
         lines.append(f"- {suite}: {config} ({r['speedup']:.2f}x the plain target's decode)")
     return "\n".join(lines) + "\n"

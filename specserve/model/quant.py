@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.config import QUANTIZATIONS
 from specserve.errors import ConfigError
 
-QUANTIZATIONS = ("none", "int8", "int4")
 # Part of the cache file's name: a change to how weights are quantized bumps it, so
 # files made by older code are not loaded as if they were current.
 QUANTIZED_FORMAT_VERSION = 2

@@ -13,6 +13,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
+from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
@@ -33,12 +34,22 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def draft_format(draft_quantization: str | None, dtype: torch.dtype,
+                 quantization: str) -> tuple[torch.dtype, str]:
+    """The draft's (dtype, quantization) given its own quantization (None: the target's)
+    and the target's. Quantized weights take bfloat16 activations whatever the target's dtype."""
+    draft_quantization = draft_quantization or quantization
+    if draft_quantization != "none":
+        return QUANTIZED_ACTIVATION_DTYPE, draft_quantization
+    return dtype, draft_quantization
+
+
 def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
                   quantization: str = "none") -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    draft = load_model(spec.model, dtype, quantization)
+    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization))
     check_same_vocabulary(target, draft)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
 
