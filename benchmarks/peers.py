@@ -150,7 +150,8 @@ def quality_wanted(args) -> bool:
 
 def run_ours(args, prompt_ids: dict[str, list[int]], report: Report) -> None:
     for run in our_runs(args):
-        engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization)
+        engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
+                                         batch_invariant=args.batch_invariant)
         for name, ids in prompt_ids.items():
             run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
             result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
@@ -439,6 +440,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="our target and draft (auto: float32, or bfloat16 with --quantization, as specserve's)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weight-only quantization of our target and draft")
+    parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
     parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(OUR_MODES),

@@ -26,10 +26,12 @@ def build_engine(
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
     quantization: str = "none",
+    batch_invariant: bool = False,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
-    """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size."""
-    target = load_model(model, dtype, quantization)
+    """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
+    batch_invariant applies to the target (a draft's numbers need not be exact)."""
+    target = load_model(model, dtype, quantization, batch_invariant)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "

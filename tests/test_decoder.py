@@ -126,3 +126,33 @@ def test_packed_linear_weights_give_the_same_logits(arch):
     cache = ours.new_cache()  # and one token at a time, as decoding feeds it
     ours(torch.tensor(PROMPT[:-1]), [Segment(cache, len(PROMPT) - 1)])
     torch.testing.assert_close(ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_batch_invariant_mode_computes_a_token_the_same_in_any_company(dtype):
+    """Verification (8 tokens in one pass), a batch of two requests and a prompt in
+    chunks give bitwise the logits and cache of one token at a time, alone. (Without
+    the mode the float32 case fails here: oneDNN rounds 1 row and 8 rows differently.)"""
+    config = tiny_config("qwen2", hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
+                         head_dim=32, vocab_size=512)
+    reference, _ = reference_and_ours(config)
+    model = Decoder.from_hf_weights(config, dict(reference.state_dict()), dtype)
+    model.pack_linear_weights()
+    model.make_batch_invariant()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+
+    alone = model.new_cache()
+    model(ids[:32], [Segment(alone, 32)])
+    one_at_a_time = torch.cat([model(ids[i : i + 1], [Segment(alone, 1)]) for i in range(32, 40)])  # [8, V]
+
+    verified = model.new_cache()
+    for start in range(0, 32, 5):  # the prompt in chunks of 5
+        model(ids[start : min(start + 5, 32)], [Segment(verified, min(5, 32 - start))])
+    other = model.new_cache()
+    model(ids[:3], [Segment(other, 3)])
+    batch = model(torch.cat([ids[32:40], ids[3:4]]), [Segment(verified, 8), Segment(other, 1)])  # [9, V]
+
+    assert torch.equal(batch[:8], one_at_a_time)
+    assert torch.equal(verified.keys[:, :, :40], alone.keys[:, :, :40])
+    assert torch.equal(verified.values[:, :, :40], alone.values[:, :, :40])
+    assert torch.equal(batch[8:], prefill(model, ids[:4].tolist())[3:])  # the other request, as if alone

@@ -86,10 +86,10 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
 class Tuner:
     def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
                  dtype: torch.dtype = torch.float32, quantization: str = "none",
-                 draft_quantization: str | None = None, adaptive: bool = True):
+                 draft_quantization: str | None = None, adaptive: bool = True, batch_invariant: bool = False):
         """Sweeps plain, then each draft with each k, then (with `adaptive`) each draft
         with adaptive k up to max(ks) as served by default."""
-        self.target = load_model(target, dtype, quantization)
+        self.target = load_model(target, dtype, quantization, batch_invariant)
         self.drafts: dict[str, LoadedModel | None] = {}
         for name in drafts:
             if name == NGRAM:

@@ -14,6 +14,7 @@ interleaving before the weights get here).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,9 +33,10 @@ class Segment:
 
     `one_query_at_a_time`: attend with each new token separately, exactly as decoding
     them one per step would. Attention kernels round differently for one query and for
-    several under a mask, and in bfloat16 that can flip a near-tie: the target verifying
-    drafts this way computes bitwise what plain decoding computes (the linear layers'
-    rows do not depend on the batch), so greedy speculation gives the same tokens.
+    several under a mask, and in bfloat16 that flips near-ties. The int8 and int4
+    kernels compute a row the same whatever rows come with it, so a quantized target
+    verifying drafts this way computes bitwise what plain decoding computes; float32
+    and bfloat16 GEMMs do not (see `RowBlockedLinear` and `Decoder.make_batch_invariant`).
     """
 
     cache: KVCache
@@ -68,6 +70,35 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+
+
+# Rows per GEMM call in batch-invariant mode.
+ROW_BLOCK = 8
+
+
+class RowBlockedLinear(nn.Module):
+    """A linear layer whose output rows do not depend on the other rows of the call.
+
+    float32 (oneDNN) and bfloat16 GEMMs choose their blocking by row count: a row computed
+    alone differs in its last bits from the same row computed among 8, which flips
+    near-ties between plain decoding (1 row), verification (k+1 rows) and batching.
+    Among calls of exactly 8 rows, neither the other rows nor a row's slot matter
+    (measured on every layer shape of the catalogue models), so every call here runs in
+    blocks of ROW_BLOCK rows, the last one zero-padded. The int8/int4 kernels need no
+    such help: their rows are already independent.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        rows = x.shape[0]
+        padding = -rows % ROW_BLOCK
+        if padding:
+            x = torch.cat([x, x.new_zeros(padding, x.shape[1])])  # [T + padding, in]
+        out = torch.cat([self.inner(block) for block in x.split(ROW_BLOCK)])  # [T + padding, out]
+        return out[:rows]
 
 
 class RMSNorm(nn.Module):
@@ -229,6 +260,7 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.batch_invariant = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -246,6 +278,8 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:  # [R, vocab] float32
         """Append the segments' tokens to their caches and return logits for chosen rows."""
         assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
+        if self.batch_invariant:
+            segments = [dataclasses.replace(s, one_query_at_a_time=True) for s in segments]
         positions = torch.cat(
             [torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments]
         )  # [T]
@@ -275,6 +309,17 @@ class Decoder(nn.Module):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, PackedLinear(child))
+
+    def make_batch_invariant(self) -> None:
+        """Compute every token bitwise the same whatever else shares its forward pass:
+        plain decoding, the target verifying k drafts, a batch of requests, a prompt in
+        chunks of any size. Costs a little time in bfloat16 (8-row GEMMs cost about 1.1x
+        one row) and more in float32 (1.5x), plus per-query attention in prefill."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, (nn.Linear, PackedLinear)):
+                    setattr(module, name, RowBlockedLinear(child))
+        self.batch_invariant = True
 
     @classmethod
     def from_hf_weights(

@@ -32,6 +32,7 @@ class ServerConfig:
     spec: SpecConfig | None = None
     dtype: torch.dtype = torch.float32
     quantization: str = "none"
+    batch_invariant: bool = False
     host: str = "0.0.0.0"
     port: int = 8000
     served_model_name: str | None = None
@@ -67,7 +68,7 @@ def serve(config: ServerConfig) -> None:
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
+        config.batch_invariant, max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
                                config.log_stats_interval_s)
