@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("action", nargs="?", choices=["list", "install", "prepare"], default="list")
     mod.add_argument("names", nargs="*", help="catalogue names (install/prepare)")
     mod.add_argument("--force", action="store_true", help="reinstall / prepare again")
+    mod.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                     help="prepare: also make the int8/int4 weights (as --quantization or a draft's own)")
     mod.set_defaults(run=run_models)
 
     bench = sub.add_parser("bench", help="measure an OpenAI-compatible server (LLMPerf's flags and result files)")
@@ -225,6 +227,8 @@ def run_models(args: argparse.Namespace) -> int:
             models.install(name, force=args.force)
         else:
             print(models.prepare(name, force=args.force))
+            if args.quantization != "none":
+                print(models.prepare_quantized(name, args.quantization))
     return 0
 
 
@@ -298,7 +302,7 @@ def run_ab(args: argparse.Namespace) -> int:
     from specserve.bench.ab import run_ab as ab
 
     spec = args.speculative_config or json.dumps(
-        {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7})
+        {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7, "quantization": "int4"})
     SpecConfig.parse(spec)  # refuse a bad config before starting anything
     if args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")

@@ -296,8 +296,14 @@ def _quantized_file(folder: Path, quantization: str) -> Path:
     return cache_root() / "quantized" / f"{folder.name}-{key}-{quantization}-v{QUANTIZED_FORMAT_VERSION}.safetensors"
 
 
-def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Decoder:
-    from safetensors.torch import load_file, save_file
+def prepare_quantized(name_or_path: str, quantization: str) -> Path:
+    """The file of a model's int8/int4 weights, made first if it is not there yet."""
+    folder = resolve(name_or_path)
+    return _quantized_weights(folder, checkpoint.read_config(folder), quantization)
+
+
+def _quantized_weights(folder: Path, config: ModelConfig, quantization: str) -> Path:
+    from safetensors.torch import save_file
 
     path = _quantized_file(folder, quantization)
     with locked(path.stem):
@@ -313,6 +319,13 @@ def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Dec
             save_file(state, str(partial))
             partial.rename(path)
             print(f"quantized in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return path
+
+
+def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Decoder:
+    from safetensors.torch import load_file
+
+    path = _quantized_weights(folder, config, quantization)
     with torch.device("meta"):
         decoder = Decoder(config)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -96,6 +97,16 @@ def test_models_lists_the_catalogue(prepared_cache, capsys):
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
         assert name in out
     assert main(["models", "prepare", "no-such-model"]) == 2
+
+
+def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    assert main(["models", "prepare", "smollm2-135m", "--quantization", "int8"]) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])
+    assert path.is_file() and path.name.startswith("smollm2-135m-") and "-int8-" in path.name
+    stamp = path.stat().st_mtime_ns
+    assert main(["models", "prepare", "smollm2-135m", "--quantization", "int8"]) == 0
+    assert path.stat().st_mtime_ns == stamp  # there already: not made again
 
 
 @pytest.mark.parametrize("args, words", [
