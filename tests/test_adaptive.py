@@ -166,3 +166,22 @@ def test_a_fully_accepted_probe_drafts_even_where_the_prior_would_not():
     assert k == adaptive_module.PROBE_TOKENS
     ctl.record(1, k, k)
     assert ctl.choose([1])[0] > adaptive_module.PROBE_TOKENS
+
+
+def test_a_proposer_that_stops_early_is_costed_by_what_it_drafts():
+    """E(k) and the drafted positions follow the measured stop rate: a sequence whose
+    draft stops after two positions is priced at about two, not at k."""
+    assert adaptive_module.expected_tokens(0.5, 3) == pytest.approx(1.875)  # Leviathan: (1 - 0.5^4) / 0.5
+    assert adaptive_module.expected_tokens(0.5, 3, stop_rate=1.0) == pytest.approx(1.5)  # one position only
+    assert adaptive_module.expected_drafted(5, stop_rate=0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    ctl = AdaptiveSpecLength(max_k=15, prior_draft_cost_ratio=0.3)
+    (k,) = ctl.choose([1])
+    for _ in range(20):  # asks for k, the proposer drafts 2 and both are accepted
+        ctl.record(1, 2, 2)
+        ctl.choose([1])
+    state = ctl.sequences[1]
+    assert state.stop_rate == pytest.approx(0.5, abs=0.05)
+    # What the model predicts for k=15 is what happened: about 2 drafted, 3 emitted
+    # (ignoring stops it would expect 16 tokens from 15 paid positions).
+    assert adaptive_module.expected_drafted(15, state.stop_rate) == pytest.approx(2.0, abs=0.1)
+    assert adaptive_module.expected_tokens(state.rate, 15, state.stop_rate) == pytest.approx(3.0, abs=0.1)

@@ -14,7 +14,13 @@ to plain decoding is
 
     speedup(k) = E(k) * T0 / (T0 + draft_fixed + k * (per_position + per_row * B))
 
-and each sequence drafts the k in [0, max_k] that maximises it with its own a. When no
+and each sequence drafts the k in [0, max_k] that maximises it with its own a. A
+proposer may stop before k (the draft when unsure of a guess, an n-gram lookup that
+runs out); with s the measured chance of stopping after a position, E(k) becomes
+1 + sum_{i=1..k} a^i (1-s)^(i-1) and the k in the cost becomes the positions expected
+to be drafted, sum_{i=1..k} (1-s)^(i-1). Without that, k was chosen as if every
+position were drafted and paid for, and on open-ended text adaptive decoded plainly
+where drafting paid. When no
 k beats plain decoding by a margin the sequence decodes plainly (k = 0) and probes with
 a short draft now and then, less often after each probe that fails, so a prompt that
 turns predictable is noticed (a fully accepted probe restarts the estimate from that
@@ -73,6 +79,11 @@ class LinearFit:
 class _Acceptance:
     accepted: float = PRIOR_ACCEPTED
     rejected: float = PRIOR_REJECTED
+    # A proposer may stop before k (a draft unsure of its guess, an n-gram that runs
+    # out): continued / stopped count its positions the same way, with no prior.
+    continued: float = 0.0
+    stopped: float = 0.0
+    chosen: int = 0  # this step's k
     plain_steps: int = 0  # since the last draft
     probe_interval: int = PROBE_INTERVAL
     probing: bool = False  # this step's draft is a probe
@@ -81,16 +92,31 @@ class _Acceptance:
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @property
+    def stop_rate(self) -> float:
+        """Chance that the proposer stops after a drafted position, before k."""
+        total = self.continued + self.stopped
+        return self.stopped / total if total > 0 else 0.0
+
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejected = ACCEPTANCE_DECAY * self.rejected + (num_accepted < num_drafted)
+        stopped_early = num_drafted < self.chosen
+        self.continued = ACCEPTANCE_DECAY * self.continued + num_drafted - 1
+        self.stopped = ACCEPTANCE_DECAY * self.stopped + stopped_early
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a step emits when it drafts k, each accepted with probability `rate`."""
-    if rate >= 1.0:
-        return k + 1.0
-    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+def expected_tokens(rate: float, k: int, stop_rate: float = 0.0) -> float:
+    """Tokens a step emits when it drafts up to k, each accepted with probability
+    `rate`, the proposer going on after each drafted position with 1 - stop_rate:
+    1 + sum over i = 1..k of rate^i (1 - stop_rate)^(i-1)."""
+    go_on = 1.0 - stop_rate
+    return 1.0 + sum(rate**i * go_on ** (i - 1) for i in range(1, k + 1))
+
+
+def expected_drafted(k: int, stop_rate: float = 0.0) -> float:
+    """Positions drafted when asked for k: sum over i = 1..k of (1 - stop_rate)^(i-1)."""
+    return sum((1.0 - stop_rate) ** (i - 1) for i in range(1, k + 1))
 
 
 class AdaptiveSpecLength:
@@ -109,16 +135,18 @@ class AdaptiveSpecLength:
         self._scale_known = False
         self.sequences: dict[int, _Acceptance] = {}
 
-    def speedup(self, rate: float, k: int, batch: int) -> float:
+    def speedup(self, rate: float, k: int, batch: int, stop_rate: float = 0.0) -> float:
         fixed, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft.coefficients()
         plain = fixed + per_row * batch
         if k == 0 or plain <= 0:
             return 1.0
-        return expected_tokens(rate, k) * plain / (plain + draft_fixed + k * (per_position + per_row * batch))
+        drafted = expected_drafted(k, stop_rate)
+        return expected_tokens(rate, k, stop_rate) * plain / (
+            plain + draft_fixed + drafted * (per_position + per_row * batch))
 
-    def best_k(self, rate: float, batch: int) -> int:
-        speedups = [self.speedup(rate, k, batch) for k in range(self.max_k + 1)]
+    def best_k(self, rate: float, batch: int, stop_rate: float = 0.0) -> int:
+        speedups = [self.speedup(rate, k, batch, stop_rate) for k in range(self.max_k + 1)]
         k = max(range(len(speedups)), key=speedups.__getitem__)
         return k if speedups[k] >= MIN_SPEEDUP else 0
 
@@ -127,9 +155,10 @@ class AdaptiveSpecLength:
         ks = []
         for seq_id in seq_ids:
             state = self.sequences.setdefault(seq_id, _Acceptance())
-            k = self.best_k(state.rate, len(seq_ids))
+            k = self.best_k(state.rate, len(seq_ids), state.stop_rate)
             state.probing = k == 0 and state.plain_steps >= state.probe_interval
-            ks.append(PROBE_TOKENS if state.probing else k)
+            state.chosen = PROBE_TOKENS if state.probing else k
+            ks.append(state.chosen)
         return ks
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
@@ -146,7 +175,7 @@ class AdaptiveSpecLength:
         state.record(num_drafted, num_accepted)
         state.plain_steps = 0
         if state.probing:  # a probe that still does not pay waits twice as long next time
-            paid = self.best_k(state.rate, 1) > 0
+            paid = self.best_k(state.rate, 1, state.stop_rate) > 0
             state.probe_interval = PROBE_INTERVAL if paid else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
             state.probing = False
 
