@@ -86,9 +86,9 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
 class Tuner:
     def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
                  dtype: torch.dtype = torch.float32, quantization: str = "none",
-                 draft_quantization: str | None = None, adaptive: bool = True, batch_invariant: bool = False):
-        """Sweeps plain, then each draft with each k, then (with `adaptive`) each draft
-        with adaptive k up to max(ks) as served by default."""
+                 draft_quantization: str | None = None, batch_invariant: bool = False):
+        """Sweeps plain, then each draft with each k, then each draft with adaptive k up
+        to max(ks), as served by default."""
         self.target = load_model(target, dtype, quantization, batch_invariant)
         self.drafts: dict[str, LoadedModel | None] = {}
         for name in drafts:
@@ -99,7 +99,6 @@ class Tuner:
             check_same_vocabulary(self.target, draft)
             self.drafts[name] = draft
         self.ks = ks
-        self.adaptive = adaptive
         self.max_tokens = max_tokens
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
@@ -145,8 +144,7 @@ class Tuner:
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()
         configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks]
-        if self.adaptive:
-            configs += [(name, ADAPTIVE) for name in self.drafts]
+        configs += [(name, ADAPTIVE) for name in self.drafts]
         rows = []
         plain: dict[str, Measurement] = {}
         for name, k in configs:
