@@ -6,9 +6,14 @@ weights in 8 or 4 bits (with bfloat16 scales) cuts those bytes 4x or ~7x against
 float32; activations stay bfloat16, which is what PyTorch's CPU kernels for packed
 weights take (with float32 activations they are 10x slower).
 
-- `int8`: one scale per output channel, symmetric, `torch._weight_int8pack_mm`.
-- `int4`: one scale and zero point per group of 32 inputs, asymmetric,
-  `torch._weight_int4pack_mm_for_cpu` (the head stays int8). Groups of 32 match GGUF's
+- `int8`: one scale per output channel, symmetric.
+- `int4`: one scale and zero point per group of 32 inputs, asymmetric (the head stays
+  int8).
+
+Our kernel (`quantized_kernel`) multiplies them by activations quantized to int8 per
+group of 32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere
+`torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu` do, with
+bfloat16 activations. Groups of 32 match GGUF's
   Q4_K blocks, whose values form an affine 16-level grid per block: the scale search
   of `quantize_int4` finds that grid, so such a block comes back as it was (up to
   bfloat16 scales) where plain min..max rounding would shift it.
@@ -25,6 +30,7 @@ from torch import nn
 
 from specserve.config import QUANTIZATIONS
 from specserve.errors import ConfigError
+from specserve.model import quantized_kernel
 
 # Part of the cache file's name: a change to how weights are quantized bumps it, so
 # files made by older code are not loaded as if they were current.
@@ -81,20 +87,31 @@ def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class QuantizedLinear(nn.Module):
-    """A linear layer with int8 or int4 weights; x [T, in] bfloat16 -> [T, out] bfloat16."""
+    """A linear layer with int8 or int4 weights; x [T, in] bfloat16 -> [T, out] bfloat16.
+
+    Runs our kernel (`quantized_kernel`: int8 activations, weights read once for all
+    rows, rows batch invariant) where it can run, else PyTorch's."""
 
     def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bits = bits
-        if bits == 8:
+        in_features = qweight.shape[1] * (8 // bits)
+        self.native = quantized_kernel.supports(in_features)
+        zeros = None
+        if self.native and bits == 8:
+            qweight = quantized_kernel.pack_int8(qweight)  # [out, in] uint8
+        elif self.native:
+            qweight, scales, zeros = quantized_kernel.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2
+        elif bits == 8:
             # A copy: tensors read from a safetensors file can sit at any byte offset, and
             # the int8 kernel's multi-row path crashes on a weight that is not aligned.
-            self.register_buffer("weight", qweight.clone(), persistent=False)  # [out, in] int8
+            qweight = qweight.clone()  # [out, in] int8
         else:
             levels = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).view(qweight.shape[0], -1)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
-            self.register_buffer("weight", packed, persistent=False)  # kernel layout
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
+        self.register_buffer("weight", qweight, persistent=False)  # the kernel's layout
         self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("zeros", zeros, persistent=False)
         self.register_buffer("bias", bias, persistent=False)  # [out] or None
 
     @classmethod
@@ -106,6 +123,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if self.native:
+            return quantized_kernel.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         else:

@@ -1,0 +1,191 @@
+/*
+ * int4 or int8 weights x int8 activations on AVX-512 VNNI: y[T, N] = x[T, K] @ W[N, K]^T.
+ *
+ * Why our own kernel: a decode step reads every weight once, so its time is the
+ * weight bytes over the memory bandwidth. PyTorch's int4 and int8 CPU kernels
+ * (bfloat16 activations) reach about half that limit and their cost grows with every
+ * row, so verifying k drafts costs several plain steps. This kernel does what llama.cpp
+ * does: it quantizes each row of activations to int8 per group of 32 and multiplies
+ * unsigned weight levels by int8 values with `vpdpbusd` (64 byte products per
+ * instruction). Each super-block of a weight row is unpacked once into registers and
+ * used for up to TILE activation rows, so the weights are read from memory once per call.
+ *
+ * Every output is computed by the same instructions in the same order whatever the
+ * number of rows, the row's slot or its neighbours: the results are batch invariant.
+ *
+ * Weights (as quantized_kernel.py lays them out): group g of a row has 32 levels; for
+ * int4 0..15, with a scale s[g] and a zero z[g] (bfloat16), w = (level - 8) s + z; for
+ * int8 0..255 with one scale per row, w = (level - 128) s.
+ * Groups go in super-blocks of n = min(16, groups left) groups, one int32 lane each.
+ * Element i of group g in a super-block is quad r = i / 4, byte p = i % 4; its level
+ * sits in byte 16*g0 + (r % 4)*4n + (g - g0)*4 + p (g0: the super-block's first group),
+ * low nibble for r < 4, high nibble for r >= 4 (int8: byte 32*g0 + r*4n + (g - g0)*4 + p),
+ * and its int8 activation at
+ * 32*g0 + 64r + (g - g0)*4 + p of a buffer padded to whole super-blocks. So one load
+ * gives quad r of every group, and `vpdpbusd` adds each group's products into its
+ * own lane.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define BLOCK_GROUPS 16 /* groups per super-block: one int32 lane each */
+
+static inline __mmask64 byte_mask(int n) { return n == BLOCK_GROUPS ? ~0ULL : (1ULL << (4 * n)) - 1; }
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 lanes) {
+    __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Groups rounded up to whole super-blocks: the activation buffers' row stride. */
+static inline int padded_groups(int G) { return (G + BLOCK_GROUPS - 1) / BLOCK_GROUPS * BLOCK_GROUPS; }
+
+/* x [T, K] bfloat16 -> q [T, 32 Gp] int8 in super-blocks of 8 quads x 64 bytes (lane =
+ * group), and per group d = max|x| / 127 and a = d * sum(q), both [T, Gp] float32.
+ * Padding stays zero, so it adds nothing to a dot product. */
+static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, float *a) {
+    const int G = K / GROUP, Gp = padded_groups(G);
+    memset(q, 0, (size_t)T * GROUP * Gp);
+    memset(d, 0, sizeof(float) * (size_t)T * Gp);
+    memset(a, 0, sizeof(float) * (size_t)T * Gp);
+    for (int t = 0; t < T; t++) {
+        for (int g = 0; g < G; g++) {
+            const uint16_t *xg = x + (size_t)t * K + (size_t)g * GROUP;
+            __m512 lo = load_bf16(xg, 0xffff), hi = load_bf16(xg + 16, 0xffff);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            float scale = amax / 127.0f;
+            __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse)); /* round half to even */
+            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+            int8_t levels[GROUP];
+            _mm_storeu_si128((__m128i *)levels, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(levels + 16), _mm512_cvtsepi32_epi8(qhi));
+            int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            const int g0 = g - g % BLOCK_GROUPS;
+            int8_t *block = q + (size_t)t * GROUP * Gp + (size_t)GROUP * g0 + (size_t)(g - g0) * 4;
+            for (int r = 0; r < 8; r++) memcpy(block + (size_t)r * 64, levels + 4 * r, 4);
+            d[(size_t)t * Gp + g] = scale;
+            a[(size_t)t * Gp + g] = scale * (float)sum;
+        }
+    }
+}
+
+/* Activation rows that share one unpacked super-block of weights: 4 keeps levels,
+ * accumulators and products in the 32 vector registers (8 spilled them). */
+#define TILE 4
+
+/* One weight row against activation rows 0 .. nt-1 (q in padded super-blocks of 512
+ * bytes, d and a padded to whole super-blocks with zeros). bits and nt are constants
+ * after inlining, so the accumulators stay in registers.
+ * bits 4: levels 0..15, scale and zero per group: w = (level - 8) s + z.
+ * bits 8: levels 0..255 (int8 weight + 128), one scale per row: w = (level - 128) s. */
+static inline __attribute__((always_inline)) void row_tile(
+    const int bits, const uint8_t *w, const uint16_t *scale, const uint16_t *zero, int G,
+    const int8_t *q, const float *d, const float *a, const int nt, float *out) {
+    const int Gp = padded_groups(G);
+    const __m512i low_nibble = _mm512_set1_epi8(0x0f);
+    __m512 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < G; g0 += BLOCK_GROUPS) {
+        const int n = G - g0 < BLOCK_GROUPS ? G - g0 : BLOCK_GROUPS;
+        const __mmask64 bytes = byte_mask(n);
+        const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+        __m512i levels[8]; /* quad r of each group's levels, as unsigned bytes */
+        __m512 s, level0;  /* per group: the scale, and the value of level 0 */
+        if (bits == 4) {
+            const uint8_t *wb = w + (size_t)16 * g0;
+            for (int j = 0; j < 4; j++) {
+                __m512i packed = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)j * 4 * n);
+                levels[j] = _mm512_and_si512(packed, low_nibble);
+                levels[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibble);
+            }
+            s = load_bf16(scale + g0, lanes);
+            level0 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, load_bf16(zero + g0, lanes)); /* z - 8s */
+        } else {
+            const uint8_t *wb = w + (size_t)32 * g0;
+            for (int r = 0; r < 8; r++) levels[r] = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)r * 4 * n);
+            s = _mm512_set1_ps(from_bf16(scale[0]));
+            level0 = _mm512_mul_ps(_mm512_set1_ps(-128.0f), s);
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512i *qb = (const __m512i *)(q + (size_t)t * GROUP * Gp + (size_t)GROUP * g0);
+            /* per group: sum of level * q, in two chains to halve the dependent latency */
+            __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+            for (int r = 0; r < 8; r += 2) {
+                dot0 = _mm512_dpbusd_epi32(dot0, levels[r], _mm512_load_si512(qb + r));
+                dot1 = _mm512_dpbusd_epi32(dot1, levels[r + 1], _mm512_load_si512(qb + r + 1));
+            }
+            const __m512i dot = _mm512_add_epi32(dot0, dot1);
+            const __m512 dv = _mm512_load_ps(d + (size_t)t * Gp + g0);
+            const __m512 av = _mm512_load_ps(a + (size_t)t * Gp + g0);
+            /* sum (level s + level0) d q = s d dot + level0 d sum(q) */
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, dv), acc[t]);
+            acc[t] = _mm512_fmadd_ps(av, level0, acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+#define ROW_TILE_CASE(NT)                                                           \
+    case NT:                                                                        \
+        if (bits == 4) row_tile(4, w, scale, zero, G, q, d, a, NT, out);           \
+        else row_tile(8, w, scale, zero, G, q, d, a, NT, out);                     \
+        break;
+
+static void row_tile_any(int bits, const uint8_t *w, const uint16_t *scale, const uint16_t *zero, int G,
+                         const int8_t *q, const float *d, const float *a, int nt, float *out) {
+    switch (nt) {
+        ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4)
+    }
+}
+
+/* x [T, K] bf16 -> y [T, N] bf16, bias [N] bf16 or NULL.
+ * bits 4: weights [N, K/2] uint8, scale and zero [N, K/32] bf16.
+ * bits 8: weights [N, K] uint8, scale [N] bf16, zero unused.
+ * Returns 0, or -1 when out of memory. */
+int quantized_matmul(int bits, const uint16_t *x, int T, int K, const uint8_t *weights, const uint16_t *scale,
+                     const uint16_t *zero, const uint16_t *bias, int N, uint16_t *y) {
+    const int G = K / GROUP, Gp = padded_groups(G);
+    int8_t *q = aligned_alloc(64, (size_t)T * GROUP * Gp);
+    float *d = aligned_alloc(64, sizeof(float) * (size_t)T * Gp);
+    float *a = aligned_alloc(64, sizeof(float) * (size_t)T * Gp);
+    if (!q || !d || !a) {
+        free(q), free(d), free(a);
+        return -1;
+    }
+    quantize_rows(x, T, K, q, d, a);
+    const size_t row_bytes = (size_t)K * bits / 8, row_scales = bits == 4 ? (size_t)G : 1;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float b = bias ? from_bf16(bias[n]) : 0.0f;
+        float out[TILE];
+        for (int t0 = 0; t0 < T; t0 += TILE) {
+            const int nt = T - t0 < TILE ? T - t0 : TILE;
+            row_tile_any(bits, weights + n * row_bytes, scale + n * row_scales, zero ? zero + n * row_scales : NULL,
+                         G, q + (size_t)t0 * GROUP * Gp, d + (size_t)t0 * Gp, a + (size_t)t0 * Gp, nt, out);
+            for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * N + n] = to_bf16(out[t] + b);
+        }
+    }
+    free(q), free(d), free(a);
+    return 0;
+}

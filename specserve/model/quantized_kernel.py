@@ -1,0 +1,178 @@
+"""Our int4/int8 x int8 matrix multiply (kernels/quantized_matmul.c), compiled on first use.
+
+The C file explains the kernel; this module decides whether it can run here, compiles
+it once into the artifacts cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way
+it reads them, and calls it through ctypes (which releases the GIL for the call).
+
+It runs on x86-64 Linux CPUs with AVX-512 VNNI and a C compiler (`$CC`, else `cc`).
+Where either is missing, or `SPECSERVE_NATIVE_KERNELS=0` is set, `QuantizedLinear` uses
+PyTorch's int4/int8 kernels instead: the same weights, bfloat16 activations, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "quantized_matmul.c"
+GROUP_SIZE = 32
+BLOCK_GROUPS = 16  # groups per super-block, as in the C file
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None when it can."""
+    if os.environ.get("SPECSERVE_NATIVE_KERNELS", "1") == "0":
+        return "SPECSERVE_NATIVE_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it needs x86-64 Linux, not {platform.system()} {platform.machine()}"
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if _compiler() is None:
+        return "no C compiler (set CC, or install gcc)"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _library_path(compiler: str) -> Path:
+    from specserve.models import cache_root  # models imports this package
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + version.encode())
+    return cache_root() / "kernels" / f"quantized_matmul-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: a process loading it never sees half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to compile {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with the reason logged once) where it cannot run."""
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            compiler = _compiler()
+            path = _library_path(compiler)
+            if not path.exists():
+                logger.info("compiling the quantized matmul kernel into %s", path)
+                _compile(compiler, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError) as error:
+            reason = str(error)
+    if reason is not None:
+        logger.info("quantized layers use PyTorch's kernels: ours is unavailable (%s)", reason)
+        return None
+    lib.quantized_matmul.restype = ctypes.c_int
+    lib.quantized_matmul.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, x, T, K
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
+        ctypes.c_int, ctypes.c_void_p,  # N, y
+    ]
+    return lib
+
+
+def activation_order(in_features: int) -> torch.Tensor:
+    """[K] long: which input feature sits at each position of the kernel's order."""
+    groups = in_features // GROUP_SIZE
+    order = torch.empty(in_features, dtype=torch.long)
+    for g0 in range(0, groups, BLOCK_GROUPS):
+        n = min(BLOCK_GROUPS, groups - g0)
+        group = torch.arange(n).view(1, n, 1)  # [1, n, 1] group within the super-block
+        quad = torch.arange(8).view(8, 1, 1)  # [8, 1, 1]
+        byte = torch.arange(4).view(1, 1, 4)  # [1, 1, 4]
+        feature = GROUP_SIZE * (g0 + group) + 4 * quad + byte  # [8, n, 4], in position order
+        order[GROUP_SIZE * g0 : GROUP_SIZE * (g0 + n)] = feature.flatten()
+    return order
+
+
+def pack_int4(
+    qweight: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our int4 format (qweight [N, K/2] uint8, even input in the low nibble;
+    scales_and_zeros [K/32, N, 2] bfloat16) -> the kernel's weights [N, K/2] uint8,
+    scale [N, K/32] and zero [N, K/32] bfloat16 (see the C file for the order)."""
+    out_features, half = qweight.shape
+    in_features = 2 * half
+    levels = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).view(out_features, in_features)
+    levels = levels[:, activation_order(in_features)]  # [N, K] in position order
+    packed = torch.empty(out_features, half, dtype=torch.uint8)
+    groups = in_features // GROUP_SIZE
+    for g0 in range(0, groups, BLOCK_GROUPS):
+        n = min(BLOCK_GROUPS, groups - g0)
+        block = levels[:, GROUP_SIZE * g0 : GROUP_SIZE * (g0 + n)]  # [N, 32n]: quads 0-3, then 4-7
+        packed[:, 16 * g0 : 16 * (g0 + n)] = block[:, : 16 * n] | (block[:, 16 * n :] << 4)
+    scale = scales_and_zeros[:, :, 0].t().contiguous()
+    zero = scales_and_zeros[:, :, 1].t().contiguous()
+    return packed, scale, zero
+
+
+def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K] int8 -> the kernel's levels [N, K] uint8 (weight + 128, in
+    position order); the per-row scales go to the kernel as they are."""
+    levels = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    return levels[:, activation_order(qweight.shape[1])].contiguous()
+
+
+def supports(in_features: int) -> bool:
+    """Whether a layer with this many inputs can run on the kernel (groups of 32)."""
+    return in_features % GROUP_SIZE == 0 and library() is not None
+
+
+def quantized_matmul(
+    bits: int, x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
+    zero: torch.Tensor | None, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [T, K] bfloat16 -> [T, N] bfloat16 with weights from `pack_int4` or `pack_int8`."""
+    lib = library()
+    assert lib is not None, "quantized_matmul called where the kernel is unavailable"
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out_features = weights.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    status = lib.quantized_matmul(
+        bits, x.data_ptr(), rows, in_features, weights.data_ptr(), scale.data_ptr(),
+        None if zero is None else zero.data_ptr(), None if bias is None else bias.data_ptr(),
+        out_features, y.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("quantized_matmul could not allocate its activation buffers")
+    return y

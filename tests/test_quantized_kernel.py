@@ -1,0 +1,98 @@
+"""Our int4/int8 x int8 kernel (specserve/model/kernels/quantized_matmul.c): it computes
+exactly the arithmetic it promises, every row is bitwise the same however many rows
+share the call, and where it cannot run PyTorch's kernels take over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specserve.model import quantized_kernel
+from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
+from tests.test_quant import dequantize_int4, dequantize_int8
+
+needs_kernel = pytest.mark.skipif(
+    quantized_kernel.unavailable_reason() is not None,
+    reason=f"the native kernel cannot run here: {quantized_kernel.unavailable_reason()}",
+)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: x [T, K] rounded to int8 per group of 32
+    (scale max|x| / 127), as float64."""
+    groups = x.float().view(x.shape[0], -1, 32)  # [T, G, 32]
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    levels = (groups * inverse).round()  # half to even, as the kernel's conversion
+    return (levels * scale).view_as(x).double()
+
+
+def layer_and_weight(bits: int, out_features: int, in_features: int, bias: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    if bits == 4:
+        state = quantize_int4(linear.weight.detach())
+        weight = dequantize_int4(state, in_features)
+    else:
+        state = quantize_int8(linear.weight.detach())
+        weight = dequantize_int8(state)
+    layer = QuantizedLinear.from_state(state, linear.bias)
+    bias_value = None if linear.bias is None else linear.bias.detach().bfloat16().double()
+    return layer, weight.double(), bias_value
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(
+    "out_features, in_features",
+    [(48, 512), (40, 96), (24, 896), (16, 1536)],  # whole super-blocks, 3 groups, 16 + 12 groups
+)
+def test_kernel_computes_int8_activations_times_the_stored_weights(bits, out_features, in_features):
+    layer, weight, bias = layer_and_weight(bits, out_features, in_features, bias=True)
+    assert layer.native
+    x = torch.randn(11, in_features).bfloat16()  # more rows than one tile
+    expected = quantize_activations(x) @ weight.t() + bias
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (11, out_features)
+    # Only float32 accumulation and the final bfloat16 rounding stand between them.
+    assert torch.allclose(got.double(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_is_the_same_whatever_shares_the_call(bits):
+    layer, _, _ = layer_and_weight(bits, 40, 896, bias=False, seed=3)
+    x = torch.randn(13, 896).bfloat16()
+    together = layer(x)
+    for row in range(13):
+        assert torch.equal(layer(x[row : row + 1]), together[row : row + 1])
+    for start, stop in ((2, 9), (5, 13)):  # another slot, other neighbours
+        assert torch.equal(layer(x[start:stop]), together[start:stop])
+    assert layer(x[:0]).shape == (0, 40)
+
+
+@needs_kernel
+def test_the_compiled_library_is_kept_in_the_artifacts_cache():
+    path = quantized_kernel._library_path(quantized_kernel._compiler())
+    assert quantized_kernel.library() is not None
+    assert path.exists() and path.parent.name == "kernels"
+
+
+def test_without_the_kernel_pytorch_computes_the_same_layer(monkeypatch):
+    layer, weight, bias = layer_and_weight(4, 32, 128, bias=True, seed=5)
+    x = torch.randn(3, 128).bfloat16()
+    ours = layer(x)
+    monkeypatch.setenv("SPECSERVE_NATIVE_KERNELS", "0")
+    quantized_kernel.library.cache_clear()
+    try:
+        assert quantized_kernel.unavailable_reason() == "SPECSERVE_NATIVE_KERNELS=0"
+        fallback, _, _ = layer_and_weight(4, 32, 128, bias=True, seed=5)
+        assert not fallback.native
+        expected = x.double() @ weight.t() + bias
+        assert torch.allclose(fallback(x).double(), expected, rtol=0.02, atol=0.05)
+        # One layer's weights through both kernels: close, not equal (int8 activations).
+        assert torch.allclose(ours.double(), fallback(x).double(), rtol=0.05, atol=0.05)
+    finally:
+        monkeypatch.delenv("SPECSERVE_NATIVE_KERNELS")
+        quantized_kernel.library.cache_clear()
