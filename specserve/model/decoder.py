@@ -24,6 +24,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError, ModelLoadError
+from specserve.model import native
 from specserve.model.kv_cache import KVCache
 
 
@@ -110,6 +111,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 == self.weight.dtype and x.is_cpu and native.library() is not None:
+            return native.rms_norm(x, self.weight, self.eps)  # the same arithmetic, one call
         # Normalise in float32 whatever the weight dtype, as the reference models do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -141,9 +144,15 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     raise ConfigError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(
+    x: torch.Tensor,  # [T, heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]
+    rotated_sin: torch.Tensor,  # [T, 1, head_dim]: (-sin, sin) over the two halves
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1): rolling x gives
+    (x2, x1) and rotated_sin carries the sign, so it is 4 ops instead of 7, bit for bit
+    the same numbers."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * rotated_sin
 
 
 def grouped_attention(
@@ -188,20 +197,21 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim]
+        rotated_sin: torch.Tensor,  # [T, head_dim], see apply_rope
         layer: int,
         segments: list[Segment],
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q_size, kv_size, _ = self.qkv_sizes
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        v = qkv[:, q_size + kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, kv_heads, head_dim]
+        cos, rotated_sin = cos.unsqueeze(1), rotated_sin.unsqueeze(1)  # [T, 1, head_dim]
+        if self.q_norm is None:  # queries and keys sit side by side: rotate them in one go
+            qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, self.head_dim))  # [T, heads + kv_heads, head_dim]
+            q, k = apply_rope(qk, cos, rotated_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
+            q = self.q_norm(qkv[:, :q_size].unflatten(-1, (self.num_heads, self.head_dim)))  # [T, heads, head_dim]
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim)))
+            q, k = apply_rope(q, cos, rotated_sin), apply_rope(k, cos, rotated_sin)
 
         outputs = []
         offset = 0
@@ -248,8 +258,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, layer, segments):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, segments)
+    def forward(self, h, cos, rotated_sin, layer, segments):
+        h = h + self.self_attn(self.input_layernorm(h), cos, rotated_sin, layer, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -290,12 +300,13 @@ class Decoder(nn.Module):
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         angles = positions.unsqueeze(1).float() * self.inv_freq  # [T, head_dim // 2]
-        angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos = angles.cos().repeat(1, 2).to(self.dtype)  # [T, head_dim]
+        sin = angles.sin()
+        rotated_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # [T, head_dim]
 
         h = self.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, segments)
+            h = layer(h, cos, rotated_sin, i, segments)
         for seg in segments:
             seg.cache.length += seg.num_tokens
         if logits_rows is not None:

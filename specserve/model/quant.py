@@ -10,7 +10,7 @@ weights take (with float32 activations they are 10x slower).
 - `int4`: one scale and zero point per group of 32 inputs, asymmetric (the head stays
   int8).
 
-Our kernel (`quantized_kernel`) multiplies them by activations quantized to int8 per
+Our kernel (`native`) multiplies them by activations quantized to int8 per
 group of 32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere
 `torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu` do, with
 bfloat16 activations. Groups of 32 match GGUF's
@@ -30,7 +30,7 @@ from torch import nn
 
 from specserve.config import QUANTIZATIONS
 from specserve.errors import ConfigError
-from specserve.model import quantized_kernel
+from specserve.model import native
 
 # Part of the cache file's name: a change to how weights are quantized bumps it, so
 # files made by older code are not loaded as if they were current.
@@ -89,19 +89,19 @@ def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 class QuantizedLinear(nn.Module):
     """A linear layer with int8 or int4 weights; x [T, in] bfloat16 -> [T, out] bfloat16.
 
-    Runs our kernel (`quantized_kernel`: int8 activations, weights read once for all
+    Runs our kernel (`native`: int8 activations, weights read once for all
     rows, rows batch invariant) where it can run, else PyTorch's."""
 
     def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bits = bits
         in_features = qweight.shape[1] * (8 // bits)
-        self.native = quantized_kernel.supports(in_features)
+        self.native = native.supports(in_features)
         zeros = None
         if self.native and bits == 8:
-            qweight = quantized_kernel.pack_int8(qweight)  # [out, in] uint8
+            qweight = native.pack_int8(qweight)  # [out, in] uint8
         elif self.native:
-            qweight, scales, zeros = quantized_kernel.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2
+            qweight, scales, zeros = native.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2
         elif bits == 8:
             # A copy: tensors read from a safetensors file can sit at any byte offset, and
             # the int8 kernel's multi-row path crashes on a weight that is not aligned.
@@ -124,7 +124,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if self.native:
-            return quantized_kernel.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias)
+            return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         else:

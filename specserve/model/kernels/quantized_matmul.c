@@ -13,7 +13,7 @@
  * Every output is computed by the same instructions in the same order whatever the
  * number of rows, the row's slot or its neighbours: the results are batch invariant.
  *
- * Weights (as quantized_kernel.py lays them out): group g of a row has 32 levels; for
+ * Weights (as native.py lays them out): group g of a row has 32 levels; for
  * int4 0..15, with a scale s[g] and a zero z[g] (bfloat16), w = (level - 8) s + z; for
  * int8 0..255 with one scale per row, w = (level - 128) s.
  * Groups go in super-blocks of n = min(16, groups left) groups, one int32 lane each.

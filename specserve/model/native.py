@@ -1,12 +1,14 @@
-"""Our int4/int8 x int8 matrix multiply (kernels/quantized_matmul.c), compiled on first use.
+"""Our CPU kernels in C (kernels/*.c), compiled on first use, called through ctypes.
 
-The C file explains the kernel; this module decides whether it can run here, compiles
-it once into the artifacts cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way
-it reads them, and calls it through ctypes (which releases the GIL for the call).
+- `quantized_matmul`: int4/int8 weights x int8 activations (see kernels/quantized_matmul.c).
+- `rms_norm`: RMSNorm of bfloat16 rows in one call instead of 8 PyTorch ops.
 
-It runs on x86-64 Linux CPUs with AVX-512 VNNI and a C compiler (`$CC`, else `cc`).
-Where either is missing, or `SPECSERVE_NATIVE_KERNELS=0` is set, `QuantizedLinear` uses
-PyTorch's int4/int8 kernels instead: the same weights, bfloat16 activations, slower.
+This module decides whether they can run here, compiles them once into the artifacts
+cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
+and calls them (ctypes releases the GIL for each call). They run on x86-64 Linux CPUs
+with AVX-512 VNNI and a C compiler (`$CC`, else `cc`). Where either is missing, or
+`SPECSERVE_NATIVE_KERNELS=0` is set, the callers use PyTorch instead: the same
+weights, bfloat16 activations, slower.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "quantized_matmul.c"
+SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.c"))
 GROUP_SIZE = 32
 BLOCK_GROUPS = 16  # groups per super-block, as in the C file
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -65,8 +67,9 @@ def _library_path(compiler: str) -> Path:
     from specserve.models import cache_root  # models imports this package
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + version.encode())
-    return cache_root() / "kernels" / f"quantized_matmul-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    key.update(" ".join(COMPILE_FLAGS).encode() + version.encode())
+    return cache_root() / "kernels" / f"specserve-kernels-{key.hexdigest()[:16]}.so"
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -75,10 +78,10 @@ def _compile(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+            [compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-lm", "-o", str(built)], capture_output=True, text=True
         )
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to compile {SOURCE.name}:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed to compile our kernels:\n{result.stderr[-2000:]}")
         os.replace(built, target)
 
 
@@ -91,13 +94,13 @@ def library() -> ctypes.CDLL | None:
             compiler = _compiler()
             path = _library_path(compiler)
             if not path.exists():
-                logger.info("compiling the quantized matmul kernel into %s", path)
+                logger.info("compiling our CPU kernels into %s", path)
                 _compile(compiler, path)
             lib = ctypes.CDLL(str(path))
         except (OSError, RuntimeError) as error:
             reason = str(error)
     if reason is not None:
-        logger.info("quantized layers use PyTorch's kernels: ours is unavailable (%s)", reason)
+        logger.info("PyTorch runs the quantized layers and norms: our kernels are unavailable (%s)", reason)
         return None
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
@@ -105,6 +108,10 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
         ctypes.c_int, ctypes.c_void_p,  # N, y
     ]
+    lib.rms_norm.restype = None
+    lib.rms_norm.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+    ]  # x, weight, T, D, eps, out
     return lib
 
 
@@ -176,3 +183,14 @@ def quantized_matmul(
     if status != 0:
         raise MemoryError("quantized_matmul could not allocate its activation buffers")
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] bfloat16, weight [D] bfloat16 -> [..., D] bfloat16."""
+    lib = library()
+    assert lib is not None, "rms_norm called where the kernel is unavailable"
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps, out.data_ptr())
+    return out

@@ -1,6 +1,6 @@
-"""Our int4/int8 x int8 kernel (specserve/model/kernels/quantized_matmul.c): it computes
-exactly the arithmetic it promises, every row is bitwise the same however many rows
-share the call, and where it cannot run PyTorch's kernels take over."""
+"""Our C kernels (specserve/model/kernels/): the int4/int8 x int8 matmul and RMSNorm
+compute exactly the arithmetic they promise, every row is bitwise the same however many
+rows share the call, and where they cannot run PyTorch takes over."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from specserve.model import quantized_kernel
+from specserve.model import native
+from specserve.model.decoder import RMSNorm
 from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
 from tests.test_quant import dequantize_int4, dequantize_int8
 
 needs_kernel = pytest.mark.skipif(
-    quantized_kernel.unavailable_reason() is not None,
-    reason=f"the native kernel cannot run here: {quantized_kernel.unavailable_reason()}",
+    native.unavailable_reason() is not None,
+    reason=f"the native kernel cannot run here: {native.unavailable_reason()}",
 )
 
 
@@ -73,10 +74,18 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits):
 
 
 @needs_kernel
-def test_the_compiled_library_is_kept_in_the_artifacts_cache():
-    path = quantized_kernel._library_path(quantized_kernel._compiler())
-    assert quantized_kernel.library() is not None
-    assert path.exists() and path.parent.name == "kernels"
+def test_the_kernels_are_compiled_once_into_the_artifacts_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        [built] = (tmp_path / "kernels").glob("*.so")
+        stamp = built.stat().st_mtime_ns
+        native.library.cache_clear()
+        assert native.library() is not None
+        assert built.stat().st_mtime_ns == stamp  # loaded, not compiled again
+    finally:
+        native.library.cache_clear()
 
 
 def test_without_the_kernel_pytorch_computes_the_same_layer(monkeypatch):
@@ -84,9 +93,9 @@ def test_without_the_kernel_pytorch_computes_the_same_layer(monkeypatch):
     x = torch.randn(3, 128).bfloat16()
     ours = layer(x)
     monkeypatch.setenv("SPECSERVE_NATIVE_KERNELS", "0")
-    quantized_kernel.library.cache_clear()
+    native.library.cache_clear()
     try:
-        assert quantized_kernel.unavailable_reason() == "SPECSERVE_NATIVE_KERNELS=0"
+        assert native.unavailable_reason() == "SPECSERVE_NATIVE_KERNELS=0"
         fallback, _, _ = layer_and_weight(4, 32, 128, bias=True, seed=5)
         assert not fallback.native
         expected = x.double() @ weight.t() + bias
@@ -95,4 +104,19 @@ def test_without_the_kernel_pytorch_computes_the_same_layer(monkeypatch):
         assert torch.allclose(ours.double(), fallback(x).double(), rtol=0.05, atol=0.05)
     finally:
         monkeypatch.delenv("SPECSERVE_NATIVE_KERNELS")
-        quantized_kernel.library.cache_clear()
+        native.library.cache_clear()
+
+
+@needs_kernel
+def test_rms_norm_is_the_float32_reference_row_by_row():
+    torch.manual_seed(7)
+    norm = RMSNorm(128, 1e-6)
+    norm.weight.data = torch.randn(128).bfloat16()
+    x = (torch.randn(5, 3, 256) * 4).bfloat16()[:, :, 64:192]  # [T, heads, head_dim], not contiguous
+    got = norm(x)
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    # The sum of squares is added in another order: at most a bfloat16 rounding apart.
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0)
+    assert torch.equal(norm(x[2:3]), got[2:3])
