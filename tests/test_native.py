@@ -47,7 +47,8 @@ def layer_and_weight(bits: int, out_features: int, in_features: int, bias: bool,
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "out_features, in_features",
-    [(48, 512), (40, 96), (24, 896), (16, 1536)],  # whole super-blocks, 3 groups, 16 + 12 groups
+    # whole super-blocks, 3 groups, 16 + 12 groups; int4 rows in pairs with an odd one left
+    [(48, 512), (40, 96), (24, 896), (16, 1536), (25, 4608)],
 )
 def test_kernel_computes_int8_activations_times_the_stored_weights(bits, out_features, in_features):
     layer, weight, bias = layer_and_weight(bits, out_features, in_features, bias=True)
@@ -62,9 +63,10 @@ def test_kernel_computes_int8_activations_times_the_stored_weights(bits, out_fea
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_row_is_the_same_whatever_shares_the_call(bits):
-    layer, _, _ = layer_and_weight(bits, 40, 896, bias=False, seed=3)
-    x = torch.randn(13, 896).bfloat16()
+@pytest.mark.parametrize("in_features", [896, 4608])
+def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features):
+    layer, _, _ = layer_and_weight(bits, 40, in_features, bias=False, seed=3)
+    x = torch.randn(13, in_features).bfloat16()
     together = layer(x)
     for row in range(13):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1])
