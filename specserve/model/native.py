@@ -28,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.c"))
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = sorted(KERNELS.glob("*.c"))
 GROUP_SIZE = 32
 BLOCK_GROUPS = 16  # groups per super-block, as in the C file
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -67,7 +68,7 @@ def _library_path(compiler: str) -> Path:
     from specserve.models import cache_root  # models imports this package
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]"))))
     key.update(" ".join(COMPILE_FLAGS).encode() + version.encode())
     return cache_root() / "kernels" / f"specserve-kernels-{key.hexdigest()[:16]}.so"
 

@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define GROUP 32
 #define BLOCK_GROUPS 16 /* groups per super-block: one int32 lane each */
 
@@ -40,21 +42,6 @@ static inline __mmask64 byte_mask(int n) { return n == BLOCK_GROUPS ? ~0ULL : (1
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 lanes) {
     __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 /* Groups rounded up to whole super-blocks: the activation buffers' row stride. */

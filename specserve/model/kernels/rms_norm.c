@@ -11,20 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* x [T, D], weight [D], out [T, D], all bfloat16. */
 void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps, uint16_t *out) {
@@ -35,11 +22,11 @@ void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps
         int i = 0;
         for (; i + 16 <= D; i += 16)
             for (int j = 0; j < 16; j++) {
-                float v = bf16_to_float(row[i + j]);
+                float v = from_bf16(row[i + j]);
                 lanes[j] += v * v;
             }
         for (; i < D; i++) {
-            float v = bf16_to_float(row[i]);
+            float v = from_bf16(row[i]);
             lanes[i % 16] += v * v;
         }
         float sum = 0.0f;
@@ -47,8 +34,8 @@ void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps
         const float scale = 1.0f / sqrtf(sum / (float)D + eps);
         uint16_t *dst = out + (size_t)t * D;
         for (i = 0; i < D; i++) {
-            float normed = bf16_to_float(float_to_bf16(bf16_to_float(row[i]) * scale));
-            dst[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
+            float normed = from_bf16(to_bf16(from_bf16(row[i]) * scale));
+            dst[i] = to_bf16(from_bf16(weight[i]) * normed);
         }
     }
 }
