@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from specserve.model import native
-from specserve.model.decoder import RMSNorm
+from specserve.model.decoder import RMSNorm, grouped_attention
 from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
 from tests.test_quant import dequantize_int4, dequantize_int8
 
@@ -122,3 +122,21 @@ def test_rms_norm_is_the_float32_reference_row_by_row():
     assert got.shape == x.shape and got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0)
     assert torch.equal(norm(x[2:3]), got[2:3])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_attention_is_each_token_attending_alone(dtype, tolerance):
+    torch.manual_seed(8)
+    keys = torch.randn(2, 80, 32).to(dtype)  # [kv_heads, capacity, head_dim], 6 query heads each
+    values = torch.randn(2, 80, 32).to(dtype)
+    q = torch.randn(5, 12, 32).to(dtype)  # 5 new tokens at positions 40..44
+    assert native.supports_decode_attention(q, keys)
+    got = native.decode_attention(q, keys, values, start=40)
+    heads_first = q.transpose(0, 1)
+    for i in range(5):
+        expected = grouped_attention(heads_first[:, i : i + 1], keys[:, : 41 + i], values[:, : 41 + i])[:, 0]
+        assert torch.allclose(got[i].float(), expected.float(), atol=tolerance, rtol=tolerance)
+        # Alone, a token gets bit for bit what it got among the others.
+        assert torch.equal(native.decode_attention(q[i : i + 1], keys, values, start=40 + i), got[i : i + 1])
+    assert not native.supports_decode_attention(torch.randn(1, 12, 24), torch.randn(2, 80, 24))  # head size

@@ -222,18 +222,20 @@ class Attention(nn.Module):
             cache_v = seg.cache.values[layer]
             cache_k[:, start:end] = k[offset : offset + n].transpose(0, 1)
             cache_v[:, start:end] = v[offset : offset + n].transpose(0, 1)
-            seg_q = q[offset : offset + n].transpose(0, 1)  # [heads, n, head_dim]
+            seg_q = q[offset : offset + n]  # [n, heads, head_dim]
             # Query i sits at position start + i and sees keys 0..start + i.
-            if n == 1 or seg.one_query_at_a_time:
-                per_query = [
-                    grouped_attention(seg_q[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1])
+            if (n == 1 or seg.one_query_at_a_time) and native.supports_decode_attention(seg_q, cache_k):
+                out = native.decode_attention(seg_q, cache_k, cache_v, start)  # [n, heads, head_dim]
+            elif n == 1 or seg.one_query_at_a_time:
+                heads_first = seg_q.transpose(0, 1)  # [heads, n, head_dim]
+                out = torch.cat([
+                    grouped_attention(heads_first[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1])
                     for i in range(n)
-                ]  # n x [heads, 1, head_dim]
-                out = per_query[0] if n == 1 else torch.cat(per_query, dim=1)  # [heads, n, head_dim]
+                ], dim=1).transpose(0, 1)  # [n, heads, head_dim]
             else:
                 mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
-                out = grouped_attention(seg_q, cache_k[:, :end], cache_v[:, :end], mask)  # [heads, n, head_dim]
-            outputs.append(out.transpose(0, 1).reshape(n, -1))
+                out = grouped_attention(seg_q.transpose(0, 1), cache_k[:, :end], cache_v[:, :end], mask).transpose(0, 1)
+            outputs.append(out.reshape(n, -1))
             offset += n
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
 

@@ -2,6 +2,8 @@
 
 - `quantized_matmul`: int4/int8 weights x int8 activations (see kernels/quantized_matmul.c).
 - `rms_norm`: RMSNorm of bfloat16 rows in one call instead of 8 PyTorch ops.
+- `decode_attention`: each new token attending alone to the cache, all tokens and heads
+  of a sequence in one call instead of one SDPA call per token.
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -113,6 +115,9 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # x, weight, T, D, eps, out
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    # q, keys, values, n, heads, kv_heads, D, capacity, start, bf16, out
     return lib
 
 
@@ -194,4 +199,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     dim = x.shape[-1]
     lib.rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps, out.data_ptr())
+    return out
+
+
+def supports_decode_attention(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these: float32 or bfloat16 on the CPU, a head
+    size of 16..256 in steps of 16, one layer's contiguous cache."""
+    return (
+        q.dtype in (torch.float32, torch.bfloat16) and keys.dtype == q.dtype and q.is_cpu
+        and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and keys.is_contiguous()
+        and library() is not None
+    )
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, heads, D]; keys, values [kv_heads, capacity, D]: query i attends alone to
+    positions 0 .. start + i (scale 1/sqrt(D)) -> [n, heads, D] in q's dtype."""
+    lib = library()
+    assert lib is not None, "decode_attention called where the kernel is unavailable"
+    q = q.contiguous()
+    n, heads, dim = q.shape
+    kv_heads, capacity, _ = keys.shape
+    out = torch.empty_like(q)
+    status = lib.decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), n, heads, kv_heads, dim, capacity, start,
+        int(q.dtype == torch.bfloat16), out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("decode_attention could not allocate its score buffer")
     return out
