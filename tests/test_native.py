@@ -78,9 +78,13 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features):
 @needs_kernel
 def test_the_kernels_are_compiled_once_into_the_artifacts_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    (tmp_path / "kernels").mkdir()
+    stale = tmp_path / "kernels" / "specserve-kernels-0000000000000000.so"  # from older sources
+    stale.write_bytes(b"")
     native.library.cache_clear()
     try:
         assert native.library() is not None
+        assert not stale.exists()
         [built] = (tmp_path / "kernels").glob("*.so")
         stamp = built.stat().st_mtime_ns
         native.library.cache_clear()

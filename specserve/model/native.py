@@ -86,6 +86,11 @@ def _compile(compiler: str, target: Path) -> None:
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to compile our kernels:\n{result.stderr[-2000:]}")
         os.replace(built, target)
+    # Libraries built from older sources are never loaded again (the name is their
+    # sources' hash); a process that has one loaded keeps its mapping.
+    for stale in target.parent.glob("specserve-kernels-*.so"):
+        if stale != target:
+            stale.unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)
