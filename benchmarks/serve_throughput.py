@@ -95,13 +95,18 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="both servers' weights")
+    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
+                        help="the draft's own weight format (default: --quantization's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
     prompts = list(prompts_of(args.suites).values())
 
-    fixed = json.dumps({"model": args.draft, "num_speculative_tokens": args.k, "adaptive": False})
-    adaptive = json.dumps({"model": args.draft, "num_speculative_tokens": args.k})
+    draft = {"model": args.draft, "num_speculative_tokens": args.k}
+    if args.draft_quantization is not None:
+        draft["quantization"] = args.draft_quantization
+    fixed = json.dumps(draft | {"adaptive": False})
+    adaptive = json.dumps(draft)
     common = ["--quantization", args.quantization]
     rows = (measure("plain", common, args, prompts)
             + measure(f"draft k={args.k}", [*common, "--speculative-config", fixed], args, prompts)
@@ -111,7 +116,8 @@ def main() -> int:
             print(json.dumps(row))
         return 0
     plain = {r["concurrency"]: r for r in rows if r["variant"] == "plain"}
-    print(f"\n{args.target} (draft {args.draft}), {args.quantization} weights, {args.max_tokens} max tokens, "
+    draft_format = args.draft_quantization or args.quantization
+    print(f"\n{args.target} (draft {args.draft}, {draft_format}), {args.quantization} weights, {args.max_tokens} max tokens, "
           f"suites {args.suites}, temperature 0\n")
     print(f"{'variant':<12}{'conc':>5}{'reqs':>6}{'out tok':>9}{'tok/s':>9}{'x plain':>9}"
           f"{'ttft p50 s':>12}{'itl p50 ms':>12}{'accept':>8}{'mean len':>9}")
