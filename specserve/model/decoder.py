@@ -228,10 +228,11 @@ class Attention(nn.Module):
                 out = native.decode_attention(seg_q, cache_k, cache_v, start)  # [n, heads, head_dim]
             elif n == 1 or seg.one_query_at_a_time:
                 heads_first = seg_q.transpose(0, 1)  # [heads, n, head_dim]
-                out = torch.cat([
+                per_query = [
                     grouped_attention(heads_first[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1])
                     for i in range(n)
-                ], dim=1).transpose(0, 1)  # [n, heads, head_dim]
+                ]  # n x [heads, 1, head_dim]
+                out = (per_query[0] if n == 1 else torch.cat(per_query, dim=1)).transpose(0, 1)  # [n, heads, head_dim]
             else:
                 mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
                 out = grouped_attention(seg_q.transpose(0, 1), cache_k[:, :end], cache_v[:, :end], mask).transpose(0, 1)

@@ -8,15 +8,15 @@ weights take (with float32 activations they are 10x slower).
 
 - `int8`: one scale per output channel, symmetric.
 - `int4`: one scale and zero point per group of 32 inputs, asymmetric (the head stays
-  int8).
+  int8). Groups of 32 match GGUF's Q4_K blocks, whose values form an affine 16-level
+  grid per block: the scale search of `quantize_int4` finds that grid, so such a block
+  comes back as it was (up to bfloat16 scales) where plain min..max rounding would
+  shift it.
 
-Our kernel (`native`) multiplies them by activations quantized to int8 per
-group of 32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere
+Our kernel (`native`) multiplies them by activations quantized to int8 per group of
+32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere
 `torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu` do, with
-bfloat16 activations. Groups of 32 match GGUF's
-  Q4_K blocks, whose values form an affine 16-level grid per block: the scale search
-  of `quantize_int4` finds that grid, so such a block comes back as it was (up to
-  bfloat16 scales) where plain min..max rounding would shift it.
+bfloat16 activations.
 
 The quantized tensors are plain (`qweight`, `scales`) pairs, so they are saved and
 loaded with safetensors (`quantized_state` / `QuantizedLinear.from_state`); packing into

@@ -2,6 +2,7 @@
 #ifndef SPECSERVE_BF16_H
 #define SPECSERVE_BF16_H
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,5 +20,8 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch d
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
 }
+
+/* 16 bfloat16 values -> 16 float32 lanes */
+static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 #endif

@@ -18,10 +18,7 @@
 #include "bf16.h"
 
 static inline __m512 load16(const void *p, size_t index, int bf16) {
-    if (bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (bf16) return widen_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index)));
     return _mm512_loadu_ps((const float *)p + index);
 }
 

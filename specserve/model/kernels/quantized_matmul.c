@@ -26,7 +26,6 @@
  * own lane.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,8 +39,7 @@
 static inline __mmask64 byte_mask(int n) { return n == BLOCK_GROUPS ? ~0ULL : (1ULL << (4 * n)) - 1; }
 
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 lanes) {
-    __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return widen_bf16(_mm256_maskz_loadu_epi16(lanes, p));
 }
 
 /* Groups rounded up to whole super-blocks: the activation buffers' row stride. */
