@@ -1,6 +1,6 @@
-"""Our C kernels (specserve/model/kernels/): the int4/int8 x int8 matmul and RMSNorm
-compute exactly the arithmetic they promise, every row is bitwise the same however many
-rows share the call, and where they cannot run PyTorch takes over."""
+"""Our C kernels (specserve/model/kernels/): the int4/int8 x int8 matmul, RMSNorm and
+decode attention compute exactly the arithmetic they promise, every row is bitwise the
+same however many rows share the call, and where they cannot run PyTorch takes over."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import torch
 from torch import nn
 
 from specserve.model import native
-from specserve.model.decoder import RMSNorm, grouped_attention
-from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
+from specserve.model.decoder import Decoder, RMSNorm, Segment
+from specserve.model.kv_cache import KVCache
+from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8, silu_and_mul
+from tests.conftest import tiny_config
+from tests.test_decoder import reference_and_ours
 from tests.test_quant import dequantize_int4, dequantize_int8
 
 needs_kernel = pytest.mark.skipif(
@@ -76,6 +79,21 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gated_kernel_is_silu_of_the_gate_times_up(bits):
+    """A SwiGLU gate/up projection in one call: silu(gate) * up from the same matmul
+    outputs PyTorch's ops would take, and each row the same in any company."""
+    layer, _, _ = layer_and_weight(bits, 2 * 40, 512, bias=True, seed=4)  # 40 outputs: 16 + 16 + 8
+    x = torch.randn(9, 512).bfloat16()
+    got = layer.silu_and_mul(x)
+    expected = silu_and_mul(layer(x))  # PyTorch's SiLU over the kernel's gate and up
+    assert got.shape == (9, 40) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    for row in (0, 4, 8):
+        assert torch.equal(layer.silu_and_mul(x[row : row + 1]), got[row : row + 1])
+
+
+@needs_kernel
 def test_the_kernels_are_compiled_once_into_the_artifacts_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     (tmp_path / "kernels").mkdir()
@@ -128,19 +146,46 @@ def test_rms_norm_is_the_float32_reference_row_by_row():
     assert torch.equal(norm(x[2:3]), got[2:3])
 
 
+def decode_five_tokens(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    """Logits [5, V] and cache of the last 5 of 45 ids, fed one query at a time after a
+    40-token prefill, as the engine verifies drafts."""
+    cache = model.new_cache()
+    model(ids[:40], [Segment(cache, 40)])
+    return model(ids[40:], [Segment(cache, 5, one_query_at_a_time=True)]), cache
+
+
 @needs_kernel
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_decode_attention_is_each_token_attending_alone(dtype, tolerance):
-    torch.manual_seed(8)
-    keys = torch.randn(2, 80, 32).to(dtype)  # [kv_heads, capacity, head_dim], 6 query heads each
-    values = torch.randn(2, 80, 32).to(dtype)
-    q = torch.randn(5, 12, 32).to(dtype)  # 5 new tokens at positions 40..44
-    assert native.supports_decode_attention(q, keys)
-    got = native.decode_attention(q, keys, values, start=40)
-    heads_first = q.transpose(0, 1)
-    for i in range(5):
-        expected = grouped_attention(heads_first[:, i : i + 1], keys[:, : 41 + i], values[:, : 41 + i])[:, 0]
-        assert torch.allclose(got[i].float(), expected.float(), atol=tolerance, rtol=tolerance)
-        # Alone, a token gets bit for bit what it got among the others.
-        assert torch.equal(native.decode_attention(q[i : i + 1], keys, values, start=40 + i), got[i : i + 1])
-    assert not native.supports_decode_attention(torch.randn(1, 12, 24), torch.randn(2, 80, 24))  # head size
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_attention_is_the_decoders_pytorch_attention(arch, dtype, monkeypatch):
+    """RoPE (after qk_norm), cache writes and attention in one call: the keys and values
+    it stores are bitwise PyTorch's (float32 qk_norm: the norm's sum in another order),
+    its outputs agree, and a token gets bit for bit the same alone as among others."""
+    config = tiny_config(arch, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=128)
+    reference, _ = reference_and_ours(config)
+    model = Decoder.from_hf_weights(config, dict(reference.state_dict()), dtype)
+    model.make_batch_invariant()  # for the last check: linear layers that round a row the same in any company
+    ids = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(2))
+    assert native.supports_decode_attention(torch.empty(5, 512, dtype=dtype), model.new_cache().keys[0])
+    ours, our_cache = decode_five_tokens(model, ids)
+    monkeypatch.setattr(native, "supports_decode_attention", lambda *_: False)
+    theirs, their_cache = decode_five_tokens(model, ids)
+    monkeypatch.undo()
+
+    first_layer = slice(0, 1)  # later layers take inputs that went through attention
+    if arch == "qwen3" and dtype == torch.float32:
+        torch.testing.assert_close(our_cache.keys[first_layer, :, :45], their_cache.keys[first_layer, :, :45])
+    else:
+        assert torch.equal(our_cache.keys[first_layer, :, :45], their_cache.keys[first_layer, :, :45])
+    assert torch.equal(our_cache.values[first_layer, :, :45], their_cache.values[first_layer, :, :45])
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+
+    alone = model.new_cache()
+    model(ids[:43], [Segment(alone, 43)])
+    assert torch.equal(model(ids[43:44], [Segment(alone, 1)]), ours[3:4])
+
+
+def test_decode_attention_takes_head_sizes_in_steps_of_16():
+    keys = torch.empty(2, 80, 24)
+    assert not native.supports_decode_attention(torch.empty(1, 12 * 24), keys)
+    assert not native.supports_decode_attention(torch.empty(1, 12 * 32, dtype=torch.float16), torch.empty(2, 80, 32))

@@ -26,6 +26,7 @@ from specserve.config import ModelConfig
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import native
 from specserve.model.kv_cache import KVCache
+from specserve.model.quant import QuantizedLinear, silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -201,56 +202,79 @@ class Attention(nn.Module):
         layer: int,
         segments: list[Segment],
     ) -> torch.Tensor:
-        q_size, kv_size, _ = self.qkv_sizes
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        v = qkv[:, q_size + kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, kv_heads, head_dim]
-        cos, rotated_sin = cos.unsqueeze(1), rotated_sin.unsqueeze(1)  # [T, 1, head_dim]
-        if self.q_norm is None:  # queries and keys sit side by side: rotate them in one go
-            qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, self.head_dim))  # [T, heads + kv_heads, head_dim]
-            q, k = apply_rope(qk, cos, rotated_sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        else:
-            q = self.q_norm(qkv[:, :q_size].unflatten(-1, (self.num_heads, self.head_dim)))  # [T, heads, head_dim]
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim)))
-            q, k = apply_rope(q, cos, rotated_sin), apply_rope(k, cos, rotated_sin)
-
-        outputs = []
+        outputs = []  # per segment: [n, q_size]
         offset = 0
         for seg in segments:
-            n, start = seg.num_tokens, seg.cache.length
-            end = start + n
-            cache_k = seg.cache.keys[layer]  # [kv_heads, capacity, head_dim]
-            cache_v = seg.cache.values[layer]
-            cache_k[:, start:end] = k[offset : offset + n].transpose(0, 1)
-            cache_v[:, start:end] = v[offset : offset + n].transpose(0, 1)
-            seg_q = q[offset : offset + n]  # [n, heads, head_dim]
-            # Query i sits at position start + i and sees keys 0..start + i.
-            if (n == 1 or seg.one_query_at_a_time) and native.supports_decode_attention(seg_q, cache_k):
-                out = native.decode_attention(seg_q, cache_k, cache_v, start)  # [n, heads, head_dim]
-            elif n == 1 or seg.one_query_at_a_time:
-                heads_first = seg_q.transpose(0, 1)  # [heads, n, head_dim]
-                per_query = [
-                    grouped_attention(heads_first[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1])
-                    for i in range(n)
-                ]  # n x [heads, 1, head_dim]
-                out = (per_query[0] if n == 1 else torch.cat(per_query, dim=1)).transpose(0, 1)  # [n, heads, head_dim]
-            else:
-                mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
-                out = grouped_attention(seg_q.transpose(0, 1), cache_k[:, :end], cache_v[:, :end], mask).transpose(0, 1)
-            outputs.append(out.reshape(n, -1))
-            offset += n
+            rows = slice(offset, offset + seg.num_tokens)
+            outputs.append(self._attend(qkv[rows], cos[rows], rotated_sin[rows], seg, layer))
+            offset += seg.num_tokens
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,  # [n, q_size + 2 * kv_size]: one segment's new tokens
+        cos: torch.Tensor,  # [n, head_dim]
+        rotated_sin: torch.Tensor,  # [n, head_dim]
+        seg: Segment,
+        layer: int,
+    ) -> torch.Tensor:  # [n, q_size]
+        """Store the segment's keys and values in its cache; attend with its queries."""
+        n, start = seg.num_tokens, seg.cache.length
+        end = start + n
+        cache_k = seg.cache.keys[layer]  # [kv_heads, capacity, head_dim]
+        cache_v = seg.cache.values[layer]
+        one_at_a_time = n == 1 or seg.one_query_at_a_time
+        q_norm = None if self.q_norm is None else self.q_norm.weight  # [head_dim] (qk_norm models)
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        if (
+            one_at_a_time and native.supports_decode_attention(qkv, cache_k)
+            and all(w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm))
+        ):  # RoPE, cache writes and attention in one call
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            return native.decode_attention(qkv, cos, rotated_sin, q_norm, k_norm, eps, cache_k, cache_v, start, self.num_heads)
+
+        q, k, v = self._rotated_qkv(qkv, cos, rotated_sin)  # [n, heads or kv_heads, head_dim]
+        cache_k[:, start:end] = k.transpose(0, 1)
+        cache_v[:, start:end] = v.transpose(0, 1)
+        heads_first = q.transpose(0, 1)  # [heads, n, head_dim]
+        # Query i sits at position start + i and sees keys 0..start + i.
+        if one_at_a_time:
+            per_query = [
+                grouped_attention(heads_first[:, i : i + 1], cache_k[:, : start + i + 1], cache_v[:, : start + i + 1])
+                for i in range(n)
+            ]  # n x [heads, 1, head_dim]
+            out = per_query[0] if n == 1 else torch.cat(per_query, dim=1)  # [heads, n, head_dim]
+        else:
+            mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
+            out = grouped_attention(heads_first, cache_k[:, :end], cache_v[:, :end], mask)
+        return out.transpose(0, 1).reshape(n, -1)
+
+    def _rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor):
+        """[n, q_size + 2 kv_size] -> q [n, heads, head_dim], k and v [n, kv_heads,
+        head_dim], with qk_norm and RoPE applied to q and k."""
+        q_size, kv_size, _ = self.qkv_sizes
+        v = qkv[:, q_size + kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        cos, rotated_sin = cos.unsqueeze(1), rotated_sin.unsqueeze(1)  # [n, 1, head_dim]
+        if self.q_norm is None:  # queries and keys sit side by side: rotate them in one go
+            qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, self.head_dim))  # [n, heads + kv_heads, head_dim]
+            q, k = apply_rope(qk, cos, rotated_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+            return q, k, v
+        q = self.q_norm(qkv[:, :q_size].unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.k_norm(qkv[:, q_size : q_size + kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return apply_rope(q, cos, rotated_sin), apply_rope(k, cos, rotated_sin), v
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if isinstance(self.gate_up_proj, QuantizedLinear):  # the activation inside our kernel
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):

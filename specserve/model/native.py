@@ -2,8 +2,9 @@
 
 - `quantized_matmul`: int4/int8 weights x int8 activations (see kernels/quantized_matmul.c).
 - `rms_norm`: RMSNorm of bfloat16 rows in one call instead of 8 PyTorch ops.
-- `decode_attention`: each new token attending alone to the cache, all tokens and heads
-  of a sequence in one call instead of one SDPA call per token.
+- `decode_attention`: each new token's RoPE, cache write and attention alone to the
+  cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
+  and one SDPA call per token.
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -35,7 +36,12 @@ SOURCES = sorted(KERNELS.glob("*.c"))
 GROUP_SIZE = 32
 BLOCK_GROUPS = 16  # groups per super-block, as in the C file
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's elementwise ops
+# (RoPE in decode_attention.c reproduces them); FMAs are written where wanted.
+COMPILE_FLAGS = (
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off", "-fopenmp",
+    "-shared", "-fPIC",
+)
 
 
 def _cpu_flags() -> set[str]:
@@ -112,7 +118,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, x, T, K
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, gated, x, T, K
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
         ctypes.c_int, ctypes.c_void_p,  # N, y
     ]
@@ -121,8 +127,11 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # x, weight, T, D, eps, out
     lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
-    # q, keys, values, n, heads, kv_heads, D, capacity, start, bf16, out
+    lib.decode_attention.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,  # q_norm, k_norm, eps
+        ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 7, ctypes.c_void_p,
+    ]  # keys, values, n, heads, kv_heads, D, capacity, start, bf16, out
     return lib
 
 
@@ -175,19 +184,20 @@ def supports(in_features: int) -> bool:
 
 def quantized_matmul(
     bits: int, x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
-    zero: torch.Tensor | None, bias: torch.Tensor | None,
+    zero: torch.Tensor | None, bias: torch.Tensor | None, gated: bool = False,
 ) -> torch.Tensor:
-    """x [T, K] bfloat16 -> [T, N] bfloat16 with weights from `pack_int4` or `pack_int8`."""
+    """x [T, K] bfloat16 -> [T, N] bfloat16 with weights [N, ...] from `pack_int4` or
+    `pack_int8`; gated: -> [T, N/2] silu(gate) * up, the first N/2 rows being the gate's."""
     lib = library()
     assert lib is not None, "quantized_matmul called where the kernel is unavailable"
     x = x.contiguous()
     rows, in_features = x.shape
     out_features = weights.shape[0]
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.bfloat16)
     if rows == 0:
         return y
     status = lib.quantized_matmul(
-        bits, x.data_ptr(), rows, in_features, weights.data_ptr(), scale.data_ptr(),
+        bits, int(gated), x.data_ptr(), rows, in_features, weights.data_ptr(), scale.data_ptr(),
         None if zero is None else zero.data_ptr(), None if bias is None else bias.data_ptr(),
         out_features, y.data_ptr(),
     )
@@ -207,28 +217,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def supports_decode_attention(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `decode_attention` takes these: float32 or bfloat16 on the CPU, a head
-    size of 16..256 in steps of 16, one layer's contiguous cache."""
+def supports_decode_attention(qkv: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these: float32 or bfloat16 on the CPU, rows of
+    qkv contiguous, a head size of 16..256 in steps of 16, one layer's contiguous cache."""
+    head_dim = keys.shape[-1]
     return (
-        q.dtype in (torch.float32, torch.bfloat16) and keys.dtype == q.dtype and q.is_cpu
-        and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and keys.is_contiguous()
+        qkv.dtype in (torch.float32, torch.bfloat16) and keys.dtype == qkv.dtype and qkv.is_cpu
+        and qkv.stride(-1) == 1 and head_dim % 16 == 0 and head_dim <= 256 and keys.is_contiguous()
         and library() is not None
     )
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-    """q [n, heads, D]; keys, values [kv_heads, capacity, D]: query i attends alone to
-    positions 0 .. start + i (scale 1/sqrt(D)) -> [n, heads, D] in q's dtype."""
+def decode_attention(
+    qkv: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, eps: float, keys: torch.Tensor, values: torch.Tensor, start: int, heads: int,
+) -> torch.Tensor:
+    """New tokens attending one at a time, with their RoPE and cache writes (see the C file).
+
+    qkv [n, (heads + 2 kv_heads) D] before RoPE; cos, rotated_sin [n, D] (see
+    `decoder.apply_rope`); q_norm, k_norm [D] or None; keys, values [kv_heads, capacity,
+    D]: positions start .. start + n - 1 are written, and query i attends to positions
+    0 .. start + i (scale 1/sqrt(D)) -> [n, heads D] in qkv's dtype."""
     lib = library()
     assert lib is not None, "decode_attention called where the kernel is unavailable"
-    q = q.contiguous()
-    n, heads, dim = q.shape
-    kv_heads, capacity, _ = keys.shape
-    out = torch.empty_like(q)
+    n = qkv.shape[0]
+    kv_heads, capacity, dim = keys.shape
+    assert qkv.shape[1] >= (heads + 2 * kv_heads) * dim and start + n <= capacity
+    cos, rotated_sin = cos.contiguous(), rotated_sin.contiguous()
+    out = qkv.new_empty(n, heads * dim)
     status = lib.decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), n, heads, kv_heads, dim, capacity, start,
-        int(q.dtype == torch.bfloat16), out.data_ptr(),
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), rotated_sin.data_ptr(),
+        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
+        keys.data_ptr(), values.data_ptr(), n, heads, kv_heads, dim, capacity, start,
+        int(qkv.dtype == torch.bfloat16), out.data_ptr(),
     )
     if status != 0:
         raise MemoryError("decode_attention could not allocate its score buffer")

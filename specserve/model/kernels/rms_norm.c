@@ -6,34 +6,20 @@
  * cost ~2 ms in per-op overhead alone. Each row is computed on its own, in a fixed
  * order, so the result does not depend on the other rows of the call.
  */
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "rms.h"
 
 /* x [T, D], weight [D], out [T, D], all bfloat16. */
 void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps, uint16_t *out) {
 #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
         const uint16_t *row = x + (size_t)t * D;
-        float lanes[16] = {0}; /* sum of squares in 16 fixed lanes (one vector), then in order */
-        int i = 0;
-        for (; i + 16 <= D; i += 16)
-            for (int j = 0; j < 16; j++) {
-                float v = from_bf16(row[i + j]);
-                lanes[j] += v * v;
-            }
-        for (; i < D; i++) {
-            float v = from_bf16(row[i]);
-            lanes[i % 16] += v * v;
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += lanes[j];
-        const float scale = 1.0f / sqrtf(sum / (float)D + eps);
+        const float scale = rms_inverse(row, D, 1, eps);
         uint16_t *dst = out + (size_t)t * D;
-        for (i = 0; i < D; i++) {
+        for (int i = 0; i < D; i++) {
             float normed = from_bf16(to_bf16(from_bf16(row[i]) * scale));
             dst[i] = to_bf16(from_bf16(weight[i]) * normed);
         }
