@@ -11,7 +11,9 @@ from torch import nn
 from specserve.model import native
 from specserve.model.decoder import Decoder, RMSNorm, Segment
 from specserve.model.kv_cache import KVCache
-from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8, silu_and_mul
+from specserve.model.quant import (
+    QuantizedLinear, load_quantized_state, quantize_int4, quantize_int8, quantized_state, silu_and_mul,
+)
 from tests.conftest import tiny_config
 from tests.test_decoder import reference_and_ours
 from tests.test_quant import dequantize_int4, dequantize_int8
@@ -183,6 +185,50 @@ def test_decode_attention_is_the_decoders_pytorch_attention(arch, dtype, monkeyp
     alone = model.new_cache()
     model(ids[:43], [Segment(alone, 43)])
     assert torch.equal(model(ids[43:44], [Segment(alone, 1)]), ours[3:4])
+
+
+def quantized_tiny_model(arch: str, quantization: str) -> Decoder:
+    """A random bfloat16 model with int8 or int4 projections, norms and biases perturbed."""
+    torch.manual_seed(2)
+    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
+                         vocab_size=128)
+    float_model = Decoder(config).eval()
+    with torch.no_grad():
+        for name, p in float_model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    with torch.device("meta"):
+        model = Decoder(config)
+    load_quantized_state(model, quantized_state(float_model, quantization))
+    model.inv_freq = float_model.inv_freq
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, monkeypatch):
+    """Decoding, verifying 4 drafts, and a batch of two sequences through decode_blocks:
+    the logits and caches of the Python loop over the same kernels, bit for bit."""
+    model = quantized_tiny_model(arch, quantization)
+    ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))
+
+    def decode() -> list[torch.Tensor]:
+        a, b = model.new_cache(), model.new_cache()
+        model(ids[:20], [Segment(a, 20)])  # prompts: the loop, both times
+        model(ids[:7], [Segment(b, 7)])
+        one = model(ids[20:21], [Segment(a, 1)])
+        several = model(torch.cat([ids[21:25], ids[7:8]]), [Segment(a, 4, one_query_at_a_time=True), Segment(b, 1)])
+        return [one, several, a.keys[:, :, :25], a.values[:, :, :25], b.keys[:, :, :8], b.values[:, :, :8]]
+
+    calls = []
+    run = native.BlocksInC.run
+    monkeypatch.setattr(native.BlocksInC, "run", lambda self, *args: calls.append(1) or run(self, *args))
+    ours = decode()
+    assert len(calls) == 2  # the two decoding steps went through C
+    monkeypatch.setattr(model, "_blocks_in_c", lambda: None)
+    theirs = decode()
+    for got, expected in zip(ours, theirs):
+        assert torch.equal(got, expected)
 
 
 def test_decode_attention_takes_head_sizes_in_steps_of_16():

@@ -332,8 +332,14 @@ class Decoder(nn.Module):
         rotated_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # [T, head_dim]
 
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, rotated_sin, i, segments)
+        blocks_in_c = self._blocks_in_c()
+        if blocks_in_c is not None and all(
+            (s.num_tokens == 1 or s.one_query_at_a_time) and s.cache.keys.is_contiguous() for s in segments
+        ):  # every block in one C call: the same kernels and bits as the loop below
+            blocks_in_c.run(h, cos, rotated_sin, [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments])
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, rotated_sin, i, segments)
         for seg in segments:
             seg.cache.length += seg.num_tokens
         if logits_rows is not None:
@@ -341,6 +347,31 @@ class Decoder(nn.Module):
                 return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
             h = h[logits_rows]  # [R, hidden]
         return self.lm_head(self.norm(h)).float()
+
+    def _blocks_in_c(self) -> native.BlocksInC | None:
+        """The blocks described for `native.decode_blocks` where every block can run
+        there (bfloat16, all projections on our int4/int8 kernel, a head size it takes),
+        else None; decided once, after loading."""
+        if not hasattr(self, "_blocks_in_c_cache"):
+            self._blocks_in_c_cache = self._describe_blocks_in_c()
+        return self._blocks_in_c_cache
+
+    def _describe_blocks_in_c(self) -> native.BlocksInC | None:
+        config = self.config
+        if self.dtype != torch.bfloat16 or native.library() is None or config.head_dim % 16 or config.head_dim > 256:
+            return None
+        blocks = []
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]
+            if not all(isinstance(p, QuantizedLinear) and p.native for p in projections) or any(
+                n is not None and n.weight.dtype != torch.bfloat16 for n in norms
+            ):
+                return None
+            blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
+        return native.BlocksInC(blocks, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                config.intermediate_size, config.rms_norm_eps)
 
     def pack_linear_weights(self) -> None:
         """On CPU in float32, swap every linear layer for a `PackedLinear` (see there).

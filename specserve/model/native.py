@@ -5,6 +5,8 @@
 - `decode_attention`: each new token's RoPE, cache write and attention alone to the
   cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
   and one SDPA call per token.
+- `decode_blocks`: every transformer block of a quantized model, for tokens that attend
+  one at a time, in one call that runs the three above (`BlocksInC`).
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -24,8 +26,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -126,6 +130,11 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # x, weight, T, D, eps, out
+    lib.decode_blocks.restype = ctypes.c_int
+    lib.decode_blocks.argtypes = [
+        ctypes.c_void_p, *[ctypes.c_int] * 6, ctypes.c_float,  # blocks, layers, hidden, heads, kv_heads, D, I, eps
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]  # h, T, cos, rotated_sin, segments, number of segments
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
@@ -254,3 +263,77 @@ def decode_attention(
     if status != 0:
         raise MemoryError("decode_attention could not allocate its score buffer")
     return out
+
+
+class _Linear(ctypes.Structure):  # struct quantized_linear in decode_blocks.c
+    _fields_ = [("weights", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("bits", ctypes.c_int), ("in_features", ctypes.c_int),
+                ("out_features", ctypes.c_int)]
+
+
+class _Block(ctypes.Structure):  # struct block
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Segment(ctypes.Structure):  # struct segment
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("n", ctypes.c_int),
+                ("capacity", ctypes.c_int), ("start", ctypes.c_int)]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One transformer block's tensors as `decode_blocks` reads them: bfloat16 norms
+    (q_norm and k_norm None without qk_norm) and four `QuantizedLinear`s on our kernel."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
+
+
+class BlocksInC:
+    """A quantized model's transformer blocks described once for `decode_blocks`.
+
+    The description holds raw pointers: the tensors in `blocks` must stay where they are
+    (the decoder keeps them; its weights are never moved after loading)."""
+
+    def __init__(self, blocks: list[BlockWeights], hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float):
+        self.blocks = blocks  # keeps the tensors alive
+        self.shape = (len(blocks), hidden, heads, kv_heads, head_dim, intermediate)
+        self.eps = eps
+        self._described = (_Block * len(blocks))(*[
+            _Block(_pointer(b.input_norm), _pointer(b.post_attention_norm), _pointer(b.q_norm), _pointer(b.k_norm),
+                   *[_Linear(layer.weight.data_ptr(), _pointer(layer.scales), _pointer(layer.zeros),
+                             _pointer(layer.bias), layer.bits, layer.in_features, layer.out_features)
+                     for layer in (b.qkv, b.o, b.gate_up, b.down)])
+            for b in blocks
+        ])
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor,
+            segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """h [T, hidden] bfloat16, updated in place; cos, rotated_sin [T, head_dim];
+        segments: (keys, values, new tokens, start) per sequence, covering h's rows in
+        order, keys and values [layers, kv_heads, capacity, head_dim] with room for them."""
+        lib = library()
+        assert lib is not None and h.is_contiguous() and h.dtype == torch.bfloat16
+        cos, rotated_sin = cos.contiguous(), rotated_sin.contiguous()
+        described = (_Segment * len(segments))(*[
+            _Segment(keys.data_ptr(), values.data_ptr(), n, keys.shape[2], start) for keys, values, n, start in segments
+        ])
+        status = lib.decode_blocks(
+            self._described, *self.shape, self.eps, h.data_ptr(), h.shape[0], cos.data_ptr(), rotated_sin.data_ptr(),
+            described, len(segments),
+        )
+        if status != 0:
+            raise MemoryError("decode_blocks could not allocate its buffers")

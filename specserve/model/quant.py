@@ -96,7 +96,8 @@ class QuantizedLinear(nn.Module):
     def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bits = bits
-        in_features = qweight.shape[1] * (8 // bits)
+        self.in_features = in_features = qweight.shape[1] * (8 // bits)
+        self.out_features = qweight.shape[0]
         self.native = native.supports(in_features)
         zeros = None
         if self.native and bits == 8:
