@@ -7,7 +7,9 @@ and assisted generation on the same float32 weights; llama.cpp (llama-cpp-python
 the GGUF file itself, plain and with its prompt-lookup decoding. Models run one after
 the other, each freed before the next loads. Every system is timed the same way: TTFT
 is the time to the first output token, the decode rate counts the tokens after the
-first over the time after the first.
+first over the time after the first. With `--rounds N` all of it runs N times in turn
+and each row gives its median round: on a shared machine whose speed drifts over
+minutes, one system's rows are then not all measured in a slow phase.
 
 Then the roofline: the weight bytes a decode step reads per model and format, the
 memory bandwidth measured on the spot, and each measured plain decode as a share of
@@ -18,6 +20,7 @@ agreement on the prompts.
     .venv/bin/python benchmarks/peers.py                           # default pair, every row
     .venv/bin/python benchmarks/peers.py --quantization int8 --peers transformers
     .venv/bin/python benchmarks/peers.py --modes plain,ngram --prompts count,meaning --json
+    .venv/bin/python benchmarks/peers.py --quantization int4 --modes plain --peers llama.cpp --rounds 3
 """
 
 from __future__ import annotations
@@ -105,6 +108,19 @@ class Report:
     def rows_of(self, system: str, mode: str) -> Iterator[dict]:
         return (r for r in self.rows if r["system"] == system and r["mode"] == mode)
 
+    def keep_median_rounds(self) -> None:
+        """Rows measured in several rounds -> one row each: the round with the median
+        decode rate (its TTFT and end-to-end time with it), and how many rounds ran.
+        Models and perplexities noted each round are kept once."""
+        rounds: dict[tuple, list[dict]] = {}
+        for r in self.rows:
+            rounds.setdefault((r["system"], r["mode"], r["prompt"]), []).append(r)
+        self.rows = []
+        for same in rounds.values():
+            ranked = sorted(same, key=lambda r: r["decode_tokens_per_s"] or 0.0)
+            self.rows.append({**ranked[(len(ranked) - 1) // 2], "rounds": len(same)})
+        self.models = list({tuple(m.items()): m for m in self.models}.values())
+
 
 # ---------------------------------------------------------------- specserve
 
@@ -137,9 +153,9 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     return SpecConfig.parse(raw)
 
 
-def our_runs(args) -> list[OurRun]:
+def our_runs(args, first_round: bool) -> list[OurRun]:
     runs = [OurRun(m, our_spec(m, args), dtype_of(args), args.quantization) for m in args.modes]
-    if quality_wanted(args):
+    if quality_wanted(args) and first_round:  # float32's tokens, for the quality section: once is enough
         runs.append(OurRun(FLOAT32_PLAIN, None, torch.float32, "none"))
     return runs
 
@@ -148,8 +164,8 @@ def quality_wanted(args) -> bool:
     return dtype_of(args) != torch.float32 or args.quantization != "none"
 
 
-def run_ours(args, prompt_ids: dict[str, list[int]], report: Report) -> None:
-    for run in our_runs(args):
+def run_ours(args, prompt_ids: dict[str, list[int]], report: Report, first_round: bool = True) -> None:
+    for run in our_runs(args, first_round):
         engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
                                          batch_invariant=args.batch_invariant)
         for name, ids in prompt_ids.items():
@@ -167,7 +183,7 @@ def note_our_models(args, run: OurRun, engine, report: Report) -> None:
     if run.spec is None:
         report.add_model("target", args.target, "specserve", run.format, weight_bytes_per_token(engine.target),
                          run.mode)
-        if quality_wanted(args):
+        if quality_wanted(args) and run.format not in report.perplexities:
             report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
     if isinstance(draft, Decoder) and not any(m["role"] == "draft" for m in report.models):
@@ -449,6 +465,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help=f"comma-separated, from {','.join(PEERS)} ('' for none)")
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names to keep")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="run everything this many times in turn; each row gives its median round")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
     args = parser.parse_args(argv)
     try:
@@ -505,14 +523,16 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
         eos_ids = list(tokenizer.eos_token_ids)
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
-        run_ours(args, prompt_ids, report)
-        if "transformers" in peers:
-            run_transformers(args, prompt_ids, eos_ids, report)
-        if "llama.cpp" in peers:
-            run_llama_cpp(args, prompt_ids, eos_ids, gguf, report)
+        for round_index in range(args.rounds):
+            run_ours(args, prompt_ids, report, first_round=round_index == 0)
+            if "transformers" in peers:
+                run_transformers(args, prompt_ids, eos_ids, report)
+            if "llama.cpp" in peers:
+                run_llama_cpp(args, prompt_ids, eos_ids, gguf, report)
     except SpecserveError as e:
         print(f"peers.py: error: {e}", file=sys.stderr)
         return 1
+    report.keep_median_rounds()
     compare_with_plain(report.rows)
     fmt = format_of(dtype_of(args), args.quantization)
     roofline = roofline_rows(report, bandwidth, method)
@@ -523,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.target}, "
               f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
-              f"{args.max_tokens} tokens, greedy, chat template\n")
+              f"{args.max_tokens} tokens, greedy, chat template"
+              f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
         print_table(report.rows)
         print_roofline(roofline)
         print_quality(quality, fmt)

@@ -145,6 +145,19 @@ def test_quality_rows_compare_the_format_with_float32(peers_module):
     assert agreement["suite"] == "structured"
 
 
+def test_rounds_keep_each_rows_median_round(peers_module):
+    report = peers_module.Report(fixed_text_ids=[])
+    for e2e_s in (1.1, 0.5, 2.1):  # three rounds of one row: decode rates 7/1.0, 7/0.4, 7/2.0
+        report.rows.append(peers_module.timed_row("specserve", "plain", "f", "count", list(range(8)), 0.1, e2e_s))
+        report.add_model("target", "m", "specserve", "f", 100, "plain")
+    report.rows.append(peers_module.timed_row("llama.cpp", "plain", "f", "count", list(range(8)), 0.2, 1.2))
+    report.keep_median_rounds()
+    ours, theirs = report.rows
+    assert (ours["e2e_s"], ours["decode_tokens_per_s"], ours["rounds"]) == (1.1, 7.0, 3)
+    assert (theirs["system"], theirs["rounds"]) == ("llama.cpp", 1)
+    assert len(report.models) == 1
+
+
 # ------------------------------------------------------------------ roofline, GGUF
 
 
