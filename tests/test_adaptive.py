@@ -222,3 +222,28 @@ def test_a_proposer_that_stops_early_is_costed_by_what_it_drafts():
     # (ignoring stops they would expect 16 tokens from 15 paid positions).
     tokens, drafted = state.curves()
     assert drafted[15] == pytest.approx(2.0, abs=0.2) and tokens[15] == pytest.approx(3.0, abs=0.2)
+
+
+def test_drafting_costs_are_measured_on_steps_that_only_draft():
+    """The first draft of a request reads the whole prompt, and one after plain steps
+    reads every token decoded since: those calls do not teach the cost fit."""
+    torch.manual_seed(3)
+    config = tiny_config("llama")
+    target, draft = Decoder(config).eval(), Decoder(config).eval()
+    measured, catch_ups = [], []
+
+    class Watched(FreeCosts):
+        def observe_draft(self, positions, seconds):
+            measured.append(engine.proposer.last_catch_up)
+            super().observe_draft(positions, seconds)
+
+    class Proposer(DraftModelProposer):
+        def propose(self, seqs, num_tokens):
+            drafts = super().propose(seqs, num_tokens)
+            catch_ups.append(self.last_catch_up)
+            return drafts
+
+    engine = Engine(target, eos_token_ids=[0], proposer=Proposer(draft), adaptive=Watched(15, 0.5))
+    engine.generate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert catch_ups[0] == 11 and max(catch_ups[1:]) <= 2  # the prompt and first token, then 1-2
+    assert len(measured) == len(catch_ups) - 1 and max(measured) <= 2

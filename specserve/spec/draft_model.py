@@ -36,6 +36,7 @@ class DraftModelProposer:
         # draft's own outputs, so verification stays lossless.
         self.confidence_threshold = confidence_threshold
         self.caches: dict[int, KVCache] = {}
+        self.last_catch_up = 0  # see Proposer
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
@@ -56,6 +57,7 @@ class DraftModelProposer:
             self._catch_up({i: inputs.pop(i)[: self.catch_up_chunk_size] for i in catching_up}, seqs)
             for i in catching_up:
                 del drafted[i], draft_probs[i]
+        self.last_catch_up = max(map(len, inputs.values()), default=0)
         while inputs:
             order = list(inputs)
             segments = [Segment(self._cache(seqs[i]), len(inputs[i])) for i in order]

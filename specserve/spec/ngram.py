@@ -29,6 +29,7 @@ class NgramProposer:
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+        self.last_catch_up = 0  # a lookup reads nothing ahead of time
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         return [self.propose_one(seq.token_ids, k) for seq, k in zip(seqs, num_tokens, strict=True)]

@@ -38,6 +38,12 @@ class SequenceView(Protocol):
 
 
 class Proposer(Protocol):
+    # How many tokens of its sequences the last `propose` call had to read before it
+    # could draft (the most over the sequences; 0 for a proposer with no state): a draft
+    # model catches up 1-2 after a drafting step, and every token decoded since after
+    # plain steps, which makes that call no measure of what drafting costs.
+    last_catch_up: int
+
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         """Draft up to num_tokens[i] tokens after seqs[i].token_ids."""
         ...
