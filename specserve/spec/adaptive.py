@@ -10,6 +10,7 @@ engine's own timings (recent steps weigh more):
 
 (drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
 steps a draft first reads every token decoded since, which is not what k positions cost).
+
 For a batch of B decoding sequences a plain step costs T0 = fixed + per_row * B; drafting
 k tokens each adds draft_fixed + k * (per_position + per_row * B). So the speed relative
 to plain decoding is
