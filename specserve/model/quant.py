@@ -137,8 +137,7 @@ class QuantizedLinear(nn.Module):
         """For a fused gate/up projection (the gate's rows first): silu(gate) * up,
         [T, in] -> [T, out / 2], in one kernel call where ours runs."""
         if self.native:
-            return native.quantized_matmul(self.bits, x.contiguous(), self.weight, self.scales, self.zeros, self.bias,
-                                           gated=True)
+            return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias, gated=True)
         return silu_and_mul(self(x))
 
 

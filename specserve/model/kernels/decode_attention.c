@@ -37,7 +37,7 @@ static inline void four_scores(const __m512 *query, int chunks, const void *keys
 }
 
 /* Round to the model's dtype: what PyTorch's elementwise ops store. */
-static inline float stored(float x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
+static inline float stored(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
 /* One head of one new token, as decoder.py's PyTorch ops make it: RMSNorm over the head
  * when norm_weight is given (as rms_norm.c computes it), then RoPE, x cos +
@@ -50,7 +50,7 @@ static void rotate_head(const void *src, const void *norm_weight, float eps, con
     for (int e = 0; e < D; e++) x[e] = element(src, e, bf16);
     if (norm_weight) {
         const float scale = rms_inverse(src, D, bf16, eps);
-        for (int e = 0; e < D; e++) x[e] = stored(element(norm_weight, e, bf16) * stored(x[e] * scale, bf16), bf16);
+        for (int e = 0; e < D; e++) x[e] = rms_normed(x[e], scale, element(norm_weight, e, bf16), bf16);
     }
     for (int e = 0; e < D; e++) {
         const float straight = stored(x[e] * element(cos, e, bf16), bf16);

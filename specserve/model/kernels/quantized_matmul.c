@@ -183,8 +183,6 @@ static inline void dot_tile(int bits, int nr, int n, int t0, int nt, int K, cons
                   a + (size_t)t0 * Gp, nt, out);
 }
 
-static inline float rounded(float x) { return from_bf16(to_bf16(x)); }
-
 /* y [T, N] = x W^T + bias, each output rounded to bfloat16 once. */
 static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
                        const uint16_t *bias, int N, const int8_t *q, const float *d, const float *a, uint16_t *y) {
@@ -226,13 +224,13 @@ static void gated_rows(int bits, int T, int K, const uint8_t *weights, const uin
                     const int n = n0 + j + part * half;
                     dot_tile(bits, 1, n, t0, nt, K, weights, scale, zero, q, d, a, out);
                     const float b = bias ? from_bf16(bias[n]) : 0.0f;
-                    for (int t = 0; t < nt; t++) (part ? up : gate)[t][j] = rounded(out[t] + b);
+                    for (int t = 0; t < nt; t++) (part ? up : gate)[t][j] = round_bf16(out[t] + b);
                 }
             for (int t = 0; t < nt; t++) {
                 const __m512 g = _mm512_loadu_ps(gate[t]);
                 float silu[16];
                 _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-                for (int j = 0; j < width; j++) y[(size_t)(t0 + t) * half + n0 + j] = to_bf16(rounded(silu[j]) * up[t][j]);
+                for (int j = 0; j < width; j++) y[(size_t)(t0 + t) * half + n0 + j] = to_bf16(round_bf16(silu[j]) * up[t][j]);
             }
         }
     }

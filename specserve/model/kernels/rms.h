@@ -33,4 +33,10 @@ static inline float rms_inverse(const void *row, int D, int bf16, float eps) {
     return 1.0f / sqrtf(sum / (float)D + eps);
 }
 
+/* One normalised element, as RMSNorm in decoder.py computes it: weight * (x * scale),
+ * the product x * scale and the result rounded to bfloat16 where the model is. */
+static inline float rms_normed(float x, float scale, float weight, int bf16) {
+    return bf16 ? round_bf16(weight * round_bf16(x * scale)) : weight * (x * scale);
+}
+
 #endif

@@ -19,9 +19,6 @@ void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps
         const uint16_t *row = x + (size_t)t * D;
         const float scale = rms_inverse(row, D, 1, eps);
         uint16_t *dst = out + (size_t)t * D;
-        for (int i = 0; i < D; i++) {
-            float normed = from_bf16(to_bf16(from_bf16(row[i]) * scale));
-            dst[i] = to_bf16(from_bf16(weight[i]) * normed);
-        }
+        for (int i = 0; i < D; i++) dst[i] = to_bf16(rms_normed(from_bf16(row[i]), scale, from_bf16(weight[i]), 1));
     }
 }
