@@ -56,7 +56,9 @@ from specserve.spec.factory import draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
-OUR_MODES = ("plain", "draft", "adaptive", "ngram")
+OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused")
+# The fused modes need a quantized draft (--quantization or --draft-quantization): asked for by name.
+DEFAULT_MODES = ("plain", "draft", "adaptive", "ngram")
 PEERS = ("transformers", "llama.cpp")
 FLOAT32_PLAIN = "plain-float32"  # the reference the quality section compares against
 WARM_UP_TOKENS = 2
@@ -139,7 +141,7 @@ class OurRun:
     @property
     def fixed_k(self) -> int | None:
         """k of a fixed-k row; None for plain and adaptive rows."""
-        return None if self.spec is None or self.mode == "adaptive" else self.spec.num_speculative_tokens
+        return None if self.spec is None or self.spec.adaptive else self.spec.num_speculative_tokens
 
 
 def our_spec(mode: str, args) -> SpecConfig | None:
@@ -149,7 +151,9 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:
         raw["quantization"] = args.draft_quantization
-    raw["adaptive"] = mode == "adaptive"  # its k ranges up to the config's default maximum
+    raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
+    if mode.endswith("-fused"):
+        raw["fused"] = True
     return SpecConfig.parse(raw)
 
 
@@ -459,8 +463,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
-    parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(OUR_MODES),
-                        help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none)")
+    parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(DEFAULT_MODES),
+                        help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none; "
+                             f"default {','.join(DEFAULT_MODES)})")
     parser.add_argument("--peers", type=comma_list(PEERS, "peer(s)"), default=list(PEERS),
                         help=f"comma-separated, from {','.join(PEERS)} ('' for none)")
     parser.add_argument("--suites", default="structured,open-ended")

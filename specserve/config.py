@@ -167,6 +167,11 @@ class SpecConfig:
     # --quantization. A draft need not match the target's numbers (its guesses are
     # verified), so an int4 draft in front of a float32 target costs a third as much.
     quantization: str | None = None
+    # Our addition (draft_model only): greedy requests draft all k tokens, and the target
+    # verifies them, in one call into our C kernels (spec/fused.py), with no Python
+    # between the steps. Needs a quantized draft; the verification joins the call when
+    # the target is quantized too, else it stays a PyTorch forward.
+    fused: bool = False
 
     def describe_k(self) -> str:
         if self.adaptive:
@@ -249,6 +254,11 @@ class SpecConfig:
                 raise ConfigError(
                     f"unknown draft quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
                 )
+        fused = raw.get("fused", False)
+        if not isinstance(fused, bool):
+            raise ConfigError(f"fused must be true or false, got {fused!r}")
+        if fused and method != "draft_model":
+            raise ConfigError('fused applies to "draft_model" only: an n-gram lookup has no steps to fuse')
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(
@@ -261,4 +271,5 @@ class SpecConfig:
             prompt_lookup_max=hi,
             draft_confidence_threshold=float(threshold),
             quantization=quantization,
+            fused=fused,
         )

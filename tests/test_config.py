@@ -18,6 +18,7 @@ def test_model_without_method_means_draft_model():
     assert fixed.draft_confidence_threshold == 0.0
     assert spec.quantization is None  # the draft takes the target's --quantization
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "quantization": "int4"}).quantization == "int4"
+    assert not spec.fused and SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "fused": True}).fused
 
 
 def test_ngram_lookup_bounds():
@@ -51,6 +52,8 @@ def test_empty_means_no_speculation():
         ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', "draft_model\" only"),
         ('{"model": "m", "num_speculative_tokens": 3, "quantization": "int3"}', "unknown draft quantization"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', "draft_model\" only"),
+        ('{"model": "m", "num_speculative_tokens": 3, "fused": "yes"}', "fused must be true or false"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "fused": true}', "no steps to fuse"),
     ],
 )
 def test_bad_speculative_configs_say_what_is_wrong(raw, words):

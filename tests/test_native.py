@@ -221,11 +221,11 @@ def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, mo
         return [one, several, a.keys[:, :, :25], a.values[:, :, :25], b.keys[:, :, :8], b.values[:, :, :8]]
 
     calls = []
-    run = native.BlocksInC.run
-    monkeypatch.setattr(native.BlocksInC, "run", lambda self, *args: calls.append(1) or run(self, *args))
+    run = native.ModelInC.run_blocks
+    monkeypatch.setattr(native.ModelInC, "run_blocks", lambda self, *args: calls.append(1) or run(self, *args))
     ours = decode()
     assert len(calls) == 2  # the two decoding steps went through C
-    monkeypatch.setattr(model, "_blocks_in_c", lambda: None)
+    monkeypatch.setattr(model, "in_c", lambda: None)
     theirs = decode()
     for got, expected in zip(ours, theirs):
         assert torch.equal(got, expected)

@@ -14,6 +14,10 @@ sequences) go into one step, so a long new prompt delays the running sequences b
 chunk per step rather than by its whole prefill. A sequence's first token comes from
 the step that feeds its prompt's last chunk, and that step drafts nothing, so time to
 first token is what it would be without speculation.
+
+With a `FusedDraftProposer` that verifies (a quantized draft and target, spec/fused.py),
+greedy decoding sequences skip that forward: their drafting and verification run in one
+C call, and the forward carries the rest.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
-from specserve.spec.verify import verify
+from specserve.spec.verify import Verdict, verify
 
 DEFAULT_MAX_NUM_SEQS = 256
 # A draft's catch-up after a drafting step: the recovered or bonus token, and the last
@@ -149,31 +154,37 @@ class Engine:
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
 
-    def _propose(self, decoding: list[Sequence]) -> list[Draft]:
-        wanted = self._num_draft_tokens(decoding)
+    def _propose(self, decoding: list[Sequence], wanted: list[int]) -> list[Draft]:
         if self.proposer is None or not any(wanted):
             return [Draft.empty()] * len(decoding)
         started = time.perf_counter()
         drafts = self.proposer.propose(decoding, wanted)
+        if all(d.num_tokens for d, k in zip(drafts, wanted) if k):
+            self._observe_draft(max(d.num_tokens for d in drafts), time.perf_counter() - started)
+        return drafts
+
+    def _observe_draft(self, longest: int, seconds: float) -> None:
         # What drafting costs is measured on the steps that only draft: not where a
         # draft catches up a prompt (and drafts nothing) or the tokens of plain steps
         # (a probe after 64 of them paid ~0.1 s, which taught the cost fit that a draft
         # costs 50-100 ms whatever its length, so adaptive hardly drafted).
-        if (
-            self.adaptive is not None and self.proposer.last_catch_up <= MAX_CATCH_UP_MEASURED
-            and all(d.num_tokens for d, k in zip(drafts, wanted) if k)
-        ):
-            self.adaptive.observe_draft(max(d.num_tokens for d in drafts), time.perf_counter() - started)
-        return drafts
+        if self.adaptive is not None and self.proposer.last_catch_up <= MAX_CATCH_UP_MEASURED:
+            self.adaptive.observe_draft(longest, seconds)
 
-    def _schedule(self) -> list[_Work]:
-        """Admit waiting requests, then choose what each running sequence feeds this step."""
+    def _schedule(self) -> tuple[list[_Work], list[Sequence], list[int]]:
+        """Admit waiting requests, then choose what each running sequence feeds this
+        step: the work of the target's forward, and the sequences (with their k) whose
+        whole step runs in one fused call."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
-        drafts = self._propose(decoding)
-        work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in zip(decoding, drafts)]
+        wanted = self._num_draft_tokens(decoding)
+        fused = isinstance(self.proposer, FusedDraftProposer) and self.proposer.verifies
+        in_one_call = [i for i, s in enumerate(decoding) if fused and s.params.greedy]
+        rest = [i for i in range(len(decoding)) if i not in set(in_one_call)]
+        drafts = self._propose([decoding[i] for i in rest], [wanted[i] for i in rest])
+        work = [_Work(decoding[i], decoding[i].token_ids[-1:] + d.tokens.tolist(), d, True) for i, d in zip(rest, drafts)]
 
         budget = self.prefill_chunk_size
         for seq in self.running.values():
@@ -183,12 +194,45 @@ class Engine:
             chunk = unseen[:budget]
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=len(chunk) == len(unseen)))
-        return work
+        return work, [decoding[i] for i in in_one_call], [wanted[i] for i in in_one_call]
 
     def step(self) -> list[Sequence]:
         """Advance the batch by one step; return the sequences that got new tokens
         (check `finished` on each: finished ones have left the batch)."""
-        work = self._schedule()
+        work, fused, fused_wanted = self._schedule()
+        outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
+        advanced = [seq for seq, _, _ in outcomes]
+        for seq, num_drafted, verdict in outcomes:
+            seq.append(verdict.tokens)
+            seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
+            if num_drafted:
+                seq.spec.record(num_drafted, verdict.num_accepted)
+                self.spec_stats.record(num_drafted, verdict.num_accepted)
+            if self.adaptive is not None:
+                self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted)
+        if self.proposer is not None:
+            self.proposer.observe(advanced, [verdict.num_accepted for _, _, verdict in outcomes])
+
+        for seq in advanced:
+            if seq.finished:
+                self.abort(seq.seq_id)
+        return advanced
+
+    def _speculate_fused(self, seqs: list[Sequence], wanted: list[int]) -> list[tuple[Sequence, int, Verdict]]:
+        """Draft and verify greedy sequences in one fused call (spec/fused.py)."""
+        if not seqs:
+            return []
+        assert isinstance(self.proposer, FusedDraftProposer)
+        results = self.proposer.speculate(seqs, wanted, [s.cache for s in seqs])
+        drafting, verifying = self.proposer.last_seconds
+        if any(wanted) and all(n for (n, _), k in zip(results, wanted) if k):
+            self._observe_draft(max(n for n, _ in results), drafting)
+        if self.adaptive is not None:
+            self.adaptive.observe_target(sum(n + 1 for n, _ in results), verifying)
+        return [(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]
+
+    def _forward_and_verify(self, work: list[_Work]) -> list[tuple[Sequence, int, Verdict]]:
+        """One target forward over the step's work; verify each scored sequence's drafts."""
         if not work:
             return []
         segments = [Segment(w.seq.cache, len(w.tokens), one_query_at_a_time=w.draft.num_tokens > 0) for w in work]
@@ -203,27 +247,11 @@ class Engine:
         logits = self.target(flat, segments, rows)  # [sum over scored of (k_i + 1), V]
         if self.adaptive is not None and len(flat) == len(rows):  # a pure decode step
             self.adaptive.observe_target(len(flat), time.perf_counter() - started)
-
-        advanced = [w.seq for w in work if w.scored]
-        drafts = [w.draft for w in work if w.scored]
-        num_accepted = []
-        for seq, draft, seq_logits in zip(advanced, drafts, logits.split([d.num_tokens + 1 for d in drafts])):
-            verdict = verify(seq_logits, draft, seq.params, seq.generator)
-            seq.append(verdict.tokens)
-            seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
-            if draft.num_tokens:
-                seq.spec.record(draft.num_tokens, verdict.num_accepted)
-                self.spec_stats.record(draft.num_tokens, verdict.num_accepted)
-            if self.adaptive is not None:
-                self.adaptive.record(seq.seq_id, draft.num_tokens, verdict.num_accepted)
-            num_accepted.append(verdict.num_accepted)
-        if self.proposer is not None:
-            self.proposer.observe(advanced, num_accepted)
-
-        for seq in advanced:
-            if seq.finished:
-                self.abort(seq.seq_id)
-        return advanced
+        scored = [w for w in work if w.scored]
+        return [
+            (w.seq, w.draft.num_tokens, verify(seq_logits, w.draft, w.seq.params, w.seq.generator))
+            for w, seq_logits in zip(scored, logits.split([w.draft.num_tokens + 1 for w in scored]))
+        ]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Run one request to completion (with whatever else is queued)."""

@@ -302,6 +302,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.batch_invariant = False
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see rope_table
 
     @property
     def dtype(self) -> torch.dtype:
@@ -326,18 +327,16 @@ class Decoder(nn.Module):
         )  # [T]
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
-        angles = positions.unsqueeze(1).float() * self.inv_freq  # [T, head_dim // 2]
-        cos = angles.cos().repeat(1, 2).to(self.dtype)  # [T, head_dim]
-        sin = angles.sin()
-        rotated_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # [T, head_dim]
+        rope = self.rope_table(int(positions.max()) + 1 if len(positions) else 0)
 
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        blocks_in_c = self._blocks_in_c()
-        if blocks_in_c is not None and all(
+        in_c = self.in_c()
+        if in_c is not None and all(
             (s.num_tokens == 1 or s.one_query_at_a_time) and s.cache.keys.is_contiguous() for s in segments
         ):  # every block in one C call: the same kernels and bits as the loop below
-            blocks_in_c.run(h, cos, rotated_sin, [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments])
+            in_c.run_blocks(h, rope, [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments])
         else:
+            cos, rotated_sin = rope[0][positions], rope[1][positions]  # [T, head_dim]
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, rotated_sin, i, segments)
         for seg in segments:
@@ -348,15 +347,31 @@ class Decoder(nn.Module):
             h = h[logits_rows]  # [R, hidden]
         return self.lm_head(self.norm(h)).float()
 
-    def _blocks_in_c(self) -> native.BlocksInC | None:
-        """The blocks described for `native.decode_blocks` where every block can run
-        there (bfloat16, all projections on our int4/int8 kernel, a head size it takes),
-        else None; decided once, after loading."""
-        if not hasattr(self, "_blocks_in_c_cache"):
-            self._blocks_in_c_cache = self._describe_blocks_in_c()
-        return self._blocks_in_c_cache
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's
+        dtype, row p for position p: computed once and grown by doubling, rather than
+        a dozen small ops every step."""
+        table = self._rope
+        if table is None or table[0] is not self.inv_freq or table[1].shape[0] < length:
+            size = max(length, 256, 2 * table[1].shape[0] if table is not None and table[0] is self.inv_freq else 0)
+            angles = torch.arange(size).unsqueeze(1).float() * self.inv_freq  # [size, head_dim // 2]
+            sin = angles.sin()
+            self._rope = table = (
+                self.inv_freq,
+                angles.cos().repeat(1, 2).to(self.dtype),  # [size, head_dim]
+                torch.cat((-sin, sin), dim=-1).to(self.dtype),  # [size, head_dim]
+            )
+        return table[1], table[2]
 
-    def _describe_blocks_in_c(self) -> native.BlocksInC | None:
+    def in_c(self) -> native.ModelInC | None:
+        """This model described for `native.decode_blocks` and `native.speculate_greedy`
+        where all of it can run there (bfloat16, every projection and the head on our
+        int4/int8 kernel, a head size it takes), else None; decided once, after loading."""
+        if not hasattr(self, "_in_c"):
+            self._in_c = self._describe_in_c()
+        return self._in_c
+
+    def _describe_in_c(self) -> native.ModelInC | None:
         config = self.config
         if self.dtype != torch.bfloat16 or native.library() is None or config.head_dim % 16 or config.head_dim > 256:
             return None
@@ -370,8 +385,12 @@ class Decoder(nn.Module):
             ):
                 return None
             blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
-        return native.BlocksInC(blocks, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                config.intermediate_size, config.rms_norm_eps)
+        head = self.lm_head
+        if not (isinstance(head, QuantizedLinear) and head.native and self.norm.weight.dtype == torch.bfloat16):
+            return None
+        shape = native.ModelShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                  config.intermediate_size, config.vocab_size, config.rms_norm_eps)
+        return native.ModelInC(blocks, self.embed_tokens.weight, self.norm.weight, head, shape)
 
     def pack_linear_weights(self) -> None:
         """On CPU in float32, swap every linear layer for a `PackedLinear` (see there).

@@ -6,7 +6,9 @@
   cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
   and one SDPA call per token.
 - `decode_blocks`: every transformer block of a quantized model, for tokens that attend
-  one at a time, in one call that runs the three above (`BlocksInC`).
+  one at a time, in one call that runs the three above (`ModelInC`).
+- `speculate_greedy`: a quantized draft model's k greedy steps and a quantized target's
+  verification of them in one call (`spec/fused.py`).
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -26,7 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -132,9 +134,12 @@ def library() -> ctypes.CDLL | None:
     ]  # x, weight, T, D, eps, out
     lib.decode_blocks.restype = ctypes.c_int
     lib.decode_blocks.argtypes = [
-        ctypes.c_void_p, *[ctypes.c_int] * 6, ctypes.c_float,  # blocks, layers, hidden, heads, kv_heads, D, I, eps
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-    ]  # h, T, cos, rotated_sin, segments, number of segments
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]  # model, cos, rotated_sin, h, T, segments, number of segments
+    lib.speculate_greedy.restype = ctypes.c_int
+    lib.speculate_greedy.argtypes = [
+        *[ctypes.c_void_p] * 7, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+    ]  # draft, its cos and rotated_sin, target, its cos and rotated_sin, sequences, count, threshold, seconds
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
@@ -265,7 +270,7 @@ def decode_attention(
     return out
 
 
-class _Linear(ctypes.Structure):  # struct quantized_linear in decode_blocks.c
+class _Linear(ctypes.Structure):  # struct quantized_linear in kernels.h
     _fields_ = [("weights", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("bits", ctypes.c_int), ("in_features", ctypes.c_int),
                 ("out_features", ctypes.c_int)]
@@ -277,13 +282,31 @@ class _Block(ctypes.Structure):  # struct block
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
 
 
+class _Model(ctypes.Structure):  # struct model
+    _fields_ = [("blocks", ctypes.c_void_p), *[(name, ctypes.c_int) for name in (
+                    "num_layers", "hidden", "heads", "kv_heads", "D", "intermediate", "vocab")],
+                ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("head", _Linear)]
+
+
 class _Segment(ctypes.Structure):  # struct segment
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("n", ctypes.c_int),
                 ("capacity", ctypes.c_int), ("start", ctypes.c_int)]
 
 
+class _Sequence(ctypes.Structure):  # struct sequence in speculate.c
+    _fields_ = [("draft", _Segment), ("target", _Segment), ("unseen", ctypes.c_void_p), ("num_unseen", ctypes.c_int),
+                ("newest", ctypes.c_int64), ("max_drafts", ctypes.c_int), ("drafted", ctypes.c_void_p),
+                ("num_drafted", ctypes.c_int), ("target_argmax", ctypes.c_void_p)]
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _linear(layer: Any) -> _Linear:
+    return _Linear(layer.weight.data_ptr(), _pointer(layer.scales), _pointer(layer.zeros), _pointer(layer.bias),
+                   layer.bits, layer.in_features, layer.out_features)
 
 
 @dataclass(frozen=True)
@@ -301,39 +324,114 @@ class BlockWeights:
     down: Any
 
 
-class BlocksInC:
-    """A quantized model's transformer blocks described once for `decode_blocks`.
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
 
-    The description holds raw pointers: the tensors in `blocks` must stay where they are
-    (the decoder keeps them; its weights are never moved after loading)."""
 
-    def __init__(self, blocks: list[BlockWeights], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float):
-        self.blocks = blocks  # keeps the tensors alive
-        self.shape = (len(blocks), hidden, heads, kv_heads, head_dim, intermediate)
-        self.eps = eps
-        self._described = (_Block * len(blocks))(*[
+class ModelInC:
+    """A quantized model described once for `decode_blocks` and `speculate_greedy`: its
+    blocks, bfloat16 embedding [vocab, hidden] and final norm, and its head (a
+    `QuantizedLinear` on our kernel).
+
+    The description holds raw pointers: the tensors must stay where they are (the
+    decoder keeps them; its weights are never moved after loading)."""
+
+    def __init__(self, blocks: list[BlockWeights], embed: torch.Tensor, final_norm: torch.Tensor, head: Any,
+                 shape: ModelShape):
+        self._tensors = (blocks, embed, final_norm, head)  # keeps them alive
+        self._blocks = (_Block * len(blocks))(*[
             _Block(_pointer(b.input_norm), _pointer(b.post_attention_norm), _pointer(b.q_norm), _pointer(b.k_norm),
-                   *[_Linear(layer.weight.data_ptr(), _pointer(layer.scales), _pointer(layer.zeros),
-                             _pointer(layer.bias), layer.bits, layer.in_features, layer.out_features)
-                     for layer in (b.qkv, b.o, b.gate_up, b.down)])
+                   *[_linear(layer) for layer in (b.qkv, b.o, b.gate_up, b.down)])
             for b in blocks
         ])
+        self.described = _Model(
+            ctypes.addressof(self._blocks), len(blocks), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+            shape.intermediate, shape.vocab, shape.eps, embed.data_ptr(), final_norm.data_ptr(), _linear(head),
+        )
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor,
-            segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
-        """h [T, hidden] bfloat16, updated in place; cos, rotated_sin [T, head_dim];
-        segments: (keys, values, new tokens, start) per sequence, covering h's rows in
-        order, keys and values [layers, kv_heads, capacity, head_dim] with room for them."""
+    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """h [T, hidden] bfloat16, updated in place; rope: the (cos, rotated_sin) tables
+        [positions, head_dim] (`Decoder.rope_table`); segments: (keys, values, new tokens,
+        start) per sequence, covering h's rows in order, keys and values [layers,
+        kv_heads, capacity, head_dim] with room for them."""
         lib = library()
         assert lib is not None and h.is_contiguous() and h.dtype == torch.bfloat16
-        cos, rotated_sin = cos.contiguous(), rotated_sin.contiguous()
         described = (_Segment * len(segments))(*[
             _Segment(keys.data_ptr(), values.data_ptr(), n, keys.shape[2], start) for keys, values, n, start in segments
         ])
-        status = lib.decode_blocks(
-            self._described, *self.shape, self.eps, h.data_ptr(), h.shape[0], cos.data_ptr(), rotated_sin.data_ptr(),
-            described, len(segments),
-        )
+        status = lib.decode_blocks(ctypes.byref(self.described), rope[0].data_ptr(), rope[1].data_ptr(), h.data_ptr(),
+                                   h.shape[0], described, len(segments))
         if status != 0:
             raise MemoryError("decode_blocks could not allocate its buffers")
+
+
+@dataclass
+class GreedySpeculation:
+    """One sequence's share of `speculate_greedy`. In: the caches' tensors (keys,
+    values [layers, kv_heads, capacity, head_dim], with room for what is read) and
+    lengths, the tokens the draft has not read (ending with the newest), the newest
+    token, and k. Out: `drafted`, and `target_argmax` [len(drafted) + 1] when the call
+    verified."""
+
+    draft_cache: tuple[torch.Tensor, torch.Tensor, int]
+    target_cache: tuple[torch.Tensor, torch.Tensor, int] | None
+    unseen: list[int]
+    newest: int
+    max_drafts: int
+    drafted: list[int] = field(default_factory=list)
+    target_argmax: list[int] = field(default_factory=list)
+
+
+def speculate_greedy(draft: ModelInC, draft_rope: tuple[torch.Tensor, torch.Tensor],
+                     target: tuple[ModelInC, tuple[torch.Tensor, torch.Tensor]] | None,
+                     seqs: list[GreedySpeculation], confidence_threshold: float) -> tuple[float, float]:
+    """Draft greedily for every sequence, then verify with `target` (model and RoPE
+    tables) when given; see kernels/speculate.c. Fills each sequence's outputs and
+    returns the seconds spent drafting and verifying."""
+    lib = library()
+    assert lib is not None
+    unseen = torch.tensor([t for s in seqs for t in s.unseen], dtype=torch.int64)
+    room = sum(s.max_drafts for s in seqs) + len(seqs)
+    drafted = torch.empty(room, dtype=torch.int64)
+    target_argmax = torch.empty(room, dtype=torch.int64)
+
+    def segment(cache: tuple[torch.Tensor, torch.Tensor, int] | None) -> _Segment:
+        if cache is None:
+            return _Segment()
+        keys, values, length = cache
+        return _Segment(keys.data_ptr(), values.data_ptr(), 0, keys.shape[2], length)
+
+    described = (_Sequence * len(seqs))()
+    read = written = 0
+    for slot, s in zip(described, seqs):
+        slot.draft, slot.target = segment(s.draft_cache), segment(s.target_cache)
+        slot.unseen, slot.num_unseen = unseen.data_ptr() + 8 * read, len(s.unseen)
+        slot.newest, slot.max_drafts = s.newest, s.max_drafts
+        slot.drafted, slot.target_argmax = drafted.data_ptr() + 8 * written, target_argmax.data_ptr() + 8 * written
+        read += len(s.unseen)
+        written += s.max_drafts + 1
+    seconds = (ctypes.c_double * 2)()
+    target_model, target_rope = target if target is not None else (None, (None, None))
+    status = lib.speculate_greedy(
+        ctypes.byref(draft.described), draft_rope[0].data_ptr(), draft_rope[1].data_ptr(),
+        None if target_model is None else ctypes.byref(target_model.described),
+        _pointer(target_rope[0]), _pointer(target_rope[1]), described, len(seqs), confidence_threshold, seconds,
+    )
+    if status != 0:
+        raise MemoryError("speculate_greedy could not allocate its buffers")
+    drafted_list, argmax_list = drafted.tolist(), target_argmax.tolist()
+    written = 0
+    for slot, s in zip(described, seqs):
+        s.drafted = drafted_list[written : written + slot.num_drafted]
+        if target is not None:
+            s.target_argmax = argmax_list[written : written + slot.num_drafted + 1]
+        written += s.max_drafts + 1
+    return seconds[0], seconds[1]

@@ -9,7 +9,7 @@ cache back to the longest prefix that still agrees with the sequence.
 Drafting for a batch is batched: one forward for everyone's catch-up tokens, then one
 single-token forward per further draft position for the sequences that want more.
 A long catch-up (a new sequence's prompt) goes in chunks, one per step, with no drafts
-for that sequence until it is done.
+for that sequence until it is done. spec/fused.py runs the same steps in one C call.
 """
 
 from __future__ import annotations
@@ -37,30 +37,41 @@ class DraftModelProposer:
         self.confidence_threshold = confidence_threshold
         self.caches: dict[int, KVCache] = {}
         self.last_catch_up = 0  # see Proposer
+        self._in_c = draft.in_c() is not None
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
             self.caches[seq.seq_id] = self.draft.new_cache()
         return self.caches[seq.seq_id]
 
+    def unseen(self, seq: SequenceView) -> list[int]:
+        """The tokens of `seq` this draft has not read yet."""
+        return seq.token_ids[self._cache(seq).length :]
+
+    def catch_up_prompts(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[int]:
+        """Where a sequence that wants drafts has more unseen tokens than a chunk (a
+        sequence new to the draft has its whole prompt unseen), read one chunk of them
+        and draft nothing for it this step: returns num_tokens with those set to 0. So the
+        batch never waits for a long draft prefill; the rule looks at the sequence alone,
+        so seeded outputs do not depend on what else is in the batch."""
+        long = {i: self.unseen(seqs[i]) for i, k in enumerate(num_tokens) if k > 0}
+        long = {i: unseen[: self.catch_up_chunk_size] for i, unseen in long.items() if len(unseen) > self.catch_up_chunk_size}
+        if long:
+            self._catch_up(long, seqs)
+        return [0 if i in long else k for i, k in enumerate(num_tokens)]
+
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+        num_tokens = self.catch_up_prompts(seqs, num_tokens)
         drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
         draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
-        inputs = {i: seqs[i].token_ids[self._cache(seqs[i]).length :] for i in drafted}
-        # A sequence new to the draft has its whole prompt unseen: it catches up a chunk
-        # per step and drafts nothing until it has, so the batch never waits for a long
-        # draft prefill. The rule looks at the sequence alone, so seeded outputs do not
-        # depend on what else is in the batch.
-        catching_up = {i for i in drafted if len(inputs[i]) > self.catch_up_chunk_size}
-        if catching_up:
-            self._catch_up({i: inputs.pop(i)[: self.catch_up_chunk_size] for i in catching_up}, seqs)
-            for i in catching_up:
-                del drafted[i], draft_probs[i]
+        inputs = {i: self.unseen(seqs[i]) for i in drafted}
         self.last_catch_up = max(map(len, inputs.values()), default=0)
         while inputs:
             order = list(inputs)
-            segments = [Segment(self._cache(seqs[i]), len(inputs[i])) for i in order]
+            # A quantized draft reads its few unseen tokens one query at a time: that is
+            # one C call for all its blocks (and bitwise what the fused path computes).
+            segments = [Segment(self._cache(seqs[i]), len(inputs[i]), one_query_at_a_time=self._in_c) for i in order]
             flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64)
             last_rows = torch.tensor([len(inputs[i]) for i in order]).cumsum(0) - 1
             logits = self.draft(flat, segments, last_rows)  # [len(order), V]

@@ -16,6 +16,7 @@ from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer
 
@@ -51,6 +52,8 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization))
     check_same_vocabulary(target, draft)
+    if spec.fused:
+        return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
 
 

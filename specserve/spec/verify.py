@@ -61,6 +61,13 @@ def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
     return Verdict(tokens=tokens[0, : accepted + 1].tolist(), num_accepted=accepted)
 
 
+def verdict_from_argmax(drafted: list[int], target_argmax: list[int]) -> Verdict:
+    """Greedy verification where the target's argmax of each of the k+1 rows is already
+    known (the fused step): the drafts up to the first that differs, then the argmax."""
+    accepted = next((i for i, (d, t) in enumerate(zip(drafted, target_argmax)) if d != t), len(drafted))
+    return Verdict(tokens=target_argmax[: accepted + 1], num_accepted=accepted)
+
+
 def verify_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                  draft_probs: torch.Tensor | None, params: SamplingParams,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,23 +17,7 @@
 #include "bf16.h"
 #include "kernels.h"
 
-struct quantized_linear { /* as native.py lays it out; bias may be NULL */
-    const uint8_t *weights;
-    const uint16_t *scale, *zero, *bias;
-    int bits, in_features, out_features;
-};
-
-struct block {
-    const uint16_t *input_norm, *post_attention_norm, *q_norm, *k_norm; /* [hidden] or [D]; qk norms may be NULL */
-    struct quantized_linear qkv, o, gate_up, down;
-};
-
-struct segment { /* one sequence's new tokens: n rows of h, its cache from layer 0 */
-    uint16_t *keys, *values; /* [layers, kv_heads, capacity, D] */
-    int n, capacity, start;
-};
-
-static int linear(const struct quantized_linear *layer, int gated, const uint16_t *x, int T, uint16_t *y) {
+int apply_linear(const struct quantized_linear *layer, int gated, const uint16_t *x, int T, uint16_t *y) {
     return quantized_matmul(layer->bits, gated, x, T, layer->in_features, layer->weights, layer->scale, layer->zero,
                             layer->bias, layer->out_features, y);
 }
@@ -42,34 +26,34 @@ static void add_rounded(uint16_t *h, const uint16_t *delta, size_t count) {
     for (size_t i = 0; i < count; i++) h[i] = to_bf16(from_bf16(h[i]) + from_bf16(delta[i]));
 }
 
-/* h [T, hidden] bfloat16, updated in place through every block; cos and rotated_sin
- * [T, D] (see decoder.apply_rope); segments cover the T rows in order. Returns 0, or -1
- * when out of memory. */
-int decode_blocks(const struct block *blocks, int num_layers, int hidden, int heads, int kv_heads, int D,
-                  int intermediate, float eps, uint16_t *h, int T, const uint16_t *cos, const uint16_t *rotated_sin,
+/* h [T, hidden] bfloat16, updated in place through every block of m; cos and
+ * rotated_sin the RoPE tables (see kernels.h); segments cover the T rows in order.
+ * Returns 0, or -1 when out of memory. */
+int decode_blocks(const struct model *m, const uint16_t *cos, const uint16_t *rotated_sin, uint16_t *h, int T,
                   const struct segment *segments, int num_segments) {
-    const int qkv_width = (heads + 2 * kv_heads) * D, widest = qkv_width > intermediate ? qkv_width : intermediate;
+    const int hidden = m->hidden, heads = m->heads, kv_heads = m->kv_heads, D = m->D;
+    const int qkv_width = (heads + 2 * kv_heads) * D, widest = qkv_width > m->intermediate ? qkv_width : m->intermediate;
     uint16_t *x = malloc(sizeof(uint16_t) * (size_t)T * hidden);   /* a norm's output, then a projection's */
     uint16_t *wide = malloc(sizeof(uint16_t) * (size_t)T * widest); /* qkv, then the MLP's activation */
     uint16_t *attended = malloc(sizeof(uint16_t) * (size_t)T * heads * D);
     int status = x && wide && attended ? 0 : -1;
-    for (int layer = 0; layer < num_layers && status == 0; layer++) {
-        const struct block *b = blocks + layer;
-        rms_norm(h, b->input_norm, T, hidden, eps, x);
-        status |= linear(&b->qkv, 0, x, T, wide);
+    for (int layer = 0; layer < m->num_layers && status == 0; layer++) {
+        const struct block *b = m->blocks + layer;
+        rms_norm(h, b->input_norm, T, hidden, m->eps, x);
+        status |= apply_linear(&b->qkv, 0, x, T, wide);
         for (int s = 0, row = 0; s < num_segments; row += segments[s].n, s++) {
             const struct segment *seg = segments + s;
             const size_t layer_offset = (size_t)layer * kv_heads * seg->capacity * D;
-            status |= decode_attention(wide + (size_t)row * qkv_width, qkv_width, cos + (size_t)row * D,
-                                       rotated_sin + (size_t)row * D, b->q_norm, b->k_norm, eps,
+            status |= decode_attention(wide + (size_t)row * qkv_width, qkv_width, cos + (size_t)seg->start * D,
+                                       rotated_sin + (size_t)seg->start * D, b->q_norm, b->k_norm, m->eps,
                                        seg->keys + layer_offset, seg->values + layer_offset, seg->n, heads, kv_heads,
                                        D, seg->capacity, seg->start, 1, attended + (size_t)row * heads * D);
         }
-        status |= linear(&b->o, 0, attended, T, x);
+        status |= apply_linear(&b->o, 0, attended, T, x);
         add_rounded(h, x, (size_t)T * hidden);
-        rms_norm(h, b->post_attention_norm, T, hidden, eps, x);
-        status |= linear(&b->gate_up, 1, x, T, wide);
-        status |= linear(&b->down, 0, wide, T, x);
+        rms_norm(h, b->post_attention_norm, T, hidden, m->eps, x);
+        status |= apply_linear(&b->gate_up, 1, x, T, wide);
+        status |= apply_linear(&b->down, 0, wide, T, x);
         add_rounded(h, x, (size_t)T * hidden);
     }
     free(x), free(wide), free(attended);

@@ -1,0 +1,140 @@
+"""Fused speculation (spec/fused.py, kernels/speculate.c): the draft's steps and the
+target's verification in one C call give bitwise the drafts and caches of the unfused
+path, and the engine's greedy output stays the target's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder
+from specserve.model.quant import load_quantized_state, quantized_state
+from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.fused import FusedDraftProposer
+from tests.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
+from tests.test_native import needs_kernel
+
+
+def quantized(model: Decoder, quantization: str = "int4") -> Decoder:
+    with torch.device("meta"):
+        q = Decoder(model.config)
+    load_quantized_state(q, quantized_state(model, quantization))
+    q.inv_freq = model.inv_freq
+    return q.eval()
+
+
+@pytest.fixture(scope="module")
+def float_target() -> Decoder:
+    return random_decoder("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(float_target) -> Decoder:
+    return quantized(float_target)
+
+
+@pytest.fixture(scope="module")
+def draft(float_target) -> Decoder:
+    return quantized(perturbed(float_target, 0.3, seed=2))
+
+
+@dataclass
+class View:  # a SequenceView
+    seq_id: int
+    token_ids: list[int]
+    params: SamplingParams = GREEDY
+    generator: torch.Generator | None = None
+
+
+@needs_kernel
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, draft, threshold):
+    unfused, fused = DraftModelProposer(draft, threshold), FusedDraftProposer(draft, target, threshold)
+    views = {name: [View(0, list(PROMPTS[1])), View(1, list(PROMPTS[3]))] for name in ("unfused", "fused")}
+    lengths = []
+    for step in range(6):
+        wanted = [5, 3] if step % 3 else [0, 4]  # one sequence sits out a step, then catches up 3 tokens
+        drafts = {name: proposer.propose(views[name], wanted) for name, proposer in
+                  (("unfused", unfused), ("fused", fused))}
+        assert [d.tokens.tolist() for d in drafts["fused"]] == [d.tokens.tolist() for d in drafts["unfused"]]
+        assert fused.last_catch_up == unfused.last_catch_up
+        lengths += [d.num_tokens for d in drafts["fused"]]
+        for name, proposer in (("unfused", unfused), ("fused", fused)):
+            for view, d in zip(views[name], drafts[name]):
+                view.token_ids += d.tokens[:2].tolist() + [step]  # two accepted, then the target's token
+            proposer.observe(views[name], [2, 2])
+    if threshold == 0:
+        assert lengths == [0, 4, 5, 3, 5, 3] * 2
+    else:  # the draft's doubts stopped some drafts early
+        assert sum(lengths) < 40
+    for seq_id, cache in unfused.caches.items():
+        theirs = fused.caches[seq_id]
+        assert theirs.length == cache.length
+        assert torch.equal(theirs.keys[:, :, : cache.length], cache.keys[:, :, : cache.length])
+        assert torch.equal(theirs.values[:, :, : cache.length], cache.values[:, :, : cache.length])
+
+
+@needs_kernel
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, monkeypatch):
+    """A ragged batch decoded with drafting and verification in one call per step."""
+    proposer = FusedDraftProposer(draft, target)
+    assert proposer.verifies
+    calls = []
+    speculate = proposer.speculate
+    monkeypatch.setattr(proposer, "speculate", lambda *args: calls.append(1) or speculate(*args))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
+                    adaptive=AdaptiveSpecLength(8, prior_draft_cost_ratio=0.3) if adaptive else None)
+    lengths = [24, 9, 17, 30]
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for p, n in zip(PROMPTS, lengths)]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, prompt, n in zip(seqs, PROMPTS, lengths):
+        assert seq.output_ids == plain_tokens(target, prompt, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                             ignore_eos=True))
+    assert calls
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks were exercised
+    assert not proposer.caches and not engine.running
+
+
+@needs_kernel
+def test_fused_drafting_in_front_of_a_float_target(float_target, draft):
+    """A float32 target cannot join the call: the drafts come back and the target's own
+    forward verifies them."""
+    proposer = FusedDraftProposer(draft, float_target)
+    assert not proposer.verifies
+    engine = Engine(float_target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(float_target, prompt)
+    assert engine.spec_stats.num_draft_tokens > 0
+
+
+@needs_kernel
+def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft):
+    """A seeded sampled request gives what it gives without fusion, with greedy requests
+    decoding fused in the same steps."""
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+
+    def run(proposer) -> list[int]:
+        engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+        greedy = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        seq = engine.add_request(PROMPTS[2], sampled)
+        while engine.has_unfinished():
+            engine.step()
+        assert [s.output_ids for s in greedy] == [plain_tokens(target, p) for p in PROMPTS[:2]]
+        return seq.output_ids
+
+    assert run(FusedDraftProposer(draft, target)) == run(DraftModelProposer(draft))
+
+
+def test_fused_needs_a_draft_in_c(float_target):
+    with pytest.raises(ConfigError, match="quantize the draft"):
+        FusedDraftProposer(float_target, float_target)
