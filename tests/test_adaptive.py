@@ -72,6 +72,34 @@ def test_the_chosen_k_maximises_the_predicted_speedup():
         assert speedups[k] == max(speedups)
 
 
+def test_a_sequence_does_not_draft_alone_where_the_batch_would_wait_for_it():
+    """The draft's steps hold up the whole batch: a lone predictable sequence among
+    seven that are not drafts on its own, but not in their company."""
+    ctl = controller()
+    assert ctl.batch_ks([steady(0.95)])[0] > 0
+    assert ctl.batch_ks([steady(0.2)] * 7 + [steady(0.95)]) == [0] * 8
+    together = ctl.batch_ks([steady(0.95)] * 8)
+    assert len(set(together)) == 1 and together[0] > 0
+
+
+def test_where_drafting_pays_the_batch_the_predictable_sequences_draft_most():
+    ctl = controller(per_row=0.01, draft_fixed=0.01, per_position=0.02)
+    ks = ctl.batch_ks([steady(0.95)] * 4 + [steady(0.1)] * 4)
+    assert min(ks[:4]) > max(ks[4:])
+    # That choice beats every batch drafting one k alike.
+    curves = [a.curves() for a in [steady(0.95)] * 4 + [steady(0.1)] * 4]
+    fixed, per_row = ctl.target.coefficients()
+    draft_fixed, per_position = ctl.draft.coefficients()
+
+    def tokens_per_second(ks: list[int]) -> float:
+        tokens = sum(E[k] for (E, _), k in zip(curves, ks))
+        drafted = [D[k] for (_, D), k in zip(curves, ks)]
+        return tokens / (fixed + per_row * (8 + sum(drafted)) + draft_fixed * (max(drafted) > 0)
+                         + per_position * max(drafted))
+
+    assert all(tokens_per_second(ks) > tokens_per_second([k] * 8) for k in range(16))
+
+
 def test_the_curves_predict_what_a_confident_draft_earns():
     """A draft that is unsure of its first guess on 2 steps in 5 (stops there, and the
     guess is rejected) and otherwise drafts 10 that are all accepted: one acceptance
@@ -137,6 +165,18 @@ def test_under_load_fully_accepted_probes_back_off_too():
             probes.append(step)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) > 2 and gaps == sorted(gaps) and gaps[-1] > adaptive_module.MAX_PROBE_INTERVAL
+
+
+def test_in_a_batch_of_b_each_sequence_probes_b_times_less_often():
+    ctl = controller(per_row=0.3)
+    for seq_id in range(4):
+        ctl.sequences[seq_id] = steady(0.2)  # drafting never pays
+    first_probe = {}
+    for step in range(200):
+        for seq_id, k in enumerate(ctl.choose(list(range(4)))):
+            first_probe.setdefault(seq_id, step) if k else None
+            ctl.record(seq_id, k, 0)
+    assert first_probe == {seq_id: 4 * adaptive_module.PROBE_INTERVAL for seq_id in range(4)}
 
 
 def test_config_keys():

@@ -17,8 +17,9 @@ to plain decoding is
 
     speedup(k) = E(k) * T0 / (T0 + draft_fixed + D(k) * (per_position + per_row * B))
 
-with D(k) the positions drafted, and each sequence drafts the k in [0, max_k] that
-maximises it. A proposer may draft fewer than k (the draft stops after a guess it is
+with D(k) the positions drafted. Sequences draft together, so the batch's ks are chosen
+together (`batch_ks`): the draft's cost follows the longest draft, and a sequence that
+drafts alone under load would make the others wait through its draft steps. A proposer may draft fewer than k (the draft stops after a guess it is
 unsure of, an n-gram lookup runs out), and its guesses are not independent: the draft
 goes on exactly when it is confident, and then its guesses are accepted more often.
 So E(k) and D(k) come from each sequence's own history, position by position (see
@@ -30,7 +31,8 @@ a short draft now and then, so a prompt that turns predictable is noticed (a ful
 accepted probe restarts the estimate from that probe alone). A probe, or any run of
 drafting steps, that ends before PROBE_INTERVAL steps doubles the wait for the next
 probe (up to MAX_PROBE_INTERVAL), so an open-ended prompt, or a batch under which
-drafting does not pay, costs next to nothing; a run that lasts resets it. As the
+drafting does not pay, costs next to nothing; a run that lasts resets it. In a batch
+of B the waits are B times longer, since a probe holds up the whole batch. As the
 batch grows, per_row * B grows against the draft's fixed costs and k falls: under load
 the weights are already shared by many rows and verification is no longer free.
 
@@ -168,22 +170,65 @@ class AdaptiveSpecLength:
         return tokens * plain / (plain + draft_fixed + drafted * (per_position + per_row * batch))
 
     def best_k(self, acceptance: Acceptance, batch: int) -> int:
-        tokens, drafted = acceptance.curves()
-        speedups = [self.speedup(e, d, batch) for e, d in zip(tokens, drafted)]
-        k = max(range(len(speedups)), key=speedups.__getitem__)
-        return k if speedups[k] >= MIN_SPEEDUP else 0
+        """k for a batch of `batch` sequences that all draft like `acceptance`."""
+        return self.batch_ks([acceptance] * batch)[0]
+
+    def batch_ks(self, acceptances: list[Acceptance]) -> list[int]:
+        """Each sequence's k for the step that maximises the batch's predicted tokens
+        per second; all 0 unless that beats plain decoding by MIN_SPEEDUP.
+
+        The draft runs for the whole batch at once, so its cost follows the longest
+        draft: one sequence drafting alone makes every other one wait through its draft
+        steps, which under load costs more than that one sequence gains. For each
+        horizon (the most positions drafted) two choices are weighed: every sequence
+        drafting up to it, and each drafting the k up to it whose extra tokens best
+        outweigh its extra verified rows, valued at the best speed found so far."""
+        batch = len(acceptances)
+        fixed, per_row = self.target.coefficients()
+        draft_fixed, per_position = self.draft.coefficients()
+        plain = fixed + per_row * batch
+        if batch == 0 or plain <= 0:
+            return [0] * batch
+        curves = [a.curves() for a in acceptances]  # (E, D) per sequence
+
+        def speedup(ks: list[int]) -> float:
+            tokens = sum(E[k] for (E, _), k in zip(curves, ks))
+            drafted = [D[k] for (_, D), k in zip(curves, ks)]
+            if max(drafted) == 0:
+                return 1.0
+            step = fixed + per_row * (batch + sum(drafted)) + draft_fixed + per_position * max(drafted)
+            return tokens * plain / (batch * step)
+
+        best, best_ks = MIN_SPEEDUP, [0] * batch
+        for _ in range(2):  # the second pass values a verified row at the first pass's best speed
+            row_value = per_row * best * batch / plain  # tokens a verified row must earn
+            worth = []  # per sequence: the best k up to each horizon
+            for tokens, drafted in curves:
+                upto = [0]
+                for k in range(1, self.max_k + 1):
+                    previous = upto[-1]
+                    better = tokens[k] - row_value * drafted[k] > tokens[previous] - row_value * drafted[previous]
+                    upto.append(k if better else previous)
+                worth.append(upto)
+            for horizon in range(1, self.max_k + 1):
+                for ks in ([horizon] * batch, [upto[horizon] for upto in worth]):
+                    speed = speedup(ks)
+                    if speed > best:
+                        best, best_ks = speed, ks
+        return best_ks
 
     def choose(self, seq_ids: list[int]) -> list[int]:
         """k for each decoding sequence of this step (before any cap on remaining tokens)."""
+        states = [self._state(seq_id) for seq_id in seq_ids]
         ks = []
-        for seq_id in seq_ids:
-            state = self._state(seq_id)
-            k = self.best_k(state, len(seq_ids))
+        for state, k in zip(states, self.batch_ks(states)):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
                 lasted = state.drafting_steps >= PROBE_INTERVAL
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
                 state.drafting_steps = 0
-            state.probing = k == 0 and state.plain_steps >= state.probe_interval
+            # A probe makes the whole batch wait through a draft: in a batch of B, each
+            # sequence probes B times less often, so probes cost the batch alike.
+            state.probing = k == 0 and state.plain_steps >= state.probe_interval * len(seq_ids)
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
         return ks
