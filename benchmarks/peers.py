@@ -56,8 +56,9 @@ from specserve.spec.factory import draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
-OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused")
-# The fused modes need a quantized draft (--quantization or --draft-quantization): asked for by name.
+OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused", "plain-compiled")
+# Asked for by name: the fused modes need a quantized draft (--quantization or
+# --draft-quantization), and plain-compiled spends a minute in torch.compile.
 DEFAULT_MODES = ("plain", "draft", "adaptive", "ngram")
 PEERS = ("transformers", "llama.cpp")
 FLOAT32_PLAIN = "plain-float32"  # the reference the quality section compares against
@@ -133,6 +134,7 @@ class OurRun:
     spec: SpecConfig | None
     dtype: torch.dtype
     quantization: str
+    compile: bool = False
 
     @property
     def format(self) -> str:
@@ -145,7 +147,7 @@ class OurRun:
 
 
 def our_spec(mode: str, args) -> SpecConfig | None:
-    if mode in ("plain", FLOAT32_PLAIN):
+    if mode in ("plain", "plain-compiled", FLOAT32_PLAIN):
         return None
     raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
@@ -158,7 +160,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
 
 
 def our_runs(args, first_round: bool) -> list[OurRun]:
-    runs = [OurRun(m, our_spec(m, args), dtype_of(args), args.quantization) for m in args.modes]
+    runs = [OurRun(m, our_spec(m, args), dtype_of(args), args.quantization, m.endswith("-compiled"))
+            for m in args.modes]
     if quality_wanted(args) and first_round:  # float32's tokens, for the quality section: once is enough
         runs.append(OurRun(FLOAT32_PLAIN, None, torch.float32, "none"))
     return runs
@@ -171,8 +174,8 @@ def quality_wanted(args) -> bool:
 def run_ours(args, prompt_ids: dict[str, list[int]], report: Report, first_round: bool = True) -> None:
     for run in our_runs(args, first_round):
         engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
-                                         batch_invariant=args.batch_invariant)
-        for name, ids in prompt_ids.items():
+                                         batch_invariant=args.batch_invariant, compile=run.compile)
+        for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
             run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
             result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],

@@ -58,6 +58,10 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
     add_format_flags(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's context)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
+                        "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
+                        "~6%% slower on a 2-core CPU in float32: see benchmarks/README.md")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization,
-                                     args.batch_invariant)
+                                     args.batch_invariant, compile=args.compile)
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
@@ -182,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
-        batch_invariant=args.batch_invariant, host=args.host, port=args.port,
+        batch_invariant=args.batch_invariant, compile=args.compile, host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
@@ -308,6 +312,7 @@ def run_ab(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     serve_args = ["--dtype", args.dtype, "--quantization", args.quantization,
                   "--max-num-seqs", str(args.max_num_seqs)] + ["--batch-invariant"] * args.batch_invariant
+    serve_args += ["--compile"] * args.compile
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]
     root = Path(args.results_dir)

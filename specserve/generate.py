@@ -27,18 +27,20 @@ def build_engine(
     max_model_len: int | None = None,
     quantization: str = "none",
     batch_invariant: bool = False,
+    compile: bool = False,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
-    batch_invariant applies to the target (a draft's numbers need not be exact)."""
-    target = load_model(model, dtype, quantization, batch_invariant)
+    batch_invariant applies to the target (a draft's numbers need not be exact), compile
+    to both (`Decoder.use_torch_compile`)."""
+    target = load_model(model, dtype, quantization, batch_invariant, compile)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "
             f"for {model!r}, got {max_model_len}"
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
-    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization)
+    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization, compile)
     adaptive = None
     if spec is not None and spec.adaptive:
         adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))

@@ -267,10 +267,10 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
-               quantization: str = "none", batch_invariant: bool = False) -> LoadedModel:
+               quantization: str = "none", batch_invariant: bool = False, compile: bool = False) -> LoadedModel:
     """Load a model; with int8/int4 quantization the quantized weights are prepared once
     into the cache (see `specserve.model.quant`). batch_invariant: see
-    `Decoder.make_batch_invariant`."""
+    `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile`."""
     check_quantization(quantization, dtype)
     folder = resolve(name_or_path)
     config = checkpoint.read_config(folder)
@@ -281,6 +281,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
         decoder = _load_quantized(folder, config, quantization)
     if batch_invariant:
         decoder.make_batch_invariant()
+    if compile:
+        decoder.use_torch_compile()
     try:
         tokenizer = Tokenizer.from_dir(folder)
     except OSError as e:

@@ -70,6 +70,8 @@ class PackedLinear(nn.Module):
             and hasattr(torch._C._nn, "mkldnn_linear")
         )
 
+    # torch.compile cannot trace oneDNN's tensors: under it, this call runs as it is.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
 
@@ -196,20 +198,20 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output
         cos: torch.Tensor,  # [T, head_dim]
         rotated_sin: torch.Tensor,  # [T, head_dim], see apply_rope
         layer: int,
         segments: list[Segment],
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+    ) -> torch.Tensor:  # [T, q_size]: o_proj's input
+        """Each segment's queries against its cache (its keys and values stored first)."""
         outputs = []  # per segment: [n, q_size]
         offset = 0
         for seg in segments:
             rows = slice(offset, offset + seg.num_tokens)
             outputs.append(self._attend(qkv[rows], cos[rows], rotated_sin[rows], seg, layer))
             offset += seg.num_tokens
-        return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _attend(
         self,
@@ -285,8 +287,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, rotated_sin, layer, segments):
-        h = h + self.self_attn(self.input_layernorm(h), cos, rotated_sin, layer, segments)
+    def forward(self, h, cos, rotated_sin, layer, segments):  # h [T, hidden] -> [T, hidden]
+        attended = self.self_attn(self.project_qkv(h), cos, rotated_sin, layer, segments)
+        return self.finish(h, attended)
+
+    # The two halves around attention hold every op that does not touch a cache: what
+    # Decoder.compile hands to torch.compile.
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, q_size + 2 kv_size]
+        return self.self_attn.qkv_proj(self.input_layernorm(h))
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:  # -> [T, hidden]
+        h = h + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -345,7 +356,34 @@ class Decoder(nn.Module):
             if logits_rows.numel() == 0:  # cache-filling only (a prompt chunk)
                 return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
             h = h[logits_rows]  # [R, hidden]
+        return self.score(h)
+
+    def score(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         return self.lm_head(self.norm(h)).float()
+
+    def use_torch_compile(self) -> None:
+        """Run the PyTorch parts that touch no cache through torch.compile (inductor):
+        each block's norm and qkv projection, its o_proj, residual adds and MLP, and
+        the head. Inductor fuses the norms' and activations' small ops into one loop
+        each; attention and the cache stay eager. The blocks share one compiled graph
+        per shape class (one row, several rows), compiled on first use. Parts already
+        in our C kernels (a quantized model's decode steps) do not change.
+
+        Both shape classes are compiled here, on a throwaway cache, so that compiling
+        (tens of seconds) happens at load rather than in a request, and a machine where
+        inductor cannot build (no C++ compiler) says so at once."""
+        for block in self.layers:
+            block.project_qkv = torch.compile(block.project_qkv, dynamic=True)
+            block.finish = torch.compile(block.finish, dynamic=True)
+        self.score = torch.compile(self.score, dynamic=True)
+        cache = self.new_cache()
+        try:
+            self(torch.zeros(3, dtype=torch.int64), [Segment(cache, 3)])  # several rows
+            self(torch.zeros(1, dtype=torch.int64), [Segment(cache, 1)])  # one row
+        except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
+            raise ConfigError(
+                f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]}); drop --compile"
+            ) from None
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's

@@ -33,6 +33,7 @@ class ServerConfig:
     dtype: torch.dtype = torch.float32
     quantization: str = "none"
     batch_invariant: bool = False
+    compile: bool = False  # see Decoder.use_torch_compile
     host: str = "0.0.0.0"
     port: int = 8000
     served_model_name: str | None = None
@@ -68,7 +69,7 @@ def serve(config: ServerConfig) -> None:
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        config.batch_invariant, max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
+        config.batch_invariant, compile=config.compile, max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
                                config.log_stats_interval_s)

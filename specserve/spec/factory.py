@@ -47,10 +47,10 @@ def draft_format(draft_quantization: str | None, dtype: torch.dtype,
 
 def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                  quantization: str = "none") -> Proposer:
+                  quantization: str = "none", compile: bool = False) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization))
+    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile)
     check_same_vocabulary(target, draft)
     if spec.fused:
         return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
