@@ -10,6 +10,7 @@ speculative/plain ratio per level.
 
     .venv/bin/python benchmarks/serve_throughput.py                       # default pair, k=7
     .venv/bin/python benchmarks/serve_throughput.py --concurrency 1,4,8 --max-tokens 128 --quantization int4
+    .venv/bin/python benchmarks/serve_throughput.py --quantization int4 --fused      # drafting in one C call
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> int:
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="both servers' weights")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="the draft's own weight format (default: --quantization's)")
+    parser.add_argument("--fused", action="store_true",
+                        help='both speculative servers with "fused": true (needs a quantized draft)')
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -105,6 +108,8 @@ def main() -> int:
     draft = {"model": args.draft, "num_speculative_tokens": args.k}
     if args.draft_quantization is not None:
         draft["quantization"] = args.draft_quantization
+    if args.fused:
+        draft["fused"] = True
     fixed = json.dumps(draft | {"adaptive": False})
     adaptive = json.dumps(draft)
     common = ["--quantization", args.quantization]

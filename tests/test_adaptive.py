@@ -195,13 +195,20 @@ def test_config_keys():
 
 
 class FreeCosts(AdaptiveSpecLength):
-    """Ignores real timings: drafting is free, so k follows acceptance alone."""
+    """Ignores real timings: drafting and verifying are free, so k follows acceptance alone."""
+
+    def __init__(self, max_k, prior_draft_cost_ratio):
+        super().__init__(max_k, 0.0)
+        self.target = LinearFit(((1, 1.0), (8, 1.0)))
 
     def observe_target(self, rows, seconds):
         super().observe_target(rows, 1.0)
 
     def observe_draft(self, positions, seconds):
         super().observe_draft(positions, 0.0)
+
+    def observe_read(self, tokens, positions, seconds):
+        super().observe_read(tokens, positions, 0.0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -266,16 +273,21 @@ def test_a_proposer_that_stops_early_is_costed_by_what_it_drafts():
 
 def test_drafting_costs_are_measured_on_steps_that_only_draft():
     """The first draft of a request reads the whole prompt, and one after plain steps
-    reads every token decoded since: those calls do not teach the cost fit."""
+    reads every token decoded since: those calls teach the reading fit, not the
+    drafting one."""
     torch.manual_seed(3)
     config = tiny_config("llama")
     target, draft = Decoder(config).eval(), Decoder(config).eval()
-    measured, catch_ups = [], []
+    measured, catch_ups, reads = [], [], []
 
     class Watched(FreeCosts):
         def observe_draft(self, positions, seconds):
             measured.append(engine.proposer.last_catch_up)
             super().observe_draft(positions, seconds)
+
+        def observe_read(self, tokens, positions, seconds):
+            reads.append(tokens)
+            super().observe_read(tokens, positions, seconds)
 
     class Proposer(DraftModelProposer):
         def propose(self, seqs, num_tokens):
@@ -287,3 +299,18 @@ def test_drafting_costs_are_measured_on_steps_that_only_draft():
     engine.generate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
     assert catch_ups[0] == 11 and max(catch_ups[1:]) <= 2  # the prompt and first token, then 1-2
     assert len(measured) == len(catch_ups) - 1 and max(measured) <= 2
+    assert reads == [11]
+
+
+def test_reading_a_prompt_into_the_draft_is_charged_to_drafting():
+    """A sequence whose draft has not read its 300-token prompt drafts only if it has
+    enough tokens left to earn that back."""
+    ctl = controller()
+    for _ in range(100):
+        ctl.observe_read(300, 0, 10.0)  # a tenth of a plain step a token
+    assert ctl.read_cost(2, 10) == 0.0  # the usual catch-up after a draft is drafting's
+    assert ctl.read_cost(300, 100) == pytest.approx(10.0 / 100, rel=0.05)
+    ctl.sequences[1] = steady(0.95)
+    assert ctl.choose([1], backlogs=[2], remaining=[20])[0] > 0
+    assert ctl.choose([1], backlogs=[300], remaining=[20]) == [0]
+    assert ctl.choose([1], backlogs=[300], remaining=[5000])[0] > 0

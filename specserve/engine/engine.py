@@ -35,16 +35,13 @@ from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
-from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
 from specserve.spec.verify import Verdict, verify
 
 DEFAULT_MAX_NUM_SEQS = 256
-# A draft's catch-up after a drafting step: the recovered or bonus token, and the last
-# accepted draft when all were accepted.
-MAX_CATCH_UP_MEASURED = 2
 
 
 @dataclass
@@ -149,7 +146,10 @@ class Engine:
         # the draft stopped: a seeded sampling request keeps the fixed k so it repeats.
         adaptable = [i for i, s in enumerate(decoding) if s.params.greedy or s.params.seed is None]
         if self.adaptive is not None and adaptable:
-            for i, k in zip(adaptable, self.adaptive.choose([decoding[i].seq_id for i in adaptable])):
+            seqs = [decoding[i] for i in adaptable]
+            chosen = self.adaptive.choose([s.seq_id for s in seqs], [self.proposer.backlog(s) for s in seqs],
+                                          [s.remaining_tokens for s in seqs])
+            for i, k in zip(adaptable, chosen):
                 ks[i] = k
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
@@ -164,12 +164,16 @@ class Engine:
         return drafts
 
     def _observe_draft(self, longest: int, seconds: float) -> None:
-        # What drafting costs is measured on the steps that only draft: not where a
-        # draft catches up a prompt (and drafts nothing) or the tokens of plain steps
-        # (a probe after 64 of them paid ~0.1 s, which taught the cost fit that a draft
-        # costs 50-100 ms whatever its length, so adaptive hardly drafted).
-        if self.adaptive is not None and self.proposer.last_catch_up <= MAX_CATCH_UP_MEASURED:
+        # What drafting costs is measured on the steps that only draft. Where a draft
+        # first reads a prompt, or the tokens of plain steps, that reading is measured
+        # on its own (a probe after 64 plain steps paid ~0.1 s, which once taught the
+        # drafting fit that a draft costs 50-100 ms whatever its length).
+        if self.adaptive is None:
+            return
+        if self.proposer.last_catch_up <= MAX_CATCH_UP:
             self.adaptive.observe_draft(longest, seconds)
+        else:
+            self.adaptive.observe_read(self.proposer.last_tokens_read, longest, seconds)
 
     def _schedule(self) -> tuple[list[_Work], list[Sequence], list[int]]:
         """Admit waiting requests, then choose what each running sequence feeds this

@@ -10,6 +10,9 @@ engine's own timings (recent steps weigh more):
 
 (drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
 steps a draft first reads every token decoded since, which is not what k positions cost).
+Those reads (and a new request's prompt) are fitted as a third line, seconds per token
+read, and a sequence with a backlog to read is charged it when it drafts, spread over
+the tokens it has left (`read_cost`).
 
 For a batch of B decoding sequences a plain step costs T0 = fixed + per_row * B; drafting
 k tokens each adds draft_fixed + k * (per_position + per_row * B). So the speed relative
@@ -42,6 +45,10 @@ current step's, so verification stays lossless whatever k is.
 
 from __future__ import annotations
 
+# A draft's catch-up after a drafting step: the recovered or bonus token, and the last
+# accepted draft when all were accepted. Proposer calls that read more are measured as
+# reading, not drafting.
+MAX_CATCH_UP = 2
 # Speedup a draft must promise over plain decoding; below it, decode plainly.
 MIN_SPEEDUP = 1.03
 # Weight of older observations after each new one.
@@ -150,12 +157,16 @@ class AdaptiveSpecLength:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
-        # Prior, in units of a one-row target forward: 5% more per verified row, and a
-        # draft position costing the draft/target size ratio. Measurements take over
-        # within a few dozen steps.
-        self.target = LinearFit(((1, 1.0), (9, 1.4)))
+        # Prior, in units of a one-row target forward: 8 rows cost 2.8 (measured with
+        # our int4 kernel on 2 cores; float32 through oneDNN costs less, and is
+        # measured soon enough), a draft position the draft/target size ratio, and a
+        # token read into the draft before drafting (a prompt: 5 ms a token on the int4
+        # 0.5B draft) half a draft position. Measurements take over within a few dozen
+        # steps; a prior that is too cheap lets a batch of new requests draft at once.
+        self.target = LinearFit(((1, 1.0), (8, 2.8)))
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
+        self.read = LinearFit(((0, 0.0), (64, 32 * r)))
         self._scale_known = False
         self.sequences: dict[int, Acceptance] = {}
 
@@ -173,7 +184,16 @@ class AdaptiveSpecLength:
         """k for a batch of `batch` sequences that all draft like `acceptance`."""
         return self.batch_ks([acceptance] * batch)[0]
 
-    def batch_ks(self, acceptances: list[Acceptance]) -> list[int]:
+    def read_cost(self, backlog: int, remaining: int) -> float:
+        """Seconds per emitted token of reading `backlog` tokens into the proposer
+        before a sequence's first draft, spread over the `remaining` tokens it may still
+        emit (it pays once, and every drafting step after that gains)."""
+        if backlog <= MAX_CATCH_UP:
+            return 0.0
+        intercept, slope = self.read.coefficients()
+        return (intercept + slope * backlog) / max(remaining, 1)
+
+    def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None) -> list[int]:
         """Each sequence's k for the step that maximises the batch's predicted tokens
         per second; all 0 unless that beats plain decoding by MIN_SPEEDUP.
 
@@ -182,8 +202,13 @@ class AdaptiveSpecLength:
         steps, which under load costs more than that one sequence gains. For each
         horizon (the most positions drafted) two choices are weighed: every sequence
         drafting up to it, and each drafting the k up to it whose extra tokens best
-        outweigh its extra verified rows, valued at the best speed found so far."""
+        outweigh its extra verified rows, valued at the best speed found so far.
+
+        read_costs: per sequence, seconds per emitted token its proposer must first spend
+        reading (`read_cost`), charged to a step where it drafts: a prompt not yet read
+        into the draft makes a short request's drafting worth less."""
         batch = len(acceptances)
+        read_costs = read_costs or [0.0] * batch
         fixed, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft.coefficients()
         plain = fixed + per_row * batch
@@ -197,6 +222,7 @@ class AdaptiveSpecLength:
             if max(drafted) == 0:
                 return 1.0
             step = fixed + per_row * (batch + sum(drafted)) + draft_fixed + per_position * max(drafted)
+            step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
             return tokens * plain / (batch * step)
 
         best, best_ks = MIN_SPEEDUP, [0] * batch
@@ -217,11 +243,16 @@ class AdaptiveSpecLength:
                         best, best_ks = speed, ks
         return best_ks
 
-    def choose(self, seq_ids: list[int]) -> list[int]:
-        """k for each decoding sequence of this step (before any cap on remaining tokens)."""
+    def choose(self, seq_ids: list[int], backlogs: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
+        """k for each decoding sequence of this step (before any cap on remaining tokens);
+        backlogs and remaining (per sequence): see `read_cost`."""
         states = [self._state(seq_id) for seq_id in seq_ids]
+        read_costs = None
+        if backlogs is not None and remaining is not None:
+            read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
         ks = []
-        for state, k in zip(states, self.batch_ks(states)):
+        for state, k in zip(states, self.batch_ks(states, read_costs)):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
                 lasted = state.drafting_steps >= PROBE_INTERVAL
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
@@ -264,12 +295,19 @@ class AdaptiveSpecLength:
         if positions > 0:
             self.draft.add(positions, seconds)
 
+    def observe_read(self, tokens: int, positions: int, seconds: float) -> None:
+        """A proposer call that read `tokens` before drafting up to `positions`: the
+        time beyond what drafting costs is the reading's."""
+        draft_fixed, per_position = self.draft.coefficients()
+        drafting = draft_fixed + per_position * positions if positions else 0.0
+        self.read.add(tokens, max(seconds - drafting, 0.0))
+
     def _rescale_priors(self, seconds_per_row: float) -> None:
         # The priors are in units of a target forward; the first measurement sets the unit.
         if self._scale_known:
             return
         self._scale_known = True
-        for fit in (self.target, self.draft):
+        for fit in (self.target, self.draft, self.read):
             for name in ("sy", "sxy"):
                 setattr(fit, name, getattr(fit, name) * seconds_per_row)
 

@@ -36,13 +36,17 @@ class DraftModelProposer:
         # draft's own outputs, so verification stays lossless.
         self.confidence_threshold = confidence_threshold
         self.caches: dict[int, KVCache] = {}
-        self.last_catch_up = 0  # see Proposer
+        self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.in_c() is not None
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
             self.caches[seq.seq_id] = self.draft.new_cache()
         return self.caches[seq.seq_id]
+
+    def backlog(self, seq: SequenceView) -> int:
+        cache = self.caches.get(seq.seq_id)
+        return len(seq.token_ids) - (0 if cache is None else cache.length)
 
     def unseen(self, seq: SequenceView) -> list[int]:
         """The tokens of `seq` this draft has not read yet."""
@@ -58,6 +62,8 @@ class DraftModelProposer:
         long = {i: unseen[: self.catch_up_chunk_size] for i, unseen in long.items() if len(unseen) > self.catch_up_chunk_size}
         if long:
             self._catch_up(long, seqs)
+        self.last_catch_up = max(map(len, long.values()), default=0)
+        self.last_tokens_read = sum(map(len, long.values()))
         return [0 if i in long else k for i, k in enumerate(num_tokens)]
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
@@ -66,7 +72,8 @@ class DraftModelProposer:
         draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
         inputs = {i: self.unseen(seqs[i]) for i in drafted}
-        self.last_catch_up = max(map(len, inputs.values()), default=0)
+        self.last_catch_up = max(self.last_catch_up, *map(len, inputs.values()), 0)
+        self.last_tokens_read += sum(map(len, inputs.values()))
         while inputs:
             order = list(inputs)
             # A quantized draft reads its few unseen tokens one query at a time: that is

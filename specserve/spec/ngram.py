@@ -29,7 +29,10 @@ class NgramProposer:
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
-        self.last_catch_up = 0  # a lookup reads nothing ahead of time
+        self.last_catch_up = self.last_tokens_read = 0  # a lookup reads nothing ahead of time
+
+    def backlog(self, seq: SequenceView) -> int:
+        return 0
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         return [self.propose_one(seq.token_ids, k) for seq, k in zip(seqs, num_tokens, strict=True)]

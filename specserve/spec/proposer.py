@@ -43,6 +43,13 @@ class Proposer(Protocol):
     # model catches up 1-2 after a drafting step, and every token decoded since after
     # plain steps, which makes that call no measure of what drafting costs.
     last_catch_up: int
+    # How many tokens the last `propose` call read before drafting, over all sequences.
+    last_tokens_read: int
+
+    def backlog(self, seq: SequenceView) -> int:
+        """Tokens of `seq` the proposer must read before it can draft for it (a draft
+        model's whole prompt, the first time)."""
+        ...
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         """Draft up to num_tokens[i] tokens after seqs[i].token_ids."""
