@@ -314,3 +314,22 @@ def test_reading_a_prompt_into_the_draft_is_charged_to_drafting():
     assert ctl.choose([1], backlogs=[2], remaining=[20])[0] > 0
     assert ctl.choose([1], backlogs=[300], remaining=[20]) == [0]
     assert ctl.choose([1], backlogs=[300], remaining=[5000])[0] > 0
+    # Prompts still being prefilled are about to join the batch: counted, they make
+    # drafting alone not pay.
+    assert ctl.choose([1], backlogs=[2], remaining=[5000], others=7) == [0]
+
+
+def test_a_probe_whose_reading_costs_more_than_drafting_could_gain_is_skipped():
+    ctl = controller(per_row=0.3)
+    for _ in range(100):
+        ctl.observe_read(100, 0, 1.0)
+
+    def probes(seq_id: int, remaining: int) -> list[int]:
+        ctl.sequences[seq_id] = steady(0.2)  # drafting does not pay: only probes draft
+        ks = []
+        for _ in range(40):
+            ks += ctl.choose([seq_id], backlogs=[20], remaining=[remaining])
+            ctl.record(seq_id, ks[-1], 0)
+        return ks
+
+    assert any(probes(1, remaining=10**6)) and not any(probes(2, remaining=20))

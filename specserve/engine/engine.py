@@ -148,7 +148,7 @@ class Engine:
         if self.adaptive is not None and adaptable:
             seqs = [decoding[i] for i in adaptable]
             chosen = self.adaptive.choose([s.seq_id for s in seqs], [self.proposer.backlog(s) for s in seqs],
-                                          [s.remaining_tokens for s in seqs])
+                                          [s.remaining_tokens for s in seqs], others=len(self.running) - len(seqs))
             for i, k in zip(adaptable, chosen):
                 ks[i] = k
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
@@ -186,7 +186,7 @@ class Engine:
         wanted = self._num_draft_tokens(decoding)
         fused = isinstance(self.proposer, FusedDraftProposer) and self.proposer.verifies
         in_one_call = [i for i, s in enumerate(decoding) if fused and s.params.greedy]
-        rest = [i for i in range(len(decoding)) if i not in set(in_one_call)]
+        rest = sorted(set(range(len(decoding))) - set(in_one_call))
         drafts = self._propose([decoding[i] for i in rest], [wanted[i] for i in rest])
         work = [_Work(decoding[i], decoding[i].token_ids[-1:] + d.tokens.tolist(), d, True) for i, d in zip(rest, drafts)]
 

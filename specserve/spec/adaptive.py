@@ -157,13 +157,13 @@ class AdaptiveSpecLength:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
-        # Prior, in units of a one-row target forward: 8 rows cost 2.8 (measured with
-        # our int4 kernel on 2 cores; float32 through oneDNN costs less, and is
-        # measured soon enough), a draft position the draft/target size ratio, and a
-        # token read into the draft before drafting (a prompt: 5 ms a token on the int4
-        # 0.5B draft) half a draft position. Measurements take over within a few dozen
-        # steps; a prior that is too cheap lets a batch of new requests draft at once.
-        self.target = LinearFit(((1, 1.0), (8, 2.8)))
+        # Prior, in units of a one-row target forward: 5% more per verified row (a
+        # line fitted to rows seen only one at a time keeps its prior slope, so a dear
+        # prior would stop the drafting that measures it), a draft position the
+        # draft/target size ratio, and a token read into the draft before drafting (a
+        # prompt: 3-5 ms a token on the int4 0.5B draft) half a draft position.
+        # Measurements take over within a few dozen steps.
+        self.target = LinearFit(((1, 1.0), (9, 1.4)))
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
         self.read = LinearFit(((0, 0.0), (64, 32 * r)))
@@ -193,7 +193,8 @@ class AdaptiveSpecLength:
         intercept, slope = self.read.coefficients()
         return (intercept + slope * backlog) / max(remaining, 1)
 
-    def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None) -> list[int]:
+    def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
+                 others: int = 0) -> list[int]:
         """Each sequence's k for the step that maximises the batch's predicted tokens
         per second; all 0 unless that beats plain decoding by MIN_SPEEDUP.
 
@@ -206,18 +207,21 @@ class AdaptiveSpecLength:
 
         read_costs: per sequence, seconds per emitted token its proposer must first spend
         reading (`read_cost`), charged to a step where it drafts: a prompt not yet read
-        into the draft makes a short request's drafting worth less."""
-        batch = len(acceptances)
-        read_costs = read_costs or [0.0] * batch
+        into the draft makes a short request's drafting worth less. others: sequences of
+        the batch that do not draft (prompts being prefilled join the decoding batch
+        within a step or two; a prompt read for a batch that is about to grow is wasted)."""
+        count = len(acceptances)
+        batch = count + others
+        read_costs = read_costs or [0.0] * count
         fixed, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft.coefficients()
         plain = fixed + per_row * batch
-        if batch == 0 or plain <= 0:
-            return [0] * batch
+        if count == 0 or plain <= 0:
+            return [0] * count
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
 
         def speedup(ks: list[int]) -> float:
-            tokens = sum(E[k] for (E, _), k in zip(curves, ks))
+            tokens = others + sum(E[k] for (E, _), k in zip(curves, ks))
             drafted = [D[k] for (_, D), k in zip(curves, ks)]
             if max(drafted) == 0:
                 return 1.0
@@ -225,7 +229,7 @@ class AdaptiveSpecLength:
             step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
             return tokens * plain / (batch * step)
 
-        best, best_ks = MIN_SPEEDUP, [0] * batch
+        best, best_ks = MIN_SPEEDUP, [0] * count
         for _ in range(2):  # the second pass values a verified row at the first pass's best speed
             row_value = per_row * best * batch / plain  # tokens a verified row must earn
             worth = []  # per sequence: the best k up to each horizon
@@ -237,29 +241,34 @@ class AdaptiveSpecLength:
                     upto.append(k if better else previous)
                 worth.append(upto)
             for horizon in range(1, self.max_k + 1):
-                for ks in ([horizon] * batch, [upto[horizon] for upto in worth]):
+                for ks in ([horizon] * count, [upto[horizon] for upto in worth]):
                     speed = speedup(ks)
                     if speed > best:
                         best, best_ks = speed, ks
         return best_ks
 
     def choose(self, seq_ids: list[int], backlogs: list[int] | None = None,
-               remaining: list[int] | None = None) -> list[int]:
+               remaining: list[int] | None = None, others: int = 0) -> list[int]:
         """k for each decoding sequence of this step (before any cap on remaining tokens);
-        backlogs and remaining (per sequence): see `read_cost`."""
+        backlogs and remaining (per sequence): see `read_cost`; others: see `batch_ks`."""
         states = [self._state(seq_id) for seq_id in seq_ids]
-        read_costs = None
+        read_costs = [0.0] * len(states)
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
+        batch = len(seq_ids) + others
+        fixed, per_row = self.target.coefficients()
+        # What a sequence's plain token costs; a probe whose reading alone would take
+        # more than the least gain worth drafting for cannot lead to drafting that pays.
+        affordable_read = (MIN_SPEEDUP - 1) * (fixed + per_row * batch) / max(batch, 1)
         ks = []
-        for state, k in zip(states, self.batch_ks(states, read_costs)):
+        for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
                 lasted = state.drafting_steps >= PROBE_INTERVAL
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
                 state.drafting_steps = 0
             # A probe makes the whole batch wait through a draft: in a batch of B, each
             # sequence probes B times less often, so probes cost the batch alike.
-            state.probing = k == 0 and state.plain_steps >= state.probe_interval * len(seq_ids)
+            state.probing = k == 0 and state.plain_steps >= state.probe_interval * batch and read <= affordable_read
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
         return ks
