@@ -159,21 +159,23 @@ class Engine:
             return [Draft.empty()] * len(decoding)
         started = time.perf_counter()
         drafts = self.proposer.propose(decoding, wanted)
-        if all(d.num_tokens for d, k in zip(drafts, wanted) if k):
-            self._observe_draft(max(d.num_tokens for d in drafts), time.perf_counter() - started)
+        self._observe_draft([d.num_tokens for d in drafts], wanted, time.perf_counter() - started)
         return drafts
 
-    def _observe_draft(self, longest: int, seconds: float) -> None:
+    def _observe_draft(self, drafted: list[int], wanted: list[int], seconds: float) -> None:
+        """Teach adaptive what the proposer call that drafted `drafted` tokens per
+        sequence (of `wanted`) cost."""
+        # A draft catching up a long prompt drafts nothing this step: not a drafting cost.
+        if self.adaptive is None or not any(wanted) or not all(n for n, k in zip(drafted, wanted) if k):
+            return
         # What drafting costs is measured on the steps that only draft. Where a draft
         # first reads a prompt, or the tokens of plain steps, that reading is measured
         # on its own (a probe after 64 plain steps paid ~0.1 s, which once taught the
         # drafting fit that a draft costs 50-100 ms whatever its length).
-        if self.adaptive is None:
-            return
         if self.proposer.last_catch_up <= MAX_CATCH_UP:
-            self.adaptive.observe_draft(longest, seconds)
+            self.adaptive.observe_draft(max(drafted), seconds)
         else:
-            self.adaptive.observe_read(self.proposer.last_tokens_read, longest, seconds)
+            self.adaptive.observe_read(self.proposer.last_tokens_read, max(drafted), seconds)
 
     def _schedule(self) -> tuple[list[_Work], list[Sequence], list[int]]:
         """Admit waiting requests, then choose what each running sequence feeds this
@@ -229,8 +231,7 @@ class Engine:
         assert isinstance(self.proposer, FusedDraftProposer)
         results = self.proposer.speculate(seqs, wanted, [s.cache for s in seqs])
         drafting, verifying = self.proposer.last_seconds
-        if any(wanted) and all(n for (n, _), k in zip(results, wanted) if k):
-            self._observe_draft(max(n for n, _ in results), drafting)
+        self._observe_draft([n for n, _ in results], wanted, drafting)
         if self.adaptive is not None:
             self.adaptive.observe_target(sum(n + 1 for n, _ in results), verifying)
         return [(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]

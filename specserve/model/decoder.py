@@ -292,7 +292,7 @@ class Block(nn.Module):
         return self.finish(h, attended)
 
     # The two halves around attention hold every op that does not touch a cache: what
-    # Decoder.compile hands to torch.compile.
+    # Decoder.use_torch_compile hands to torch.compile.
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, q_size + 2 kv_size]
         return self.self_attn.qkv_proj(self.input_layernorm(h))
 
@@ -366,7 +366,7 @@ class Decoder(nn.Module):
         each block's norm and qkv projection, its o_proj, residual adds and MLP, and
         the head. Inductor fuses the norms' and activations' small ops into one loop
         each; attention and the cache stay eager. The blocks share one compiled graph
-        per shape class (one row, several rows), compiled on first use. Parts already
+        per shape class (one row, several rows). Parts already
         in our C kernels (a quantized model's decode steps) do not change.
 
         Both shape classes are compiled here, on a throwaway cache, so that compiling

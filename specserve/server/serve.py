@@ -69,7 +69,8 @@ def serve(config: ServerConfig) -> None:
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        config.batch_invariant, compile=config.compile, max_num_seqs=config.max_num_seqs, prefill_chunk_size=config.prefill_chunk_size,
+        config.batch_invariant, compile=config.compile, max_num_seqs=config.max_num_seqs,
+        prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
                                config.log_stats_interval_s)

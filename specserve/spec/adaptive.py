@@ -170,12 +170,17 @@ class AdaptiveSpecLength:
         self._scale_known = False
         self.sequences: dict[int, Acceptance] = {}
 
+    def plain_step(self, batch: int) -> float:
+        """Predicted seconds of a plain decode step of `batch` sequences."""
+        fixed, per_row = self.target.coefficients()
+        return fixed + per_row * batch
+
     def speedup(self, tokens: float, drafted: float, batch: int) -> float:
         """Predicted speed against plain decoding of a step that emits `tokens` on
         average after drafting `drafted` positions for each of `batch` sequences."""
-        fixed, per_row = self.target.coefficients()
+        _, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft.coefficients()
-        plain = fixed + per_row * batch
+        plain = self.plain_step(batch)
         if drafted == 0 or plain <= 0:
             return 1.0
         return tokens * plain / (plain + draft_fixed + drafted * (per_position + per_row * batch))
@@ -215,7 +220,7 @@ class AdaptiveSpecLength:
         read_costs = read_costs or [0.0] * count
         fixed, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft.coefficients()
-        plain = fixed + per_row * batch
+        plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
             return [0] * count
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
@@ -256,10 +261,9 @@ class AdaptiveSpecLength:
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
         batch = len(seq_ids) + others
-        fixed, per_row = self.target.coefficients()
         # What a sequence's plain token costs; a probe whose reading alone would take
         # more than the least gain worth drafting for cannot lead to drafting that pays.
-        affordable_read = (MIN_SPEEDUP - 1) * (fixed + per_row * batch) / max(batch, 1)
+        affordable_read = (MIN_SPEEDUP - 1) * self.plain_step(batch) / max(batch, 1)
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?

@@ -57,23 +57,33 @@ class DraftModelProposer:
         sequence new to the draft has its whole prompt unseen), read one chunk of them
         and draft nothing for it this step: returns num_tokens with those set to 0. So the
         batch never waits for a long draft prefill; the rule looks at the sequence alone,
-        so seeded outputs do not depend on what else is in the batch."""
+        so seeded outputs do not depend on what else is in the batch.
+
+        Every proposing call starts here, so this also starts the call's count of tokens
+        read (last_catch_up, last_tokens_read), which the drafting after it adds to."""
         long = {i: self.unseen(seqs[i]) for i, k in enumerate(num_tokens) if k > 0}
         long = {i: unseen[: self.catch_up_chunk_size] for i, unseen in long.items() if len(unseen) > self.catch_up_chunk_size}
         if long:
             self._catch_up(long, seqs)
-        self.last_catch_up = max(map(len, long.values()), default=0)
-        self.last_tokens_read = sum(map(len, long.values()))
+        self.last_catch_up = self.last_tokens_read = 0
+        self._count_read([len(chunk) for chunk in long.values()])
         return [0 if i in long else k for i, k in enumerate(num_tokens)]
 
+    def _count_read(self, lengths: list[int]) -> None:
+        """Add the tokens each sequence read before drafting to this call's count."""
+        self.last_catch_up = max([self.last_catch_up, *lengths])
+        self.last_tokens_read += sum(lengths)
+
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
-        num_tokens = self.catch_up_prompts(seqs, num_tokens)
+        return self._draft(seqs, self.catch_up_prompts(seqs, num_tokens))
+
+    def _draft(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+        """Draft through PyTorch (after `catch_up_prompts`)."""
         drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
         draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
         inputs = {i: self.unseen(seqs[i]) for i in drafted}
-        self.last_catch_up = max(self.last_catch_up, *map(len, inputs.values()), 0)
-        self.last_tokens_read += sum(map(len, inputs.values()))
+        self._count_read([len(tokens) for tokens in inputs.values()])
         while inputs:
             order = list(inputs)
             # A quantized draft reads its few unseen tokens one query at a time: that is

@@ -59,13 +59,10 @@ class FusedDraftProposer(DraftModelProposer):
         """Greedy sequences draft in C; sampled ones as `DraftModelProposer` drafts."""
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
         in_c = [i for i, (s, k) in enumerate(zip(seqs, num_tokens)) if k > 0 and s.params.greedy]
-        read = self.last_catch_up, self.last_tokens_read  # the prompt chunks just read
-        drafts = super().propose(seqs, [0 if i in in_c else k for i, k in enumerate(num_tokens)])
-        read = max(read[0], self.last_catch_up), read[1] + self.last_tokens_read
+        drafts = self._draft(seqs, [0 if i in in_c else k for i, k in enumerate(num_tokens)])
         done = self._run([seqs[i] for i in in_c], [num_tokens[i] for i in in_c], None)
         for i, job in zip(in_c, done):
             drafts[i] = Draft(torch.tensor(job.drafted, dtype=torch.int64))
-        self.last_catch_up, self.last_tokens_read = max(read[0], self.last_catch_up), read[1] + self.last_tokens_read
         return drafts
 
     def speculate(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
@@ -76,15 +73,12 @@ class FusedDraftProposer(DraftModelProposer):
         then holds the newest token and every draft (the caller rolls back the rejected)."""
         assert self.verifies and all(s.params.greedy for s in seqs)
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
-        read = self.last_catch_up, self.last_tokens_read
         done = self._run(seqs, num_tokens, target_caches)
-        self.last_catch_up, self.last_tokens_read = max(read[0], self.last_catch_up), read[1] + self.last_tokens_read
         return [(len(job.drafted), verdict_from_argmax(job.drafted, job.target_argmax)) for job in done]
 
     def _run(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
              target_caches: Sequence[KVCache] | None) -> list[native.GreedySpeculation]:
-        """Sets last_catch_up and last_tokens_read for what this call reads."""
-        self.last_catch_up = self.last_tokens_read = 0
+        """The C call for seqs (after `catch_up_prompts`); counts what the draft reads."""
         if not seqs:
             return []
         jobs = []
@@ -114,6 +108,5 @@ class FusedDraftProposer(DraftModelProposer):
                 self._cache(seq).length += len(job.unseen) + len(job.drafted) - 1
             if target_caches is not None:
                 target_caches[i].length += len(job.drafted) + 1
-        self.last_catch_up = max((len(job.unseen) for job in jobs), default=0)
-        self.last_tokens_read = sum(len(job.unseen) for job in jobs)
+        self._count_read([len(job.unseen) for job in jobs])
         return jobs
