@@ -21,6 +21,12 @@ agreement on the prompts.
     .venv/bin/python benchmarks/peers.py --quantization int8 --peers transformers
     .venv/bin/python benchmarks/peers.py --modes plain,ngram --prompts count,meaning --json
     .venv/bin/python benchmarks/peers.py --quantization int4 --modes plain --peers llama.cpp --rounds 3
+    .venv/bin/python benchmarks/peers.py --device cuda              # everything on a GPU, bfloat16
+
+`--device` puts every system on the same device: ours and transformers in bfloat16 on a
+GPU (float32 for transformers on a CPU, its fast path there), llama.cpp with every layer
+offloaded when its build has CUDA (skipped with a message otherwise); the bandwidth is
+then the GPU's.
 """
 
 from __future__ import annotations
@@ -44,12 +50,13 @@ from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
 from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
 from specserve.bench.suites import SUITES, prompts_of
-from specserve.cli import DTYPE_CHOICES, dtype_of
+from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
 from specserve.config import SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
+from specserve.model.device import check_device_format
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
 from specserve.spec.factory import draft_format
@@ -174,7 +181,8 @@ def quality_wanted(args) -> bool:
 def run_ours(args, prompt_ids: dict[str, list[int]], report: Report, first_round: bool = True) -> None:
     for run in our_runs(args, first_round):
         engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
-                                         batch_invariant=args.batch_invariant, compile=run.compile)
+                                         batch_invariant=args.batch_invariant, compile=run.compile,
+                                         device=device_of(args))
         for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
             run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
             result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
@@ -225,14 +233,18 @@ def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int],
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()  # its deprecation notes are not results
-    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(models.resolve(name), dtype=torch.float32)
-                     .eval() for name in (args.target, args.draft))
-    report.add_model("target", args.target, "transformers", "float32", weight_bytes_per_token(target), "plain")
+    device = device_of(args)
+    # float32 on a CPU (its fastest path there); on a GPU the dtype ours runs in.
+    dtype = torch.float32 if device.type == "cpu" else dtype_of(args)
+    fmt = format_of(dtype, "none")
+    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(models.resolve(name), dtype=dtype)
+                     .to(device).eval() for name in (args.target, args.draft))
+    report.add_model("target", args.target, "transformers", fmt, weight_bytes_per_token(target), "plain")
     for mode, assistant in (("plain", None), ("assisted", draft)):
         for name, ids in prompt_ids.items():
             transformers_greedy(target, assistant, ids, WARM_UP_TOKENS, eos_ids)
             tokens, ttft_s, e2e_s, num_first = transformers_greedy(target, assistant, ids, args.max_tokens, eos_ids)
-            report.rows.append(timed_row("transformers", mode, "float32", name, tokens, ttft_s, e2e_s,
+            report.rows.append(timed_row("transformers", mode, fmt, name, tokens, ttft_s, e2e_s,
                                          num_first_tokens=num_first))
     del target, draft
     gc.collect()
@@ -243,7 +255,7 @@ def transformers_greedy(target, assistant, ids: list[int], max_tokens: int,
     """(tokens, ttft_s, e2e_s, tokens in the first arrival) of one greedy `generate`."""
     clock = FirstTokenClock()
     extra = {} if assistant is None else {"assistant_model": assistant}
-    prompt = torch.tensor([ids])  # [1, prompt_len]
+    prompt = torch.tensor([ids], device=target.device)  # [1, prompt_len]
     start = time.perf_counter()
     with torch.no_grad():
         out = target.generate(prompt, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
@@ -276,11 +288,12 @@ def run_llama_cpp(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], gg
     report.add_model("target", args.target, "llama.cpp", fmt, gguf_weight_bytes_per_token(reader), "plain")
     lookup_max = SpecConfig.prompt_lookup_max  # the n-gram sizes our ngram row tries
     threads = torch.get_num_threads()
+    gpu_layers = 0 if device_of(args).type == "cpu" else -1  # -1: every layer on the GPU
     n_ctx = max(len(ids) for ids in prompt_ids.values()) + args.max_tokens + args.k + 16
     for mode, k in (("plain", None), ("prompt-lookup", args.k)):
         lookup = CountingPromptLookup(max_ngram_size=lookup_max, num_pred_tokens=k) if k else None
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                              draft_model=lookup, verbose=False)
+                              n_gpu_layers=gpu_layers, draft_model=lookup, verbose=False)
         for name, ids in prompt_ids.items():
             greedy_llama_cpp(llm, ids, WARM_UP_TOKENS, eos_ids)
             if lookup is not None:
@@ -459,8 +472,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
     parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
     parser.add_argument("--max-tokens", type=positive_int, default=256)
+    parser.add_argument("--device", default="auto",
+                        help="where every system runs: auto (a CUDA GPU where PyTorch sees one), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="our target and draft (auto: float32, or bfloat16 with --quantization, as specserve's)")
+                        help="our target and draft (auto as specserve's: float32 on the CPU, bfloat16 on a GPU "
+                        "or with --quantization)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weight-only quantization of our target and draft")
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
@@ -479,6 +495,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     args = parser.parse_args(argv)
     try:
         check_quantization(args.quantization, dtype_of(args))
+        check_device_format(device_of(args), args.quantization, args.batch_invariant)
     except SpecserveError as e:
         parser.error(str(e))
     if args.max_tokens < 2:
@@ -498,6 +515,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     return args, prompts
 
 
+def bandwidth_options(device: torch.device) -> dict[str, Any]:
+    # A GPU reads 1 GiB in well under a millisecond: 8 GiB keeps the launch out of it.
+    return {"device": device} if device.type == "cpu" else {"device": device, "gib": 8.0}
+
+
 def skip(what: str, why: str) -> None:
     print(f"{what}: skipped, {why}", file=sys.stderr, flush=True)
 
@@ -512,9 +534,13 @@ def available_peers(args) -> tuple[list[str], Path | None]:
             peers.append("transformers")
     if "llama.cpp" in args.peers:
         try:
-            import llama_cpp  # noqa: F401
+            import llama_cpp
             gguf = gguf_file(args.target)
-            peers.append("llama.cpp")
+            if device_of(args).type != "cpu" and not llama_cpp.llama_supports_gpu_offload():
+                skip("llama.cpp", f"this llama-cpp-python build runs on the CPU only, and --device is {args.device} "
+                     "(build it with CMAKE_ARGS=\"-DGGML_CUDA=on\" for a GPU row)")
+            else:
+                peers.append("llama.cpp")
         except Exception as e:  # ImportError, or a native library that fails to load
             skip("llama.cpp", f"{type(e).__name__}: {e}; it needs llama-cpp-python "
                  "(build note in benchmarks/README.md) and a GGUF target")
@@ -525,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     args, prompts = parse_args(argv)
     peers, gguf = available_peers(args)
     # Measured before any model is loaded, while the memory is quiet.
-    bandwidth, method = measure_read_bandwidth()
+    bandwidth, method = measure_read_bandwidth(**bandwidth_options(device_of(args)))
     try:
         tokenizer = Tokenizer.from_dir(models.resolve(args.target))
         prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
@@ -549,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in [*report.rows, *roofline, *quality]:
             print(json.dumps(row))
     else:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.target}, "
+        where = f"{torch.get_num_threads()} threads" if device_of(args).type == "cpu" else str(device_of(args))
+        print(f"torch {torch.__version__}, {where}, target {args.target}, "
               f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
               f"{args.max_tokens} tokens, greedy, chat template"
               f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")

@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="both servers' weights")
+    parser.add_argument("--device", default="auto", help="the servers' --device: auto, cpu, cuda or cuda:N")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="the draft's own weight format (default: --quantization's)")
     parser.add_argument("--fused", action="store_true",
@@ -112,7 +113,7 @@ def main() -> int:
         draft["fused"] = True
     fixed = json.dumps(draft | {"adaptive": False})
     adaptive = json.dumps(draft)
-    common = ["--quantization", args.quantization]
+    common = ["--quantization", args.quantization, "--device", args.device]
     rows = (measure("plain", common, args, prompts)
             + measure(f"draft k={args.k}", [*common, "--speculative-config", fixed], args, prompts)
             + measure("adaptive", [*common, "--speculative-config", adaptive], args, prompts))

@@ -19,16 +19,20 @@ from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError, SpecserveError
-from specserve.model.quant import QUANTIZATIONS, QUANTIZED_ACTIVATION_DTYPE
+from specserve.model.device import default_dtype, resolve_device
+from specserve.model.quant import QUANTIZATIONS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
 
 
 def add_format_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto",
+                        help="auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N; "
+                        "--quantization, fused speculation and --batch-invariant run on the CPU only")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="activations and unquantized weights (auto: float32, or bfloat16 "
-                        "with --quantization, which its kernels need)")
+                        help="activations and unquantized weights (auto: float32 on the CPU; bfloat16 "
+                        "on a GPU, or with --quantization, which its kernels need)")
     parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="none",
                         help="weight-only quantization of the linear layers, target and draft alike "
                         "(int8 per channel, int4 per group of 32); prepared once into the cache")
@@ -38,9 +42,13 @@ def add_format_flags(parser: argparse.ArgumentParser) -> None:
                         "plain decoding ~25%% slower in bfloat16 and more in float32; int8/int4 kernels are invariant already")
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    return resolve_device(args.device)
+
+
 def dtype_of(args: argparse.Namespace) -> torch.dtype:
     if args.dtype == "auto":
-        return torch.float32 if args.quantization == "none" else QUANTIZED_ACTIVATION_DTYPE
+        return default_dtype(device_of(args), args.quantization)
     return DTYPES[args.dtype]
 
 
@@ -162,7 +170,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization,
-                                     args.batch_invariant, compile=args.compile)
+                                     args.batch_invariant, compile=args.compile, device=device_of(args))
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
@@ -186,7 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
-        batch_invariant=args.batch_invariant, compile=args.compile, host=args.host, port=args.port,
+        batch_invariant=args.batch_invariant, compile=args.compile, device=device_of(args),
+        host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
@@ -282,7 +291,7 @@ def run_tune(args: argparse.Namespace) -> int:
             f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
         )
     rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
-                 args.draft_quantization, batch_invariant=args.batch_invariant).run()
+                 args.draft_quantization, batch_invariant=args.batch_invariant, device=device_of(args)).run()
     best = recommend(rows)
     header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
               f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
@@ -300,17 +309,26 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_ab_draft(device: torch.device) -> dict[str, Any]:
+    """The reference experiment's speculative config: the default draft at k = 7, on
+    int4 weights on the CPU (a draft's guesses are verified, so a cheap one loses nothing;
+    our int4 kernels are CPU kernels), in the target's dtype on a GPU."""
+    draft: dict[str, Any] = {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7}
+    if device.type == "cpu":
+        draft["quantization"] = "int4"
+    return draft
+
+
 def run_ab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specserve.bench.ab import run_ab as ab
 
-    spec = args.speculative_config or json.dumps(
-        {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7, "quantization": "int4"})
+    spec = args.speculative_config or json.dumps(default_ab_draft(device_of(args)))
     SpecConfig.parse(spec)  # refuse a bad config before starting anything
     if args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    serve_args = ["--dtype", args.dtype, "--quantization", args.quantization,
+    serve_args = ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
                   "--max-num-seqs", str(args.max_num_seqs)] + ["--batch-invariant"] * args.batch_invariant
     serve_args += ["--compile"] * args.compile
     if args.max_model_len is not None:

@@ -13,6 +13,7 @@ import torch
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
+from specserve.model.device import CPU
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -28,12 +29,13 @@ def build_engine(
     quantization: str = "none",
     batch_invariant: bool = False,
     compile: bool = False,
+    device: torch.device = CPU,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
-    to both (`Decoder.use_torch_compile`)."""
-    target = load_model(model, dtype, quantization, batch_invariant, compile)
+    to both (`Decoder.use_torch_compile`), device to both."""
+    target = load_model(model, dtype, quantization, batch_invariant, compile, device)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "

@@ -33,6 +33,7 @@ from specserve.config import ModelConfig
 from specserve.errors import ModelLoadError
 from specserve.model import checkpoint
 from specserve.model.decoder import Decoder, rope_inverse_frequencies
+from specserve.model.device import CPU, check_device_format
 from specserve.model.quant import QUANTIZED_FORMAT_VERSION, check_quantization, load_quantized_state, quantized_state
 from specserve.tokenizer import Tokenizer
 
@@ -266,16 +267,18 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
-               quantization: str = "none", batch_invariant: bool = False, compile: bool = False) -> LoadedModel:
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
+               batch_invariant: bool = False, compile: bool = False, device: torch.device = CPU) -> LoadedModel:
     """Load a model; with int8/int4 quantization the quantized weights are prepared once
     into the cache (see `specserve.model.quant`). batch_invariant: see
-    `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile`."""
+    `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile`; device: see
+    `specserve.model.device`."""
     check_quantization(quantization, dtype)
+    check_device_format(device, quantization, batch_invariant)
     folder = resolve(name_or_path)
     config = checkpoint.read_config(folder)
     if quantization == "none":
-        decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype)
+        decoder = Decoder.from_hf_weights(config, checkpoint.read_weights(folder), dtype).to(device)
         decoder.pack_linear_weights()
     else:
         decoder = _load_quantized(folder, config, quantization)

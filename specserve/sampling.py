@@ -45,9 +45,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def make_generator(self) -> torch.Generator:
-        """A request's own random stream: seeded runs repeat, whatever else runs beside."""
-        generator = torch.Generator()
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A request's own random stream on the models' device: seeded runs repeat,
+        whatever else runs beside (a seed's stream on a GPU is not the CPU's)."""
+        generator = torch.Generator(device)
         if self.seed is None:
             generator.seed()
         else:

@@ -50,3 +50,11 @@ def prepared_cache(tmp_path_factory):
         os.environ.pop("SPECSERVE_CACHE", None)
     else:
         os.environ["SPECSERVE_CACHE"] = previous
+
+
+# Tests that take a `device` argument run on the CPU everywhere and again on a CUDA GPU
+# where one is present; CI has none, so there the CUDA cases are skipped.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")),
+]

@@ -256,6 +256,12 @@ def test_accelerator_overlays_request_their_devices_for_both_services():
             assert container(deployment)["resources"]["limits"][resource] == "1"
             assert {"key": resource, "operator": "Exists", "effect": "NoSchedule"} in \
                    deployment["spec"]["template"]["spec"]["tolerations"]
+    # A GPU pod computes on its GPU, or fails at start saying why; elsewhere the CPU.
+    for stack, device in (("base", "auto"), ("overlays/gpu", "cuda"), ("overlays/autoscaled", "cuda"),
+                          ("overlays/neuron", "auto")):
+        for deployment in objects(stack, "Deployment").values():
+            args = expand(container(deployment)["args"], server_env(stack, deployment))
+            assert args[args.index("--device") + 1] == device
 
 
 @needs_kubectl

@@ -14,7 +14,7 @@ from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.conftest import tiny_config
+from tests.conftest import DEVICES, tiny_config
 
 EOS = 95
 
@@ -42,6 +42,11 @@ def target() -> Decoder:
     return random_decoder("qwen2", seed=1)
 
 
+def on(model: Decoder, device: str) -> Decoder:
+    """The model itself on the CPU, a copy elsewhere (the module's fixture stays put)."""
+    return model if device == "cpu" else copy.deepcopy(model).to(device)
+
+
 PROMPTS = [[5, 9, 13, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -50,13 +55,15 @@ def plain_tokens(target: Decoder, prompt: list[int], params=GREEDY) -> list[int]
     return Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram"])
-def test_greedy_equivalence(target, k, proposer_kind):
+def test_greedy_equivalence(target, k, proposer_kind, device):
     proposer = (
-        DraftModelProposer(perturbed(target, 0.3, seed=2))
+        DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
         if proposer_kind == "draft" else NgramProposer(1, 3)
     )
+    target = on(target, device)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k)
     for prompt in PROMPTS:
         seq = engine.generate(prompt, GREEDY)
@@ -109,8 +116,10 @@ def test_eos_stops_unless_ignored(target):
     assert seq.finish_reason == "length" and seq.output_ids == reference
 
 
-def test_seeded_sampling_repeats_with_speculation(target):
-    draft = perturbed(target, 0.3, seed=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_repeats_with_speculation(target, device):
+    draft = on(perturbed(target, 0.3, seed=2), device)
+    target = on(target, device)
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
 
     def run() -> list[int]:
@@ -147,7 +156,8 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
     assert seq.seq_id in proposer.caches
 
 
-def test_speculative_engine_samples_the_target_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_engine_samples_the_target_distribution(device):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4)."""
@@ -160,7 +170,7 @@ def test_speculative_engine_samples_the_target_distribution():
     vocab, length, prompt = 4, 4, [0, 1, 2]
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
-    draft = perturbed(target, 1.5, seed=4)
+    draft = on(perturbed(target, 1.5, seed=4), device)
     params = dict(max_tokens=length, temperature=0.9, top_p=0.95, ignore_eos=True)
 
     # Exact target probabilities of every continuation, one prefix at a time.
@@ -172,7 +182,7 @@ def test_speculative_engine_samples_the_target_distribution():
         expected[cont] = probs[torch.arange(length), torch.tensor(cont)].prod()
 
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
-    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
     samples = []
     for batch in range(10):
         seqs = [engine.add_request(prompt, SamplingParams(**params, seed=batch * 1000 + i)) for i in range(600)]

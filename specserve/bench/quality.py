@@ -34,7 +34,7 @@ def perplexity(decoder: Decoder, token_ids: Sequence[int], chunk: int = 512) -> 
     """
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
-    ids = torch.tensor(token_ids, dtype=torch.int64)  # [N]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=decoder.device)  # [N]
     cache = decoder.new_cache()
     total_nll = 0.0
     for start in range(0, len(ids) - 1, chunk):

@@ -34,16 +34,21 @@ def gguf_weight_bytes_per_token(reader: gguf.GGUFReader) -> int:
     return total
 
 
-def measure_read_bandwidth(gib: float = 1.0, passes: int = BANDWIDTH_PASSES) -> tuple[float, str]:
+def measure_read_bandwidth(gib: float = 1.0, passes: int = BANDWIDTH_PASSES,
+                           device: torch.device = torch.device("cpu")) -> tuple[float, str]:
     """(bytes/s, how it was measured): the best of `passes` torch.sum passes over a
-    float32 tensor far bigger than the caches, with torch's threads, as a decode uses."""
-    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)  # [N]
+    float32 tensor far bigger than the caches, on the device the models use (on the
+    CPU with torch's threads, as a decode uses; a GPU is waited for around each pass)."""
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)  # [N]
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     data.sum()  # first touch: page faults are not bandwidth
     best = float("inf")
     for _ in range(passes):
+        wait()
         start = time.perf_counter()
         data.sum()
+        wait()
         best = min(best, time.perf_counter() - start)
-    method = (f"best of {passes} torch.sum passes over a {gib:g} GiB float32 tensor, "
-              f"{torch.get_num_threads()} threads")
+    where = f"on {device}" if device.type != "cpu" else f"{torch.get_num_threads()} threads"
+    method = f"best of {passes} torch.sum passes over a {gib:g} GiB float32 tensor, {where}"
     return tensor_bytes(data) / best, method

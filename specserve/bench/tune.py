@@ -32,6 +32,7 @@ from specserve.bench.suites import SUITES
 from specserve.config import SpecConfig
 from specserve.engine.engine import Engine
 from specserve.generate import encode_prompt, run_one
+from specserve.model.device import CPU
 from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
@@ -86,16 +87,16 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
 class Tuner:
     def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
                  dtype: torch.dtype = torch.float32, quantization: str = "none",
-                 draft_quantization: str | None = None, batch_invariant: bool = False):
+                 draft_quantization: str | None = None, batch_invariant: bool = False, device: torch.device = CPU):
         """Sweeps plain, then each draft with each k, then each draft with adaptive k up
         to max(ks), as served by default."""
-        self.target = load_model(target, dtype, quantization, batch_invariant)
+        self.target = load_model(target, dtype, quantization, batch_invariant, device=device)
         self.drafts: dict[str, LoadedModel | None] = {}
         for name in drafts:
             if name == NGRAM:
                 self.drafts[name] = None
                 continue
-            draft = load_model(name, *draft_format(draft_quantization, dtype, quantization))
+            draft = load_model(name, *draft_format(draft_quantization, dtype, quantization), device=device)
             check_same_vocabulary(self.target, draft)
             self.drafts[name] = draft
         self.ks = ks

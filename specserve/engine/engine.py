@@ -39,7 +39,7 @@ from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
-from specserve.spec.verify import Verdict, verify
+from specserve.spec.verify import Verdict, verdict_from_argmax, verify
 
 DEFAULT_MAX_NUM_SEQS = 256
 
@@ -115,7 +115,7 @@ class Engine:
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             params=params,
-            generator=params.make_generator(),
+            generator=params.make_generator(self.target.device),
             cache=self.target.new_cache(),
             stop_token_ids=stops,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
@@ -241,22 +241,33 @@ class Engine:
         if not work:
             return []
         segments = [Segment(w.seq.cache, len(w.tokens), one_query_at_a_time=w.draft.num_tokens > 0) for w in work]
-        ends = torch.tensor([len(w.tokens) for w in work]).cumsum(0)
         # Score the last k+1 positions of each scored sequence: its newest token and its drafts.
-        rows = torch.cat(
-            [torch.arange(end - w.draft.num_tokens - 1, end) for end, w in zip(ends, work) if w.scored]
-            or [torch.empty(0, dtype=torch.int64)]
-        )
-        flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64)
+        rows, end = [], 0
+        for w in work:
+            end += len(w.tokens)
+            if w.scored:
+                rows.extend(range(end - w.draft.num_tokens - 1, end))
+        device = self.target.device
+        flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64, device=device)
         started = time.perf_counter()
-        logits = self.target(flat, segments, rows)  # [sum over scored of (k_i + 1), V]
+        logits = self.target(flat, segments, torch.tensor(rows, dtype=torch.int64, device=device))  # [R, V]
+        # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
+        # also where the step's work is waited for, so the timing below includes it.
+        argmax = logits.argmax(dim=-1).tolist()  # [R]
         if self.adaptive is not None and len(flat) == len(rows):  # a pure decode step
             self.adaptive.observe_target(len(flat), time.perf_counter() - started)
-        scored = [w for w in work if w.scored]
-        return [
-            (w.seq, w.draft.num_tokens, verify(seq_logits, w.draft, w.seq.params, w.seq.generator))
-            for w, seq_logits in zip(scored, logits.split([w.draft.num_tokens + 1 for w in scored]))
-        ]
+        outcomes, row = [], 0
+        for w in work:
+            if not w.scored:
+                continue
+            k = w.draft.num_tokens
+            if w.seq.params.greedy:
+                verdict = verdict_from_argmax(w.draft.tokens.tolist(), argmax[row : row + k + 1])
+            else:
+                verdict = verify(logits[row : row + k + 1], w.draft, w.seq.params, w.seq.generator)
+            outcomes.append((w.seq, k, verdict))
+            row += k + 1
+        return outcomes
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Run one request to completion (with whatever else is queued)."""

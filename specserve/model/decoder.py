@@ -248,7 +248,7 @@ class Attention(nn.Module):
             ]  # n x [heads, 1, head_dim]
             out = per_query[0] if n == 1 else torch.cat(per_query, dim=1)  # [heads, n, head_dim]
         else:
-            mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
+            mask = torch.ones(n, end, dtype=torch.bool, device=qkv.device).tril_(diagonal=start)
             out = grouped_attention(heads_first, cache_k[:, :end], cache_v[:, :end], mask)
         return out.transpose(0, 1).reshape(n, -1)
 
@@ -319,26 +319,32 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def new_cache(self) -> KVCache:
-        return KVCache(self.config, self.dtype)
+        return KVCache(self.config, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T] int64: every segment's new tokens, in segment order
+        input_ids: torch.Tensor,  # [T] int64 on self.device: every segment's new tokens, in segment order
         segments: list[Segment],
-        logits_rows: torch.Tensor | None = None,  # [R] rows of the stream to score; None = all
-    ) -> torch.Tensor:  # [R, vocab] float32
+        logits_rows: torch.Tensor | None = None,  # [R] on self.device: rows of the stream to score; None = all
+    ) -> torch.Tensor:  # [R, vocab] float32 on self.device
         """Append the segments' tokens to their caches and return logits for chosen rows."""
         assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
         if self.batch_invariant:
             segments = [dataclasses.replace(s, one_query_at_a_time=True) for s in segments]
-        positions = torch.cat(
-            [torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments]
-        )  # [T]
+        elif self.device.type != "cpu":
+            # Query by query matches plain decoding's rounding on the CPU kernels; a GPU's
+            # GEMMs round by row count anyway, and k+1 attention calls per layer would
+            # cost more kernel launches than the whole rest of the step.
+            segments = [dataclasses.replace(s, one_query_at_a_time=False) for s in segments]
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
-        rope = self.rope_table(int(positions.max()) + 1 if len(positions) else 0)
+        rope = self.rope_table(max((s.cache.length + s.num_tokens for s in segments), default=0))
 
         h = self.embed_tokens(input_ids)  # [T, hidden]
         in_c = self.in_c()
@@ -347,6 +353,9 @@ class Decoder(nn.Module):
         ):  # every block in one C call: the same kernels and bits as the loop below
             in_c.run_blocks(h, rope, [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments])
         else:
+            positions = torch.cat(
+                [torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments]
+            )  # [T]
             cos, rotated_sin = rope[0][positions], rope[1][positions]  # [T, head_dim]
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, rotated_sin, i, segments)
@@ -378,8 +387,8 @@ class Decoder(nn.Module):
         self.score = torch.compile(self.score, dynamic=True)
         cache = self.new_cache()
         try:
-            self(torch.zeros(3, dtype=torch.int64), [Segment(cache, 3)])  # several rows
-            self(torch.zeros(1, dtype=torch.int64), [Segment(cache, 1)])  # one row
+            self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
+            self(torch.zeros(1, dtype=torch.int64, device=self.device), [Segment(cache, 1)])  # one row
         except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
             raise ConfigError(
                 f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]}); drop --compile"
@@ -392,7 +401,7 @@ class Decoder(nn.Module):
         table = self._rope
         if table is None or table[0] is not self.inv_freq or table[1].shape[0] < length:
             size = max(length, 256, 2 * table[1].shape[0] if table is not None and table[0] is self.inv_freq else 0)
-            angles = torch.arange(size).unsqueeze(1).float() * self.inv_freq  # [size, head_dim // 2]
+            angles = torch.arange(size, device=self.inv_freq.device).unsqueeze(1).float() * self.inv_freq  # [size, head_dim // 2]
             sin = angles.sin()
             self._rope = table = (
                 self.inv_freq,
@@ -411,7 +420,8 @@ class Decoder(nn.Module):
 
     def _describe_in_c(self) -> native.ModelInC | None:
         config = self.config
-        if self.dtype != torch.bfloat16 or native.library() is None or config.head_dim % 16 or config.head_dim > 256:
+        if (self.dtype != torch.bfloat16 or self.device.type != "cpu" or native.library() is None
+                or config.head_dim % 16 or config.head_dim > 256):
             return None
         blocks = []
         for block in self.layers:
@@ -431,9 +441,9 @@ class Decoder(nn.Module):
         return native.ModelInC(blocks, self.embed_tokens.weight, self.norm.weight, head, shape)
 
     def pack_linear_weights(self) -> None:
-        """On CPU in float32, swap every linear layer for a `PackedLinear` (see there).
+        """On the CPU in float32, swap every linear layer for a `PackedLinear` (see there).
         The packed model cannot be trained or reloaded: pack last."""
-        if not PackedLinear.available(self.dtype):
+        if self.device.type != "cpu" or not PackedLinear.available(self.dtype):
             return
         for module in list(self.modules()):
             for name, child in list(module.named_children()):

@@ -15,10 +15,10 @@ from specserve.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 128):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, capacity: int = 128):
         shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.keys = torch.empty(shape, dtype=dtype)  # [L, kv_heads, capacity, head_dim]
-        self.values = torch.empty(shape, dtype=dtype)  # [L, kv_heads, capacity, head_dim]
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # [L, kv_heads, capacity, head_dim]
+        self.values = torch.empty(shape, dtype=dtype, device=device)  # [L, kv_heads, capacity, head_dim]
         self.length = 0
 
     @property

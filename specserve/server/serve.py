@@ -19,6 +19,7 @@ import uvicorn
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError
 from specserve.generate import build_engine
+from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
@@ -34,6 +35,7 @@ class ServerConfig:
     quantization: str = "none"
     batch_invariant: bool = False
     compile: bool = False  # see Decoder.use_torch_compile
+    device: torch.device = CPU  # see specserve.model.device
     host: str = "0.0.0.0"
     port: int = 8000
     served_model_name: str | None = None
@@ -69,7 +71,7 @@ def serve(config: ServerConfig) -> None:
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        config.batch_invariant, compile=config.compile, max_num_seqs=config.max_num_seqs,
+        config.batch_invariant, compile=config.compile, device=config.device, max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,

@@ -89,15 +89,17 @@ class DraftModelProposer:
             # A quantized draft reads its few unseen tokens one query at a time: that is
             # one C call for all its blocks (and bitwise what the fused path computes).
             segments = [Segment(self._cache(seqs[i]), len(inputs[i]), one_query_at_a_time=self._in_c) for i in order]
-            flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64)
-            last_rows = torch.tensor([len(inputs[i]) for i in order]).cumsum(0) - 1
+            device = self.draft.device
+            flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64, device=device)
+            last_rows = torch.tensor([len(inputs[i]) for i in order], device=device).cumsum(0) - 1
             logits = self.draft(flat, segments, last_rows)  # [len(order), V]
+            # Every greedy guess of this position from one read-back (one sync on a GPU).
+            argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
             unsure: set[int] = set()
             for row, i in enumerate(order):
                 params = seqs[i].params
                 if params.greedy:
-                    token = int(logits[row].argmax())
-                    confidence = self._greedy_confidence(logits[row])
+                    token, confidence = argmax[row], confidences[row]
                 else:
                     row_probs = logits_to_probs(logits[row : row + 1], params)  # [1, V]
                     token = int(sample(row_probs, seqs[i].generator))
@@ -111,10 +113,7 @@ class DraftModelProposer:
                 i: drafted[i][-1:] for i in order if len(drafted[i]) < num_tokens[i] and i not in unsure
             }
         return [
-            Draft(
-                torch.tensor(drafted[i], dtype=torch.int64),
-                torch.stack(draft_probs[i]) if draft_probs[i] else None,  # [k, V]
-            )
+            Draft.of(drafted[i], torch.stack(draft_probs[i]) if draft_probs[i] else None)  # probs [k, V]
             if i in drafted
             else Draft.empty()
             for i in range(len(seqs))
@@ -123,14 +122,17 @@ class DraftModelProposer:
     def _catch_up(self, chunks: dict[int, list[int]], seqs: Sequence[SequenceView]) -> None:
         """Feed each sequence's chunk of unseen tokens into its draft cache."""
         segments = [Segment(self._cache(seqs[i]), len(chunk)) for i, chunk in chunks.items()]
-        flat = torch.tensor([t for chunk in chunks.values() for t in chunk], dtype=torch.int64)
-        self.draft(flat, segments, torch.empty(0, dtype=torch.int64))  # no logits wanted
+        device = self.draft.device
+        flat = torch.tensor([t for chunk in chunks.values() for t in chunk], dtype=torch.int64, device=device)
+        self.draft(flat, segments, torch.empty(0, dtype=torch.int64, device=device))  # no logits wanted
 
-    def _greedy_confidence(self, logits: torch.Tensor) -> float:
-        """The draft's probability of its argmax (logits [V]); skipped when unused."""
+    def _greedy_guesses(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Each row's argmax and the draft's probability of it (logits [R, V]); the
+        probabilities are skipped (1.0) when no confidence threshold uses them."""
+        argmax = logits.argmax(dim=-1).tolist()
         if self.confidence_threshold <= 0:
-            return 1.0
-        return float(logits.softmax(-1).max())
+            return argmax, [1.0] * len(argmax)
+        return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq in seqs:

@@ -50,7 +50,8 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
                   quantization: str = "none", compile: bool = False) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile)
+    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
+                       device=target.decoder.device)
     check_same_vocabulary(target, draft)
     if spec.fused:
         return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size)

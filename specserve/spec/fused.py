@@ -62,7 +62,7 @@ class FusedDraftProposer(DraftModelProposer):
         drafts = self._draft(seqs, [0 if i in in_c else k for i, k in enumerate(num_tokens)])
         done = self._run([seqs[i] for i in in_c], [num_tokens[i] for i in in_c], None)
         for i, job in zip(in_c, done):
-            drafts[i] = Draft(torch.tensor(job.drafted, dtype=torch.int64))
+            drafts[i] = Draft.of(job.drafted)
         return drafts
 
     def speculate(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],

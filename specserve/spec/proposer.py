@@ -18,16 +18,20 @@ from specserve.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: torch.Tensor  # [k] int64, k may be 0
-    probs: torch.Tensor | None = None  # [k, V] float32; None = deterministic (one-hot) draft
+    tokens: torch.Tensor  # [k] int64 on the CPU (the engine reads them as ints), k may be 0
+    probs: torch.Tensor | None = None  # [k, V] float32 on the models' device; None = deterministic (one-hot) draft
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
+    def of(tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
+        return Draft(torch.tensor(tokens, dtype=torch.int64, device="cpu"), probs)
+
+    @staticmethod
     def empty() -> Draft:
-        return Draft(torch.empty(0, dtype=torch.int64))
+        return Draft.of([])
 
 
 class SequenceView(Protocol):

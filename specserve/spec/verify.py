@@ -54,9 +54,8 @@ def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
             f"target_logits must be [k+1, V] = [{k + 1}, V], got {list(target_logits.shape)}"
         )
     draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, k, V]
-    tokens, num_accepted = verify_batch(
-        target_logits.unsqueeze(0), draft.tokens.unsqueeze(0), draft_probs, params, generator
-    )
+    draft_tokens = draft.tokens.to(target_logits.device).unsqueeze(0)  # [1, k]
+    tokens, num_accepted = verify_batch(target_logits.unsqueeze(0), draft_tokens, draft_probs, params, generator)
     accepted = int(num_accepted[0])
     return Verdict(tokens=tokens[0, : accepted + 1].tolist(), num_accepted=accepted)
 
@@ -115,7 +114,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(
             f"draft_probs must be [B, k, V] = [{batch}, {k}, {vocab}], got {list(draft_probs.shape)}"
         )
-    seq_index = torch.arange(batch)  # [B]
+    seq_index = torch.arange(batch, device=target_probs.device)  # [B]
 
     # Accept draft x at row i with probability min(1, target_probs / draft_probs), written
     # as u * draft < target: no division, and a draft that gave x no mass (which it could
@@ -126,7 +125,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     else:
         draft_at_draft = draft_probs.gather(2, draft_tokens.unsqueeze(2)).squeeze(2)  # [B, k]
         draft_at_draft = draft_at_draft.to(target_probs.dtype)
-    uniforms = torch.rand((batch, k), generator=generator, dtype=target_probs.dtype)  # [B, k]
+    uniforms = torch.rand((batch, k), generator=generator, dtype=target_probs.dtype, device=target_probs.device)  # [B, k]
     accepted = uniforms * draft_at_draft < target_at_draft  # [B, k]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]: drafts before the first rejection
 
@@ -151,6 +150,6 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
 
 def _pad_after(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
     """tokens [B, k+1]: keep each row's first num_accepted + 1, PAD_TOKEN the rest."""
-    positions = torch.arange(tokens.shape[1])  # [k+1]
+    positions = torch.arange(tokens.shape[1], device=tokens.device)  # [k+1]
     emitted = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # [B, k+1]
     return tokens.masked_fill(~emitted, PAD_TOKEN)

@@ -1,0 +1,131 @@
+"""Devices: every tensor a step makes goes on the models' device, the CPU-only options
+are refused by name elsewhere, and where a CUDA GPU is present the engine runs there
+losslessly (the CUDA cases here and in test_engine.py are skipped without one)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specserve.bench.quality import perplexity
+from specserve.cli import main
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.model import native
+from specserve.model.decoder import Segment
+from specserve.model.device import check_device_format, default_dtype, resolve_device
+from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from tests.conftest import DEVICES
+from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
+
+REQUESTS = [
+    (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    (PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)),
+    (PROMPTS[3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    (PROMPTS[2], SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=8, ignore_eos=True)),
+]
+
+
+def run_batch(target, make_proposer, adaptive: bool) -> list[list[int]]:
+    proposer = make_proposer()
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
+                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
+                    prefill_chunk_size=8)
+    seqs = [engine.add_request(prompt, params) for prompt, params in REQUESTS]
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("proposer_kind,adaptive", [
+    ("none", False), ("draft", False), ("draft", True), ("ngram", False),
+])
+def test_nothing_a_step_makes_lands_on_the_default_device(monkeypatch, proposer_kind, adaptive):
+    """Under `torch.device("meta")`, a tensor made without naming its device is a meta
+    tensor: it has no data, and the first op that mixes it with the models' tensors (or
+    reads it) fails. On a GPU that tensor would sit on the CPU and fail the same way, so
+    a batch of greedy and sampled requests, prompts read in chunks, drafting, rejection
+    and rollback run this way here must give exactly what they give normally."""
+    monkeypatch.setattr(native, "library", lambda: None)  # our C kernels are CPU-only: out of this
+    target = random_decoder("qwen3", seed=1)
+    draft = perturbed(target, 0.3, seed=2)
+    make_proposer = {
+        "none": lambda: None,
+        "draft": lambda: DraftModelProposer(draft, confidence_threshold=0.3, catch_up_chunk_size=8),
+        "ngram": lambda: NgramProposer(1, 3),
+    }[proposer_kind]
+    expected = run_batch(target, make_proposer, adaptive)
+    with torch.device("meta"):
+        assert run_batch(target, make_proposer, adaptive) == expected
+
+
+def test_perplexity_makes_its_tensors_on_the_models_device(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    target = random_decoder("llama", seed=3)
+    ids = list(range(1, 90)) * 2
+    expected = perplexity(target, ids, chunk=64)
+    with torch.device("meta"):
+        assert perplexity(target, ids, chunk=64) == expected
+
+
+def test_device_names_resolve_or_are_refused():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+    with pytest.raises(ConfigError, match="not supported"):
+        resolve_device("mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU here.*--device cpu"):
+            resolve_device("cuda")
+
+
+def test_cpu_only_options_are_refused_on_a_gpu_by_name():
+    gpu = torch.device("cuda")  # a device name needs no GPU to exist
+    with pytest.raises(ConfigError, match="--quantization int4 runs on our CPU kernels only.*--device cpu"):
+        check_device_format(gpu, "int4", batch_invariant=False)
+    with pytest.raises(ConfigError, match="--batch-invariant.*--device cpu"):
+        check_device_format(gpu, "none", batch_invariant=True)
+    check_device_format(gpu, "none", batch_invariant=False)
+    check_device_format(torch.device("cpu"), "int4", batch_invariant=True)
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_with_quantized_kernels():
+    assert default_dtype(torch.device("cpu"), "none") == torch.float32
+    assert default_dtype(torch.device("cpu"), "int4") == torch.bfloat16
+    assert default_dtype(torch.device("cuda"), "none") == torch.bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")
+def test_cli_refuses_cuda_without_a_gpu_before_loading(capsys):
+    assert main(["generate", "--model", "no-such-model", "--device", "cuda", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: --device cuda: PyTorch sees no CUDA GPU") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_on_the_device_match_the_cpu(device):
+    cpu_model = random_decoder("qwen2", seed=5)
+    model = copy.deepcopy(cpu_model).to(device)
+    ids = PROMPTS[3]
+    expected = cpu_model(torch.tensor(ids), [Segment(cpu_model.new_cache(), len(ids))])  # [n, V]
+    cache = model.new_cache()
+    got = model(torch.tensor(ids, device=device), [Segment(cache, len(ids))])
+    assert got.device.type == device and cache.keys.device.type == device
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_each_request_draws_from_a_generator_on_the_models_device(monkeypatch):
+    """A CPU generator cannot drive sampling on a GPU: the engine makes each request's
+    on the target's device (a real CUDA run is in test_engine.py, where a GPU is)."""
+    made_on = []
+    make = SamplingParams.make_generator
+    monkeypatch.setattr(SamplingParams, "make_generator", lambda self, device: made_on.append(device) or make(self, device))
+    target = random_decoder("llama", seed=3)
+    Engine(target, eos_token_ids=[EOS]).add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=1))
+    assert made_on == [target.device]
