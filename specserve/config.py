@@ -172,6 +172,10 @@ class SpecConfig:
     # between the steps. Needs a quantized draft; the verification joins the call when
     # the target is quantized too, else it stays a PyTorch forward.
     fused: bool = False
+    # Our addition (draft_model only), as EAGLE-3's draft_vocab_size: the draft guesses
+    # only token ids below this (Decoder.limit_head), so its head reads that share of
+    # its rows; None = the whole vocabulary.
+    draft_vocab_size: int | None = None
 
     def describe_k(self) -> str:
         if self.adaptive:
@@ -259,6 +263,12 @@ class SpecConfig:
             raise ConfigError(f"fused must be true or false, got {fused!r}")
         if fused and method != "draft_model":
             raise ConfigError('fused applies to "draft_model" only: an n-gram lookup has no steps to fuse')
+        draft_vocab_size = raw.get("draft_vocab_size")
+        if draft_vocab_size is not None:
+            if method != "draft_model":
+                raise ConfigError('draft_vocab_size applies to "draft_model" only')
+            if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1:
+                raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(
@@ -272,4 +282,5 @@ class SpecConfig:
             draft_confidence_threshold=float(threshold),
             quantization=quantization,
             fused=fused,
+            draft_vocab_size=draft_vocab_size,
         )

@@ -157,10 +157,12 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_speculative_engine_samples_the_target_distribution(device):
+@pytest.mark.parametrize("draft_head", [4, 3], ids=["whole-vocabulary", "draft-guesses-3-of-4-ids"])
+def test_speculative_engine_samples_the_target_distribution(device, draft_head):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
-    distributed exactly as the target's own sampling would (chi-square over all 4^4)."""
+    distributed exactly as the target's own sampling would (chi-square over all 4^4),
+    also where the draft's head scores only some token ids (Decoder.limit_head)."""
     import itertools
 
     from specserve.model.decoder import Segment
@@ -170,7 +172,9 @@ def test_speculative_engine_samples_the_target_distribution(device):
     vocab, length, prompt = 4, 4, [0, 1, 2]
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
-    draft = on(perturbed(target, 1.5, seed=4), device)
+    draft = perturbed(target, 1.5, seed=4)
+    draft.limit_head(draft_head)  # 3: token 3 only ever comes from the target's residual
+    draft = on(draft, device)
     params = dict(max_tokens=length, temperature=0.9, top_p=0.95, ignore_eos=True)
 
     # Exact target probabilities of every continuation, one prefix at a time.

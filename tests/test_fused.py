@@ -53,8 +53,11 @@ class View:  # a SequenceView
 
 
 @needs_kernel
-@pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, draft, threshold):
+@pytest.mark.parametrize("threshold,head_size", [(0.0, None), (0.3, None), (0.3, 48)])
+def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, float_target, draft, threshold, head_size):
+    if head_size is not None:  # a draft that guesses only the first 48 of 96 token ids
+        draft = quantized(perturbed(float_target, 0.3, seed=2))
+        draft.limit_head(head_size)
     unfused, fused = DraftModelProposer(draft, threshold), FusedDraftProposer(draft, target, threshold)
     views = {name: [View(0, list(PROMPTS[1])), View(1, list(PROMPTS[3]))] for name in ("unfused", "fused")}
     lengths = []
@@ -64,6 +67,7 @@ def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, draft, th
                   (("unfused", unfused), ("fused", fused))}
         assert [d.tokens.tolist() for d in drafts["fused"]] == [d.tokens.tolist() for d in drafts["unfused"]]
         assert fused.last_catch_up == unfused.last_catch_up
+        assert all(t < (head_size or 96) for d in drafts["fused"] for t in d.tokens.tolist())
         lengths += [d.num_tokens for d in drafts["fused"]]
         for name, proposer in (("unfused", unfused), ("fused", fused)):
             for view, d in zip(views[name], drafts[name]):

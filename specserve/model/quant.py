@@ -133,6 +133,19 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP_SIZE, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def first_rows(self, n: int) -> QuantizedLinear:
+        """This layer computing only its outputs [0, n), on views of its weights: every
+        layout here keeps an output's weights, scales and zeros in its own row, except
+        PyTorch's int4 pack (our heads are int8 in any case)."""
+        if self.bits == 4 and not self.native:
+            raise ConfigError("a layer on PyTorch's int4 kernel cannot be cut to its first rows")
+        rows = QuantizedLinear.__new__(QuantizedLinear)
+        nn.Module.__init__(rows)
+        rows.bits, rows.in_features, rows.out_features, rows.native = self.bits, self.in_features, n, self.native
+        for name, tensor in self._buffers.items():
+            rows.register_buffer(name, None if tensor is None else tensor[:n], persistent=False)  # [n, ...] views
+        return rows
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a fused gate/up projection (the gate's rows first): silu(gate) * up,
         [T, in] -> [T, out / 2], in one kernel call where ours runs."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
@@ -38,6 +39,7 @@ class DraftModelProposer:
         self.caches: dict[int, KVCache] = {}
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.in_c() is not None
+        self.unscored_ids = draft.config.vocab_size - draft.head_size  # see Decoder.limit_head
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
@@ -101,7 +103,8 @@ class DraftModelProposer:
                 if params.greedy:
                     token, confidence = argmax[row], confidences[row]
                 else:
-                    row_probs = logits_to_probs(logits[row : row + 1], params)  # [1, V]
+                    # [1, V]: a head limited to the first ids gives the rest no mass.
+                    row_probs = F.pad(logits_to_probs(logits[row : row + 1], params), (0, self.unscored_ids))
                     token = int(sample(row_probs, seqs[i].generator))
                     confidence = float(row_probs[0, token])
                     draft_probs[i].append(row_probs[0])

@@ -53,6 +53,8 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
                        device=target.decoder.device)
     check_same_vocabulary(target, draft)
+    if spec.draft_vocab_size is not None:
+        draft.decoder.limit_head(spec.draft_vocab_size)
     if spec.fused:
         return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)

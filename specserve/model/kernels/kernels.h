@@ -27,9 +27,10 @@ struct block {
  * hidden states and hidden states into logits. */
 struct model {
     const struct block *blocks;
-    int num_layers, hidden, heads, kv_heads, D, intermediate, vocab;
+    int num_layers, hidden, heads, kv_heads, D, intermediate;
+    int vocab;                  /* the head's rows: the token ids it scores (a draft's may be fewer) */
     float eps;
-    const uint16_t *embed;      /* [vocab, hidden] */
+    const uint16_t *embed;      /* [every token id, hidden] */
     const uint16_t *final_norm; /* [hidden] */
     struct quantized_linear head;
 };
