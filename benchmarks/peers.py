@@ -4,8 +4,9 @@ For each prompt of the structured and open-ended suites (chat template, temperat
 the same token ids everywhere): specserve plain, with the draft model at a fixed k,
 with adaptive speculation and with n-gram lookup; the `transformers` library's plain
 and assisted generation on the same float32 weights; llama.cpp (llama-cpp-python) on
-the GGUF file itself, plain and with its prompt-lookup decoding. Models run one after
-the other, each freed before the next loads. Every system is timed the same way: TTFT
+the GGUF file itself, plain and with its prompt-lookup decoding. Each of our modes and
+each peer runs in a fresh process of its own, one after the other (this script starts
+them and gathers their rows). Every system is timed the same way: TTFT
 is the time to the first output token, the decode rate counts the tokens after the
 first over the time after the first. With `--rounds N` all of it runs N times in turn
 and each row gives its median round: on a shared machine whose speed drifts over
@@ -37,6 +38,7 @@ import gc
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -160,45 +162,50 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:
         raw["quantization"] = args.draft_quantization
+    if mode != "ngram" and args.draft_vocab_size:
+        raw["draft_vocab_size"] = args.draft_vocab_size
     raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
     if mode.endswith("-fused"):
         raw["fused"] = True
     return SpecConfig.parse(raw)
 
 
-def our_runs(args, first_round: bool) -> list[OurRun]:
-    runs = [OurRun(m, our_spec(m, args), dtype_of(args), args.quantization, m.endswith("-compiled"))
-            for m in args.modes]
+def our_run(mode: str, args) -> OurRun:
+    if mode == FLOAT32_PLAIN:
+        return OurRun(FLOAT32_PLAIN, None, torch.float32, "none")
+    return OurRun(mode, our_spec(mode, args), dtype_of(args), args.quantization, mode.endswith("-compiled"))
+
+
+def units(args, peers: list[str], first_round: bool) -> list[str]:
+    """What a round runs, in order, each in a process of its own: our modes, then the peers."""
+    modes = list(args.modes)
     if quality_wanted(args) and first_round:  # float32's tokens, for the quality section: once is enough
-        runs.append(OurRun(FLOAT32_PLAIN, None, torch.float32, "none"))
-    return runs
+        modes.append(FLOAT32_PLAIN)
+    return [f"specserve:{mode}" for mode in modes] + peers
 
 
 def quality_wanted(args) -> bool:
     return dtype_of(args) != torch.float32 or args.quantization != "none"
 
 
-def run_ours(args, prompt_ids: dict[str, list[int]], report: Report, first_round: bool = True) -> None:
-    for run in our_runs(args, first_round):
-        engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
-                                         batch_invariant=args.batch_invariant, compile=run.compile,
-                                         device=device_of(args))
-        for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
-            run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
-            result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-            report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],
-                                         result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k))
-        note_our_models(args, run, engine, report)
-        del engine
-        gc.collect()
+def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report) -> None:
+    engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
+                                     batch_invariant=args.batch_invariant, compile=run.compile,
+                                     device=device_of(args))
+    for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
+        run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
+        result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+        report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],
+                                     result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k))
+    note_our_models(args, run, engine, report)
 
 
 def note_our_models(args, run: OurRun, engine, report: Report) -> None:
-    """Roofline entries (and perplexity) for the models this run has loaded."""
+    """Roofline entries (and, in the first round, perplexity) for the models this run has loaded."""
     if run.spec is None:
         report.add_model("target", args.target, "specserve", run.format, weight_bytes_per_token(engine.target),
                          run.mode)
-        if quality_wanted(args) and run.format not in report.perplexities:
+        if quality_wanted(args) and args.first_round:
             report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
     if isinstance(draft, Decoder) and not any(m["role"] == "draft" for m in report.models):
@@ -246,8 +253,6 @@ def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int],
             tokens, ttft_s, e2e_s, num_first = transformers_greedy(target, assistant, ids, args.max_tokens, eos_ids)
             report.rows.append(timed_row("transformers", mode, fmt, name, tokens, ttft_s, e2e_s,
                                          num_first_tokens=num_first))
-    del target, draft
-    gc.collect()
 
 
 def transformers_greedy(target, assistant, ids: list[int], max_tokens: int,
@@ -482,6 +487,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
+    parser.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                        help="our draft guesses only token ids below this (the speculative config's draft_vocab_size)")
     parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(DEFAULT_MODES),
                         help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none; "
                              f"default {','.join(DEFAULT_MODES)})")
@@ -492,6 +499,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="run everything this many times in turn; each row gives its median round")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
+    # What main() passes to the process it starts for each unit (see run_unit).
+    parser.add_argument("--unit", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--first-round", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         check_quantization(args.quantization, dtype_of(args))
@@ -515,6 +525,38 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     return args, prompts
 
 
+def run_unit(args, prompts: dict[str, str]) -> dict[str, Any]:
+    """One unit (`specserve:MODE`, `transformers` or `llama.cpp`) in this process:
+    its rows, roofline models and perplexities."""
+    tokenizer = Tokenizer.from_dir(models.resolve(args.target))
+    prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
+    eos_ids = list(tokenizer.eos_token_ids)
+    report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
+    if args.unit.startswith("specserve:"):
+        run_ours(args, our_run(args.unit.removeprefix("specserve:"), args), prompt_ids, report)
+    elif args.unit == "transformers":
+        run_transformers(args, prompt_ids, eos_ids, report)
+    else:
+        run_llama_cpp(args, prompt_ids, eos_ids, gguf_file(args.target), report)
+    return {"rows": report.rows, "models": report.models, "perplexities": report.perplexities}
+
+
+def run_in_child(argv: list[str], unit: str, first_round: bool, report: Report) -> None:
+    """Run a unit in a fresh process and add what it measured to the report. Each
+    unit starting from a fresh process keeps one unit's leftovers (freed models, the
+    allocator's pools, a GPU's cache) out of the next one's figures: in one process,
+    rows run late in a round had measured up to 1.3x slower TTFT."""
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--unit", unit]
+    result = subprocess.run(command + ["--first-round"] * first_round, stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)  # its stderr (progress, skips, errors) goes to ours
+    if result.returncode != 0:
+        raise SpecserveError(f"{unit} failed (exit {result.returncode}; its error is above)")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    report.rows += measured["rows"]
+    report.models += measured["models"]
+    report.perplexities.update(measured["perplexities"])
+
+
 def bandwidth_options(device: torch.device) -> dict[str, Any]:
     # A GPU reads 1 GiB in well under a millisecond: 8 GiB keeps the launch out of it.
     return {"device": device} if device.type == "cpu" else {"device": device, "gib": 8.0}
@@ -524,9 +566,9 @@ def skip(what: str, why: str) -> None:
     print(f"{what}: skipped, {why}", file=sys.stderr, flush=True)
 
 
-def available_peers(args) -> tuple[list[str], Path | None]:
-    """The peers that can run here (a message for each that cannot), and llama.cpp's GGUF."""
-    peers, gguf = [], None
+def available_peers(args) -> list[str]:
+    """The peers that can run here, with a message for each that cannot."""
+    peers = []
     if "transformers" in args.peers:
         if importlib.util.find_spec("transformers") is None:
             skip("transformers", "the transformers package is not installed")
@@ -535,7 +577,7 @@ def available_peers(args) -> tuple[list[str], Path | None]:
     if "llama.cpp" in args.peers:
         try:
             import llama_cpp
-            gguf = gguf_file(args.target)
+            gguf_file(args.target)  # joined once, here, for the llama.cpp processes
             if device_of(args).type != "cpu" and not llama_cpp.llama_supports_gpu_offload():
                 skip("llama.cpp", f"this llama-cpp-python build runs on the CPU only, and --device is {args.device} "
                      "(build it with CMAKE_ARGS=\"-DGGML_CUDA=on\" for a GPU row)")
@@ -544,25 +586,24 @@ def available_peers(args) -> tuple[list[str], Path | None]:
         except Exception as e:  # ImportError, or a native library that fails to load
             skip("llama.cpp", f"{type(e).__name__}: {e}; it needs llama-cpp-python "
                  "(build note in benchmarks/README.md) and a GGUF target")
-    return peers, gguf
+    return peers
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args, prompts = parse_args(argv)
-    peers, gguf = available_peers(args)
-    # Measured before any model is loaded, while the memory is quiet.
-    bandwidth, method = measure_read_bandwidth(**bandwidth_options(device_of(args)))
     try:
+        if args.unit is not None:
+            print(json.dumps(run_unit(args, prompts)))
+            return 0
+        peers = available_peers(args)
+        # Measured before any model is loaded, while the memory is quiet.
+        bandwidth, method = measure_read_bandwidth(**bandwidth_options(device_of(args)))
         tokenizer = Tokenizer.from_dir(models.resolve(args.target))
-        prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
-        eos_ids = list(tokenizer.eos_token_ids)
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
         for round_index in range(args.rounds):
-            run_ours(args, prompt_ids, report, first_round=round_index == 0)
-            if "transformers" in peers:
-                run_transformers(args, prompt_ids, eos_ids, report)
-            if "llama.cpp" in peers:
-                run_llama_cpp(args, prompt_ids, eos_ids, gguf, report)
+            for unit in units(args, peers, first_round=round_index == 0):
+                run_in_child(argv, unit, round_index == 0, report)
     except SpecserveError as e:
         print(f"peers.py: error: {e}", file=sys.stderr)
         return 1

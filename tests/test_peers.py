@@ -104,6 +104,14 @@ def test_missing_llama_cpp_is_skipped_with_a_message(prepared_cache, tmp_path):
     assert [json.loads(line)["system"] for line in result.stdout.splitlines()] == []
 
 
+def test_a_unit_that_fails_fails_the_run_with_its_own_error(prepared_cache):
+    result = run_peers(*SMALL, "--prompts", "count", "--modes", "plain,draft-fused", "--peers", "", "--json",
+                       cache=prepared_cache)
+    assert result.returncode == 1 and result.stdout == ""
+    assert '"fused": true runs the draft in our C kernels' in result.stderr  # the unit's own message
+    assert "specserve:draft-fused failed" in result.stderr
+
+
 def test_bad_flags_are_one_line_errors(prepared_cache):
     result = run_peers(*SMALL, "--modes", "plain,turbo", cache=prepared_cache)
     assert result.returncode == 2 and "unknown mode(s) ['turbo']" in result.stderr

@@ -49,6 +49,10 @@ def measure_read_bandwidth(gib: float = 1.0, passes: int = BANDWIDTH_PASSES,
         data.sum()
         wait()
         best = min(best, time.perf_counter() - start)
+    num_bytes = tensor_bytes(data)
+    del data
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the GPU's memory back to the models measured next
     where = f"on {device}" if device.type != "cpu" else f"{torch.get_num_threads()} threads"
     method = f"best of {passes} torch.sum passes over a {gib:g} GiB float32 tensor, {where}"
-    return tensor_bytes(data) / best, method
+    return num_bytes / best, method
