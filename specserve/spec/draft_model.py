@@ -94,7 +94,7 @@ class DraftModelProposer:
             device = self.draft.device
             flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64, device=device)
             last_rows = torch.tensor([len(inputs[i]) for i in order], device=device).cumsum(0) - 1
-            logits = self.draft(flat, segments, last_rows)  # [len(order), V]
+            logits = self.draft(flat, segments, last_rows)  # [len(order), draft.head_size]
             # Every greedy guess of this position from one read-back (one sync on a GPU).
             argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
             unsure: set[int] = set()
