@@ -536,8 +536,10 @@ def run_unit(args, prompts: dict[str, str]) -> dict[str, Any]:
         run_ours(args, our_run(args.unit.removeprefix("specserve:"), args), prompt_ids, report)
     elif args.unit == "transformers":
         run_transformers(args, prompt_ids, eos_ids, report)
-    else:
+    elif args.unit == "llama.cpp":
         run_llama_cpp(args, prompt_ids, eos_ids, gguf_file(args.target), report)
+    else:
+        raise SpecserveError(f"unknown unit {args.unit!r}")
     return {"rows": report.rows, "models": report.models, "perplexities": report.perplexities}
 
 

@@ -39,7 +39,6 @@ class DraftModelProposer:
         self.caches: dict[int, KVCache] = {}
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.in_c() is not None
-        self.unscored_ids = draft.config.vocab_size - draft.head_size  # see Decoder.limit_head
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
@@ -97,6 +96,7 @@ class DraftModelProposer:
             logits = self.draft(flat, segments, last_rows)  # [len(order), draft.head_size]
             # Every greedy guess of this position from one read-back (one sync on a GPU).
             argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
+            unscored_ids = self.draft.config.vocab_size - self.draft.head_size  # see Decoder.limit_head
             unsure: set[int] = set()
             for row, i in enumerate(order):
                 params = seqs[i].params
@@ -104,7 +104,7 @@ class DraftModelProposer:
                     token, confidence = argmax[row], confidences[row]
                 else:
                     # [1, V]: a head limited to the first ids gives the rest no mass.
-                    row_probs = F.pad(logits_to_probs(logits[row : row + 1], params), (0, self.unscored_ids))
+                    row_probs = F.pad(logits_to_probs(logits[row : row + 1], params), (0, unscored_ids))
                     token = int(sample(row_probs, seqs[i].generator))
                     confidence = float(row_probs[0, token])
                     draft_probs[i].append(row_probs[0])
