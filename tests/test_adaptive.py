@@ -324,7 +324,7 @@ def test_reading_a_prompt_into_the_draft_is_charged_to_drafting():
 def test_a_probe_whose_reading_costs_more_than_drafting_could_gain_is_skipped():
     ctl = controller(per_row=0.3)
     for _ in range(100):
-        ctl.observe_read(100, 0, 1.0)
+        ctl.observe_read(100, 0, 10.0)  # reading costs ~8 plain steps
 
     def probes(seq_id: int, remaining: int) -> list[int]:
         ctl.sequences[seq_id] = steady(0.2)  # drafting does not pay: only probes draft
@@ -335,3 +335,24 @@ def test_a_probe_whose_reading_costs_more_than_drafting_could_gain_is_skipped():
         return ks
 
     assert any(probes(1, remaining=10**6)) and not any(probes(2, remaining=20))
+
+
+def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
+    """A sequence that stopped drafting reads every token decoded since at its next
+    probe, so the backlog only grows. Probes are valued by what drafting would gain if
+    the text turned predictable, not by the least gain worth drafting for: under the
+    costs measured on the int4 pair, that once skipped every probe after ~25 plain
+    tokens, and the sequence never drafted again."""
+    ctl = controller(fixed=0.037, per_row=0.0086, draft_fixed=0.0028, per_position=0.0184)
+    for _ in range(100):
+        ctl.observe_read(64, 0, 64 * 0.0032)  # 3.2 ms a token read into the draft
+    ctl.sequences[1] = steady(0.3)  # drafting does not pay: only probes draft
+    probed_at, backlog = [], 1
+    for step in range(200):
+        (k,) = ctl.choose([1], backlogs=[backlog], remaining=[200 - step])
+        if k:
+            probed_at.append(backlog)
+            backlog = 1  # the probe read it
+        ctl.record(1, k, 0)
+        backlog += 1
+    assert len(probed_at) >= 3 and max(probed_at) >= 60, probed_at

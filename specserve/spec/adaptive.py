@@ -201,7 +201,14 @@ class AdaptiveSpecLength:
     def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
                  others: int = 0) -> list[int]:
         """Each sequence's k for the step that maximises the batch's predicted tokens
-        per second; all 0 unless that beats plain decoding by MIN_SPEEDUP.
+        per second; all 0 unless that beats plain decoding by MIN_SPEEDUP (see `best`)."""
+        return self.best(acceptances, read_costs, others)[1]
+
+    def best(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
+             others: int = 0) -> tuple[float, list[int]]:
+        """(predicted speedup, each sequence's k) of the step that maximises the batch's
+        predicted tokens per second; (MIN_SPEEDUP, all 0) unless one beats plain
+        decoding by MIN_SPEEDUP.
 
         The draft runs for the whole batch at once, so its cost follows the longest
         draft: one sequence drafting alone makes every other one wait through its draft
@@ -222,7 +229,7 @@ class AdaptiveSpecLength:
         draft_fixed, per_position = self.draft.coefficients()
         plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
-            return [0] * count
+            return MIN_SPEEDUP, [0] * count
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
 
         def speedup(ks: list[int]) -> float:
@@ -250,7 +257,7 @@ class AdaptiveSpecLength:
                     speed = speedup(ks)
                     if speed > best:
                         best, best_ks = speed, ks
-        return best_ks
+        return best, best_ks
 
     def choose(self, seq_ids: list[int], backlogs: list[int] | None = None,
                remaining: list[int] | None = None, others: int = 0) -> list[int]:
@@ -261,9 +268,14 @@ class AdaptiveSpecLength:
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
         batch = len(seq_ids) + others
-        # What a sequence's plain token costs; a probe whose reading alone would take
-        # more than the least gain worth drafting for cannot lead to drafting that pays.
-        affordable_read = (MIN_SPEEDUP - 1) * self.plain_step(batch) / max(batch, 1)
+        # A probe asks whether the text has turned predictable again. If it has, the
+        # sequence drafts like a new one (the prior's acceptance) and saves that share of
+        # each token's time; a probe whose reading alone costs more per remaining token
+        # cannot pay. (Valued at the least gain worth drafting for instead, every probe
+        # was skipped once the backlog of plain steps grew past ~25 tokens: the backlog
+        # only grows, so the sequence never drafted again.)
+        hopeful, _ = self.best([Acceptance(self.max_k)], others=batch - 1)
+        affordable_read = (1 - 1 / hopeful) * self.plain_step(batch) / max(batch, 1)
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
