@@ -274,7 +274,7 @@ class AdaptiveSpecLength:
         # cannot pay. (Valued at the least gain worth drafting for instead, every probe
         # was skipped once the backlog of plain steps grew past ~25 tokens: the backlog
         # only grows, so the sequence never drafted again.)
-        hopeful, _ = self.best([Acceptance(self.max_k)], others=batch - 1)
+        hopeful, _ = self.best([Acceptance(self.max_k)], others=max(batch - 1, 0))
         affordable_read = (1 - 1 / hopeful) * self.plain_step(batch) / max(batch, 1)
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
