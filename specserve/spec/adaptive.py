@@ -268,14 +268,7 @@ class AdaptiveSpecLength:
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
         batch = len(seq_ids) + others
-        # A probe asks whether the text has turned predictable again. If it has, the
-        # sequence drafts like a new one (the prior's acceptance) and saves that share of
-        # each token's time; a probe whose reading alone costs more per remaining token
-        # cannot pay. (Valued at the least gain worth drafting for instead, every probe
-        # was skipped once the backlog of plain steps grew past ~25 tokens: the backlog
-        # only grows, so the sequence never drafted again.)
-        hopeful, _ = self.best([Acceptance(self.max_k)], others=max(batch - 1, 0))
-        affordable_read = (1 - 1 / hopeful) * self.plain_step(batch) / max(batch, 1)
+        affordable_read = None  # worked out once, if some sequence is due a probe
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
@@ -284,10 +277,23 @@ class AdaptiveSpecLength:
                 state.drafting_steps = 0
             # A probe makes the whole batch wait through a draft: in a batch of B, each
             # sequence probes B times less often, so probes cost the batch alike.
-            state.probing = k == 0 and state.plain_steps >= state.probe_interval * batch and read <= affordable_read
+            state.probing = k == 0 and state.plain_steps >= state.probe_interval * batch
+            if state.probing:
+                affordable_read = self._affordable_read(batch) if affordable_read is None else affordable_read
+                state.probing = read <= affordable_read
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
         return ks
+
+    def _affordable_read(self, batch: int) -> float:
+        """The most a probe may spend per remaining token reading its backlog. A probe
+        asks whether the text has turned predictable again; if it has, the sequence
+        drafts like a new one (the prior's acceptance) and saves that share of each
+        token's time. (Valued at the least gain worth drafting for instead, every probe
+        was skipped once the backlog of plain steps grew past ~25 tokens: the backlog
+        only grows, so the sequence never drafted again.)"""
+        hopeful, _ = self.best([Acceptance(self.max_k)], others=batch - 1)
+        return (1 - 1 / hopeful) * self.plain_step(batch) / batch
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence's step: what it drafted (maybe fewer than chosen) and kept."""
