@@ -559,11 +559,6 @@ def run_in_child(argv: list[str], unit: str, first_round: bool, report: Report) 
     report.perplexities.update(measured["perplexities"])
 
 
-def bandwidth_options(device: torch.device) -> dict[str, Any]:
-    # A GPU reads 1 GiB in well under a millisecond: 8 GiB keeps the launch out of it.
-    return {"device": device} if device.type == "cpu" else {"device": device, "gib": 8.0}
-
-
 def skip(what: str, why: str) -> None:
     print(f"{what}: skipped, {why}", file=sys.stderr, flush=True)
 
@@ -600,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         peers = available_peers(args)
         # Measured before any model is loaded, while the memory is quiet.
-        bandwidth, method = measure_read_bandwidth(**bandwidth_options(device_of(args)))
+        bandwidth, method = measure_read_bandwidth(device=device_of(args))
         tokenizer = Tokenizer.from_dir(models.resolve(args.target))
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
         for round_index in range(args.rounds):

@@ -15,8 +15,10 @@ from specserve.errors import ConfigError
 from specserve.model import native
 from specserve.model.decoder import PackedLinear, Segment, first_rows
 from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
+from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from tests.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
+from tests.test_fused import View
 from tests.test_native import needs_kernel
 
 
@@ -87,9 +89,6 @@ def test_a_draft_vocab_size_past_the_vocabulary_is_refused():
 
 
 def test_sampled_guesses_come_from_the_scored_ids_and_give_the_rest_no_mass():
-    from specserve.sampling import SamplingParams
-    from tests.test_fused import View
-
     draft = random_decoder("llama", seed=4)
     draft.limit_head(48)
     params = SamplingParams(max_tokens=8, temperature=1.5, seed=3)

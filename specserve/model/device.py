@@ -19,7 +19,6 @@ import torch
 from specserve.errors import ConfigError
 from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
 
-DEVICES = ("auto", "cpu", "cuda")
 CPU = torch.device("cpu")
 
 
