@@ -129,3 +129,24 @@ def test_each_request_draws_from_a_generator_on_the_models_device(monkeypatch):
     target = random_decoder("llama", seed=3)
     Engine(target, eos_token_ids=[EOS]).add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=1))
     assert made_on == [target.device]
+
+
+def test_cuda_attention_leaves_out_cudnn_and_every_forward_asks_for_its_devices_kernels(monkeypatch):
+    """cuDNN's SDPA plans anew for each key length, which a decode step changes every
+    step (see decoder.CUDA_ATTENTION_BACKENDS): a CUDA forward allows every kernel but it."""
+    from specserve.model import decoder
+
+    with decoder.attention_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    with decoder.attention_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+
+    asked_for = []
+    choose = decoder.attention_backends
+    monkeypatch.setattr(decoder, "attention_backends", lambda device: asked_for.append(device) or choose(device))
+    monkeypatch.setattr(native, "library", lambda: None)  # the Python path, where SDPA is called
+    model = random_decoder("qwen2", seed=5)
+    model(torch.tensor(PROMPTS[3]), [Segment(model.new_cache(), len(PROMPTS[3]))])
+    assert asked_for == [model.device]
