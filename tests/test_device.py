@@ -14,13 +14,13 @@ from specserve.cli import main
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model import native
-from specserve.model.decoder import Segment
+from specserve.model.decoder import Decoder, Segment
 from specserve.model.device import check_device_format, default_dtype, resolve_device
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, tiny_config
 from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
 REQUESTS = [
@@ -150,3 +150,16 @@ def test_cuda_attention_leaves_out_cudnn_and_every_forward_asks_for_its_devices_
     model = random_decoder("qwen2", seed=5)
     model(torch.tensor(PROMPTS[3]), [Segment(model.new_cache(), len(PROMPTS[3]))])
     assert asked_for == [model.device]
+
+
+def test_a_drafts_prior_cost_follows_bytes_on_the_cpu_and_layers_on_a_gpu():
+    """Off the CPU our steps are bound by kernel launches, so a narrow draft of many
+    layers is no cheap draft there (the meta device stands in for a GPU)."""
+    from specserve.spec.factory import prior_cost_ratio
+
+    target = Decoder(tiny_config("qwen2", num_layers=4, hidden_size=128, intermediate_size=256))
+    draft = Decoder(tiny_config("qwen2", num_layers=3))
+    by_bytes = prior_cost_ratio(DraftModelProposer(draft), target)
+    assert by_bytes < 0.5
+    assert prior_cost_ratio(DraftModelProposer(draft.to("meta")), target.to("meta")) == 0.75
+    assert prior_cost_ratio(NgramProposer(1, 3), target) == 0.0
