@@ -337,16 +337,22 @@ def test_a_probe_whose_reading_costs_more_than_drafting_could_gain_is_skipped():
     assert any(probes(1, remaining=10**6)) and not any(probes(2, remaining=20))
 
 
-def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
-    """A sequence that stopped drafting reads every token decoded since at its next
-    probe, so the backlog only grows. Probes are valued by what drafting would gain if
-    the text turned predictable, not by the least gain worth drafting for: under the
-    costs measured on the int4 pair, that once skipped every probe after ~25 plain
-    tokens, and the sequence never drafted again."""
-    ctl = controller(fixed=0.037, per_row=0.0086, draft_fixed=0.0028, per_position=0.0184)
+def int4_pair_costs(per_position: float = 0.0184) -> AdaptiveSpecLength:
+    """Costs measured on the int4 pair (seconds): drafting near break-even at the prior."""
+    ctl = controller(fixed=0.037, per_row=0.0086, draft_fixed=0.0028, per_position=per_position)
     for _ in range(100):
         ctl.observe_read(64, 0, 64 * 0.0032)  # 3.2 ms a token read into the draft
-    ctl.sequences[1] = steady(0.3)  # drafting does not pay: only probes draft
+    return ctl
+
+
+def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
+    """A sequence that stopped drafting reads every token decoded since at its next
+    probe, so the backlog only grows. Probes are valued by what drafting would gain
+    after a fully accepted probe, not by the least gain worth drafting for: under the
+    int4 pair's costs that once skipped every probe after ~25 plain tokens, and the
+    sequence never drafted again."""
+    ctl = int4_pair_costs()
+    ctl.sequences[1] = steady(0.5)  # drafting does not pay: only probes draft
     probed_at, backlog = [], 1
     for step in range(200):
         (k,) = ctl.choose([1], backlogs=[backlog], remaining=[200 - step])
@@ -356,3 +362,20 @@ def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
         ctl.record(1, k, 0)
         backlog += 1
     assert len(probed_at) >= 3 and max(probed_at) >= 60, probed_at
+
+
+def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
+    """A new code prompt under costs where the prior's 0.8 acceptance falls short: its
+    first probe must read the prompt, and valued by the prior's own speedup that was
+    never worth it (zero drafts in 128 tokens at 0.99 acceptance). After a fully
+    accepted probe drafting would pay, and there is a fair chance of one."""
+    ctl = int4_pair_costs(per_position=0.024)
+    assert ctl.best([Acceptance(15)]) == (adaptive_module.MIN_SPEEDUP, [0])
+    ks = []
+    for step in range(40):
+        backlog = 2 if any(ks) else 41 + step  # the prompt and every plain token, until a draft
+        (k,) = ctl.choose([1], backlogs=[backlog], remaining=[128 - step])
+        ks.append(k)
+        ctl.record(1, k, k)  # every draft accepted
+    assert ks[adaptive_module.PROBE_INTERVAL] == adaptive_module.PROBE_TOKENS
+    assert min(ks[adaptive_module.PROBE_INTERVAL + 2 :]) > 7

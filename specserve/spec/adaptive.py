@@ -268,7 +268,7 @@ class AdaptiveSpecLength:
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
         batch = len(seq_ids) + others
-        affordable_read = None  # worked out once, if some sequence is due a probe
+        hopeful = None  # worked out once, if some sequence is due a probe
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
@@ -279,21 +279,32 @@ class AdaptiveSpecLength:
             # sequence probes B times less often, so probes cost the batch alike.
             state.probing = k == 0 and state.plain_steps >= state.probe_interval * batch
             if state.probing:
-                affordable_read = self._affordable_read(batch) if affordable_read is None else affordable_read
-                state.probing = read <= affordable_read
+                hopeful = self._speedup_after_a_full_probe(batch) if hopeful is None else hopeful
+                state.probing = read <= self._affordable_read(state, hopeful, batch)
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
         return ks
 
-    def _affordable_read(self, batch: int) -> float:
-        """The most a probe may spend per remaining token reading its backlog. A probe
-        asks whether the text has turned predictable again; if it has, the sequence
-        drafts like a new one (the prior's acceptance) and saves that share of each
-        token's time. (Valued at the least gain worth drafting for instead, every probe
-        was skipped once the backlog of plain steps grew past ~25 tokens: the backlog
-        only grows, so the sequence never drafted again.)"""
-        hopeful, _ = self.best([Acceptance(self.max_k)], others=batch - 1)
-        return (1 - 1 / hopeful) * self.plain_step(batch) / batch
+    def _speedup_after_a_full_probe(self, batch: int) -> float:
+        """The predicted speedup of a sequence whose probe was fully accepted: `record`
+        restarts its estimate from that probe alone."""
+        after = Acceptance(self.max_k)
+        after.restart(PROBE_DOUBT)
+        after.chosen = PROBE_TOKENS
+        after.record(PROBE_TOKENS, PROBE_TOKENS)
+        return self.best([after], others=batch - 1)[0]
+
+    def _affordable_read(self, state: Acceptance, hopeful: float, batch: int) -> float:
+        """The most a probe may spend per remaining token reading its backlog: what
+        drafting saves per token after a fully accepted probe (`hopeful`), times the
+        chance of one by the sequence's own estimate. Two ways of valuing it failed on
+        the int4 pair, whose drafting is near break-even at the prior's acceptance: by
+        the least gain worth drafting for, every probe was skipped once ~25 plain tokens
+        waited to be read; by a new sequence's prior, so was a new code prompt's first
+        probe (zero drafts in 128 tokens at 0.99 acceptance)."""
+        tokens, _ = state.curves()
+        chance = tokens[PROBE_TOKENS] - tokens[PROBE_TOKENS - 1]  # all PROBE_TOKENS accepted
+        return chance * (1 - 1 / hopeful) * self.plain_step(batch) / batch
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence's step: what it drafted (maybe fewer than chosen) and kept."""
