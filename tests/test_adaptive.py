@@ -42,7 +42,9 @@ def test_linear_fit_finds_the_line_and_forgets_the_prior():
 
 def steady(rate: float, max_k: int = 15) -> Acceptance:
     """A sequence known to earn each position with `rate` given the one before."""
-    return Acceptance(max_k, prior_rate=rate, prior_weight=1e12)
+    known = Acceptance(max_k, prior_rate=rate, prior_weight=1e12)
+    known.fresh = False  # known from its steps
+    return known
 
 
 def test_a_steady_rate_gives_leviathans_formula():
@@ -248,10 +250,7 @@ def test_seeded_sampling_keeps_the_fixed_k_and_repeats():
 def test_a_fully_accepted_probe_drafts_even_where_the_prior_would_not():
     ctl = controller(per_position=0.7)  # a draft so dear that acceptance 0.8 does not pay
     assert ctl.best_k(steady(0.8), 1) == 0 and ctl.best_k(steady(0.95), 1) > adaptive_module.PROBE_TOKENS
-    for _ in range(adaptive_module.PROBE_INTERVAL):
-        assert ctl.choose([1]) == [0]
-        ctl.record(1, 0, 0)
-    (k,) = ctl.choose([1])
+    (k,) = ctl.choose([1])  # a new sequence probes at once
     assert k == adaptive_module.PROBE_TOKENS
     ctl.record(1, k, k)
     assert ctl.choose([1])[0] > adaptive_module.PROBE_TOKENS
@@ -366,9 +365,10 @@ def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
 
 def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
     """A new code prompt under costs where the prior's 0.8 acceptance falls short: its
-    first probe must read the prompt, and valued by the prior's own speedup that was
-    never worth it (zero drafts in 128 tokens at 0.99 acceptance). After a fully
-    accepted probe drafting would pay, and there is a fair chance of one."""
+    first probe must read the prompt and, after 16 plain steps, those too; valued by the
+    prior's own speedup that was never worth it (zero drafts in 128 tokens at 0.99
+    acceptance). After a fully accepted probe drafting would pay, and there is a fair
+    chance of one."""
     ctl = int4_pair_costs(per_position=0.024)
     assert ctl.best([Acceptance(15)]) == (adaptive_module.MIN_SPEEDUP, [0])
     ks = []
@@ -377,5 +377,5 @@ def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
         (k,) = ctl.choose([1], backlogs=[backlog], remaining=[128 - step])
         ks.append(k)
         ctl.record(1, k, k)  # every draft accepted
-    assert ks[adaptive_module.PROBE_INTERVAL] == adaptive_module.PROBE_TOKENS
-    assert min(ks[adaptive_module.PROBE_INTERVAL + 2 :]) > 7
+    assert ks[0] == adaptive_module.PROBE_TOKENS  # at once: waiting tells nothing about the text
+    assert min(ks[2:]) > 7

@@ -114,6 +114,7 @@ class Acceptance:
         self.drafting_steps = 0  # in the current run of drafting steps
         self.probe_interval = PROBE_INTERVAL
         self.probing = False  # this step's draft is a probe
+        self.fresh = True  # no step recorded yet: its first probe need not wait
 
     def restart(self, prior_weight: float) -> None:
         """Forget every observation, keeping the prior with a new weight."""
@@ -276,8 +277,10 @@ class AdaptiveSpecLength:
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
                 state.drafting_steps = 0
             # A probe makes the whole batch wait through a draft: in a batch of B, each
-            # sequence probes B times less often, so probes cost the batch alike.
-            state.probing = k == 0 and state.plain_steps >= state.probe_interval * batch
+            # sequence probes B times less often, so probes cost the batch alike. A new
+            # sequence may probe at once: waiting tells nothing about its text, and its
+            # first probe reads the prompt either way.
+            state.probing = k == 0 and (state.fresh or state.plain_steps >= state.probe_interval * batch)
             if state.probing:
                 hopeful = self._speedup_after_a_full_probe(batch) if hopeful is None else hopeful
                 state.probing = read <= self._affordable_read(state, hopeful, batch)
@@ -309,6 +312,7 @@ class AdaptiveSpecLength:
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence's step: what it drafted (maybe fewer than chosen) and kept."""
         state = self._state(seq_id)
+        state.fresh = False
         if num_drafted == 0:
             state.plain_steps += 1
             return
