@@ -112,6 +112,17 @@ def test_a_unit_that_fails_fails_the_run_with_its_own_error(prepared_cache):
     assert "specserve:draft-fused failed" in result.stderr
 
 
+def test_no_quality_skips_the_float32_run(prepared_cache):
+    """bfloat16 asks for the quality section, whose float32 run costs a unit; a short
+    GPU lease can do without it."""
+    flags = [*SMALL, "--prompts", "count", "--modes", "plain", "--peers", "", "--dtype", "bfloat16"]
+    with_quality = run_peers(*flags, cache=prepared_cache)
+    without = run_peers(*flags, "--no-quality", cache=prepared_cache)
+    assert with_quality.returncode == 0 and without.returncode == 0, with_quality.stderr + without.stderr
+    assert "plain-float32" in with_quality.stdout and "Quality of bfloat16" in with_quality.stdout
+    assert "plain-float32" not in without.stdout and "Quality" not in without.stdout
+
+
 def test_bad_flags_are_one_line_errors(prepared_cache):
     result = run_peers(*SMALL, "--modes", "plain,turbo", cache=prepared_cache)
     assert result.returncode == 2 and "unknown mode(s) ['turbo']" in result.stderr
