@@ -31,7 +31,9 @@ single acceptance rate valued k=7 at 2.1 tokens a step where it gave 3.3, and ad
 drafted k = 1-3 at plain speed where fixed k=7 was 1.15x faster. When no
 k beats plain decoding by a margin the sequence decodes plainly (k = 0) and probes with
 a short draft now and then, so a prompt that turns predictable is noticed (a fully
-accepted probe restarts the estimate from that probe alone). A probe, or any run of
+accepted probe restarts the estimate from that probe alone). A new sequence probes at
+once; any probe is skipped while reading its backlog into the draft would cost more
+than it can be expected to gain (`_affordable_read`). A probe, or any run of
 drafting steps, that ends before PROBE_INTERVAL steps doubles the wait for the next
 probe (up to MAX_PROBE_INTERVAL), so an open-ended prompt, or a batch under which
 drafting does not pay, costs next to nothing; a run that lasts resets it. In a batch
