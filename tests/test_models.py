@@ -131,7 +131,7 @@ def test_a_copy_of_the_gguf_file_prepares_a_model_without_its_packages(monkeypat
     torch.testing.assert_close(logits[0], logits[1])
 
 
-def test_export_writes_the_checked_file_that_from_gguf_takes(prepared_cache, tmp_path, capsys):
+def test_export_writes_the_checked_file_that_from_gguf_takes(monkeypatch, prepared_cache, tmp_path, capsys):
     from specserve.cli import main
 
     assert main(["models", "export", "smollm2-135m", "--to", str(tmp_path / "out")]) == 0
@@ -139,7 +139,13 @@ def test_export_writes_the_checked_file_that_from_gguf_takes(prepared_cache, tmp
     assert capsys.readouterr().out.strip() == str(exported)
     assert exported.read_bytes() == models.CATALOGUE["smollm2-135m"].gguf_sources()[0].read_bytes()
     assert [p.name for p in exported.parent.iterdir()] == [exported.name]  # no partial file left
-    assert main(["models", "prepare", "smollm2-135m", "--from-gguf", str(exported), "--force"]) == 0
+    # Prepared under another name: preparing smollm2-135m again would change the folder
+    # that other tests' quantized files are keyed by.
+    monkeypatch.setitem(models.CATALOGUE, "exported-copy",
+                        dataclasses.replace(models.CATALOGUE["smollm2-135m"], name="exported-copy"))
+    shutil.rmtree(models.prepared_dir("exported-copy"), ignore_errors=True)
+    assert main(["models", "prepare", "exported-copy", "--from-gguf", str(exported)]) == 0
+    assert models.is_prepared(models.prepared_dir("exported-copy"))
 
 
 def test_from_gguf_and_export_say_how_they_are_used(prepared_cache, capsys, tmp_path):
