@@ -251,10 +251,11 @@ def run_models(args: argparse.Namespace) -> int:
             models.install(name, force=args.force)
         elif args.action == "export":
             print(models.export_gguf(name, Path(args.to)))
-        elif args.from_gguf is not None:
-            print(models.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
         else:
-            print(models.prepare(name, force=args.force))
+            if args.from_gguf is not None:
+                print(models.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
+            else:
+                print(models.prepare(name, force=args.force))
             if args.quantization != "none":
                 print(models.prepare_quantized(name, args.quantization))
     return 0

@@ -144,8 +144,11 @@ def test_export_writes_the_checked_file_that_from_gguf_takes(monkeypatch, prepar
     monkeypatch.setitem(models.CATALOGUE, "exported-copy",
                         dataclasses.replace(models.CATALOGUE["smollm2-135m"], name="exported-copy"))
     shutil.rmtree(models.prepared_dir("exported-copy"), ignore_errors=True)
-    assert main(["models", "prepare", "exported-copy", "--from-gguf", str(exported)]) == 0
+    capsys.readouterr()
+    assert main(["models", "prepare", "exported-copy", "--from-gguf", str(exported), "--quantization", "int8"]) == 0
     assert models.is_prepared(models.prepared_dir("exported-copy"))
+    folder, quantized = capsys.readouterr().out.split()  # --quantization applies to a --from-gguf prepare too
+    assert folder == str(models.prepared_dir("exported-copy")) and quantized.endswith(".safetensors")
 
 
 def test_from_gguf_and_export_say_how_they_are_used(prepared_cache, capsys, tmp_path):
