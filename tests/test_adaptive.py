@@ -40,6 +40,16 @@ def test_linear_fit_finds_the_line_and_forgets_the_prior():
     assert flat.coefficients() == (1.0, 0.0)
 
 
+def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
+    """A new engine's first step is often a probe verifying 3 rows. Taking its seconds
+    over 3 as a one-row forward's once made the prior line a third too cheap, and the
+    verified rows nearly free, for the first dozens of steps (drafting that lost)."""
+    ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.5)
+    ctl.observe_target(3, 0.110)  # the prior line says 3 rows cost 1.1 one-row forwards
+    assert ctl.plain_step(1) == pytest.approx(0.100, rel=0.02)
+    assert ctl.draft.coefficients()[1] == pytest.approx(0.050, rel=0.02)  # half a one-row forward
+
+
 def steady(rate: float, max_k: int = 15) -> Acceptance:
     """A sequence known to earn each position with `rate` given the one before."""
     known = Acceptance(max_k, prior_rate=rate, prior_weight=1e12)

@@ -335,7 +335,10 @@ class AdaptiveSpecLength:
 
     def observe_target(self, rows: int, seconds: float) -> None:
         """A decode step's target forward: `rows` tokens verified in `seconds`."""
-        self._rescale_priors(seconds / rows)
+        # The unit is a one-row forward: a first step that verified drafts says what one
+        # row costs through the prior's own line (a probe's 3 rows are not 3 units).
+        intercept, slope = self.target.coefficients()
+        self._rescale_priors(seconds / (intercept + slope * rows))
         self.target.add(rows, seconds)
 
     def observe_draft(self, positions: int, seconds: float) -> None:
@@ -350,14 +353,14 @@ class AdaptiveSpecLength:
         drafting = draft_fixed + per_position * positions if positions else 0.0
         self.read.add(tokens, max(seconds - drafting, 0.0))
 
-    def _rescale_priors(self, seconds_per_row: float) -> None:
+    def _rescale_priors(self, seconds_per_unit: float) -> None:
         # The priors are in units of a target forward; the first measurement sets the unit.
         if self._scale_known:
             return
         self._scale_known = True
         for fit in (self.target, self.draft, self.read):
             for name in ("sy", "sxy"):
-                setattr(fit, name, getattr(fit, name) * seconds_per_row)
+                setattr(fit, name, getattr(fit, name) * seconds_per_unit)
 
     def free(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

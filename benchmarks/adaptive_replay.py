@@ -1,0 +1,249 @@
+"""Adaptive speculation replayed on recorded text: its policy judged without timing noise.
+
+On a shared 2-core machine one decode run moves by 10-20% from minute to minute, more
+than the few percent that separate adaptive k from fixed k or from plain decoding on
+open-ended text. So the policy is judged here on a replay: `--record` runs the real
+pair once per suite prompt and keeps, for every output position, whether the draft's
+greedy guess (given the target's own prefix) equals the target's token and how sure
+the draft was of it, together with the step costs fitted on the spot (target forward
+per verified row, draft per position, reading per token). The replay then drives
+`AdaptiveSpecLength` itself, step by step, through the same decisions the engine makes
+(k from the policy, drafts cut where the draft is unsure, acceptance up to the first
+miss, the draft's backlog after plain steps), charging each step the recorded costs.
+Identical inputs give identical figures, so a change to the policy shows as it is.
+
+A guess drafted after a wrong one is judged as if its prefix were right (the draft's
+confidence there is not known); those guesses are rejected either way, only where
+the draft stops may differ.
+
+    .venv/bin/python benchmarks/adaptive_replay.py --record   # ~5 minutes, int4 pair
+    .venv/bin/python benchmarks/adaptive_replay.py            # the table, in a second
+    .venv/bin/python benchmarks/adaptive_replay.py --draft-cost-scale 2   # a dearer draft
+
+The recorded traces live in benchmarks/data/adaptive_traces.json (also read by
+tests/test_adaptive_replay.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
+
+TRACES = Path(__file__).parent / "data" / "adaptive_traces.json"
+FIXED_KS = (1, 2, 3, 5, 7, 11, 15)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds, as `AdaptiveSpecLength`'s fits model them."""
+
+    target_fixed: float
+    target_per_row: float
+    draft_fixed: float
+    draft_per_position: float
+    read_per_token: float
+
+    def plain_step(self) -> float:
+        return self.target_fixed + self.target_per_row
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One prompt's greedy output as the target decodes it, and the draft's view of it:
+    match[i] whether the draft's guess for output position i (after the target's
+    tokens 0..i-1) is the target's token, confidence[i] the draft's probability of its guess."""
+
+    name: str
+    suite: str
+    prompt_tokens: int
+    match: list[bool]
+    confidence: list[float]
+
+
+@dataclass
+class Outcome:
+    tokens: int
+    seconds: float
+    drafts: int
+    drafted: int
+    accepted: int
+
+
+def new_policy(costs: Costs, max_k: int = 15) -> AdaptiveSpecLength:
+    """Adaptive k with the engine's prior: a draft position costs its share of a plain step
+    (`prior_cost_ratio` gives the weight-bytes ratio; the recorded ratio stands in)."""
+    return AdaptiveSpecLength(max_k, costs.draft_per_position / costs.plain_step())
+
+
+def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLength | None = None,
+           seq_id: int = 0, threshold: float = 0.5) -> Outcome:
+    """Decode the trace once: fixed `k`, or adaptive (k None) with `adaptive`, a new
+    policy when None (what a fresh engine knows) or one that has served other requests."""
+    if k is None and adaptive is None:
+        adaptive = new_policy(costs)
+    elif k is not None:
+        adaptive = None
+    n = len(trace.match)
+    emitted, seconds = 1, 0.0  # the prefill's token; prefill is not charged (the same for all)
+    drafts = drafted_total = accepted_total = 0
+    unread = trace.prompt_tokens + 1  # tokens the draft has not read, ending with the newest
+    while emitted < n:
+        remaining = n - emitted
+        want = adaptive.choose([seq_id], [unread], [remaining])[0] if adaptive else k
+        want = max(0, min(want, remaining - 1))
+        drafted = accepted = 0
+        if want:
+            while drafted < want:
+                position = emitted + drafted
+                drafted += 1
+                if trace.confidence[position] < threshold:
+                    break
+            while accepted < drafted and trace.match[emitted + accepted]:
+                accepted += 1
+            drafting = costs.draft_fixed + costs.draft_per_position * drafted
+            if adaptive:
+                if unread <= MAX_CATCH_UP:
+                    adaptive.observe_draft(drafted, drafting)
+                else:
+                    reading = costs.read_per_token * unread
+                    adaptive.observe_read(unread, drafted, drafting + reading)
+                    drafting += reading
+            else:
+                drafting += costs.read_per_token * unread if unread > MAX_CATCH_UP else 0.0
+            seconds += drafting
+            drafts += 1
+            drafted_total += drafted
+            accepted_total += accepted
+        forward = costs.target_fixed + costs.target_per_row * (drafted + 1)
+        seconds += forward
+        if adaptive:
+            adaptive.observe_target(drafted + 1, forward)
+            adaptive.record(seq_id, drafted, accepted)
+        step_tokens = min(accepted + 1, n - emitted)
+        emitted += step_tokens
+        # The draft's cache keeps what it read and the accepted guesses it fed; it has
+        # yet to read the target's correction, or the last guess and the bonus token.
+        unread = (2 if accepted == drafted else 1) if drafted else unread + step_tokens
+    if adaptive:
+        adaptive.free(seq_id)
+    return Outcome(n - 1, seconds, drafts, drafted_total, accepted_total)
+
+
+def load_traces(path: Path = TRACES) -> tuple[Costs, list[Trace]]:
+    data = json.loads(path.read_text())
+    return Costs(**data["costs"]), [Trace(**t) for t in data["traces"]]
+
+
+def speedups(traces: list[Trace], costs: Costs, ks: list[int | None],
+             warm: bool = True) -> dict[str, dict[int | None, float]]:
+    """Per prompt, each k's decode speed against plain decoding (tokens after the first).
+    Adaptive (k None) serves the prompts one after the other with one policy, as an
+    engine does (warm), or each with a new one (what the first request meets)."""
+    policy = new_policy(costs)
+    table: dict[str, dict[int | None, float]] = {}
+    for seq_id, trace in enumerate(traces):
+        plain = (len(trace.match) - 1) * costs.plain_step()
+        adaptive = policy if warm else None
+        table[trace.name] = {k: plain / replay(trace, costs, k, adaptive, seq_id).seconds for k in ks}
+    return table
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def print_table(traces: list[Trace], costs: Costs) -> None:
+    ks: list[Any] = [*FIXED_KS, None]
+    table: dict[str, dict[Any, float]] = speedups(traces, costs, ks)
+    cold = speedups(traces, costs, [None], warm=False)
+    for name, row in table.items():
+        row["cold"] = cold[name][None]
+    ks.append("cold")
+    label = {k: "adaptive" if k is None else "adaptive, new engine" if k == "cold" else f"k={k}" for k in ks}
+    print(f"costs (ms): target {1e3 * costs.target_fixed:.1f} + {1e3 * costs.target_per_row:.1f}/row, "
+          f"draft {1e3 * costs.draft_fixed:.1f} + {1e3 * costs.draft_per_position:.1f}/position, "
+          f"read {1e3 * costs.read_per_token:.2f}/token")
+    print(f"| prompt | suite | tokens | {' | '.join(label[k] for k in ks)} |")
+    print("|---|---|---:|" + "---:|" * len(ks))
+    for trace in traces:
+        row = " | ".join(f"{table[trace.name][k]:.2f}" for k in ks)
+        print(f"| {trace.name} | {trace.suite} | {len(trace.match)} | {row} |")
+    for suite in dict.fromkeys(t.suite for t in traces):
+        names = [t.name for t in traces if t.suite == suite]
+        row = " | ".join(f"{geomean([table[n][k] for n in names]):.2f}" for k in ks)
+        print(f"| geomean | {suite} | | {row} |")
+
+
+def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[str, Any]:
+    """Run the pair on every suite prompt: the traces, and the costs fitted on the way."""
+    import torch
+
+    from specserve.bench.suites import SUITES
+    from specserve.config import SpecConfig
+    from specserve.generate import build_engine, encode_prompt, run_one
+    from specserve.model.decoder import Segment
+    from specserve.sampling import SamplingParams
+
+    spec = SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
+    dtype = torch.bfloat16 if quantization != "none" else torch.float32
+    engine, tokenizer = build_engine(target, spec, dtype, quantization=quantization)
+    fits = engine.adaptive
+    # Random k (0 included) so the fits see steps of every shape.
+    rng = random.Random(0)
+    fits.choose = lambda seq_ids, *args, **kwargs: [rng.choice((0, 1, 2, 3, 5, 7)) for _ in seq_ids]
+    draft_model = engine.proposer.draft
+    traces = []
+    for suite, prompts in SUITES.items():
+        for name, text in prompts.items():
+            prompt_ids = encode_prompt(tokenizer, chat=text)
+            out = run_one(engine, tokenizer, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+            output = out["token_ids"]
+            cache = draft_model.new_cache()
+            ids = torch.tensor(prompt_ids + output[:-1], dtype=torch.int64)
+            rows = torch.arange(len(prompt_ids) - 1, len(ids))  # the guess for each output token
+            probs = draft_model(ids, [Segment(cache, len(ids))], rows).softmax(dim=-1)  # [len(output), V]
+            confidence, guess = probs.max(dim=-1)
+            traces.append({
+                "name": name, "suite": suite, "prompt_tokens": len(prompt_ids),
+                "match": [g == t for g, t in zip(guess.tolist(), output)],
+                "confidence": [round(c, 4) for c in confidence.tolist()],
+            })
+            print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
+    (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft.coefficients()
+    costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read.coefficients()[1])
+    return {"pair": {"target": target, "draft": draft, "quantization": quantization},
+            "costs": costs.__dict__, "traces": traces}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", action="store_true", help="run the pair and rewrite the traces file")
+    parser.add_argument("--traces", type=Path, default=TRACES)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--quantization", default="int4")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--draft-cost-scale", type=float, default=1.0,
+                        help="replay with the draft's and the reading's costs times this")
+    args = parser.parse_args()
+    if args.record:
+        data = record(args.target, args.draft, args.quantization, args.max_tokens)
+        args.traces.parent.mkdir(parents=True, exist_ok=True)
+        args.traces.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    costs, traces = load_traces(args.traces)
+    s = args.draft_cost_scale
+    costs = Costs(costs.target_fixed, costs.target_per_row, s * costs.draft_fixed, s * costs.draft_per_position,
+                  s * costs.read_per_token)
+    print_table(traces, costs)
+
+
+if __name__ == "__main__":
+    main()
