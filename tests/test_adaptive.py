@@ -361,7 +361,8 @@ def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
     int4 pair's costs that once skipped every probe after ~25 plain tokens, and the
     sequence never drafted again."""
     ctl = int4_pair_costs()
-    ctl.sequences[1] = steady(0.5)  # drafting does not pay: only probes draft
+    # Drafting does not pay: only probes draft, each fully accepted with chance 0.6^3.
+    ctl.sequences[1] = steady(0.6)
     probed_at, backlog = [], 1
     for step in range(200):
         (k,) = ctl.choose([1], backlogs=[backlog], remaining=[200 - step])
