@@ -40,6 +40,16 @@ def test_linear_fit_finds_the_line_and_forgets_the_prior():
     assert flat.coefficients() == (1.0, 0.0)
 
 
+def test_a_step_no_k_was_chosen_for_is_not_counted():
+    """The engine records every sequence's step, the prefill that gives a new sequence
+    its first token included; counted, it made the sequence not fresh before its first
+    choice, and no new sequence probed at once."""
+    ctl = controller(per_position=0.9)  # drafting does not pay at the prior
+    ctl.record(5, 0, 0)  # its prefill step
+    assert 5 not in ctl.sequences
+    assert ctl.choose([5]) == [adaptive_module.PROBE_TOKENS]
+
+
 def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
     """A new engine's first step is often a probe verifying 3 rows. Taking its seconds
     over 3 as a one-row forward's once made the prior line a third too cheap, and the
@@ -149,6 +159,7 @@ def test_a_sequence_that_stops_paying_decodes_plainly_and_probes_less_often():
 
 def test_a_probe_that_pays_brings_drafting_back():
     ctl = controller()
+    ctl.sequences[3] = Acceptance(ctl.max_k)  # a sequence k is chosen for
     for _ in range(10):
         ctl.record(3, 4, 0)
     for _ in range(2 * adaptive_module.PROBE_INTERVAL):  # after a short run of drafting

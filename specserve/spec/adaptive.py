@@ -315,8 +315,14 @@ class AdaptiveSpecLength:
         return chance * (1 - 1 / hopeful) * self.plain_step(batch) / batch
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """One sequence's step: what it drafted (maybe fewer than chosen) and kept."""
-        state = self._state(seq_id)
+        """One sequence's step: what it drafted (maybe fewer than chosen) and kept.
+        A step no k was chosen for is not counted: the prefill step that gives a new
+        sequence its first token (counted as a plain step, it once cleared `fresh`
+        before the first choice, so no new sequence probed at once), or a seeded
+        request's fixed k."""
+        state = self.sequences.get(seq_id)
+        if state is None:
+            return
         state.fresh = False
         if num_drafted == 0:
             state.plain_steps += 1
