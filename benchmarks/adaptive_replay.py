@@ -16,7 +16,7 @@ A guess drafted after a wrong one is judged as if its prefix were right (the dra
 confidence there is not known); those guesses are rejected either way, only where
 the draft stops may differ.
 
-    .venv/bin/python benchmarks/adaptive_replay.py --record   # ~5 minutes, int4 pair
+    .venv/bin/python benchmarks/adaptive_replay.py --record   # about a minute, int4 pair
     .venv/bin/python benchmarks/adaptive_replay.py            # the table, in a second
     .venv/bin/python benchmarks/adaptive_replay.py --draft-cost-scale 2   # a dearer draft
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specserve.config import SpecConfig
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 
 TRACES = Path(__file__).parent / "data" / "adaptive_traces.json"
@@ -53,6 +54,11 @@ class Costs:
 
     def plain_step(self) -> float:
         return self.target_fixed + self.target_per_row
+
+    def with_dearer_draft(self, scale: float) -> Costs:
+        """The draft's costs, drafting and reading, times `scale`."""
+        return Costs(self.target_fixed, self.target_per_row, scale * self.draft_fixed,
+                     scale * self.draft_per_position, scale * self.read_per_token)
 
 
 @dataclass(frozen=True)
@@ -84,13 +90,13 @@ def new_policy(costs: Costs, max_k: int = 15) -> AdaptiveSpecLength:
 
 
 def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLength | None = None,
-           seq_id: int = 0, threshold: float = 0.5) -> Outcome:
+           seq_id: int = 0, threshold: float = SpecConfig.draft_confidence_threshold) -> Outcome:
     """Decode the trace once: fixed `k`, or adaptive (k None) with `adaptive`, a new
     policy when None (what a fresh engine knows) or one that has served other requests."""
-    if k is None and adaptive is None:
-        adaptive = new_policy(costs)
-    elif k is not None:
+    if k is not None:
         adaptive = None
+    elif adaptive is None:
+        adaptive = new_policy(costs)
     n = len(trace.match)
     emitted, seconds = 1, 0.0  # the prefill's token; prefill is not charged (the same for all)
     drafts = drafted_total = accepted_total = 0
@@ -109,16 +115,13 @@ def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLeng
             while accepted < drafted and trace.match[emitted + accepted]:
                 accepted += 1
             drafting = costs.draft_fixed + costs.draft_per_position * drafted
-            if adaptive:
-                if unread <= MAX_CATCH_UP:
-                    adaptive.observe_draft(drafted, drafting)
-                else:
-                    reading = costs.read_per_token * unread
-                    adaptive.observe_read(unread, drafted, drafting + reading)
-                    drafting += reading
-            else:
-                drafting += costs.read_per_token * unread if unread > MAX_CATCH_UP else 0.0
-            seconds += drafting
+            # As the engine times it: a call that first reads a backlog is a reading sample.
+            reading = costs.read_per_token * unread if unread > MAX_CATCH_UP else 0.0
+            if adaptive and reading:
+                adaptive.observe_read(unread, drafted, drafting + reading)
+            elif adaptive:
+                adaptive.observe_draft(drafted, drafting)
+            seconds += drafting + reading
             drafts += 1
             drafted_total += drafted
             accepted_total += accepted
@@ -161,24 +164,22 @@ def geomean(values: list[float]) -> float:
 
 
 def print_table(traces: list[Trace], costs: Costs) -> None:
-    ks: list[Any] = [*FIXED_KS, None]
-    table: dict[str, dict[Any, float]] = speedups(traces, costs, ks)
-    cold = speedups(traces, costs, [None], warm=False)
-    for name, row in table.items():
-        row["cold"] = cold[name][None]
-    ks.append("cold")
-    label = {k: "adaptive" if k is None else "adaptive, new engine" if k == "cold" else f"k={k}" for k in ks}
+    serving = speedups(traces, costs, [*FIXED_KS, None])
+    new_engine = speedups(traces, costs, [None], warm=False)
+    columns = {f"k={k}": {name: row[k] for name, row in serving.items()} for k in FIXED_KS}
+    columns["adaptive"] = {name: row[None] for name, row in serving.items()}
+    columns["adaptive, new engine"] = {name: row[None] for name, row in new_engine.items()}
     print(f"costs (ms): target {1e3 * costs.target_fixed:.1f} + {1e3 * costs.target_per_row:.1f}/row, "
           f"draft {1e3 * costs.draft_fixed:.1f} + {1e3 * costs.draft_per_position:.1f}/position, "
           f"read {1e3 * costs.read_per_token:.2f}/token")
-    print(f"| prompt | suite | tokens | {' | '.join(label[k] for k in ks)} |")
-    print("|---|---|---:|" + "---:|" * len(ks))
+    print(f"| prompt | suite | tokens | {' | '.join(columns)} |")
+    print("|---|---|---:|" + "---:|" * len(columns))
     for trace in traces:
-        row = " | ".join(f"{table[trace.name][k]:.2f}" for k in ks)
+        row = " | ".join(f"{column[trace.name]:.2f}" for column in columns.values())
         print(f"| {trace.name} | {trace.suite} | {len(trace.match)} | {row} |")
     for suite in dict.fromkeys(t.suite for t in traces):
         names = [t.name for t in traces if t.suite == suite]
-        row = " | ".join(f"{geomean([table[n][k] for n in names]):.2f}" for k in ks)
+        row = " | ".join(f"{geomean([column[n] for n in names]):.2f}" for column in columns.values())
         print(f"| geomean | {suite} | | {row} |")
 
 
@@ -187,7 +188,6 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
     import torch
 
     from specserve.bench.suites import SUITES
-    from specserve.config import SpecConfig
     from specserve.generate import build_engine, encode_prompt, run_one
     from specserve.model.decoder import Segment
     from specserve.sampling import SamplingParams
@@ -239,10 +239,7 @@ def main() -> None:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     costs, traces = load_traces(args.traces)
-    s = args.draft_cost_scale
-    costs = Costs(costs.target_fixed, costs.target_per_row, s * costs.draft_fixed, s * costs.draft_per_position,
-                  s * costs.read_per_token)
-    print_table(traces, costs)
+    print_table(traces, costs.with_dearer_draft(args.draft_cost_scale))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,6 @@ COSTS, TRACES = load_traces()
 SUITES = sorted({t.suite for t in TRACES})
 
 
-def dearer_draft(scale: float) -> Costs:
-    c = COSTS
-    return Costs(c.target_fixed, c.target_per_row, scale * c.draft_fixed, scale * c.draft_per_position,
-                 scale * c.read_per_token)
-
-
 def suite_speedups(costs: Costs, k: int | None, warm: bool = True) -> dict[str, float]:
     table = speedups(TRACES, costs, [k], warm=warm)
     return {suite: geomean([table[t.name][k] for t in TRACES if t.suite == suite]) for suite in SUITES}
@@ -44,7 +38,7 @@ def test_where_drafting_pays_adaptive_comes_close_to_the_best_fixed_k(warm):
 def test_where_drafting_does_not_pay_adaptive_stays_near_plain(scale, warm):
     """A dearer draft (1.5x: every fixed k loses ~9% on open-ended text; 2-3x: every
     fixed k loses 11-35%): adaptive pays only for what it must learn."""
-    costs = dearer_draft(scale)
+    costs = COSTS.with_dearer_draft(scale)
     adaptive = suite_speedups(costs, None, warm)
     assert all(speed >= 0.95 for speed in adaptive.values()), adaptive
     if scale >= 2:
