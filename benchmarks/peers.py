@@ -53,7 +53,7 @@ from specserve.bench.quality import common_prefix_length, fixed_text_ids, perple
 from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
-from specserve.config import SpecConfig
+from specserve.config import DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model.decoder import Decoder
@@ -164,6 +164,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
         raw["quantization"] = args.draft_quantization
     if mode != "ngram" and args.draft_vocab_size:
         raw["draft_vocab_size"] = args.draft_vocab_size
+    if mode != "ngram":
+        raw["prompt_lookup_first"] = args.prompt_lookup_first or None
     raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
     if mode.endswith("-fused"):
         raw["fused"] = True
@@ -489,6 +491,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="our draft's own weight format (default: --quantization's)")
     parser.add_argument("--draft-vocab-size", type=positive_int, default=None,
                         help="our draft guesses only token ids below this (the speculative config's draft_vocab_size)")
+    parser.add_argument("--prompt-lookup-first", type=int, default=DEFAULT_PROMPT_LOOKUP_FIRST,
+                        help="our draft rows look the last this-many tokens up first (the speculative config's "
+                             "prompt_lookup_first; 0: always the draft model)")
     parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(DEFAULT_MODES),
                         help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none; "
                              f"default {','.join(DEFAULT_MODES)})")

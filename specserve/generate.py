@@ -53,6 +53,7 @@ def build_engine(
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         max_model_len=max_model_len,
         adaptive=adaptive,
+        lookup_first=None if spec is None else spec.prompt_lookup_first,
         **engine_options,
     )
     return engine, target.tokenizer

@@ -207,7 +207,9 @@ def test_config_keys():
     assert spec.adaptive and spec.max_speculative_tokens == 15
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 20}).max_speculative_tokens == 20
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "adaptive": False})
-    assert not fixed.adaptive and fixed.describe_k() == "k=7"
+    assert not fixed.adaptive and fixed.describe_k() == "k=7, looking up the last 4 tokens first"
+    no_lookup = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": None})
+    assert no_lookup.describe_k() == "adaptive k in 0..15"
     for bad, message in (
         ({"adaptive": "yes"}, "adaptive must be true or false"),
         ({"max_speculative_tokens": 3}, ">= num_speculative_tokens"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.config import ModelConfig, SpecConfig
+from specserve.config import DEFAULT_PROMPT_LOOKUP_FIRST, ModelConfig, SpecConfig
 from specserve.errors import ConfigError
 from specserve.sampling import SamplingParams
 from tests.conftest import tiny_config
@@ -12,13 +12,17 @@ from tests.conftest import tiny_config
 
 def test_model_without_method_means_draft_model():
     spec = SpecConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}')
-    assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b")
+    assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b",
+                              prompt_lookup_first=DEFAULT_PROMPT_LOOKUP_FIRST)
     assert spec.draft_confidence_threshold == 0.5
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "draft_confidence_threshold": 0})
     assert fixed.draft_confidence_threshold == 0.0
     assert spec.quantization is None  # the draft takes the target's --quantization
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "quantization": "int4"}).quantization == "int4"
     assert not spec.fused and SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "fused": True}).fused
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": 6}).prompt_lookup_first == 6
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": None}).prompt_lookup_first is None
+    assert SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 7}).prompt_lookup_first is None
 
 
 def test_ngram_lookup_bounds():
@@ -54,6 +58,9 @@ def test_empty_means_no_speculation():
         ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', "draft_model\" only"),
         ('{"model": "m", "num_speculative_tokens": 3, "fused": "yes"}', "fused must be true or false"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "fused": true}', "no steps to fuse"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_first": 4}', "draft_model\" only"),
+        ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": 0}', "integer >= 1, got 0"),
+        ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": true}', "integer >= 1, got True"),
     ],
 )
 def test_bad_speculative_configs_say_what_is_wrong(raw, words):

@@ -55,19 +55,37 @@ def plain_tokens(target: Decoder, prompt: list[int], params=GREEDY) -> list[int]
     return Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
 
 
+def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
+    """Wraps the engine's lookup-first step: a list that gains, for each lookup draft,
+    what its sequence's previous lookup had accepted (None: no previous one) and its
+    length."""
+    log = []
+    look_up = engine._look_up
+
+    def logged(decoding):
+        found = look_up(decoding)
+        log.extend((decoding[i].lookup_accepted, draft.num_tokens) for i, draft in found.items())
+        return found
+    engine._look_up = logged
+    return log
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("proposer_kind", ["draft", "ngram"])
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
 def test_greedy_equivalence(target, k, proposer_kind, device):
     proposer = (
         DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
-        if proposer_kind == "draft" else NgramProposer(1, 3)
+        if proposer_kind != "ngram" else NgramProposer(1, 3)
     )
     target = on(target, device)
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k,
+                    lookup_first=2 if proposer_kind == "draft, lookup first" else None)
+    lookups = log_lookups(engine)
     for prompt in PROMPTS:
         seq = engine.generate(prompt, GREEDY)
         assert seq.output_ids == plain_tokens(target, prompt)
+    assert bool(lookups) == (proposer_kind == "draft, lookup first")
     stats = engine.spec_stats
     assert stats.num_draft_tokens > 0
     # Some drafts must be rejected, or rollback is not being exercised.
@@ -157,12 +175,14 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("draft_head", [4, 3], ids=["whole-vocabulary", "draft-guesses-3-of-4-ids"])
-def test_speculative_engine_samples_the_target_distribution(device, draft_head):
+@pytest.mark.parametrize("draft_head, lookup_first", [(4, None), (3, None), (4, 1)],
+                         ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first"])
+def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4),
-    also where the draft's head scores only some token ids (Decoder.limit_head)."""
+    also where the draft's head scores only some token ids (Decoder.limit_head), and
+    where lookups draft in place of the model (one-hot drafts beside the model's)."""
     import itertools
 
     from specserve.model.decoder import Segment
@@ -186,7 +206,9 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head):
         expected[cont] = probs[torch.arange(length), torch.tensor(cont)].prod()
 
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
-    engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3,
+                    lookup_first=lookup_first)
+    lookups = log_lookups(engine)
     samples = []
     for batch in range(10):
         seqs = [engine.add_request(prompt, SamplingParams(**params, seed=batch * 1000 + i)) for i in range(600)]
@@ -196,6 +218,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head):
     stats = engine.spec_stats
     assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
+    assert bool(lookups) == bool(lookup_first)
     assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
 
 
@@ -247,6 +270,45 @@ def test_abort_removes_a_sequence_wherever_it_is(target):
     assert not engine.has_unfinished() and not proposer.caches
     assert first.finish_reason == second.finish_reason == "abort"
     engine.abort(first.seq_id)  # a second abort is harmless
+
+
+def test_lookup_first_drafts_teach_adaptive_k_nothing(target):
+    """Where the last tokens occurred before, a lookup drafts and the draft model does
+    not run; those steps are not the model's, so adaptive k records neither their
+    acceptance nor a drafting time. The output stays the target's own."""
+    from specserve.spec.adaptive import AdaptiveSpecLength
+
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    adaptive = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.01)  # drafting looks cheap: it drafts
+    recorded, timed = [], []
+    record, observe_draft = adaptive.record, adaptive.observe_draft
+    adaptive.record = lambda seq_id, drafted, accepted: (recorded.append(drafted), record(seq_id, drafted, accepted))
+    adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, seconds))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
+                    lookup_first=2)
+    lookups = log_lookups(engine)
+    steps = 0
+    for prompt in PROMPTS:
+        seq = engine.add_request(prompt, GREEDY)
+        while not seq.finished:
+            engine.step()
+            steps += 1
+        assert seq.output_ids == plain_tokens(target, prompt)
+    assert lookups and any(recorded)
+    assert len(recorded) == steps - len(lookups)  # one sequence a step: all but the lookups' recorded
+    assert len(timed) <= sum(1 for n in recorded if n)  # drafting timed only where the model drafted
+
+
+def test_a_lookup_after_a_rejected_one_drafts_less(target):
+    """A lookup's k is up to num_speculative_tokens, and 1 + 2a after a lookup that had a
+    tokens accepted: where the text stops repeating, the next match is often wrong."""
+    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
+                    num_speculative_tokens=7, lookup_first=1)
+    lookups = log_lookups(engine)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
+    assert any(last == 0 for last, _ in lookups) and any(n == 7 for _, n in lookups)
+    assert all(n <= 1 + 2 * last for last, n in lookups if last is not None)
 
 
 def test_draft_catches_up_on_a_long_prompt_in_chunks(target):

@@ -17,7 +17,7 @@ from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.fused import FusedDraftProposer
 from tests.test_adaptive import FreeCosts
-from tests.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
+from tests.test_engine import EOS, GREEDY, PROMPTS, log_lookups, perturbed, plain_tokens, random_decoder
 from tests.test_native import needs_kernel
 
 
@@ -85,9 +85,11 @@ def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, float_tar
 
 
 @needs_kernel
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, monkeypatch):
-    """A ragged batch decoded with drafting and verification in one call per step."""
+@pytest.mark.parametrize("adaptive, lookup_first", [(False, None), (True, None), (True, 1)],
+                         ids=["fixed-k", "adaptive", "adaptive-lookup-first"])
+def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_first, monkeypatch):
+    """A ragged batch decoded with drafting and verification in one call per step (and,
+    with lookup first, some sequences drafted by lookup in the same steps' forwards)."""
     proposer = FusedDraftProposer(draft, target)
     assert proposer.verifies
     calls = []
@@ -96,7 +98,9 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, monkeyp
     # Timed honestly, a draft as large as its target never pays and adaptive would only
     # decode plainly: with free costs its k follows acceptance, and rollbacks happen.
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
-                    adaptive=FreeCosts(8, prior_draft_cost_ratio=0.3) if adaptive else None)
+                    adaptive=FreeCosts(8, prior_draft_cost_ratio=0.3) if adaptive else None,
+                    lookup_first=lookup_first)
+    lookups = log_lookups(engine)
     lengths = [24, 9, 17, 30]
     seqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             for p, n in zip(PROMPTS, lengths)]
@@ -105,7 +109,7 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, monkeyp
     for seq, prompt, n in zip(seqs, PROMPTS, lengths):
         assert seq.output_ids == plain_tokens(target, prompt, SamplingParams(max_tokens=n, temperature=0.0,
                                                                              ignore_eos=True))
-    assert calls
+    assert calls and bool(lookups) == bool(lookup_first)
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks were exercised
     assert not proposer.caches and not engine.running

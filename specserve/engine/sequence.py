@@ -30,6 +30,7 @@ class Sequence:
     stop_token_ids: frozenset[int]  # EOS ids and the request's own stop ids
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    lookup_accepted: int | None = None  # of its last lookup-first draft (engine.py), None before one
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
