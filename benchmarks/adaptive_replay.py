@@ -217,8 +217,8 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
                 "confidence": [round(c, 4) for c in confidence.tolist()],
             })
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
-    (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft.coefficients()
-    costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read.coefficients()[1])
+    (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft_costs()
+    costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1])
     return {"pair": {"target": target, "draft": draft, "quantization": quantization},
             "costs": costs.__dict__, "traces": traces}
 

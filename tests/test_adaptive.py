@@ -57,7 +57,31 @@ def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
     ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.5)
     ctl.observe_target(3, 0.110)  # the prior line says 3 rows cost 1.1 one-row forwards
     assert ctl.plain_step(1) == pytest.approx(0.100, rel=0.02)
-    assert ctl.draft.coefficients()[1] == pytest.approx(0.050, rel=0.02)  # half a one-row forward
+    assert ctl.draft_costs()[1] == pytest.approx(0.050, rel=0.02)  # half a one-row forward
+
+
+def test_a_slow_phase_in_the_drafts_fit_fades_with_the_targets():
+    """The machine slows to a third for a while, the draft timed meanwhile; then it is
+    fast again, and the policy drafts nothing, so only the target is timed. Fitted in
+    seconds, the draft stayed 3x dear for good and drafting never resumed; as a share
+    of the target's step, it is cheap again as soon as the target is fast."""
+    fixed, per_row, draft_fixed, per_position = 0.026, 0.0074, 0.0026, 0.0129  # the int4 pair
+    ctl = controller(fixed, per_row, draft_fixed, per_position)
+    three_positions = draft_fixed + 3 * per_position
+
+    def predicted_three_positions() -> float:
+        fixed_part, per_position_part = ctl.draft_costs()
+        return fixed_part + 3 * per_position_part
+
+    assert ctl.best_k(steady(0.8), batch=1) > 0
+    for _ in range(100):  # slow: both models take 3x
+        ctl.observe_draft(3, 3 * three_positions)
+        ctl.observe_target(1, 3 * (fixed + per_row))
+    assert predicted_three_positions() == pytest.approx(3 * three_positions, rel=0.25)
+    for _ in range(100):  # fast again; plain steps only
+        ctl.observe_target(1, fixed + per_row)
+    assert predicted_three_positions() == pytest.approx(three_positions, rel=0.25)  # the unit lags a little
+    assert ctl.best_k(steady(0.8), batch=1) > 0
 
 
 def steady(rate: float, max_k: int = 15) -> Acceptance:
@@ -111,7 +135,7 @@ def test_where_drafting_pays_the_batch_the_predictable_sequences_draft_most():
     # That choice beats every batch drafting one k alike.
     curves = [a.curves() for a in [steady(0.95)] * 4 + [steady(0.1)] * 4]
     fixed, per_row = ctl.target.coefficients()
-    draft_fixed, per_position = ctl.draft.coefficients()
+    draft_fixed, per_position = ctl.draft_costs()
 
     def tokens_per_second(ks: list[int]) -> float:
         tokens = sum(E[k] for (E, _), k in zip(curves, ks))

@@ -10,9 +10,18 @@ engine's own timings (recent steps weigh more):
 
 (drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
 steps a draft first reads every token decoded since, which is not what k positions cost).
-Those reads (and a new request's prompt) are fitted as a third line, seconds per token
+Those reads (and a new request's prompt) are fitted as a third line, cost per token
 read, and a sequence with a backlog to read is charged it when it drafts, spread over
 the tokens it has left (`read_cost`).
+
+The draft's lines are fitted in units of a one-row target forward as measured at the
+time (`_unit`), not in seconds. A machine's speed moves (a busy neighbour, a clock that
+drops), and it moves both models alike; but the target is timed every step and the
+draft only while it drafts. In seconds, a slow phase caught by the draft's fit stayed
+there for as long as the policy, believing it, drafted nothing, which could be for
+good (on the int4 pair, engines that had run through a phase slowed by another job
+drafted nothing on later prompts where drafting paid 1.3-1.5x). As a share of the
+target's step, it fades as soon as the target is fast again.
 
 For a batch of B decoding sequences a plain step costs T0 = fixed + per_row * B; drafting
 k tokens each adds draft_fixed + k * (per_position + per_row * B). So the speed relative
@@ -168,7 +177,8 @@ class AdaptiveSpecLength:
         # prior would stop the drafting that measures it), a draft position the
         # draft/target size ratio, and a token read into the draft before drafting (a
         # prompt: 3-5 ms a token on the int4 0.5B draft) half a draft position.
-        # Measurements take over within a few dozen steps.
+        # Measurements take over within a few dozen steps. The target's fit is in
+        # seconds once its first step is measured; the draft's stay in units.
         self.target = LinearFit(((1, 1.0), (9, 1.4)))
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
@@ -181,11 +191,25 @@ class AdaptiveSpecLength:
         fixed, per_row = self.target.coefficients()
         return fixed + per_row * batch
 
+    def _unit(self) -> float:
+        """Seconds of a one-row target forward now: the unit of the draft's fits."""
+        return max(self.plain_step(1), 1e-12)
+
+    def draft_costs(self) -> tuple[float, float]:
+        """Seconds of a drafting call: (fixed, per position drafted)."""
+        fixed, per_position = self.draft.coefficients()
+        return fixed * self._unit(), per_position * self._unit()
+
+    def read_costs(self) -> tuple[float, float]:
+        """Seconds of reading a backlog into the proposer: (fixed, per token)."""
+        fixed, per_token = self.read.coefficients()
+        return fixed * self._unit(), per_token * self._unit()
+
     def speedup(self, tokens: float, drafted: float, batch: int) -> float:
         """Predicted speed against plain decoding of a step that emits `tokens` on
         average after drafting `drafted` positions for each of `batch` sequences."""
         _, per_row = self.target.coefficients()
-        draft_fixed, per_position = self.draft.coefficients()
+        draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if drafted == 0 or plain <= 0:
             return 1.0
@@ -201,7 +225,7 @@ class AdaptiveSpecLength:
         emit (it pays once, and every drafting step after that gains)."""
         if backlog <= MAX_CATCH_UP:
             return 0.0
-        intercept, slope = self.read.coefficients()
+        intercept, slope = self.read_costs()
         return (intercept + slope * backlog) / max(remaining, 1)
 
     def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
@@ -232,7 +256,7 @@ class AdaptiveSpecLength:
         batch = count + others
         read_costs = read_costs or [0.0] * count
         fixed, per_row = self.target.coefficients()
-        draft_fixed, per_position = self.draft.coefficients()
+        draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
             return MIN_SPEEDUP, [0] * count
@@ -351,25 +375,27 @@ class AdaptiveSpecLength:
         self.target.add(rows, seconds)
 
     def observe_draft(self, positions: int, seconds: float) -> None:
-        """A proposer call that drafted up to `positions` tokens per sequence."""
-        if positions > 0:
-            self.draft.add(positions, seconds)
+        """A proposer call that drafted up to `positions` tokens per sequence. Calls
+        before the first measured target step are not counted: the unit is unknown."""
+        if positions > 0 and self._scale_known:
+            self.draft.add(positions, seconds / self._unit())
 
     def observe_read(self, tokens: int, positions: int, seconds: float) -> None:
         """A proposer call that read `tokens` before drafting up to `positions`: the
         time beyond what drafting costs is the reading's."""
-        draft_fixed, per_position = self.draft.coefficients()
+        if not self._scale_known:
+            return
+        draft_fixed, per_position = self.draft_costs()
         drafting = draft_fixed + per_position * positions if positions else 0.0
-        self.read.add(tokens, max(seconds - drafting, 0.0))
+        self.read.add(tokens, max(seconds - drafting, 0.0) / self._unit())
 
     def _rescale_priors(self, seconds_per_unit: float) -> None:
-        # The priors are in units of a target forward; the first measurement sets the unit.
+        # The target's prior is in units of a one-row forward; the first measurement sets the unit.
         if self._scale_known:
             return
         self._scale_known = True
-        for fit in (self.target, self.draft, self.read):
-            for name in ("sy", "sxy"):
-                setattr(fit, name, getattr(fit, name) * seconds_per_unit)
+        for name in ("sy", "sxy"):
+            setattr(self.target, name, getattr(self.target, name) * seconds_per_unit)
 
     def free(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)
