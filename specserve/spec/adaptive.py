@@ -195,15 +195,19 @@ class AdaptiveSpecLength:
         """Seconds of a one-row target forward now: the unit of the draft's fits."""
         return max(self.plain_step(1), 1e-12)
 
+    def _in_seconds(self, fit: LinearFit) -> tuple[float, float]:
+        """A fit kept in units of a one-row target forward, as (intercept, slope) in seconds."""
+        unit = self._unit()
+        intercept, slope = fit.coefficients()
+        return intercept * unit, slope * unit
+
     def draft_costs(self) -> tuple[float, float]:
         """Seconds of a drafting call: (fixed, per position drafted)."""
-        fixed, per_position = self.draft.coefficients()
-        return fixed * self._unit(), per_position * self._unit()
+        return self._in_seconds(self.draft)
 
     def read_costs(self) -> tuple[float, float]:
         """Seconds of reading a backlog into the proposer: (fixed, per token)."""
-        fixed, per_token = self.read.coefficients()
-        return fixed * self._unit(), per_token * self._unit()
+        return self._in_seconds(self.read)
 
     def speedup(self, tokens: float, drafted: float, batch: int) -> float:
         """Predicted speed against plain decoding of a step that emits `tokens` on
