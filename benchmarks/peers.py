@@ -14,7 +14,9 @@ minutes, one system's rows are then not all measured in a slow phase.
 
 Then the roofline: the weight bytes a decode step reads per model and format, the
 memory bandwidth measured on the spot, and each measured plain decode as a share of
-the limit they imply. With `--dtype` or `--quantization` other than float32, a quality
+the limit they imply; on a CPU also the arithmetic peak measured on the spot, and the
+ceiling of speculation it sets for each of our target formats (the most any k could
+gain with every draft accepted, see `specserve.bench.roofline`). With `--dtype` or `--quantization` other than float32, a quality
 section compares the format with float32: perplexity on a fixed text and greedy
 agreement on the prompts.
 
@@ -50,14 +52,16 @@ from gguf import GGUFReader
 from specserve import models
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
-from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
+from specserve.bench.roofline import (
+    arithmetic_of, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth, speculation_ceiling,
+)
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
 from specserve.config import DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model.decoder import Decoder
-from specserve.model.footprint import weight_bytes_per_token
+from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.model.device import check_device_format
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
@@ -108,11 +112,13 @@ class Report:
     perplexities: dict[str, float] = dataclasses.field(default_factory=dict)  # format -> ppl
 
     def add_model(self, role: str, model: str, system: str, fmt: str, bytes_per_token: int,
-                  measured_mode: str | None) -> None:
+                  measured_mode: str | None, macs_per_token: int | None = None) -> None:
         """A model and format to put on the roofline; measured_mode: the rows of `system`
-        whose decode rate is this model's plain decode (None: none is)."""
+        whose decode rate is this model's plain decode (None: none is); macs_per_token:
+        a row's multiply-adds (ours only: the ceiling of speculation)."""
         self.models.append({"role": role, "model": model, "of_system": system, "format": fmt,
-                            "bytes_per_token": bytes_per_token, "measured_mode": measured_mode})
+                            "bytes_per_token": bytes_per_token, "measured_mode": measured_mode,
+                            "macs_per_token": macs_per_token})
 
     def add_perplexity(self, fmt: str, value: float) -> None:
         self.perplexities[fmt] = value
@@ -206,7 +212,7 @@ def note_our_models(args, run: OurRun, engine, report: Report) -> None:
     """Roofline entries (and, in the first round, perplexity) for the models this run has loaded."""
     if run.spec is None:
         report.add_model("target", args.target, "specserve", run.format, weight_bytes_per_token(engine.target),
-                         run.mode)
+                         run.mode, multiply_adds_per_token(engine.target.config, engine.target.head_size))
         if quality_wanted(args) and args.first_round:
             report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
@@ -374,6 +380,27 @@ def roofline_rows(report: Report, bandwidth: float, method: str) -> list[dict]:
     return rows
 
 
+def ceiling_rows(report: Report, bandwidth: float, peaks: dict[str, float] | None) -> list[dict]:
+    """For each of our target formats whose arithmetic was measured: the most speculation
+    could gain with our draft and with free drafts (n-gram, lookup), every draft accepted."""
+    if peaks is None:
+        return []
+    drafts = [(f"{m['model']} {m['format']}", m["bytes_per_token"] / bandwidth)
+              for m in report.models if m["role"] == "draft" and m["of_system"] == "specserve"]
+    rows = []
+    for m in report.models:
+        kind = arithmetic_of(m["format"])
+        if m["role"] != "target" or m["of_system"] != "specserve" or kind is None or not m["macs_per_token"]:
+            continue
+        plain_s, row_s = m["bytes_per_token"] / bandwidth, m["macs_per_token"] / peaks[kind]
+        for draft, draft_s in [*drafts, ("free (n-gram, lookup first)", 0.0)]:
+            speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
+            rows.append({"system": "ceiling", "target_format": m["format"], "draft": draft,
+                         "plain_step_s": plain_s, "verified_row_s": row_s, "draft_position_s": draft_s,
+                         "arithmetic": kind, "peak_macs_per_s": peaks[kind], "max_speedup": speedup, "best_k": k})
+    return rows
+
+
 def quality_rows(report: Report, fmt: str) -> list[dict]:
     float32 = report.perplexities["float32"]
     rows = [{"system": "quality", "mode": "perplexity", "format": f, "perplexity": value,
@@ -436,6 +463,19 @@ def print_roofline(rows: list[dict]) -> None:
         print(f"{r['role']:<8}{r['model']:<22}{r['of_system']:<14}{r['format']:<15}{r['bytes_per_token'] / 1e6:>10.1f}"
               f"{r['limit_tokens_per_s']:>13.1f}{'' if measured is None else f'{measured:.1f}':>10}"
               f"{'' if share is None else f'{share:.0%}':>10}")
+
+
+def print_ceiling(rows: list[dict], method: str) -> None:
+    if not rows:
+        return
+    peaks = ", ".join(f"{kind} {peak / 1e9:.0f} GMAC/s" for kind, peak in
+                      dict.fromkeys((r["arithmetic"], r["peak_macs_per_s"]) for r in rows))
+    print(f"\nCeiling of speculation: arithmetic peak {peaks} ({method}). Every draft accepted, a plain step "
+          "and a draft position at the memory limit, a verified row at the arithmetic peak:")
+    print(f"{'target':<15}{'plain step':>11}{'row':>9}  {'drafts':<34}{'position':>9}{'at most':>9}{'k':>4}")
+    for r in rows:
+        print(f"{r['target_format']:<15}{r['plain_step_s'] * 1e3:>8.1f} ms{r['verified_row_s'] * 1e3:>6.1f} ms  "
+              f"{r['draft']:<34}{r['draft_position_s'] * 1e3:>6.1f} ms{r['max_speedup']:>8.2f}x{r['best_k']:>4}")
 
 
 def print_quality(rows: list[dict], fmt: str) -> None:
@@ -603,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = available_peers(args)
         # Measured before any model is loaded, while the memory is quiet.
         bandwidth, method = measure_read_bandwidth(device=device_of(args))
+        peaks = measure_dot_peaks(device_of(args))
         tokenizer = Tokenizer.from_dir(models.resolve(args.target))
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
         for round_index in range(args.rounds):
@@ -615,9 +656,10 @@ def main(argv: list[str] | None = None) -> int:
     compare_with_plain(report.rows)
     fmt = format_of(dtype_of(args), args.quantization)
     roofline = roofline_rows(report, bandwidth, method)
+    ceiling = ceiling_rows(report, bandwidth, peaks and peaks[0])
     quality = quality_rows(report, fmt) if quality_wanted(args) else []
     if args.json:
-        for row in [*report.rows, *roofline, *quality]:
+        for row in [*report.rows, *roofline, *ceiling, *quality]:
             print(json.dumps(row))
     else:
         where = f"{torch.get_num_threads()} threads" if device_of(args).type == "cpu" else str(device_of(args))
@@ -627,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
         print_table(report.rows)
         print_roofline(roofline)
+        print_ceiling(ceiling, peaks[1] if peaks else "")
         print_quality(quality, fmt)
     return 0
 

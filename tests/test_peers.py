@@ -22,10 +22,13 @@ import torch.nn.functional as F
 from specserve import models
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
-from specserve.bench.roofline import gguf_weight_bytes_per_token, measure_read_bandwidth
+from specserve.bench.roofline import (
+    arithmetic_of, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth, speculation_ceiling,
+)
 from specserve.errors import ModelLoadError
 from specserve.model.decoder import Decoder, Segment
-from specserve.model.footprint import weight_bytes_per_token
+from specserve.model import native
+from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from tests.conftest import tiny_config
 
 PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
@@ -82,6 +85,25 @@ def test_roofline_rows_put_each_plain_decode_under_its_limit(rows):
     ours = roofline[("target", "specserve")]
     assert ours["fraction_of_limit"] == pytest.approx(ours["measured_decode_tokens_per_s"] / ours["limit_tokens_per_s"])
     assert roofline[("draft", "specserve")]["measured_decode_tokens_per_s"] is None
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")
+def test_ceiling_rows_price_a_row_by_its_arithmetic(rows):
+    ceiling = {r["draft"]: r for r in rows if r["system"] == "ceiling"}
+    assert set(ceiling) == {"smollm2-135m float32", "free (n-gram, lookup first)"}
+    target = next(r for r in rows if r["system"] == "roofline" and r["role"] == "target" and r["of_system"] == "specserve")
+    draft = next(r for r in rows if r["system"] == "roofline" and r["role"] == "draft")
+    for r in ceiling.values():
+        assert r["target_format"] == "float32" and r["arithmetic"] == "float32" and r["peak_macs_per_s"] > 1e9
+        assert r["plain_step_s"] == pytest.approx(target["bytes_per_token"] / target["bandwidth_bytes_per_s"])
+        assert r["verified_row_s"] == pytest.approx(target["macs_per_token"] / r["peak_macs_per_s"])
+        assert (r["max_speedup"], r["best_k"]) == pytest.approx(
+            speculation_ceiling(r["plain_step_s"], r["verified_row_s"], r["draft_position_s"]))
+    # the model drafting for itself: a position costs a plain step, so nothing can be gained
+    assert ceiling["smollm2-135m float32"]["draft_position_s"] == pytest.approx(
+        draft["bytes_per_token"] / draft["bandwidth_bytes_per_s"])
+    assert ceiling["smollm2-135m float32"]["max_speedup"] <= 1.0 + 1e-9
+    assert ceiling["free (n-gram, lookup first)"]["max_speedup"] > 1.0
 
 
 @pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python is not installed")
@@ -240,6 +262,37 @@ def test_a_multi_part_gguf_is_joined_once_and_checked(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="corrupt"):
         gguf_file("bad")
     assert list(joined.parent.iterdir()) == [joined]  # no partial file left behind
+
+
+def test_multiply_adds_count_every_linear_weight_of_a_row():
+    config = tiny_config("qwen2")
+    decoder = Decoder(config)
+    linear = sum(m.in_features * m.out_features for m in decoder.modules() if isinstance(m, torch.nn.Linear))
+    assert multiply_adds_per_token(config) == linear
+    assert multiply_adds_per_token(config, head_size=10) == linear - config.hidden_size * (config.vocab_size - 10)
+
+
+def test_speculation_ceiling_takes_the_best_k():
+    # a plain step of 30, a verified row of 3, a draft position of 10: k = 9 gives
+    # 10 x 30 / (9 x 10 + max(30, 10 x 3)) = 2.5, k = 10 gives 330 / 133
+    assert speculation_ceiling(30.0, 3.0, 10.0) == (pytest.approx(2.5), 9)
+    # free drafts: the rows' arithmetic caps it, at the shortest k that reaches the cap
+    assert speculation_ceiling(30.0, 7.5, 0.0) == (pytest.approx(4.0), 3)
+    # a draft as dear as the target gains nothing
+    assert speculation_ceiling(30.0, 0.0, 30.0) == (pytest.approx(1.0), 1)
+
+
+def test_formats_map_to_the_arithmetic_they_run():
+    assert [arithmetic_of(f) for f in ("int4/bfloat16", "int8/bfloat16", "float32", "bfloat16")] == [
+        "int8", "int8", "float32", None]
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")
+def test_arithmetic_peaks_are_measured_and_described():
+    peaks, method = measure_dot_peaks()
+    assert peaks["int8"] > peaks["float32"] > 1e9  # vpdpbusd does 64 multiply-adds, an FMA 16
+    assert "threads" in method
+    assert measure_dot_peaks(torch.device("meta")) is None  # off the CPU: not measured
 
 
 def test_bandwidth_is_measured_and_described():

@@ -8,6 +8,13 @@ small next to the weights and are left out, so the limit is an upper bound).
 
 What a step reads is counted by `specserve.model.footprint.weight_bytes_per_token`;
 this module adds the same count for a GGUF file, and the bandwidth.
+
+Speculation meets a second limit. Verifying k drafts runs k + 1 rows through weights
+read once, so its price is arithmetic: on a CPU with few cores a verified row costs
+its multiply-adds over the arithmetic peak (`measure_dot_peaks`). With a plain step
+and a draft position at the memory limit and every row at that peak,
+`speculation_ceiling` gives the most any k can gain with every draft accepted: how
+far speculation can pay on this machine, before any acceptance is lost.
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import time
 import gguf
 import torch
 
+from specserve.model import native
 from specserve.model.footprint import tensor_bytes
 
 BANDWIDTH_PASSES = 5
+MAX_CEILING_K = 32  # the longest draft the ceiling considers
 
 
 def gguf_weight_bytes_per_token(reader: gguf.GGUFReader) -> int:
@@ -60,3 +69,35 @@ def measure_read_bandwidth(gib: float | None = None, passes: int = BANDWIDTH_PAS
     where = f"on {device}" if device.type != "cpu" else f"{torch.get_num_threads()} threads"
     method = f"best of {passes} torch.sum passes over a {gib:g} GiB float32 tensor, {where}"
     return num_bytes / best, method
+
+
+def measure_dot_peaks(device: torch.device = torch.device("cpu")) -> tuple[dict[str, float], str] | None:
+    """({"int8": multiply-adds/s, "float32": multiply-adds/s}, how) of this CPU on
+    torch's threads, or None off the CPU or where our kernels cannot run (see
+    `native.library`)."""
+    if device.type != "cpu" or native.library() is None:
+        return None
+    peaks = {kind: native.dot_peak(kind) for kind in native.DOT_KINDS}
+    return peaks, f"vpdpbusd and FMA chains in registers, {torch.get_num_threads()} threads"
+
+
+def arithmetic_of(fmt: str) -> str | None:
+    """The multiply-adds a row of a model stored as `fmt` (peers.py's format names:
+    "float32", "int4/bfloat16", ...) costs: int8 dot products on our int4/int8 kernel,
+    float32 FMAs for float32 weights; None for what neither measures (bfloat16 GEMMs)."""
+    if fmt.startswith(("int4", "int8")):
+        return "int8"
+    return "float32" if fmt == "float32" else None
+
+
+def speculation_ceiling(plain_s: float, row_s: float, draft_s: float) -> tuple[float, int]:
+    """(speedup, k): the best over k of (k + 1) plain steps over the time of one
+    speculative step that accepts every draft, k draft positions of draft_s and a
+    verification of k + 1 rows costing the larger of a plain step (memory) and k + 1
+    rows of row_s (arithmetic). Of equal speedups, the shortest k."""
+    best = (0.0, 0)
+    for k in range(1, MAX_CEILING_K + 1):
+        speedup = (k + 1) * plain_s / (k * draft_s + max(plain_s, (k + 1) * row_s))
+        if speedup > best[0] * (1 + 1e-9):
+            best = (speedup, k)
+    return best

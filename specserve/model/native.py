@@ -9,6 +9,8 @@
   one at a time, in one call that runs the three above (`ModelInC`).
 - `speculate_greedy`: a quantized draft model's k greedy steps and a quantized target's
   verification of them in one call (`spec/fused.py`).
+- `dot_peak`: the CPU's int8 and float32 multiply-add throughput (the benchmarks'
+  compute roofline).
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -140,6 +142,8 @@ def library() -> ctypes.CDLL | None:
     lib.speculate_greedy.argtypes = [
         *[ctypes.c_void_p] * 7, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # draft, its cos and rotated_sin, target, its cos and rotated_sin, sequences, count, threshold, seconds
+    lib.dot_peak.restype = ctypes.c_double
+    lib.dot_peak.argtypes = [ctypes.c_int, ctypes.c_double]  # kind (0 int8, 1 float32), seconds
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
@@ -218,6 +222,17 @@ def quantized_matmul(
     if status != 0:
         raise MemoryError("quantized_matmul could not allocate its activation buffers")
     return y
+
+
+DOT_KINDS = {"int8": 0, "float32": 1}
+
+
+def dot_peak(kind: str, seconds: float = 0.3) -> float:
+    """Multiply-adds per second of `kind` ("int8": vpdpbusd, "float32": FMA) on every
+    OpenMP thread, measured for `seconds`. Needs the kernels (see `library`)."""
+    lib = library()
+    assert lib is not None, "dot_peak called where the kernels are unavailable"
+    return lib.dot_peak(DOT_KINDS[kind], seconds)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
