@@ -193,10 +193,13 @@ static inline void dot_tile(int bits, int nr, int n, int t0, int nt, int K, cons
 /* y [T, N] = x W^T + bias, each output rounded to bfloat16 once. */
 static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
                        const uint16_t *bias, int N, const int8_t *q, const float *d, const float *a, uint16_t *y) {
-    /* Where several tiles of activation rows outgrow L1 (int4 down projections
-     * verifying 8 rows: 8 x 9 KB), two weight rows share each activation load: 15%
-     * faster there. With one tile it measured 0-25% slower (one row: 25%). */
-    const int step = bits == 4 && T > PAIR_TILE && (size_t)PAIR_TILE * K > 16384 ? 2 : 1;
+    /* Where the activation rows outgrow L1 and come from L2 once per weight row, two
+     * weight rows share each activation load: int4 down projections verifying 8 rows
+     * (8 x 9 KB; 15% faster), and prompts (32-200 rows of 1536: qkv and o 16-23%
+     * faster). Within L1 (verifying 8 rows of 1536 or less) it measured 0-10% slower,
+     * with one row 25% slower. (The gated gate/up pairs measured 9-16% slower on
+     * prompts: gated_rows keeps to one row.) */
+    const int step = bits == 4 && T > PAIR_TILE && ((size_t)PAIR_TILE * K > 16384 || (size_t)T * K > 32768) ? 2 : 1;
     const int tile = step == 2 ? PAIR_TILE : TILE;
 #pragma omp parallel for schedule(static)
     for (int first = 0; first < (N + step - 1) / step; first++) {
