@@ -53,7 +53,7 @@ class View:  # a SequenceView
 
 
 @needs_kernel
-@pytest.mark.parametrize("threshold,head_size", [(0.0, None), (0.3, None), (0.3, 48)])
+@pytest.mark.parametrize("threshold,head_size", [(0.0, None), (0.3, None), (0.5, 48)])
 def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, float_target, draft, threshold, head_size):
     if head_size is not None:  # a draft that guesses only the first 48 of 96 token ids
         draft = quantized(perturbed(float_target, 0.3, seed=2))
