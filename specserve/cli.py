@@ -306,16 +306,18 @@ def run_tune(args: argparse.Namespace) -> int:
             f"tune needs at least one draft, k >= 1, suites from {', '.join(SUITES)} and --max-tokens >= 2 "
             f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
         )
-    rows = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
-                 args.draft_quantization, batch_invariant=args.batch_invariant, device=device_of(args)).run()
+    tuner = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
+                  args.draft_quantization, batch_invariant=args.batch_invariant, device=device_of(args))
+    ceilings = tuner.ceilings()  # measured before the sweep's models have run: a quiet machine
+    rows = tuner.run()
     best = recommend(rows)
     header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
               f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
-    markdown = to_markdown(rows, best, header)
+    markdown = to_markdown(rows, best, header, ceilings)
     folder = Path(args.results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tune.md").write_text(markdown)
-    report = {"rows": rows, "recommended": best}
+    report = {"rows": rows, "recommended": best, "ceiling": ceilings}
     (folder / "tune.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))

@@ -10,6 +10,7 @@ import pytest
 
 from specserve.bench.tune import predicted_speedup, recommend
 from specserve.cli import main
+from specserve.model import native
 
 
 def test_predicted_speedup_is_leviathans_formula():
@@ -60,6 +61,15 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     assert rows[6]["predicted_speedup"] is None  # the formula assumes one k every step
     assert set(report["recommended"]) == {"structured", "overall"}
     assert "Recommended:" in (tmp_path / "tune.md").read_text()
+    if native.unavailable_reason() is None:  # the arithmetic peak needs our kernels
+        ceiling = report["ceiling"]
+        # the target drafting for itself costs a plain step a position: no k can pay
+        assert ceiling["smollm2-135m"]["max_speedup"] <= 1.0 + 1e-9
+        assert ceiling["smollm2-135m"]["draft_position_s"] == pytest.approx(ceiling["ngram"]["plain_step_s"])
+        assert ceiling["ngram"]["draft_position_s"] == 0.0 and ceiling["ngram"]["max_speedup"] > 1.0
+        assert "Ceiling on this machine" in (tmp_path / "tune.md").read_text()
+    else:
+        assert report["ceiling"] is None
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
 
 

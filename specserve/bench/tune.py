@@ -16,6 +16,11 @@ after a guess it is unsure of, so on open-ended text it drafts far fewer than th
 configured k). The formula assumes verifying k + 1 tokens costs what one token costs and that drafts
 are accepted independently; where the measured speedup falls short of it, that is the
 price of verification and of correlated rejections.
+
+On a CPU it also gives each draft's ceiling on this machine (`ceilings`): the most any
+k could gain with every guess accepted, from the memory bandwidth and the arithmetic
+peak (see `specserve.bench.roofline`), so a measured speedup can be read against what
+the hardware allows.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from typing import Any
 
 import torch
 
+from specserve.bench.roofline import measure_dot_peaks, measure_read_bandwidth, speculation_ceiling
 from specserve.bench.suites import SUITES
 from specserve.config import SpecConfig
 from specserve.engine.engine import Engine
 from specserve.generate import encode_prompt, run_one
 from specserve.model.device import CPU
+from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
@@ -101,6 +108,9 @@ class Tuner:
             self.drafts[name] = draft
         self.ks = ks
         self.max_tokens = max_tokens
+        # what a verified row multiplies with: our int8 dot products, or float32 FMAs
+        self.arithmetic = ("int8" if quantization in ("int4", "int8")
+                           else "float32" if dtype == torch.float32 else None)
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
                         for suite in suites}
@@ -141,6 +151,25 @@ class Tuner:
         target_s = decode_step_seconds(self.target, ids, 32)
         return {name: 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
                 for name, draft in self.drafts.items()}
+
+    def ceilings(self) -> dict[str, dict[str, float]] | None:
+        """Per draft: the most any k could gain with every guess accepted, on this
+        machine (`roofline.speculation_ceiling`); None off the CPU, without our kernels or
+        for a target format whose arithmetic is not measured (bfloat16)."""
+        peaks = measure_dot_peaks(self.target.decoder.device)
+        if peaks is None or self.arithmetic is None:
+            return None
+        bandwidth, _ = measure_read_bandwidth()
+        target = self.target.decoder
+        plain_s = weight_bytes_per_token(target) / bandwidth
+        row_s = multiply_adds_per_token(target.config, target.head_size) / peaks[0][self.arithmetic]
+        found = {}
+        for name, draft in self.drafts.items():
+            draft_s = 0.0 if draft is None else weight_bytes_per_token(draft.decoder) / bandwidth
+            speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
+            found[name] = {"max_speedup": speedup, "best_k": k, "plain_step_s": plain_s,
+                           "verified_row_s": row_s, "draft_position_s": draft_s}
+        return found
 
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()
@@ -184,7 +213,8 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
-def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], header: str) -> str:
+def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], header: str,
+                ceilings: dict[str, dict[str, float]] | None = None) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -204,4 +234,11 @@ def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], hea
         k = "adaptive k" if r["k"] == ADAPTIVE else f"k={r['k']}"
         config = PLAIN if r["proposer"] == PLAIN else f"{r['proposer']}, {k}"
         lines.append(f"- {suite}: {config} ({r['speedup']:.2f}x the plain target's decode)")
+    if ceilings:
+        lines += ["", "Ceiling on this machine (every guess accepted; a plain step and a draft position at the "
+                      "memory limit, a verified row at the arithmetic peak):"]
+        for name, c in ceilings.items():
+            lines.append(f"- {name}: at most {c['max_speedup']:.2f}x (k={c['best_k']}; plain step "
+                         f"{c['plain_step_s'] * 1e3:.1f} ms, verified row {c['verified_row_s'] * 1e3:.1f} ms, "
+                         f"draft position {c['draft_position_s'] * 1e3:.1f} ms)")
     return "\n".join(lines) + "\n"
