@@ -16,9 +16,9 @@ Then the roofline: the weight bytes a decode step reads per model and format, th
 memory bandwidth measured on the spot, and each measured plain decode as a share of
 the limit they imply; on a CPU also the arithmetic peak measured on the spot, and the
 ceiling of speculation it sets for each of our target formats (the most any k could
-gain with every draft accepted, see `specserve.bench.roofline`). With `--dtype` or `--quantization` other than float32, a quality
-section compares the format with float32: perplexity on a fixed text and greedy
-agreement on the prompts.
+gain with every draft accepted, see `specserve.bench.roofline`). With `--dtype` or
+`--quantization` other than float32, a quality section compares the format with
+float32: perplexity on a fixed text and greedy agreement on the prompts.
 
     .venv/bin/python benchmarks/peers.py                           # default pair, every row
     .venv/bin/python benchmarks/peers.py --quantization int8 --peers transformers
@@ -53,7 +53,7 @@ from specserve import models
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
 from specserve.bench.roofline import (
-    arithmetic_of, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth, speculation_ceiling,
+    arithmetic_of, ceiling, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth,
 )
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
@@ -385,19 +385,17 @@ def ceiling_rows(report: Report, bandwidth: float, peaks: dict[str, float] | Non
     could gain with our draft and with free drafts (n-gram, lookup), every draft accepted."""
     if peaks is None:
         return []
-    drafts = [(f"{m['model']} {m['format']}", m["bytes_per_token"] / bandwidth)
+    drafts = [(f"{m['model']} {m['format']}", m["bytes_per_token"])
               for m in report.models if m["role"] == "draft" and m["of_system"] == "specserve"]
     rows = []
     for m in report.models:
         kind = arithmetic_of(m["format"])
         if m["role"] != "target" or m["of_system"] != "specserve" or kind is None or not m["macs_per_token"]:
             continue
-        plain_s, row_s = m["bytes_per_token"] / bandwidth, m["macs_per_token"] / peaks[kind]
-        for draft, draft_s in [*drafts, ("free (n-gram, lookup first)", 0.0)]:
-            speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
-            rows.append({"system": "ceiling", "target_format": m["format"], "draft": draft,
-                         "plain_step_s": plain_s, "verified_row_s": row_s, "draft_position_s": draft_s,
-                         "arithmetic": kind, "peak_macs_per_s": peaks[kind], "max_speedup": speedup, "best_k": k})
+        for draft, draft_bytes in [*drafts, ("free (n-gram, lookup first)", 0)]:
+            rows.append({"system": "ceiling", "target_format": m["format"], "draft": draft, "arithmetic": kind,
+                         "peak_macs_per_s": peaks[kind],
+                         **ceiling(m["bytes_per_token"], m["macs_per_token"], draft_bytes, bandwidth, peaks[kind])})
     return rows
 
 
@@ -656,10 +654,10 @@ def main(argv: list[str] | None = None) -> int:
     compare_with_plain(report.rows)
     fmt = format_of(dtype_of(args), args.quantization)
     roofline = roofline_rows(report, bandwidth, method)
-    ceiling = ceiling_rows(report, bandwidth, peaks and peaks[0])
+    ceilings = ceiling_rows(report, bandwidth, peaks and peaks[0])
     quality = quality_rows(report, fmt) if quality_wanted(args) else []
     if args.json:
-        for row in [*report.rows, *roofline, *ceiling, *quality]:
+        for row in [*report.rows, *roofline, *ceilings, *quality]:
             print(json.dumps(row))
     else:
         where = f"{torch.get_num_threads()} threads" if device_of(args).type == "cpu" else str(device_of(args))
@@ -669,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
         print_table(report.rows)
         print_roofline(roofline)
-        print_ceiling(ceiling, peaks[1] if peaks else "")
+        print_ceiling(ceilings, peaks[1] if peaks else "")
         print_quality(quality, fmt)
     return 0
 

@@ -82,12 +82,22 @@ def measure_dot_peaks(device: torch.device = torch.device("cpu")) -> tuple[dict[
 
 
 def arithmetic_of(fmt: str) -> str | None:
-    """The multiply-adds a row of a model stored as `fmt` (peers.py's format names:
-    "float32", "int4/bfloat16", ...) costs: int8 dot products on our int4/int8 kernel,
+    """The multiply-adds a row of a model stored as `fmt` ("float32", "int4", peers.py's
+    "int4/bfloat16", ...) costs: int8 dot products on our int4/int8 kernel,
     float32 FMAs for float32 weights; None for what neither measures (bfloat16 GEMMs)."""
     if fmt.startswith(("int4", "int8")):
         return "int8"
     return "float32" if fmt == "float32" else None
+
+
+def ceiling(target_bytes: int, target_macs: int, draft_bytes: int, bandwidth: float, peak: float) -> dict:
+    """The prices of a plain step and a draft position at the memory limit (`bandwidth`)
+    and of a verified row at the arithmetic peak, and the most any k could gain with
+    them (`speculation_ceiling`). draft_bytes 0: free drafts (n-gram, lookup)."""
+    plain_s, row_s, draft_s = target_bytes / bandwidth, target_macs / peak, draft_bytes / bandwidth
+    speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
+    return {"plain_step_s": plain_s, "verified_row_s": row_s, "draft_position_s": draft_s,
+            "max_speedup": speedup, "best_k": k}
 
 
 def speculation_ceiling(plain_s: float, row_s: float, draft_s: float) -> tuple[float, int]:

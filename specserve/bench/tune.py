@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specserve.bench.roofline import measure_dot_peaks, measure_read_bandwidth, speculation_ceiling
+from specserve.bench.roofline import arithmetic_of, ceiling, measure_dot_peaks, measure_read_bandwidth
 from specserve.bench.suites import SUITES
 from specserve.config import SpecConfig
 from specserve.engine.engine import Engine
@@ -109,8 +109,7 @@ class Tuner:
         self.ks = ks
         self.max_tokens = max_tokens
         # what a verified row multiplies with: our int8 dot products, or float32 FMAs
-        self.arithmetic = ("int8" if quantization in ("int4", "int8")
-                           else "float32" if dtype == torch.float32 else None)
+        self.arithmetic = arithmetic_of(quantization if quantization != "none" else str(dtype).removeprefix("torch."))
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
                         for suite in suites}
@@ -154,22 +153,18 @@ class Tuner:
 
     def ceilings(self) -> dict[str, dict[str, float]] | None:
         """Per draft: the most any k could gain with every guess accepted, on this
-        machine (`roofline.speculation_ceiling`); None off the CPU, without our kernels or
+        machine (`roofline.ceiling`); None off the CPU, without our kernels or
         for a target format whose arithmetic is not measured (bfloat16)."""
         peaks = measure_dot_peaks(self.target.decoder.device)
         if peaks is None or self.arithmetic is None:
             return None
         bandwidth, _ = measure_read_bandwidth()
         target = self.target.decoder
-        plain_s = weight_bytes_per_token(target) / bandwidth
-        row_s = multiply_adds_per_token(target.config, target.head_size) / peaks[0][self.arithmetic]
-        found = {}
-        for name, draft in self.drafts.items():
-            draft_s = 0.0 if draft is None else weight_bytes_per_token(draft.decoder) / bandwidth
-            speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
-            found[name] = {"max_speedup": speedup, "best_k": k, "plain_step_s": plain_s,
-                           "verified_row_s": row_s, "draft_position_s": draft_s}
-        return found
+        target_bytes = weight_bytes_per_token(target)
+        target_macs = multiply_adds_per_token(target.config, target.head_size)
+        return {name: ceiling(target_bytes, target_macs, 0 if draft is None else weight_bytes_per_token(draft.decoder),
+                              bandwidth, peaks[0][self.arithmetic])
+                for name, draft in self.drafts.items()}
 
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()

@@ -8,10 +8,10 @@ weights take (with float32 activations they are 10x slower).
 
 - `int8`: one scale per output channel, symmetric.
 - `int4`: one scale and zero point per group of 32 inputs, asymmetric (the head and the
-  attention's q/k/v projection stay int8). Groups of 32 match GGUF's Q4_K blocks, whose values form an affine 16-level
-  grid per block: the scale search of `quantize_int4` finds that grid, so such a block
-  comes back as it was (up to bfloat16 scales) where plain min..max rounding would
-  shift it.
+  attention's q/k/v projection stay int8). Groups of 32 match GGUF's Q4_K blocks, whose
+  values form an affine 16-level grid per block: the scale search of `quantize_int4`
+  finds that grid, so such a block comes back as it was (up to bfloat16 scales) where
+  plain min..max rounding would shift it.
 
 Our kernel (`native`) multiplies them by activations quantized to int8 per group of
 32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere

@@ -56,7 +56,6 @@ static double float_rounds(volatile int *sink) {
 double dot_peak(int kind, double seconds) {
     double total = 0.0;
     const double started = now();
-    double elapsed = 0.0;
 #pragma omp parallel reduction(+ : total)
     {
         volatile int sink;
@@ -64,6 +63,5 @@ double dot_peak(int kind, double seconds) {
             total += kind == 0 ? int8_rounds(&sink) : float_rounds(&sink);
         } while (now() - started < seconds);
     }
-    elapsed = now() - started;
-    return total / elapsed;
+    return total / (now() - started);
 }
