@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.model.decoder import Decoder, PackedLinear, Segment
+from specserve.model import native
+from specserve.model.decoder import Decoder, FloatLinear, PackedLinear, Segment
 from tests.conftest import tiny_config
 
 
@@ -114,25 +115,57 @@ def test_bfloat16_runs_and_roughly_agrees():
     torch.testing.assert_close(prefill(model, PROMPT), expected, rtol=0.1, atol=0.1)
 
 
-def test_packed_linear_weights_give_the_same_logits(arch):
-    """The oneDNN prepacked path used on CPU computes what the plain layers compute."""
+@pytest.mark.parametrize("kernel", ["ours", "onednn"])
+def test_swapped_linear_layers_give_the_same_logits(arch, kernel, monkeypatch):
+    """The float32 CPU layers (our kernel where it runs, else oneDNN's packed weights)
+    compute what the plain layers compute."""
+    if kernel == "onednn":
+        monkeypatch.setattr(native, "library", lambda: None)
+    kind = FloatLinear if kernel == "ours" else PackedLinear
+    if not kind.available(torch.float32):
+        pytest.skip(f"{kind.__name__} does not run here")
     reference, ours = reference_and_ours(tiny_config(arch, tie_word_embeddings=arch == "llama"))
     expected = prefill(ours, PROMPT)
     ours.pack_linear_weights()
-    if PackedLinear.available(torch.float32):
-        assert not any(isinstance(m, torch.nn.Linear) for m in ours.modules())
-        assert any(isinstance(m, PackedLinear) for m in ours.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in ours.modules())
+    assert any(isinstance(m, kind) for m in ours.modules())
+    if kernel == "ours" and arch == "llama":  # tied: the head reads the table itself
+        assert ours.lm_head.weight.data_ptr() == ours.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=1e-4, atol=1e-4)
     cache = ours.new_cache()  # and one token at a time, as decoding feeds it
     ours(torch.tensor(PROMPT[:-1]), [Segment(cache, len(PROMPT) - 1)])
     torch.testing.assert_close(ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:], rtol=1e-4, atol=1e-4)
 
 
+def test_float32_verification_is_bitwise_plain_decoding_on_our_kernel(arch):
+    """With our float32 kernel (rows independent) and attention query by query, the
+    target verifying 8 tokens in one pass, beside another request, computes bitwise the
+    logits of decoding them one at a time: no batch-invariant mode needed."""
+    if not FloatLinear.available(torch.float32):
+        pytest.skip("our kernels do not run here")
+    config = tiny_config(arch, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
+                         head_dim=32, vocab_size=512)
+    reference, model = reference_and_ours(config)
+    model.pack_linear_weights()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+    alone, verified, other = model.new_cache(), model.new_cache(), model.new_cache()
+    model(ids[:32], [Segment(alone, 32)])
+    one_at_a_time = torch.cat([model(ids[i : i + 1], [Segment(alone, 1)]) for i in range(32, 40)])  # [8, V]
+    model(ids[:32], [Segment(verified, 32)])
+    model(ids[:3], [Segment(other, 3)])
+    batch = model(torch.cat([ids[32:40], ids[3:4]]),
+                  [Segment(verified, 8, one_query_at_a_time=True), Segment(other, 1)])  # [9, V]
+    assert torch.equal(batch[:8], one_at_a_time)
+    assert torch.equal(verified.keys[:, :, :40], alone.keys[:, :, :40])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_batch_invariant_mode_computes_a_token_the_same_in_any_company(dtype):
     """Verification (8 tokens in one pass), a batch of two requests and a prompt in
     chunks give bitwise the logits and cache of one token at a time, alone. (Without
-    the mode the float32 case fails here: oneDNN rounds 1 row and 8 rows differently.)"""
+    the mode the float32 case fails here on oneDNN, which rounds 1 row and 8 rows
+    differently, and the prompt's chunks fail on any kernel: several queries attend
+    at once.)"""
     config = tiny_config("qwen2", hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
                          head_dim=32, vocab_size=512)
     reference, _ = reference_and_ours(config)

@@ -13,7 +13,7 @@ from specserve.config import SpecConfig
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model import native
-from specserve.model.decoder import PackedLinear, Segment, first_rows
+from specserve.model.decoder import FloatLinear, PackedLinear, Segment, first_rows
 from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
@@ -35,6 +35,8 @@ def quantized_layer(bits: int) -> QuantizedLinear:
 
 def layers() -> list:
     cases = [pytest.param(lambda: linear(), torch.float32, id="float32")]
+    if FloatLinear.available(torch.float32):
+        cases.append(pytest.param(lambda: FloatLinear(linear()), torch.float32, id="float32-ours"))
     if PackedLinear.available(torch.float32):
         cases.append(pytest.param(lambda: PackedLinear(linear()), torch.float32, id="onednn-packed"))
     cases += [pytest.param(lambda: quantized_layer(8), torch.bfloat16, id="int8", marks=needs_kernel),

@@ -83,6 +83,40 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features, rows)
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "out_features, in_features, bias",
+    # weight rows in threes with one or two left; K in 16s, and with a masked tail
+    [(48, 512, True), (40, 96, False), (25, 1000, True), (7, 13, True)],
+)
+def test_float_kernel_is_the_float64_product(out_features, in_features, bias):
+    torch.manual_seed(5)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(11, in_features)  # more rows than one tile
+    got = native.float_matmul(x, linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+    expected = x.double() @ linear.weight.detach().double().t()
+    if bias:
+        expected += linear.bias.detach().double()
+    assert got.dtype == torch.float32 and got.shape == (11, out_features)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
+    batched = native.float_matmul(x.view(1, 11, in_features), linear.weight.detach(), None)  # [..., K] rows
+    assert batched.shape == (1, 11, out_features)
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features, rows", [(1536, 13), (1000, 20)])
+def test_float_kernel_rows_are_the_same_whatever_shares_the_call(in_features, rows):
+    torch.manual_seed(6)
+    weight = torch.randn(41, in_features)
+    x = torch.randn(rows, in_features)
+    together = native.float_matmul(x, weight, None)
+    for row in range(rows):
+        assert torch.equal(native.float_matmul(x[row : row + 1], weight, None), together[row : row + 1])
+    for start, stop in ((2, 9), (5, 13)):  # another slot, other neighbours
+        assert torch.equal(native.float_matmul(x[start:stop], weight, None), together[start:stop])
+    assert native.float_matmul(x[:0], weight, None).shape == (0, 41)
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gated_kernel_is_silu_of_the_gate_times_up(bits):
     """A SwiGLU gate/up projection in one call: silu(gate) * up from the same matmul

@@ -209,11 +209,20 @@ def test_weight_bytes_count_linears_norms_and_one_embedding_row():
     assert weight_bytes_per_token(untied) == every - table.numel() * 4 + table.shape[1] * 4
     tied = Decoder(tiny_config("qwen2", tie_word_embeddings=True))  # the table is the head: once, in full
     assert weight_bytes_per_token(tied) == sum(p.numel() * 4 for p in tied.parameters()) + tied.inv_freq.numel() * 4
-    packed_before = weight_bytes_per_token(untied)
-    untied.pack_linear_weights()  # oneDNN tensors; a bias-free layer gains a zero bias
+    before = weight_bytes_per_token(untied)
+    swapped = Decoder(tiny_config("qwen2"))
+    swapped.pack_linear_weights()  # our kernel's layers: the same tensors
+    assert weight_bytes_per_token(swapped) == before
+
+
+def test_weight_bytes_count_onednn_tensors(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)  # oneDNN's packed layers instead of ours
+    packed = Decoder(tiny_config("qwen2"))
+    before = weight_bytes_per_token(packed)
+    packed.pack_linear_weights()  # oneDNN tensors; a bias-free layer gains a zero bias
     zero_biases = sum(m.out_features for m in Decoder(tiny_config("qwen2")).modules()
                       if isinstance(m, torch.nn.Linear) and m.bias is None)
-    assert weight_bytes_per_token(untied) == packed_before + zero_biases * 4
+    assert weight_bytes_per_token(packed) == before + zero_biases * 4
 
 
 def test_gguf_bytes_count_the_stored_quantized_sizes():

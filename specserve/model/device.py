@@ -7,8 +7,8 @@ argmax list per target forward and per draft position (`Engine._forward_and_veri
 `DraftModelProposer._draft`), which is also the step's only synchronisation, so the
 timings adaptive k learns from include the GPU's work.
 
-Only the CPU has our int8/int4 kernels, fused speculation, oneDNN-packed float32
-linears and batch invariance (its row blocking was measured on CPU kernels); on a GPU
+Only the CPU has our int8/int4 and float32 kernels, fused speculation, oneDNN-packed
+float32 linears and batch invariance (its row blocking was measured on CPU kernels); on a GPU
 the weights are float (bfloat16 by default) and those options are refused by name.
 """
 
@@ -61,7 +61,7 @@ def check_device_format(device: torch.device, quantization: str, batch_invariant
 def default_dtype(device: torch.device, quantization: str) -> torch.dtype:
     """What `--dtype auto` means: the quantized kernels' bfloat16 activations with
     --quantization, bfloat16 on a GPU (its tensor cores' format, half float32's
-    bytes), float32 on the CPU otherwise (oneDNN's packed float32 linears)."""
+    bytes), float32 on the CPU otherwise (our float32 kernel, or oneDNN's packed linears)."""
     if quantization != "none" or device.type != "cpu":
         return QUANTIZED_ACTIVATION_DTYPE
     return torch.float32

@@ -1,6 +1,7 @@
 """Our CPU kernels in C (kernels/*.c), compiled on first use, called through ctypes.
 
 - `quantized_matmul`: int4/int8 weights x int8 activations (see kernels/quantized_matmul.c).
+- `float_matmul`: float32 weights x float32 activations (kernels/float_matmul.c).
 - `rms_norm`: RMSNorm of bfloat16 rows in one call instead of 8 PyTorch ops.
 - `decode_attention`: each new token's RoPE, cache write and attention alone to the
   cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
@@ -130,6 +131,10 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
         ctypes.c_int, ctypes.c_void_p,  # N, y
     ]
+    lib.float_matmul.restype = None
+    lib.float_matmul.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+    ]  # x, T, K, weights, bias, N, y
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -221,6 +226,20 @@ def quantized_matmul(
     )
     if status != 0:
         raise MemoryError("quantized_matmul could not allocate its activation buffers")
+    return y
+
+
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N] float32: x weight^T + bias, with weight [N, K] and
+    bias [N] float32 and contiguous. Each output row depends on its input row only."""
+    lib = library()
+    assert lib is not None, "float_matmul called where the kernel is unavailable"
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features).contiguous()  # [T, K]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    if rows.shape[0] > 0:
+        lib.float_matmul(rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out_features, y.data_ptr())
     return y
 
 

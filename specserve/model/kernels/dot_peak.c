@@ -1,7 +1,7 @@
 /*
  * The CPU's arithmetic peak for the two instructions our decode steps multiply with:
  * `vpdpbusd` (int8 x int8, 64 multiply-adds, what quantized_matmul.c spends its time
- * in) and a float32 FMA (16 multiply-adds, oneDNN's float32 GEMM). Why: a decode step
+ * in) and a float32 FMA (16 multiply-adds, what float_matmul.c does). Why: a decode step
  * reads every weight once and is bound by memory, but verifying k drafts multiplies
  * every weight by k + 1 rows, and on a few cores that arithmetic, not memory, sets the
  * price of a verified row. The benchmarks' roofline puts this peak beside the bandwidth.
