@@ -14,6 +14,7 @@ from specserve.generate import build_engine
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.quant import (
     INT4_GROUP_SIZE,
+    QUANTIZED_FORMAT_VERSION,
     QuantizedLinear,
     check_quantization,
     load_quantized_state,
@@ -98,9 +99,13 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     prompt = [1, 504, 3458, 282, 4649, 314]
     float_engine, _ = build_engine("smollm2-135m")
     float_tokens = float_engine.generate(prompt, params).output_ids
+    current = models._quantized_file(models.resolve("smollm2-135m"), "int8")
+    older = current.with_name(current.name.replace(f"-v{QUANTIZED_FORMAT_VERSION}.", f"-v{QUANTIZED_FORMAT_VERSION - 1}."))
+    older.parent.mkdir(parents=True, exist_ok=True)
+    older.write_bytes(b"made by older code")
     engine, _ = build_engine("smollm2-135m", dtype=torch.bfloat16, quantization="int8")
     files = list((models.cache_root() / "quantized").glob("smollm2-135m-*-int8-v*.safetensors"))
-    assert len(files) == 1
+    assert files == [current]  # and the older format's file is gone
     stamp = files[0].stat().st_mtime_ns
     tokens = engine.generate(prompt, params).output_ids
     # bfloat16 activations and 8-bit weights may flip a late near-tie; the start agrees.
