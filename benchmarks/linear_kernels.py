@@ -6,8 +6,9 @@ are shared and noisy: only the ratios of one run compare):
 - layers: every linear layer shape of the target, at 1, 2, 4, 8, 16, 64, 200 rows (a
   decode step, verifications of k drafts, a prompt), GB/s of weights and the ratio of
   our time to oneDNN's;
-- steps: the real target's forward pass of 1 row (a plain decode step) and of 8 rows
-  attending one at a time (verifying k = 7 drafts), the layers swapped in place.
+- steps: the real target's forward pass of 1 row (a plain decode step), of 8 rows
+  attending one at a time (verifying k = 7 drafts) and of 200 rows (a prompt), the
+  layers swapped in place.
 
     .venv/bin/python benchmarks/linear_kernels.py                       # the default target, both
     .venv/bin/python benchmarks/linear_kernels.py --only layers --rows 1,8
@@ -73,6 +74,9 @@ def bench_layers(decoder, rows_list: list[int], rounds: int) -> None:
         del packed
 
 
+STEP_ROWS = {1: "a decode step (1 row)", 8: "verifying 7 drafts (8 rows)", 200: "a prompt (200 rows)"}
+
+
 def bench_steps(decoder, rounds: int) -> None:
     ours = [(parent, name, child) for parent in decoder.modules() for name, child in parent.named_children()
             if isinstance(child, FloatLinear)]
@@ -88,15 +92,15 @@ def bench_steps(decoder, rounds: int) -> None:
         for _ in range(rounds):
             for kind in ("ours", "oneDNN"):
                 use(kind)
-                for rows in (1, 8):
+                for rows in STEP_ROWS:
                     cache = decoder.new_cache()
                     decoder(prompt, [Segment(cache, len(prompt))])
                     new = torch.randint(0, 1000, (rows,))
                     step = lambda: decoder(new, [Segment(cache, rows, one_query_at_a_time=rows > 1)])  # noqa: E731
-                    # each call appends to the cache: 5 steps stay far from its end
+                    # each call appends to the cache: 6 calls stay far from its end
                     times.setdefault((kind, rows), []).append(median_seconds(step, 5))
     use("ours")
-    for rows, what in ((1, "a decode step (1 row)"), (8, "verifying 7 drafts (8 rows)")):
+    for rows, what in STEP_ROWS.items():
         ratios = [a / b for a, b in zip(times[("ours", rows)], times[("oneDNN", rows)])]
         print(f"{what}: ours {statistics.median(times[('ours', rows)]) * 1e3:.1f} ms, oneDNN "
               f"{statistics.median(times[('oneDNN', rows)]) * 1e3:.1f} ms, ours/oneDNN "
