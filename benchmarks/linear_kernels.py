@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.model import native  # noqa: E402
-from specserve.model.decoder import FloatLinear, PackedLinear, Segment  # noqa: E402
+from specserve.model.decoder import FloatLinear, PackedLinear, Segment, linear_of  # noqa: E402
 from specserve.models import load_model  # noqa: E402
 
 
@@ -42,15 +41,6 @@ def median_seconds(call, reps: int) -> float:
     return statistics.median(times)
 
 
-def dense(layer: FloatLinear) -> nn.Linear:
-    """The same weights as a plain nn.Linear (no copy), for PackedLinear to pack."""
-    linear = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=layer.bias is not None, device="meta")
-    linear.weight = nn.Parameter(layer.weight, requires_grad=False)
-    if layer.bias is not None:
-        linear.bias = nn.Parameter(layer.bias, requires_grad=False)
-    return linear
-
-
 def bench_layers(decoder, rows_list: list[int], rounds: int) -> None:
     shapes: dict[tuple[int, int], FloatLinear] = {}
     for module in decoder.modules():
@@ -58,7 +48,7 @@ def bench_layers(decoder, rows_list: list[int], rounds: int) -> None:
             shapes.setdefault(tuple(module.weight.shape), module)
     print(f"{'layer [out, in]':>18} {'rows':>5} {'ours GB/s':>10} {'oneDNN GB/s':>12} {'ours/oneDNN time':>17}")
     for shape, ours in shapes.items():
-        packed = PackedLinear(dense(ours))
+        packed = PackedLinear(linear_of(ours.weight, ours.bias))
         nbytes = ours.weight.numel() * 4
         for rows in rows_list:
             x = torch.randn(rows, shape[1])
@@ -80,7 +70,7 @@ STEP_ROWS = {1: "a decode step (1 row)", 8: "verifying 7 drafts (8 rows)", 200: 
 def bench_steps(decoder, rounds: int) -> None:
     ours = [(parent, name, child) for parent in decoder.modules() for name, child in parent.named_children()
             if isinstance(child, FloatLinear)]
-    packed = [PackedLinear(dense(child)) for _, _, child in ours]  # a second copy of the weights
+    packed = [PackedLinear(linear_of(child.weight, child.bias)) for _, _, child in ours]  # a second copy of the weights
 
     def use(kind: str) -> None:
         for (parent, name, child), other in zip(ours, packed):

@@ -145,7 +145,7 @@ def test_float32_verification_is_bitwise_plain_decoding_on_our_kernel(arch):
         pytest.skip("our kernels do not run here")
     config = tiny_config(arch, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
                          head_dim=32, vocab_size=512)
-    reference, model = reference_and_ours(config)
+    _, model = reference_and_ours(config)
     model.pack_linear_weights()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
     alone, verified, other = model.new_cache(), model.new_cache(), model.new_cache()

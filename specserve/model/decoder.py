@@ -81,11 +81,11 @@ class PackedLinear(nn.Module):
 class FloatLinear(nn.Module):
     """A float32 CPU linear layer on our kernel (`native.float_matmul`), where it runs.
 
-    On the 1.5B target's layers it streams one row 1.1-1.7x faster than oneDNN and 8
-    rows (verifying k = 7 drafts) 1.6-2.2x faster, so a verification costs about 1.2
-    plain steps instead of 2; a prompt's 200 rows cost 0.8-1.1x. Its rows are batch
-    invariant, and it reads the layer's own weight, so a head tied to the embedding
-    shares the table's memory (oneDNN's format is a copy).
+    On the 1.5B target's layers one row takes 0.58-0.78x oneDNN's time and 2-8 rows
+    (verifying k drafts) 0.40-0.68x, so verifying 7 drafts costs 1.03-1.14x a plain
+    step instead of 1.7x; a 200-token prompt takes 1.12x (benchmarks/linear_kernels.py).
+    Its rows are batch invariant, and it reads the layer's own weight, so a head tied
+    to the embedding shares the table's memory (oneDNN's format is a copy).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -104,28 +104,26 @@ class FloatLinear(nn.Module):
         return native.float_matmul(x, self.weight, self.bias)
 
 
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding these very tensors (weight [out, in], bias [out] or None):
+    no copy, no initialisation."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
 def first_rows(layer: nn.Module, n: int) -> nn.Module:
     """`layer` computing only its outputs [0, n) (`Decoder.limit_head`): views of its
     weights, or for oneDNN's packed format, which cannot be sliced, a packed copy of them."""
     if isinstance(layer, QuantizedLinear):
         return layer.first_rows(n)
-    if isinstance(layer, FloatLinear):
-        rows = FloatLinear.__new__(FloatLinear)
-        nn.Module.__init__(rows)
-        rows.register_buffer("weight", layer.weight[:n], persistent=False)  # [n, in], a view
-        rows.register_buffer("bias", None if layer.bias is None else layer.bias[:n], persistent=False)  # [n]
-        return rows
     if isinstance(layer, PackedLinear):
-        dense = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], device="meta")
-        dense.weight = nn.Parameter(layer.weight.to_dense(), requires_grad=False)  # [out, in]
-        dense.bias = nn.Parameter(layer.bias.to_dense(), requires_grad=False)  # [out]
-        return PackedLinear(first_rows(dense, n))
-    if isinstance(layer, nn.Linear):
-        rows = nn.Linear(layer.in_features, n, bias=layer.bias is not None, device="meta")
-        rows.weight = nn.Parameter(layer.weight[:n], requires_grad=False)  # [n, in]
-        if layer.bias is not None:
-            rows.bias = nn.Parameter(layer.bias[:n], requires_grad=False)  # [n]
-        return rows
+        return PackedLinear(first_rows(linear_of(layer.weight.to_dense(), layer.bias.to_dense()), n))
+    if isinstance(layer, (FloatLinear, nn.Linear)):
+        rows = linear_of(layer.weight[:n], None if layer.bias is None else layer.bias[:n])  # [n, in], [n]: views
+        return FloatLinear(rows) if isinstance(layer, FloatLinear) else rows
     raise ConfigError(f"a {type(layer).__name__} head cannot be cut to its first rows")
 
 
