@@ -12,14 +12,14 @@ from specserve.model.decoder import Decoder, FloatLinear, PackedLinear, Segment
 from tests.conftest import tiny_config
 
 
-def reference_and_ours(config, seed: int = 0):
+def reference_and_ours(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf())).eval()
     with torch.no_grad():  # the reference initialises norms to 1; perturb them to test them
         for name, p in reference.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    ours = Decoder.from_hf_weights(config, dict(reference.state_dict()), torch.float32)
+    ours = Decoder.from_hf_weights(config, dict(reference.state_dict()), dtype)
     return reference, ours
 
 
@@ -115,37 +115,42 @@ def test_bfloat16_runs_and_roughly_agrees():
     torch.testing.assert_close(prefill(model, PROMPT), expected, rtol=0.1, atol=0.1)
 
 
-@pytest.mark.parametrize("kernel", ["ours", "onednn"])
-def test_swapped_linear_layers_give_the_same_logits(arch, kernel, monkeypatch):
-    """The float32 CPU layers (our kernel where it runs, else oneDNN's packed weights)
-    compute what the plain layers compute."""
+@pytest.mark.parametrize("kernel, dtype", [("ours", torch.float32), ("onednn", torch.float32),
+                                           ("ours", torch.bfloat16)])
+def test_swapped_linear_layers_give_the_same_logits(arch, kernel, dtype, monkeypatch):
+    """The CPU layers (our kernel where it runs, else for float32 oneDNN's packed
+    weights) compute what the plain layers compute."""
     if kernel == "onednn":
         monkeypatch.setattr(native, "library", lambda: None)
     kind = FloatLinear if kernel == "ours" else PackedLinear
-    if not kind.available(torch.float32):
+    if not kind.available(dtype):
         pytest.skip(f"{kind.__name__} does not run here")
-    reference, ours = reference_and_ours(tiny_config(arch, tie_word_embeddings=arch == "llama"))
+    reference, ours = reference_and_ours(tiny_config(arch, tie_word_embeddings=arch == "llama"), dtype=dtype)
     expected = prefill(ours, PROMPT)
     ours.pack_linear_weights()
     assert not any(isinstance(m, torch.nn.Linear) for m in ours.modules())
     assert any(isinstance(m, kind) for m in ours.modules())
     if kernel == "ours" and arch == "llama":  # tied: the head reads the table itself
         assert ours.lm_head.weight.data_ptr() == ours.embed_tokens.weight.data_ptr()
-    torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=1e-4, atol=1e-4)
+    # bfloat16: the same float32 sums in another order, each output rounded once
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=tolerance, atol=tolerance)
     cache = ours.new_cache()  # and one token at a time, as decoding feeds it
     ours(torch.tensor(PROMPT[:-1]), [Segment(cache, len(PROMPT) - 1)])
-    torch.testing.assert_close(ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:],
+                               rtol=tolerance, atol=tolerance)
 
 
-def test_float32_verification_is_bitwise_plain_decoding_on_our_kernel(arch):
-    """With our float32 kernel (rows independent) and attention query by query, the
-    target verifying 8 tokens in one pass, beside another request, computes bitwise the
-    logits of decoding them one at a time: no batch-invariant mode needed."""
-    if not FloatLinear.available(torch.float32):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_is_bitwise_plain_decoding_on_our_float_kernel(arch, dtype):
+    """With our float32/bfloat16 kernel (rows independent) and attention query by query,
+    the target verifying 8 tokens in one pass, beside another request, computes bitwise
+    the logits of decoding them one at a time: no batch-invariant mode needed."""
+    if not FloatLinear.available(dtype):
         pytest.skip("our kernels do not run here")
     config = tiny_config(arch, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
                          head_dim=32, vocab_size=512)
-    _, model = reference_and_ours(config)
+    _, model = reference_and_ours(config, dtype=dtype)
     model.pack_linear_weights()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
     alone, verified, other = model.new_cache(), model.new_cache(), model.new_cache()

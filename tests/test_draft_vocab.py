@@ -37,6 +37,7 @@ def layers() -> list:
     cases = [pytest.param(lambda: linear(), torch.float32, id="float32")]
     if FloatLinear.available(torch.float32):
         cases.append(pytest.param(lambda: FloatLinear(linear()), torch.float32, id="float32-ours"))
+        cases.append(pytest.param(lambda: FloatLinear(linear().bfloat16()), torch.bfloat16, id="bfloat16-ours"))
     if PackedLinear.available(torch.float32):
         cases.append(pytest.param(lambda: PackedLinear(linear()), torch.float32, id="onednn-packed"))
     cases += [pytest.param(lambda: quantized_layer(8), torch.bfloat16, id="int8", marks=needs_kernel),

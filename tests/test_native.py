@@ -82,38 +82,66 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features, rows)
     assert layer(x[:0]).shape == (0, 40)
 
 
+# bfloat16 on vdpbf16ps where the CPU has it, and with the weights widened (any AVX-512 CPU)
+FLOAT_KINDS = [
+    pytest.param(torch.float32, None, id="float32"),
+    pytest.param(torch.bfloat16, False, id="bfloat16-widened"),
+    pytest.param(torch.bfloat16, True, id="bfloat16-dot", marks=pytest.mark.skipif(
+        not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)")),
+]
+
+
 @needs_kernel
+@pytest.mark.parametrize("dtype, dot", FLOAT_KINDS)
 @pytest.mark.parametrize(
     "out_features, in_features, bias",
-    # weight rows in threes with one or two left; K in 16s, and with a masked tail
+    # weight rows in threes with one or two left; K in 32s, 16s, and with a masked tail
     [(48, 512, True), (40, 96, False), (25, 1000, True), (7, 13, True)],
 )
-def test_float_kernel_is_the_float64_product(out_features, in_features, bias):
+def test_float_kernel_is_the_float64_product(out_features, in_features, bias, dtype, dot):
     torch.manual_seed(5)
-    linear = nn.Linear(in_features, out_features, bias=bias)
-    x = torch.randn(11, in_features)  # more rows than one tile
-    got = native.float_matmul(x, linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-    expected = x.double() @ linear.weight.detach().double().t()
+    linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    x = torch.randn(11, in_features, dtype=dtype)  # more rows than one tile
+    weight, bias_ = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    got = native.float_matmul(x, weight, bias_, bf16_dot=dot)
+    expected = x.double() @ weight.double().t()
     if bias:
-        expected += linear.bias.detach().double()
-    assert got.dtype == torch.float32 and got.shape == (11, out_features)
-    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
-    batched = native.float_matmul(x.view(1, 11, in_features), linear.weight.detach(), None)  # [..., K] rows
+        expected += bias_.double()
+    assert got.dtype == dtype and got.shape == (11, out_features)
+    # float32 sums, rounded once to the output type
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert torch.allclose(got.double(), expected, rtol=rtol, atol=1e-5)
+    batched = native.float_matmul(x.view(1, 11, in_features), weight, None, bf16_dot=dot)  # [..., K] rows
     assert batched.shape == (1, 11, out_features)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype, dot", FLOAT_KINDS)
 @pytest.mark.parametrize("in_features, rows", [(1536, 13), (1000, 20)])
-def test_float_kernel_rows_are_the_same_whatever_shares_the_call(in_features, rows):
+def test_float_kernel_rows_are_the_same_whatever_shares_the_call(in_features, rows, dtype, dot):
     torch.manual_seed(6)
-    weight = torch.randn(41, in_features)
-    x = torch.randn(rows, in_features)
-    together = native.float_matmul(x, weight, None)
+    weight = torch.randn(41, in_features, dtype=dtype)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    together = native.float_matmul(x, weight, None, bf16_dot=dot)
     for row in range(rows):
-        assert torch.equal(native.float_matmul(x[row : row + 1], weight, None), together[row : row + 1])
+        assert torch.equal(native.float_matmul(x[row : row + 1], weight, None, bf16_dot=dot), together[row : row + 1])
     for start, stop in ((2, 9), (5, 13)):  # another slot, other neighbours
-        assert torch.equal(native.float_matmul(x[start:stop], weight, None), together[start:stop])
-    assert native.float_matmul(x[:0], weight, None).shape == (0, 41)
+        assert torch.equal(native.float_matmul(x[start:stop], weight, None, bf16_dot=dot), together[start:stop])
+    assert native.float_matmul(x[:0], weight, None, bf16_dot=dot).shape == (0, 41)
+
+
+@needs_kernel
+@pytest.mark.skipif(not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)")
+@pytest.mark.parametrize("in_features", [1536, 1000, 13])
+def test_bfloat16_dot_and_widened_weights_give_the_same_bits(in_features):
+    """vdpbf16ps and the widened weights add the same exact products in the same order
+    (away from subnormal numbers, which vdpbf16ps takes as zeros)."""
+    torch.manual_seed(7)
+    weight, bias = torch.randn(37, in_features).bfloat16(), torch.randn(37).bfloat16()
+    for rows in (1, 8, 9, 30):
+        x = torch.randn(rows, in_features).bfloat16()
+        assert torch.equal(native.float_matmul(x, weight, bias, bf16_dot=True),
+                           native.float_matmul(x, weight, bias, bf16_dot=False))
 
 
 @needs_kernel

@@ -38,9 +38,10 @@ class Segment:
     `one_query_at_a_time`: attend with each new token separately, exactly as decoding
     them one per step would. Attention kernels round differently for one query and for
     several under a mask, and in bfloat16 that flips near-ties. The int8 and int4
-    kernels compute a row the same whatever rows come with it, so a quantized target
-    verifying drafts this way computes bitwise what plain decoding computes; float32
-    and bfloat16 GEMMs do not (see `RowBlockedLinear` and `Decoder.make_batch_invariant`).
+    kernels and our float32/bfloat16 one (`FloatLinear`) compute a row the same whatever
+    rows come with it, so a target on them verifying drafts this way computes bitwise
+    what plain decoding computes; PyTorch's float32 and bfloat16 GEMMs do not (see
+    `RowBlockedLinear` and `Decoder.make_batch_invariant`).
     """
 
     cache: KVCache
@@ -79,13 +80,15 @@ class PackedLinear(nn.Module):
 
 
 class FloatLinear(nn.Module):
-    """A float32 CPU linear layer on our kernel (`native.float_matmul`), where it runs.
+    """A float32 or bfloat16 CPU linear layer on our kernel (`native.float_matmul`),
+    where it runs.
 
-    On the 1.5B target's layers one row takes 0.58-0.78x oneDNN's time and 2-8 rows
-    (verifying k drafts) 0.40-0.68x, so verifying 7 drafts costs 1.03-1.14x a plain
-    step instead of 1.7x; a 200-token prompt takes 1.12x (benchmarks/linear_kernels.py).
-    Its rows are batch invariant, and it reads the layer's own weight, so a head tied
-    to the embedding shares the table's memory (oneDNN's format is a copy).
+    float32, on the 1.5B target's layers: one row takes 0.58-0.78x oneDNN's time and 2-8
+    rows (verifying k drafts) 0.40-0.68x, so verifying 7 drafts costs 1.03-1.14x a plain
+    step instead of 1.7x; a 200-token prompt about 1.1x (benchmarks/linear_kernels.py).
+    bfloat16: one row and 8 rows about 0.5x the time of PyTorch's `F.linear`, a long
+    prompt 1.1-1.3x. Its rows are batch invariant, and it reads the layer's own weight,
+    so a head tied to the embedding shares the table's memory (oneDNN's format is a copy).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -96,7 +99,7 @@ class FloatLinear(nn.Module):
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 and native.library() is not None
+        return dtype in (torch.float32, torch.bfloat16) and native.library() is not None
 
     # ctypes is opaque to torch.compile: under it, this call runs as it is.
     @torch.compiler.disable
@@ -523,9 +526,9 @@ class Decoder(nn.Module):
         return native.ModelInC(blocks, self.embed_tokens.weight, self.norm.weight, head, shape)
 
     def pack_linear_weights(self) -> None:
-        """On the CPU in float32, swap every linear layer for a `FloatLinear` where our
-        kernels run, else a `PackedLinear` (see there). The swapped model cannot be
-        trained or reloaded: swap last."""
+        """On the CPU in float32 or bfloat16, swap every linear layer for a `FloatLinear`
+        where our kernels run, else in float32 for a `PackedLinear` (see there). The
+        swapped model cannot be trained or reloaded: swap last."""
         if self.device.type != "cpu":
             return
         kind = next((k for k in (FloatLinear, PackedLinear) if k.available(self.dtype)), None)
@@ -539,11 +542,11 @@ class Decoder(nn.Module):
     def make_batch_invariant(self) -> None:
         """Compute every token bitwise the same whatever else shares its forward pass:
         plain decoding, the target verifying k drafts, a batch of requests, a prompt in
-        chunks of any size. Measured on the 1.5B target in bfloat16: plain decoding about
-        25% slower (every call pays for 8 rows), time to the first token about 2.5x
-        (prefill in 8-row calls, attention query by query); float32 8-row calls on
-        oneDNN cost about 1.5x one row. Our float32 kernel's rows, like the quantized
-        ones', are independent already and are left as they are."""
+        chunks of any size. Measured on the 1.5B target in bfloat16 on PyTorch's GEMM:
+        plain decoding about 25% slower (every call pays for 8 rows), time to the first
+        token about 2.5x (prefill in 8-row calls, attention query by query); float32
+        8-row calls on oneDNN cost about 1.5x one row. Our float32/bfloat16 kernel's
+        rows, like the quantized ones', are independent already and are left as they are."""
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, (nn.Linear, PackedLinear)):

@@ -1,7 +1,8 @@
 """Our CPU kernels in C (kernels/*.c), compiled on first use, called through ctypes.
 
 - `quantized_matmul`: int4/int8 weights x int8 activations (see kernels/quantized_matmul.c).
-- `float_matmul`: float32 weights x float32 activations (kernels/float_matmul.c).
+- `float_matmul`: float32 or bfloat16 weights x activations of the same type
+  (kernels/float_matmul.c).
 - `rms_norm`: RMSNorm of bfloat16 rows in one call instead of 8 PyTorch ops.
 - `decode_attention`: each new token's RoPE, cache write and attention alone to the
   cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
@@ -48,19 +49,20 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's elementwise ops
 # (RoPE in decode_attention.c reproduces them); FMAs are written where wanted.
 COMPILE_FLAGS = (
-    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off", "-fopenmp",
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off", "-fopenmp",
     "-shared", "-fPIC",
 )
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def unavailable_reason() -> str | None:
@@ -135,6 +137,11 @@ def library() -> ctypes.CDLL | None:
     lib.float_matmul.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
     ]  # x, T, K, weights, bias, N, y
+    lib.bf16_matmul.restype = ctypes.c_int
+    lib.bf16_matmul.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p,
+    ]  # dot, x, T, K, weights, bias, N, y
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -229,17 +236,37 @@ def quantized_matmul(
     return y
 
 
-def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] float32: x weight^T + bias, with weight [N, K] and
-    bias [N] float32 and contiguous. Each output row depends on its input row only."""
+def has_bf16_dot() -> bool:
+    """Whether this CPU has vdpbf16ps (avx512_bf16), which `float_matmul` uses for
+    bfloat16 where it can (the same sums bit for bit, twice the multiply-adds)."""
+    return "avx512_bf16" in _cpu_flags()
+
+
+def float_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16_dot: bool | None = None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N]: x weight^T + bias, with weight [N, K] and bias [N]
+    contiguous, all float32 or all bfloat16 (float32 sums, rounded once). Each output
+    row depends on its input row only. bf16_dot: bfloat16 on vdpbf16ps (None: where the
+    CPU has it; False: widening the weights, for tests)."""
     lib = library()
     assert lib is not None, "float_matmul called where the kernel is unavailable"
+    assert x.dtype == weight.dtype in (torch.float32, torch.bfloat16), (x.dtype, weight.dtype)
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()  # [T, K]
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    if rows.shape[0] > 0:
-        lib.float_matmul(rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out_features, y.data_ptr())
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    if rows.shape[0] == 0:
+        return y
+    bias_pointer = None if bias is None else bias.data_ptr()
+    if x.dtype == torch.float32:
+        lib.float_matmul(rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(), bias_pointer,
+                         out_features, y.data_ptr())
+    else:
+        dot = has_bf16_dot() if bf16_dot is None else bf16_dot
+        status = lib.bf16_matmul(int(dot), rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(),
+                                 bias_pointer, out_features, y.data_ptr())
+        if status != 0:
+            raise MemoryError("bf16_matmul could not allocate its activation buffer")
     return y
 
 

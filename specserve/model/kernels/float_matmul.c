@@ -1,15 +1,18 @@
 /*
- * float32 weights x float32 activations: y[T, N] = x[T, K] @ W[N, K]^T + bias.
+ * Float weights x float activations: y[T, N] = x[T, K] @ W[N, K]^T + bias, with W,
+ * bias, x and y either all float32 (`float_matmul`) or all bfloat16 (`bf16_matmul`:
+ * the weights widened to float32 as they are read, float32 sums, each output rounded
+ * once to bfloat16, as PyTorch's bfloat16 linear layers do).
  *
  * Why our own kernel: oneDNN's float32 GEMM (PyTorch's fastest for a weight packed in
  * its format) streams one row of activations at 27-35 GB/s where the memory gives
  * 35-44, and 8 rows (the target verifying k = 7 drafts) cost it 1.6-2x one row: its
- * blocking is made for big matrices. Here each weight row is read once for up to 8
- * activation rows, three weight rows at a time (24 accumulators and the 3 weights fit
- * the 32 vector registers), and the weights 16 KB ahead are prefetched into L2: the
- * hardware prefetcher alone leaves the memory idle while the FMAs run. Measured on
- * the 1.5B target's layers (2 cores, taking turns with oneDNN; benchmarks/linear_kernels.py):
- * see benchmarks/README.md.
+ * blocking is made for big matrices; its bfloat16 GEMM streams 18-20 GB/s. Here each
+ * weight row is read once for up to 8 activation rows, three weight rows at a time (24
+ * accumulators and the 3 weights fit the 32 vector registers), and the weights 16 KB
+ * ahead are prefetched into L2: the hardware prefetcher alone leaves the memory idle
+ * while the FMAs run. Measured on the 1.5B target's layers (2 cores, taking turns with
+ * oneDNN; benchmarks/linear_kernels.py): see benchmarks/README.md.
  *
  * The weights are PyTorch's own [N, K] rows, not a copy in another layout, so a head
  * tied to the embedding shares its memory.
@@ -20,6 +23,10 @@
  */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
 
 /* Two register tiles, 24 accumulators each: for up to 8 activation rows (decode steps,
  * verifications), 3 weight rows x all of them, so each weight is read from memory once;
@@ -32,48 +39,111 @@
 #define MANY_TILE 4
 #define MAX_WEIGHT_ROWS 6
 #define MAX_TILE 8
-/* Floats ahead of the k being read that are prefetched into L2 (16 KB): against none,
- * one row 1.2-1.5x faster and 8 rows 1.5-2x on the 1.5B target's layers; 2 KB and
- * 32 KB ahead, or into L1, measured slower at 8 rows. */
-#define PREFETCH_AHEAD 4096
+/* Bytes of weights ahead of the ones being read that are prefetched into L2: against
+ * none, one float32 row 1.2-1.5x faster and 8 rows 1.5-2x on the 1.5B target's layers;
+ * 2 KB and 32 KB ahead, or into L1, measured slower at 8 rows. */
+#define PREFETCH_AHEAD_BYTES 16384
 
-/* Weight rows 0 .. nr-1 (K floats apart) against activation rows 0 .. nt-1 (K floats
- * apart) -> out [nr][MAX_TILE]. nr and nt are constants after inlining, so the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void rows_tile(const int nr, const int nt, const float *w, int K,
-                                                           const float *x, float *out) {
+/* How rows_tile reads weights and activations. */
+enum kind {
+    FLOAT32,    /* float32 weights and activations */
+    BF16_WIDEN, /* bfloat16 weights widened in registers, float32 activations (see below) */
+    BF16_DOT,   /* bfloat16 weights and activations, multiplied in pairs by vdpbf16ps */
+};
+
+/* Weight rows 0 .. nr-1 (K elements apart) against activation rows 0 .. nt-1 (x_stride
+ * elements apart) -> out [nr][MAX_TILE]. nr, nt and kind are constants after inlining,
+ * so the accumulators stay in registers.
+ *
+ * bfloat16 weights are read 32 at a time, each 32-bit lane holding two: element 2j + 1
+ * and then element 2j are added to lane j. That is what vdpbf16ps does in one
+ * instruction (twice the multiply-adds of an FMA; every product of two bfloat16 is
+ * exact in float32, so its two roundings are an FMA's), and without it (BF16_WIDEN)
+ * the odd element is the lane with its low 16 bits cleared and the even one the lane
+ * shifted left 16 bits: one instruction per 16 weights (widening 16 costs two, and
+ * measured 1.3x slower at 8 rows, where the FMAs are the limit). The activations then
+ * come as float32 in the same order, each 32 as its 16 odd then its 16 even elements
+ * (`bf16_matmul` lays them out so). Both give the same sums, bit for bit, except that
+ * vdpbf16ps takes subnormal numbers as zeros. */
+static inline __attribute__((always_inline)) void rows_tile(const int nr, const int nt, const enum kind kind,
+                                                           const void *w, int K, const void *x, int x_stride,
+                                                           float *out) {
     __m512 acc[MAX_WEIGHT_ROWS][MAX_TILE];
     for (int i = 0; i < nr; i++)
         for (int t = 0; t < nt; t++) acc[i][t] = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[MAX_WEIGHT_ROWS];
-        for (int i = 0; i < nr; i++) {
-            _mm_prefetch((const char *)(w + (size_t)i * K + k + PREFETCH_AHEAD), _MM_HINT_T1);
-            wv[i] = _mm512_loadu_ps(w + (size_t)i * K + k);
+    if (kind == BF16_DOT) {
+        const uint16_t *w16 = w, *x16 = x;
+        for (int k = 0; k < K; k += 32) {
+            /* the last K % 32: masked-off elements read as zeros, which add nothing (masked
+             * loads throughout measured 1.1-1.3x slower) */
+            const int tail = K - k < 32;
+            const __mmask32 lanes = tail ? (__mmask32)((1u << (K - k)) - 1) : ~(__mmask32)0;
+            __m512i wv[MAX_WEIGHT_ROWS];
+            for (int i = 0; i < nr; i++) {
+                const uint16_t *at = w16 + (size_t)i * K + k;
+                _mm_prefetch((const char *)at + PREFETCH_AHEAD_BYTES, _MM_HINT_T1);
+                wv[i] = tail ? _mm512_maskz_loadu_epi16(lanes, at) : _mm512_loadu_si512(at);
+            }
+            for (int t = 0; t < nt; t++) {
+                const uint16_t *at = x16 + (size_t)t * x_stride + k;
+                const __m512bh xv = (__m512bh)(tail ? _mm512_maskz_loadu_epi16(lanes, at) : _mm512_loadu_si512(at));
+                for (int i = 0; i < nr; i++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], (__m512bh)wv[i], xv);
+            }
         }
-        for (int t = 0; t < nt; t++) {
-            const __m512 xv = _mm512_loadu_ps(x + (size_t)t * K + k);
-            for (int i = 0; i < nr; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+    } else if (kind == BF16_WIDEN) {
+        const uint16_t *w16 = w;
+        const float *x32 = x;
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (int k = 0; k < K; k += 32) {
+            /* the last K % 32: masked-off weights read as zeros, as do the padded activations */
+            const int tail = K - k < 32;
+            const __mmask32 lanes = tail ? (__mmask32)((1u << (K - k)) - 1) : ~(__mmask32)0;
+            for (int half = 0; half < 2; half++) { /* the odd elements, then the even */
+                __m512 wv[MAX_WEIGHT_ROWS];
+                for (int i = 0; i < nr; i++) {
+                    const uint16_t *at = w16 + (size_t)i * K + k;
+                    if (half == 0) _mm_prefetch((const char *)at + PREFETCH_AHEAD_BYTES, _MM_HINT_T1);
+                    const __m512i pairs = tail ? _mm512_maskz_loadu_epi16(lanes, at) : _mm512_loadu_si512(at);
+                    wv[i] = _mm512_castsi512_ps(half == 0 ? _mm512_and_si512(pairs, high) : _mm512_slli_epi32(pairs, 16));
+                }
+                for (int t = 0; t < nt; t++) {
+                    const __m512 xv = _mm512_loadu_ps(x32 + (size_t)t * x_stride + k + 16 * half);
+                    for (int i = 0; i < nr; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+                }
+            }
         }
-    }
-    if (k < K) { /* the last K % 16: masked loads give zeros, which add nothing (a
-                  * masked load in the loop above measured 2x slower at 8 rows) */
-        const __mmask16 lanes = (__mmask16)((1u << (K - k)) - 1);
-        __m512 wv[MAX_WEIGHT_ROWS];
-        for (int i = 0; i < nr; i++) wv[i] = _mm512_maskz_loadu_ps(lanes, w + (size_t)i * K + k);
-        for (int t = 0; t < nt; t++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(lanes, x + (size_t)t * K + k);
-            for (int i = 0; i < nr; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+    } else {
+        const float *w32 = w, *x32 = x;
+        int k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m512 wv[MAX_WEIGHT_ROWS];
+            for (int i = 0; i < nr; i++) {
+                _mm_prefetch((const char *)(w32 + (size_t)i * K + k) + PREFETCH_AHEAD_BYTES, _MM_HINT_T1);
+                wv[i] = _mm512_loadu_ps(w32 + (size_t)i * K + k);
+            }
+            for (int t = 0; t < nt; t++) {
+                const __m512 xv = _mm512_loadu_ps(x32 + (size_t)t * x_stride + k);
+                for (int i = 0; i < nr; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+            }
+        }
+        if (k < K) { /* the last K % 16: masked loads give zeros, which add nothing (a
+                      * masked load in the loop above measured 2x slower at 8 rows) */
+            const __mmask16 lanes = (__mmask16)((1u << (K - k)) - 1);
+            __m512 wv[MAX_WEIGHT_ROWS];
+            for (int i = 0; i < nr; i++) wv[i] = _mm512_maskz_loadu_ps(lanes, w32 + (size_t)i * K + k);
+            for (int t = 0; t < nt; t++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(lanes, x32 + (size_t)t * x_stride + k);
+                for (int i = 0; i < nr; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+            }
         }
     }
     for (int i = 0; i < nr; i++)
         for (int t = 0; t < nt; t++) out[i * MAX_TILE + t] = _mm512_reduce_add_ps(acc[i][t]);
 }
 
-#define TILE_CASE(NR, NT)                \
-    case NT:                             \
-        rows_tile(NR, NT, w, K, x, out); \
+#define TILE_CASE(NR, NT)                                \
+    case NT:                                             \
+        rows_tile(NR, NT, kind, w, K, x, x_stride, out); \
         break;
 #define FEW_CASES(NR)                                                                                \
     switch (nt) {                                                                                    \
@@ -83,7 +153,9 @@ static inline __attribute__((always_inline)) void rows_tile(const int nr, const 
 #define MANY_CASES(NR) switch (nt) { TILE_CASE(NR, 1) TILE_CASE(NR, 2) TILE_CASE(NR, 3) TILE_CASE(NR, 4) }
 
 /* nr <= FEW_WEIGHT_ROWS and nt <= FEW_ROWS, or nr <= MANY_WEIGHT_ROWS and nt <= MANY_TILE */
-static void rows_tile_any(int many, int nr, int nt, const float *w, int K, const float *x, float *out) {
+static inline __attribute__((always_inline)) void rows_tile_any(const enum kind kind, int many, int nr, int nt,
+                                                               const void *w, int K, const void *x, int x_stride,
+                                                               float *out) {
     if (!many) {
         if (nr == 3) FEW_CASES(3)
         else if (nr == 2) FEW_CASES(2)
@@ -98,21 +170,60 @@ static void rows_tile_any(int many, int nr, int nt, const float *w, int K, const
     }
 }
 
-/* x [T, K], weights [N, K], bias [N] or NULL -> y [T, N], all float32 and contiguous. */
-void float_matmul(const float *x, int T, int K, const float *weights, const float *bias, int N, float *y) {
+/* x [T, x_stride] (K used) as `kind` reads it; weights [N, K], bias [N] or NULL, y [T, N]:
+ * float32 or, for the bfloat16 kinds, bfloat16. All contiguous. */
+static inline __attribute__((always_inline)) void matmul(const enum kind kind, const void *x, int x_stride, int T,
+                                                        int K, const void *weights, const void *bias, int N,
+                                                        void *y) {
+    const int bf16 = kind != FLOAT32;
+    const size_t x_width = kind == FLOAT32 || kind == BF16_WIDEN ? 4 : 2;
     const int many = T > FEW_ROWS;
     const int step = many ? MANY_WEIGHT_ROWS : FEW_WEIGHT_ROWS, tile = many ? MANY_TILE : FEW_ROWS;
 #pragma omp parallel for schedule(static)
     for (int first = 0; first < (N + step - 1) / step; first++) {
         const int n = first * step, nr = n + step <= N ? step : N - n;
+        const char *w = (const char *)weights + (size_t)n * K * (bf16 ? 2 : 4);
         float out[MAX_WEIGHT_ROWS * MAX_TILE];
         for (int t0 = 0; t0 < T; t0 += tile) {
             const int nt = T - t0 < tile ? T - t0 : tile;
-            rows_tile_any(many, nr, nt, weights + (size_t)n * K, K, x + (size_t)t0 * K, out);
+            rows_tile_any(kind, many, nr, nt, w, K, (const char *)x + (size_t)t0 * x_stride * x_width, x_stride, out);
             for (int i = 0; i < nr; i++) {
-                const float b = bias ? bias[n + i] : 0.0f;
-                for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * N + n + i] = out[i * MAX_TILE + t] + b;
+                const float *sums = out + i * MAX_TILE;
+                const size_t at = (size_t)t0 * N + n + i;
+                if (bf16) {
+                    const float b = bias ? from_bf16(((const uint16_t *)bias)[n + i]) : 0.0f;
+                    for (int t = 0; t < nt; t++) ((uint16_t *)y)[at + (size_t)t * N] = to_bf16(sums[t] + b);
+                } else {
+                    const float b = bias ? ((const float *)bias)[n + i] : 0.0f;
+                    for (int t = 0; t < nt; t++) ((float *)y)[at + (size_t)t * N] = sums[t] + b;
+                }
             }
         }
     }
+}
+
+/* x [T, K], weights [N, K], bias [N] or NULL -> y [T, N], all float32 and contiguous. */
+void float_matmul(const float *x, int T, int K, const float *weights, const float *bias, int N, float *y) {
+    matmul(FLOAT32, x, K, T, K, weights, bias, N, y);
+}
+
+/* The same with every tensor bfloat16, on vdpbf16ps where `dot` says the CPU has it
+ * (avx512_bf16), else with the weights widened. For the latter the activations are
+ * widened to float32 once, in the order rows_tile reads them, each row zero-padded to a
+ * multiple of 32 (a decode step's: a few KB). Returns 0, or -1 when out of memory. */
+int bf16_matmul(int dot, const uint16_t *x, int T, int K, const uint16_t *weights, const uint16_t *bias, int N,
+                uint16_t *y) {
+    if (dot) {
+        matmul(BF16_DOT, x, K, T, K, weights, bias, N, y);
+        return 0;
+    }
+    const int stride = (K + 31) / 32 * 32;
+    float *wide = calloc((size_t)T * stride, sizeof(float));
+    if (!wide) return -1;
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) /* element k of its 32 goes to slot k/2 (odd k) or 16 + k/2 (even) */
+            wide[(size_t)t * stride + k / 32 * 32 + (1 - k % 2) * 16 + (k % 32) / 2] = from_bf16(x[(size_t)t * K + k]);
+    matmul(BF16_WIDEN, wide, stride, T, K, weights, bias, N, y);
+    free(wide);
+    return 0;
 }
