@@ -40,7 +40,8 @@ def add_format_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="compute each token bitwise the same whatever shares its step (other "
                         "requests, verified drafts), so greedy output never depends on the batch; "
-                        "plain decoding ~25%% slower in bfloat16 and more in float32; int8/int4 kernels are invariant already")
+                        "needed only off our CPU kernels (their float32, bfloat16, int8 and int4 layers are invariant "
+                        "already); on PyTorch's, plain decoding ~25%% slower in bfloat16 and more in float32")
 
 
 def device_of(args: argparse.Namespace) -> torch.device:

@@ -18,7 +18,7 @@ from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.fused import FusedDraftProposer
 from tests.test_adaptive import FreeCosts
 from tests.test_engine import EOS, GREEDY, PROMPTS, log_lookups, perturbed, plain_tokens, random_decoder
-from tests.test_native import needs_kernel
+from tests.test_native import needs_kernel, on_bfloat16_kernel
 
 
 def quantized(model: Decoder, quantization: str = "int4") -> Decoder:
@@ -113,6 +113,23 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks were exercised
     assert not proposer.caches and not engine.running
+
+
+@needs_kernel
+def test_fused_engine_output_is_a_bfloat16_targets_own(float_target, draft):
+    """A bfloat16 target on our float kernel joins the call too."""
+    target = on_bfloat16_kernel(float_target)
+    proposer = FusedDraftProposer(draft, target)
+    assert proposer.verifies
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    lengths = [24, 9, 17, 30]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, prompt, sp in zip(seqs, PROMPTS, params):
+        assert seq.output_ids == plain_tokens(target, prompt, sp)
+    assert engine.spec_stats.num_accepted_tokens > 0
 
 
 @needs_kernel

@@ -133,15 +133,33 @@ def test_float_kernel_rows_are_the_same_whatever_shares_the_call(in_features, ro
 @needs_kernel
 @pytest.mark.skipif(not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)")
 @pytest.mark.parametrize("in_features", [1536, 1000, 13])
-def test_bfloat16_dot_and_widened_weights_give_the_same_bits(in_features):
+@pytest.mark.parametrize("gated", [False, True])
+def test_bfloat16_dot_and_widened_weights_give_the_same_bits(in_features, gated):
     """vdpbf16ps and the widened weights add the same exact products in the same order
     (away from subnormal numbers, which vdpbf16ps takes as zeros)."""
     torch.manual_seed(7)
-    weight, bias = torch.randn(37, in_features).bfloat16(), torch.randn(37).bfloat16()
+    weight, bias = torch.randn(38, in_features).bfloat16(), torch.randn(38).bfloat16()
     for rows in (1, 8, 9, 30):
         x = torch.randn(rows, in_features).bfloat16()
-        assert torch.equal(native.float_matmul(x, weight, bias, bf16_dot=True),
-                           native.float_matmul(x, weight, bias, bf16_dot=False))
+        assert torch.equal(native.float_matmul(x, weight, bias, gated=gated, bf16_dot=True),
+                           native.float_matmul(x, weight, bias, gated=gated, bf16_dot=False))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dot", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)"))])
+def test_gated_bfloat16_kernel_is_silu_of_the_gate_times_up(dot):
+    """A bfloat16 SwiGLU gate/up projection in one call: silu(gate) * up from the
+    ungated call's gate and up, and each row the same in any company."""
+    torch.manual_seed(8)
+    weight, bias = torch.randn(2 * 40, 512).bfloat16(), torch.randn(2 * 40).bfloat16()  # 40 outputs: 16 + 16 + 8
+    x = torch.randn(9, 512).bfloat16()
+    got = native.float_matmul(x, weight, bias, gated=True, bf16_dot=dot)
+    expected = silu_and_mul(native.float_matmul(x, weight, bias, bf16_dot=dot))  # PyTorch's SiLU
+    assert got.shape == (9, 40) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    for row in (0, 4, 8):
+        assert torch.equal(native.float_matmul(x[row : row + 1], weight, bias, gated=True, bf16_dot=dot), got[row : row + 1])
 
 
 @needs_kernel
@@ -268,12 +286,35 @@ def quantized_tiny_model(arch: str, quantization: str) -> Decoder:
     return model
 
 
+def on_bfloat16_kernel(float_model: Decoder) -> Decoder:
+    """float_model's weights in bfloat16, its linear layers on our float kernel."""
+    with torch.device("meta"):
+        model = Decoder(float_model.config)
+    model.load_state_dict({k: v.bfloat16() for k, v in float_model.state_dict().items()}, assign=True)
+    model.inv_freq = float_model.inv_freq
+    model.pack_linear_weights()
+    return model.eval()
+
+
+def bfloat16_tiny_model(arch: str) -> Decoder:
+    """The same random model as `quantized_tiny_model`'s, in bfloat16 on our float kernel."""
+    torch.manual_seed(2)
+    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
+                         vocab_size=128)
+    float_model = Decoder(config).eval()
+    with torch.no_grad():
+        for name, p in float_model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return on_bfloat16_kernel(float_model)
+
+
 @needs_kernel
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "bfloat16"])
 def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, monkeypatch):
     """Decoding, verifying 4 drafts, and a batch of two sequences through decode_blocks:
     the logits and caches of the Python loop over the same kernels, bit for bit."""
-    model = quantized_tiny_model(arch, quantization)
+    model = bfloat16_tiny_model(arch) if quantization == "bfloat16" else quantized_tiny_model(arch, quantization)
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))
 
     def decode() -> list[torch.Tensor]:

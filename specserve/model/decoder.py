@@ -106,6 +106,15 @@ class FloatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return native.float_matmul(x, self.weight, self.bias)
 
+    @torch.compiler.disable
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a fused gate/up projection (the gate's rows first): silu(gate) * up,
+        [T, in] -> [T, out / 2], in one kernel call in bfloat16 (as `decode_blocks`
+        computes it); float32 through PyTorch's SiLU."""
+        if self.weight.dtype == torch.bfloat16:
+            return native.float_matmul(x, self.weight, self.bias, gated=True)
+        return silu_and_mul(self(x))
+
 
 def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     """An nn.Linear holding these very tensors (weight [out, in], bias [out] or None):
@@ -343,7 +352,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        if isinstance(self.gate_up_proj, QuantizedLinear):  # the activation inside our kernel
+        if isinstance(self.gate_up_proj, (QuantizedLinear, FloatLinear)):  # the activation inside our kernel
             return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -498,7 +507,8 @@ class Decoder(nn.Module):
     def in_c(self) -> native.ModelInC | None:
         """This model described for `native.decode_blocks` and `native.speculate_greedy`
         where all of it can run there (bfloat16, every projection and the head on our
-        int4/int8 kernel, a head size it takes), else None; decided once, after loading."""
+        int4/int8 or bfloat16 kernels, a head size it takes), else None; decided once,
+        after loading."""
         if not hasattr(self, "_in_c"):
             self._in_c = self._describe_in_c()
         return self._in_c
@@ -508,18 +518,23 @@ class Decoder(nn.Module):
         if (self.dtype != torch.bfloat16 or self.device.type != "cpu" or native.library() is None
                 or config.head_dim % 16 or config.head_dim > 256):
             return None
+
+        def in_c(layer: nn.Module) -> bool:  # int4/int8 or bfloat16 on our kernels
+            return (isinstance(layer, QuantizedLinear) and layer.native) or (
+                isinstance(layer, FloatLinear) and layer.weight.dtype == torch.bfloat16)
+
         blocks = []
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]
-            if not all(isinstance(p, QuantizedLinear) and p.native for p in projections) or any(
+            if not all(in_c(p) for p in projections) or any(
                 n is not None and n.weight.dtype != torch.bfloat16 for n in norms
             ):
                 return None
             blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
         head = self.lm_head
-        if not (isinstance(head, QuantizedLinear) and head.native and self.norm.weight.dtype == torch.bfloat16):
+        if not (in_c(head) and self.norm.weight.dtype == torch.bfloat16):
             return None
         shape = native.ModelShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                   config.intermediate_size, self.head_size, config.rms_norm_eps)

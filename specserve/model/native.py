@@ -7,8 +7,8 @@
 - `decode_attention`: each new token's RoPE, cache write and attention alone to the
   cache, all tokens and heads of a sequence in one call instead of a dozen PyTorch ops
   and one SDPA call per token.
-- `decode_blocks`: every transformer block of a quantized model, for tokens that attend
-  one at a time, in one call that runs the three above (`ModelInC`).
+- `decode_blocks`: every transformer block of a quantized or bfloat16 model, for tokens
+  that attend one at a time, in one call that runs the others (`ModelInC`).
 - `speculate_greedy`: a quantized draft model's k greedy steps and a quantized target's
   verification of them in one call (`spec/fused.py`).
 - `dot_peak`: the CPU's int8 and float32 multiply-add throughput (the benchmarks'
@@ -139,9 +139,11 @@ def library() -> ctypes.CDLL | None:
     ]  # x, T, K, weights, bias, N, y
     lib.bf16_matmul.restype = ctypes.c_int
     lib.bf16_matmul.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-        ctypes.c_void_p,
-    ]  # dot, x, T, K, weights, bias, N, y
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_void_p,
+    ]  # dot, gated, x, T, K, weights, bias, N, y
+    lib.bf16_dot_available.restype = ctypes.c_int
+    lib.bf16_dot_available.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -237,24 +239,29 @@ def quantized_matmul(
 
 
 def has_bf16_dot() -> bool:
-    """Whether this CPU has vdpbf16ps (avx512_bf16), which `float_matmul` uses for
-    bfloat16 where it can (the same sums bit for bit, twice the multiply-adds)."""
-    return "avx512_bf16" in _cpu_flags()
+    """Whether our kernels run here on a CPU with vdpbf16ps (avx512_bf16), which
+    `float_matmul` uses for bfloat16 (the same sums bit for bit, twice the multiply-adds)."""
+    lib = library()
+    return lib is not None and bool(lib.bf16_dot_available())
 
 
 def float_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16_dot: bool | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+    bf16_dot: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N]: x weight^T + bias, with weight [N, K] and bias [N]
     contiguous, all float32 or all bfloat16 (float32 sums, rounded once). Each output
-    row depends on its input row only. bf16_dot: bfloat16 on vdpbf16ps (None: where the
-    CPU has it; False: widening the weights, for tests)."""
+    row depends on its input row only. gated (bfloat16 only): weight holds a SwiGLU's
+    gate rows then its up rows, and the result [..., N/2] is silu(gate) * up.
+    bf16_dot: bfloat16 on vdpbf16ps (None: where the CPU has it; False: widening the
+    weights, for tests)."""
     lib = library()
     assert lib is not None, "float_matmul called where the kernel is unavailable"
     assert x.dtype == weight.dtype in (torch.float32, torch.bfloat16), (x.dtype, weight.dtype)
+    assert not gated or x.dtype == torch.bfloat16, "the gated float kernel takes bfloat16"
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()  # [T, K]
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out_features // 2 if gated else out_features, dtype=x.dtype)
     if rows.shape[0] == 0:
         return y
     bias_pointer = None if bias is None else bias.data_ptr()
@@ -263,10 +270,10 @@ def float_matmul(
                          out_features, y.data_ptr())
     else:
         dot = has_bf16_dot() if bf16_dot is None else bf16_dot
-        status = lib.bf16_matmul(int(dot), rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(),
-                                 bias_pointer, out_features, y.data_ptr())
+        status = lib.bf16_matmul(int(dot), int(gated), rows.data_ptr(), rows.shape[0], in_features,
+                                 weight.data_ptr(), bias_pointer, out_features, y.data_ptr())
         if status != 0:
-            raise MemoryError("bf16_matmul could not allocate its activation buffer")
+            raise MemoryError("bf16_matmul could not allocate its buffers")
     return y
 
 
@@ -366,6 +373,10 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 def _linear(layer: Any) -> _Linear:
+    """A QuantizedLinear, or a bfloat16 FloatLinear as 16 bits (no scales)."""
+    if not hasattr(layer, "bits"):
+        out_features, in_features = layer.weight.shape
+        return _Linear(layer.weight.data_ptr(), None, None, _pointer(layer.bias), 16, in_features, out_features)
     return _Linear(layer.weight.data_ptr(), _pointer(layer.scales), _pointer(layer.zeros), _pointer(layer.bias),
                    layer.bits, layer.in_features, layer.out_features)
 
@@ -373,7 +384,8 @@ def _linear(layer: Any) -> _Linear:
 @dataclass(frozen=True)
 class BlockWeights:
     """One transformer block's tensors as `decode_blocks` reads them: bfloat16 norms
-    (q_norm and k_norm None without qk_norm) and four `QuantizedLinear`s on our kernel."""
+    (q_norm and k_norm None without qk_norm) and four linear layers on our kernels
+    (`QuantizedLinear`s, or bfloat16 `FloatLinear`s)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -397,9 +409,9 @@ class ModelShape:
 
 
 class ModelInC:
-    """A quantized model described once for `decode_blocks` and `speculate_greedy`: its
-    blocks, bfloat16 embedding [vocab, hidden] and final norm, and its head (a
-    `QuantizedLinear` on our kernel).
+    """A quantized or bfloat16 model described once for `decode_blocks` and
+    `speculate_greedy`: its blocks, bfloat16 embedding [vocab, hidden] and final norm,
+    and its head (a `QuantizedLinear` or bfloat16 `FloatLinear` on our kernels).
 
     The description holds raw pointers: the tensors must stay where they are (the
     decoder keeps them; its weights are never moved after loading)."""

@@ -1,5 +1,5 @@
 /*
- * Every transformer block of a quantized (bfloat16, int4/int8) model for tokens that
+ * Every transformer block of a quantized (int4/int8) or bfloat16 model for tokens that
  * attend one at a time: decoding and verifying drafts. One call runs what Block.forward
  * in decoder.py runs through PyTorch, with the same kernels in the same order:
  *
@@ -18,6 +18,9 @@
 #include "kernels.h"
 
 int apply_linear(const struct quantized_linear *layer, int gated, const uint16_t *x, int T, uint16_t *y) {
+    if (layer->bits == 16)
+        return bf16_matmul(bf16_dot_available(), gated, x, T, layer->in_features, (const uint16_t *)layer->weights,
+                           layer->bias, layer->out_features, y);
     return quantized_matmul(layer->bits, gated, x, T, layer->in_features, layer->weights, layer->scale, layer->zero,
                             layer->bias, layer->out_features, y);
 }

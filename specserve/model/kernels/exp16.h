@@ -1,5 +1,5 @@
 /* A vectorised exp for the softmax of decode_attention.c and the SiLU of
- * quantized_matmul.c. */
+ * swiglu.h. */
 #ifndef SPECSERVE_EXP16_H
 #define SPECSERVE_EXP16_H
 

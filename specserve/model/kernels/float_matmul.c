@@ -27,6 +27,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "swiglu.h"
 
 /* Two register tiles, 24 accumulators each: for up to 8 activation rows (decode steps,
  * verifications), 3 weight rows x all of them, so each weight is read from memory once;
@@ -207,23 +208,47 @@ void float_matmul(const float *x, int T, int K, const float *weights, const floa
     matmul(FLOAT32, x, K, T, K, weights, bias, N, y);
 }
 
-/* The same with every tensor bfloat16, on vdpbf16ps where `dot` says the CPU has it
- * (avx512_bf16), else with the weights widened. For the latter the activations are
- * widened to float32 once, in the order rows_tile reads them, each row zero-padded to a
- * multiple of 32 (a decode step's: a few KB). Returns 0, or -1 when out of memory. */
-int bf16_matmul(int dot, const uint16_t *x, int T, int K, const uint16_t *weights, const uint16_t *bias, int N,
-                uint16_t *y) {
-    if (dot) {
-        matmul(BF16_DOT, x, K, T, K, weights, bias, N, y);
-        return 0;
-    }
+/* Whether the CPU has vdpbf16ps (avx512_bf16). */
+int bf16_dot_available(void) { return __builtin_cpu_supports("avx512bf16") != 0; }
+
+/* x [T, K], weights [N, K], bias [N] or NULL -> y [T, N], all bfloat16, on vdpbf16ps
+ * where `dot` says so, else with the weights widened. For the latter the activations
+ * are widened to float32 once, in the order rows_tile reads them, each row zero-padded
+ * to a multiple of 32 (a decode step's: a few KB). gated: the gate and up projections
+ * of a SwiGLU MLP in one, W holding the gate's rows, then the up's; y [T, N/2] =
+ * silu(gate) * up (swiglu.h). Returns 0, or -1 when out of memory. */
+int bf16_matmul(int dot, int gated, const uint16_t *x, int T, int K, const uint16_t *weights, const uint16_t *bias,
+                int N, uint16_t *y) {
     const int stride = (K + 31) / 32 * 32;
-    float *wide = calloc((size_t)T * stride, sizeof(float));
-    if (!wide) return -1;
-    for (int t = 0; t < T; t++)
-        for (int k = 0; k < K; k++) /* element k of its 32 goes to slot k/2 (odd k) or 16 + k/2 (even) */
-            wide[(size_t)t * stride + k / 32 * 32 + (1 - k % 2) * 16 + (k % 32) / 2] = from_bf16(x[(size_t)t * K + k]);
-    matmul(BF16_WIDEN, wide, stride, T, K, weights, bias, N, y);
-    free(wide);
+    float *wide = dot ? NULL : calloc((size_t)T * stride, sizeof(float));
+    uint16_t *gate_up = gated ? malloc(sizeof(uint16_t) * (size_t)T * N) : NULL;
+    if ((!dot && !wide) || (gated && !gate_up)) {
+        free(wide), free(gate_up);
+        return -1;
+    }
+    uint16_t *out = gated ? gate_up : y;
+    if (dot) {
+        matmul(BF16_DOT, x, K, T, K, weights, bias, N, out);
+    } else {
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < K; k++) /* element k of its 32 goes to slot k/2 (odd k) or 16 + k/2 (even) */
+                wide[(size_t)t * stride + k / 32 * 32 + (1 - k % 2) * 16 + (k % 32) / 2] = from_bf16(x[(size_t)t * K + k]);
+        matmul(BF16_WIDEN, wide, stride, T, K, weights, bias, N, out);
+    }
+    if (gated) {
+        const int half = N / 2;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < T; t++)
+            for (int n0 = 0; n0 < half; n0 += 16) {
+                const int width = half - n0 < 16 ? half - n0 : 16;
+                float gate[16] = {0}, up[16] = {0};
+                for (int j = 0; j < width; j++) {
+                    gate[j] = from_bf16(gate_up[(size_t)t * N + n0 + j]);
+                    up[j] = from_bf16(gate_up[(size_t)t * N + half + n0 + j]);
+                }
+                silu_times_up(gate, up, width, y + (size_t)t * half + n0);
+            }
+    }
+    free(wide), free(gate_up);
     return 0;
 }

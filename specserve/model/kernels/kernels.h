@@ -7,12 +7,15 @@
 
 int quantized_matmul(int bits, int gated, const uint16_t *x, int T, int K, const uint8_t *weights,
                      const uint16_t *scale, const uint16_t *zero, const uint16_t *bias, int N, uint16_t *y);
+int bf16_matmul(int dot, int gated, const uint16_t *x, int T, int K, const uint16_t *weights, const uint16_t *bias,
+                int N, uint16_t *y);
+int bf16_dot_available(void);
 void rms_norm(const uint16_t *x, const uint16_t *weight, int T, int D, float eps, uint16_t *out);
 int decode_attention(const void *qkv, int row, const void *cos, const void *rotated_sin, const void *q_norm,
                      const void *k_norm, float eps, void *keys, void *values, int n, int heads, int kv_heads,
                      int D, int capacity, int start, int bf16, void *out);
 
-struct quantized_linear { /* bias may be NULL */
+struct quantized_linear { /* bias may be NULL; bits 16: bfloat16 weights [N, K], no scale or zero */
     const uint8_t *weights;
     const uint16_t *scale, *zero, *bias;
     int bits, in_features, out_features;
@@ -23,7 +26,7 @@ struct block {
     struct quantized_linear qkv, o, gate_up, down;
 };
 
-/* A quantized (bfloat16, int4/int8) model: its blocks, and what turns tokens into
+/* A quantized (bfloat16 activations, int4/int8 weights) or bfloat16 model: its blocks, and what turns tokens into
  * hidden states and hidden states into logits. */
 struct model {
     const struct block *blocks;

@@ -32,7 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp16.h"
+#include "swiglu.h"
 
 #define GROUP 32
 #define BLOCK_GROUPS 16 /* groups per super-block: one int32 lane each */
@@ -217,9 +217,8 @@ static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uin
 }
 
 /* The gate and up projections of a SwiGLU MLP in one: W holds the gate's rows, then the
- * up's (N rows in all); y [T, N/2] = silu(gate) * up, where gate and up are rounded to
- * bfloat16 as a separate matmul would store them, and so is silu(gate), as PyTorch's
- * F.silu(gate) * up rounds. Outputs go 16 at a time through the vectorised exp. */
+ * up's (N rows in all); y [T, N/2] = silu(gate) * up (see swiglu.h), 16 outputs at a
+ * time through the vectorised exp. */
 static void gated_rows(int bits, int T, int K, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
                        const uint16_t *bias, int N, const int8_t *q, const float *d, const float *a, uint16_t *y) {
     const int half = N / 2;
@@ -236,12 +235,7 @@ static void gated_rows(int bits, int T, int K, const uint8_t *weights, const uin
                     const float b = bias ? from_bf16(bias[n]) : 0.0f;
                     for (int t = 0; t < nt; t++) (part ? up : gate)[t][j] = round_bf16(out[t] + b);
                 }
-            for (int t = 0; t < nt; t++) {
-                const __m512 g = _mm512_loadu_ps(gate[t]);
-                float silu[16];
-                _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-                for (int j = 0; j < width; j++) y[(size_t)(t0 + t) * half + n0 + j] = to_bf16(round_bf16(silu[j]) * up[t][j]);
-            }
+            for (int t = 0; t < nt; t++) silu_times_up(gate[t], up[t], width, y + (size_t)(t0 + t) * half + n0);
         }
     }
 }
