@@ -292,14 +292,18 @@ def test_speculation_ceiling_takes_the_best_k():
 
 
 def test_formats_map_to_the_arithmetic_they_run():
-    assert [arithmetic_of(f) for f in ("int4/bfloat16", "int8/bfloat16", "float32", "bfloat16")] == [
-        "int8", "int8", "float32", None]
+    assert [arithmetic_of(f) for f in ("int4/bfloat16", "int8/bfloat16", "float32", "bfloat16", "float16")] == [
+        "int8", "int8", "float32", "bfloat16", None]
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")
 def test_arithmetic_peaks_are_measured_and_described():
     peaks, method = measure_dot_peaks()
     assert peaks["int8"] > peaks["float32"] > 1e9  # vpdpbusd does 64 multiply-adds, an FMA 16
+    if native.has_bf16_dot():  # vdpbf16ps does 32
+        assert peaks["int8"] > peaks["bfloat16"] > peaks["float32"]
+    else:  # our kernel widens bfloat16 to FMAs
+        assert peaks["bfloat16"] == pytest.approx(peaks["float32"], rel=0.3)
     assert "threads" in method
     assert measure_dot_peaks(torch.device("meta")) is None  # off the CPU: not measured
 

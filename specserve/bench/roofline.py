@@ -72,22 +72,23 @@ def measure_read_bandwidth(gib: float | None = None, passes: int = BANDWIDTH_PAS
 
 
 def measure_dot_peaks(device: torch.device = torch.device("cpu")) -> tuple[dict[str, float], str] | None:
-    """({"int8": multiply-adds/s, "float32": multiply-adds/s}, how) of this CPU on
+    """({"int8": multiply-adds/s, "float32": ..., "bfloat16": ...}, how) of this CPU on
     torch's threads, or None off the CPU or where our kernels cannot run (see
     `native.library`)."""
     if device.type != "cpu" or native.library() is None:
         return None
     peaks = {kind: native.dot_peak(kind) for kind in native.DOT_KINDS}
-    return peaks, f"vpdpbusd and FMA chains in registers, {torch.get_num_threads()} threads"
+    bfloat16 = "vdpbf16ps" if native.has_bf16_dot() else "FMA for bfloat16"
+    return peaks, f"vpdpbusd, FMA and {bfloat16} chains in registers, {torch.get_num_threads()} threads"
 
 
 def arithmetic_of(fmt: str) -> str | None:
     """The multiply-adds a row of a model stored as `fmt` ("float32", "int4", peers.py's
-    "int4/bfloat16", ...) costs: int8 dot products on our int4/int8 kernel,
-    float32 FMAs for float32 weights; None for what neither measures (bfloat16 GEMMs)."""
+    "int4/bfloat16", ...) costs on our kernels: int8 dot products for int4/int8 weights,
+    float32 FMAs for float32, bfloat16 pairs for bfloat16; None for other formats."""
     if fmt.startswith(("int4", "int8")):
         return "int8"
-    return "float32" if fmt == "float32" else None
+    return fmt if fmt in ("float32", "bfloat16") else None
 
 
 def ceiling(target_bytes: int, target_macs: int, draft_bytes: int, bandwidth: float, peak: float) -> dict:

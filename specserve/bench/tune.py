@@ -108,7 +108,7 @@ class Tuner:
             self.drafts[name] = draft
         self.ks = ks
         self.max_tokens = max_tokens
-        # what a verified row multiplies with: our int8 dot products, or float32 FMAs
+        # what a verified row multiplies with: our int8 dot products, float32 FMAs or bfloat16 pairs
         self.arithmetic = arithmetic_of(quantization if quantization != "none" else str(dtype).removeprefix("torch."))
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
