@@ -238,6 +238,7 @@ def quantized_matmul(
     return y
 
 
+@lru_cache(maxsize=1)
 def has_bf16_dot() -> bool:
     """Whether our kernels run here on a CPU with vdpbf16ps (avx512_bf16), which
     `float_matmul` uses for bfloat16 (the same sums bit for bit, twice the multiply-adds)."""
