@@ -1,13 +1,13 @@
 /*
  * Float weights x float activations: y[T, N] = x[T, K] @ W[N, K]^T + bias, with W,
  * bias, x and y either all float32 (`float_matmul`) or all bfloat16 (`bf16_matmul`:
- * the weights widened to float32 as they are read, float32 sums, each output rounded
- * once to bfloat16, as PyTorch's bfloat16 linear layers do).
+ * exact products, float32 sums, each output rounded once to bfloat16, as PyTorch's
+ * bfloat16 linear layers do).
  *
  * Why our own kernel: oneDNN's float32 GEMM (PyTorch's fastest for a weight packed in
  * its format) streams one row of activations at 27-35 GB/s where the memory gives
  * 35-44, and 8 rows (the target verifying k = 7 drafts) cost it 1.6-2x one row: its
- * blocking is made for big matrices; its bfloat16 GEMM streams 18-20 GB/s. Here each
+ * blocking is made for big matrices; its bfloat16 GEMM streams 12-25 GB/s. Here each
  * weight row is read once for up to 8 activation rows, three weight rows at a time (24
  * accumulators and the 3 weights fit the 32 vector registers), and the weights 16 KB
  * ahead are prefetched into L2: the hardware prefetcher alone leaves the memory idle
@@ -17,9 +17,10 @@
  * The weights are PyTorch's own [N, K] rows, not a copy in another layout, so a head
  * tied to the embedding shares its memory.
  *
- * Every output is the same sequence of FMAs over k (lane k % 16, in order) and the same
- * final sum of the 16 lanes, whatever the number of rows, the row's slot or its
- * neighbours: the results are batch invariant, as the quantized kernel's are.
+ * Every output is the same sequence of multiply-adds over k (float32: into lane k % 16,
+ * in order; bfloat16: see rows_tile) and the same final sum of the 16 lanes, whatever
+ * the number of rows, the row's slot or its neighbours: the results are batch
+ * invariant, as the quantized kernel's are.
  */
 #include <immintrin.h>
 #include <stddef.h>
