@@ -269,8 +269,8 @@ def test_decode_attention_is_the_decoders_pytorch_attention(arch, dtype, monkeyp
     assert torch.equal(model(ids[43:44], [Segment(alone, 1)]), ours[3:4])
 
 
-def quantized_tiny_model(arch: str, quantization: str) -> Decoder:
-    """A random bfloat16 model with int8 or int4 projections, norms and biases perturbed."""
+def tiny_float_model(arch: str) -> Decoder:
+    """A random float32 model, norms and biases perturbed (the init sets them to 1 and 0)."""
     torch.manual_seed(2)
     config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
                          vocab_size=128)
@@ -279,8 +279,14 @@ def quantized_tiny_model(arch: str, quantization: str) -> Decoder:
         for name, p in float_model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+    return float_model
+
+
+def quantized_tiny_model(arch: str, quantization: str) -> Decoder:
+    """`tiny_float_model` in bfloat16 with int8 or int4 projections."""
+    float_model = tiny_float_model(arch)
     with torch.device("meta"):
-        model = Decoder(config)
+        model = Decoder(float_model.config)
     load_quantized_state(model, quantized_state(float_model, quantization))
     model.inv_freq = float_model.inv_freq
     return model
@@ -296,25 +302,13 @@ def on_bfloat16_kernel(float_model: Decoder) -> Decoder:
     return model.eval()
 
 
-def bfloat16_tiny_model(arch: str) -> Decoder:
-    """The same random model as `quantized_tiny_model`'s, in bfloat16 on our float kernel."""
-    torch.manual_seed(2)
-    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
-                         vocab_size=128)
-    float_model = Decoder(config).eval()
-    with torch.no_grad():
-        for name, p in float_model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return on_bfloat16_kernel(float_model)
-
-
 @needs_kernel
 @pytest.mark.parametrize("quantization", ["int8", "int4", "bfloat16"])
 def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, monkeypatch):
     """Decoding, verifying 4 drafts, and a batch of two sequences through decode_blocks:
     the logits and caches of the Python loop over the same kernels, bit for bit."""
-    model = bfloat16_tiny_model(arch) if quantization == "bfloat16" else quantized_tiny_model(arch, quantization)
+    model = (on_bfloat16_kernel(tiny_float_model(arch)) if quantization == "bfloat16"
+             else quantized_tiny_model(arch, quantization))
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))
 
     def decode() -> list[torch.Tensor]:

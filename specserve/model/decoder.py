@@ -519,7 +519,7 @@ class Decoder(nn.Module):
                 or config.head_dim % 16 or config.head_dim > 256):
             return None
 
-        def in_c(layer: nn.Module) -> bool:  # int4/int8 or bfloat16 on our kernels
+        def on_our_kernels(layer: nn.Module) -> bool:  # int4/int8, or bfloat16 (decode_blocks takes no float32)
             return (isinstance(layer, QuantizedLinear) and layer.native) or (
                 isinstance(layer, FloatLinear) and layer.weight.dtype == torch.bfloat16)
 
@@ -528,13 +528,13 @@ class Decoder(nn.Module):
             attn, mlp = block.self_attn, block.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]
-            if not all(in_c(p) for p in projections) or any(
+            if not all(on_our_kernels(p) for p in projections) or any(
                 n is not None and n.weight.dtype != torch.bfloat16 for n in norms
             ):
                 return None
             blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
         head = self.lm_head
-        if not (in_c(head) and self.norm.weight.dtype == torch.bfloat16):
+        if not (on_our_kernels(head) and self.norm.weight.dtype == torch.bfloat16):
             return None
         shape = native.ModelShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                   config.intermediate_size, self.head_size, config.rms_norm_eps)
