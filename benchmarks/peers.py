@@ -6,11 +6,14 @@ with adaptive speculation and with n-gram lookup; the `transformers` library's p
 and assisted generation on the same float32 weights; llama.cpp (llama-cpp-python) on
 the GGUF file itself, plain and with its prompt-lookup decoding. Each of our modes and
 each peer runs in a fresh process of its own, one after the other (this script starts
-them and gathers their rows). Every system is timed the same way: TTFT
-is the time to the first output token, the decode rate counts the tokens after the
-first over the time after the first. With `--rounds N` all of it runs N times in turn
-and each row gives its median round: on a shared machine whose speed drifts over
-minutes, one system's rows are then not all measured in a slow phase.
+them and gathers their rows). Every system is timed the same way: TTFT is the time
+to the first output token, the median of `--ttft-samples` requests for the prompt
+(the timed one, and the same request stopped at its first token the other times: one
+prefill of a short prompt varies by up to 30% on a shared machine, which made a
+single sample useless against a 5% target); the decode rate counts the tokens after
+the first over the time after the first. With `--rounds N` all of it runs N times in
+turn and each row gives its median round: on a shared machine whose speed drifts
+over minutes, one system's rows are then not all measured in a slow phase.
 
 Then the roofline: the weight bytes a decode step reads per model and format, the
 memory bandwidth measured on the spot, and each measured plain decode as a share of
@@ -83,15 +86,20 @@ SUITE_OF = {prompt: suite for suite, prompts in SUITES.items() for prompt in pro
 
 
 def timed_row(system: str, mode: str, fmt: str, prompt: str, token_ids: list[int], ttft_s: float, e2e_s: float,
-              spec: SpecStats | dict | None = None, k: int | None = None, num_first_tokens: int = 1) -> dict:
+              spec: SpecStats | dict | None = None, k: int | None = None, num_first_tokens: int = 1,
+              more_ttft_s: list[float] = ()) -> dict:
     """One row; every system's decode rate is the tokens after the first arrival over the
     time after it. The first arrival is one token, except in transformers' assisted
-    generation, whose first step already verifies drafts."""
+    generation, whose first step already verifies drafts. The row's TTFT is the median
+    of the timed request's (ttft_s) and more_ttft_s, the same request's first token
+    timed again."""
     decode_s, decode_tokens = e2e_s - ttft_s, len(token_ids) - num_first_tokens
     spec = spec.to_dict() if isinstance(spec, SpecStats) else (spec or {})
+    samples = [ttft_s, *more_ttft_s]
     return {
         "system": system, "mode": mode, "k": k, "format": fmt, "suite": SUITE_OF.get(prompt),
-        "prompt": prompt, "num_output_tokens": len(token_ids), "ttft_s": ttft_s, "e2e_s": e2e_s,
+        "prompt": prompt, "num_output_tokens": len(token_ids), "ttft_s": statistics.median(samples),
+        "ttft_samples_s": samples, "e2e_s": e2e_s,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else None,
         "acceptance_rate": spec.get("acceptance_rate"),
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
@@ -200,12 +208,24 @@ def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report
     engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
                                      batch_invariant=args.batch_invariant, compile=run.compile,
                                      device=device_of(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
         run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
-        result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+        result = run_one(engine, tokenizer, ids, params)
+        more_ttft_s = [our_first_token_s(engine, ids, params) for _ in range(args.ttft_samples - 1)]
         report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],
-                                     result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k))
+                                     result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k,
+                                     more_ttft_s=more_ttft_s))
     note_our_models(args, run, engine, report)
+
+
+def our_first_token_s(engine, ids: list[int], params: SamplingParams) -> float:
+    """TTFT of the request, stopped once its first token is out."""
+    seq = engine.add_request(ids, params)
+    while not seq.output_ids:
+        engine.step()
+    engine.abort(seq.seq_id)
+    return seq.timings()["ttft_s"]
 
 
 def note_our_models(args, run: OurRun, engine, report: Report) -> None:
@@ -226,21 +246,29 @@ def note_our_models(args, run: OurRun, engine, report: Report) -> None:
 
 class FirstTokenClock:
     """A `transformers` streamer that notes when the first output tokens arrive, and
-    how many: its first `put` is the prompt, its second the first generated token(s)."""
+    how many: its first `put` is the prompt, its second the first generated token(s).
+    With stop_there, it ends the generation there (by raising FirstTokenOut)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_there: bool = False) -> None:
         self.num_puts = 0
         self.first_token_time: float | None = None
         self.num_first_tokens = 0
+        self.stop_there = stop_there
 
     def put(self, value: torch.Tensor) -> None:  # [1, n] or [n] token ids
         self.num_puts += 1
         if self.num_puts == 2:
             self.first_token_time = time.perf_counter()
             self.num_first_tokens = value.numel()
+            if self.stop_there:
+                raise FirstTokenOut
 
     def end(self) -> None:
         pass
+
+
+class FirstTokenOut(Exception):
+    """What a FirstTokenClock that stops there raises to end the generation."""
 
 
 def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], report: Report) -> None:
@@ -259,14 +287,16 @@ def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int],
         for name, ids in prompt_ids.items():
             transformers_greedy(target, assistant, ids, WARM_UP_TOKENS, eos_ids)
             tokens, ttft_s, e2e_s, num_first = transformers_greedy(target, assistant, ids, args.max_tokens, eos_ids)
+            more_ttft_s = [transformers_first_token_s(target, assistant, ids, args.max_tokens, eos_ids)
+                           for _ in range(args.ttft_samples - 1)]
             report.rows.append(timed_row("transformers", mode, fmt, name, tokens, ttft_s, e2e_s,
-                                         num_first_tokens=num_first))
+                                         num_first_tokens=num_first, more_ttft_s=more_ttft_s))
 
 
-def transformers_greedy(target, assistant, ids: list[int], max_tokens: int,
-                        eos_ids: list[int]) -> tuple[list[int], float, float, int]:
+def transformers_greedy(target, assistant, ids: list[int], max_tokens: int, eos_ids: list[int],
+                        clock: FirstTokenClock | None = None) -> tuple[list[int], float, float, int]:
     """(tokens, ttft_s, e2e_s, tokens in the first arrival) of one greedy `generate`."""
-    clock = FirstTokenClock()
+    clock = clock or FirstTokenClock()
     extra = {} if assistant is None else {"assistant_model": assistant}
     prompt = torch.tensor([ids], device=target.device)  # [1, prompt_len]
     start = time.perf_counter()
@@ -275,6 +305,18 @@ def transformers_greedy(target, assistant, ids: list[int], max_tokens: int,
                               eos_token_id=eos_ids, pad_token_id=eos_ids[0], **extra)  # [1, prompt_len + n]
     end = time.perf_counter()
     return out[0, len(ids):].tolist(), clock.first_token_time - start, end - start, clock.num_first_tokens
+
+
+def transformers_first_token_s(target, assistant, ids: list[int], max_tokens: int, eos_ids: list[int]) -> float:
+    """TTFT of the same `generate` (max_tokens shapes assisted generation's first step),
+    stopped once its first tokens are out."""
+    start = time.perf_counter()
+    clock = FirstTokenClock(stop_there=True)
+    try:
+        transformers_greedy(target, assistant, ids, max_tokens, eos_ids, clock)
+    except FirstTokenOut:
+        pass
+    return clock.first_token_time - start
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -313,7 +355,10 @@ def run_llama_cpp(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], gg
                 lookup.proposals.clear()
             tokens, ttft_s, e2e_s = greedy_llama_cpp(llm, ids, args.max_tokens, eos_ids)
             spec = lookup_stats(lookup.proposals, len(ids), tokens) if lookup is not None else None
-            report.rows.append(timed_row("llama.cpp", mode, fmt, name, tokens, ttft_s, e2e_s, spec, k))
+            # its first token comes before any draft: stopping there is the same request's TTFT
+            more_ttft_s = [greedy_llama_cpp(llm, ids, 1, eos_ids)[1] for _ in range(args.ttft_samples - 1)]
+            report.rows.append(timed_row("llama.cpp", mode, fmt, name, tokens, ttft_s, e2e_s, spec, k,
+                                         more_ttft_s=more_ttft_s))
         llm.close()
         del llm
         gc.collect()
@@ -539,6 +584,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help=f"comma-separated, from {','.join(PEERS)} ('' for none)")
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names to keep")
+    parser.add_argument("--ttft-samples", type=positive_int, default=5,
+                        help="each row's TTFT is the median of this many first tokens of its prompt")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="run everything this many times in turn; each row gives its median round")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
@@ -663,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{torch.get_num_threads()} threads" if device_of(args).type == "cpu" else str(device_of(args))
         print(f"torch {torch.__version__}, {where}, target {args.target}, "
               f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
-              f"{args.max_tokens} tokens, greedy, chat template"
+              f"{args.max_tokens} tokens, greedy, chat template, TTFT the median of {args.ttft_samples}"
               f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
         print_table(report.rows)
         print_roofline(roofline)
