@@ -50,11 +50,11 @@
  * With more than 8 rows a group of weight rows is read in several passes, one per tile
  * of activation rows. Prefetching 16 KB ahead in each pass left the memory idle in all
  * but the first (the others ask again for lines already there), so the FMAs of the
- * later passes and the next group's reads took turns. There each pass asks instead
- * for its share of the next group (every passes-th line of it, from the pass-th):
- * 9-32 rows of the 1.5B target's layers 0.76-0.93x the time in float32, and in
- * bfloat16 0.62-0.95x except gate/up at 12-16 rows, 1.05-1.2x; a forward pass of 12-32
- * rows 0.82-0.87x (float32) and 0.8-0.93x (bfloat16). */
+ * later passes and the next group's reads took turns. There, where a group is bigger
+ * than PREFETCH_AHEAD_BYTES, each pass asks instead for its share of the next group
+ * (every passes-th line of it, from the pass-th): 9-32 rows of the 1.5B target's
+ * layers 0.76-0.93x the time in float32, the bfloat16 down projection 0.62-0.83x; a
+ * forward pass of 12-32 rows 0.82-0.87x (float32) and 0.8-0.93x (bfloat16). */
 #define PREFETCH_AHEAD_BYTES 16384
 
 /* How rows_tile reads weights and activations. */
@@ -219,18 +219,23 @@ static inline __attribute__((always_inline)) void matmul(const enum kind kind, c
         step = kind == BF16_DOT ? DOT_MANY_WEIGHT_ROWS : MANY_WEIGHT_ROWS;
         tile = kind == BF16_DOT ? DOT_MANY_TILE : MANY_TILE;
     }
+    /* Several passes over groups bigger than the prefetch distance: each pass prefetches
+     * its share of the next group, that far ahead. (Smaller groups, as bfloat16 rows of
+     * 1536 in fours, measured 1.05-1.2x slower so at 12-16 rows: 16 KB ahead in every
+     * pass reaches past the next group.) */
+    const size_t group_bytes = (size_t)step * K * (bf16 ? 2 : 4);
+    const int spread = many && group_bytes > PREFETCH_AHEAD_BYTES;
+    const int passes = spread ? (T + tile - 1) / tile : 1;
+    const int ahead = spread ? (int)group_bytes : PREFETCH_AHEAD_BYTES;
 #pragma omp parallel for schedule(static)
     for (int first = 0; first < (N + step - 1) / step; first++) {
         const int n = first * step, nr = n + step <= N ? step : N - n;
         const char *w = (const char *)weights + (size_t)n * K * (bf16 ? 2 : 4);
         float out[MAX_WEIGHT_ROWS * MAX_TILE];
-        const int passes = (T + tile - 1) / tile;
-        /* many: each pass prefetches its share of the next group, that far ahead */
-        const int ahead = many ? step * K * (bf16 ? 2 : 4) : PREFETCH_AHEAD_BYTES;
         for (int t0 = 0; t0 < T; t0 += tile) {
             const int nt = T - t0 < tile ? T - t0 : tile;
             rows_tile_any(kind, many, nr, nt, w, K, (const char *)x + (size_t)t0 * x_stride * x_width, x_stride,
-                          ahead, passes, t0 / tile, out);
+                          ahead, passes, spread ? t0 / tile : 0, out);
             for (int i = 0; i < nr; i++) {
                 const float *sums = out + i * MAX_TILE;
                 const size_t at = (size_t)t0 * N + n + i;
