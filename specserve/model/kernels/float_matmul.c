@@ -70,6 +70,14 @@ static inline __attribute__((always_inline)) __m512i bf16_32(const uint16_t *p, 
     return tail ? _mm512_maskz_loadu_epi16(lanes, p) : _mm512_loadu_si512(p);
 }
 
+/* Whether this step of a pass prefetches: every step, or with spread every passes-th,
+ * from the pass-th (wait counts down to it). */
+static inline __attribute__((always_inline)) int prefetch_turn(const int spread, int *wait, int passes) {
+    const int fetch = !spread || *wait == 0;
+    *wait = *wait == 0 ? passes - 1 : *wait - 1;
+    return fetch;
+}
+
 /* Weight rows 0 .. nr-1 (K elements apart) against activation rows 0 .. nt-1 (x_stride
  * elements apart) -> out [nr][MAX_TILE]. nr, nt and kind are constants after inlining,
  * so the accumulators stay in registers. Prefetches go `ahead` bytes past the weights
@@ -95,8 +103,7 @@ static inline __attribute__((always_inline)) void rows_tile(const int nr, const 
     if (kind == BF16_DOT) {
         const uint16_t *w16 = w, *x16 = x;
         for (int k = 0, wait = pass; k < K; k += 32) {
-            const int fetch = !spread || wait == 0; /* this step's share of the prefetches */
-            wait = wait == 0 ? passes - 1 : wait - 1;
+            const int fetch = prefetch_turn(spread, &wait, passes);
             const int tail = K - k < 32; /* the last K % 32 */
             const __mmask32 lanes = tail ? (__mmask32)((1u << (K - k)) - 1) : ~(__mmask32)0;
             __m512i wv[MAX_WEIGHT_ROWS];
@@ -115,8 +122,7 @@ static inline __attribute__((always_inline)) void rows_tile(const int nr, const 
         const float *x32 = x;
         const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
         for (int k = 0, wait = pass; k < K; k += 32) {
-            const int fetch = !spread || wait == 0;
-            wait = wait == 0 ? passes - 1 : wait - 1;
+            const int fetch = prefetch_turn(spread, &wait, passes);
             /* the last K % 32: the activations are zero-padded to 32 */
             const int tail = K - k < 32;
             const __mmask32 lanes = tail ? (__mmask32)((1u << (K - k)) - 1) : ~(__mmask32)0;
@@ -138,8 +144,7 @@ static inline __attribute__((always_inline)) void rows_tile(const int nr, const 
         const float *w32 = w, *x32 = x;
         int k = 0;
         for (int wait = pass; k + 16 <= K; k += 16) {
-            const int fetch = !spread || wait == 0;
-            wait = wait == 0 ? passes - 1 : wait - 1;
+            const int fetch = prefetch_turn(spread, &wait, passes);
             __m512 wv[MAX_WEIGHT_ROWS];
             for (int i = 0; i < nr; i++) {
                 if (fetch) _mm_prefetch((const char *)(w32 + (size_t)i * K + k) + ahead, _MM_HINT_T1);
@@ -165,8 +170,8 @@ static inline __attribute__((always_inline)) void rows_tile(const int nr, const 
         for (int t = 0; t < nt; t++) out[i * MAX_TILE + t] = _mm512_reduce_add_ps(acc[i][t]);
 }
 
-/* A decode step or a verification (one pass: prefetch 16 KB ahead) or a prompt (many
- * passes: spread the next group's prefetches over them). */
+/* A decode step or a verification (one pass: prefetch 16 KB ahead), or more rows (many
+ * passes, over which `matmul` may spread the next group's prefetches). */
 #define TILE_CASE(NR, NT, SPREAD)                                                         \
     case NT:                                                                              \
         rows_tile(NR, NT, kind, w, K, x, x_stride, SPREAD, ahead, passes, pass, out);   \
@@ -221,7 +226,7 @@ static inline __attribute__((always_inline)) void matmul(const enum kind kind, c
     }
     /* Several passes over groups bigger than the prefetch distance: each pass prefetches
      * its share of the next group, that far ahead. (Smaller groups, as bfloat16 rows of
-     * 1536 in fours, measured 1.05-1.2x slower so at 12-16 rows: 16 KB ahead in every
+     * 1536 in fours, measured 1.05-1.28x slower so at 12-16 rows: 16 KB ahead in every
      * pass reaches past the next group.) */
     const size_t group_bytes = (size_t)step * K * (bf16 ? 2 : 4);
     const int spread = many && group_bytes > PREFETCH_AHEAD_BYTES;
