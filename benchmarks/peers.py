@@ -207,6 +207,7 @@ def quality_wanted(args) -> bool:
 def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report) -> None:
     engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
                                      batch_invariant=args.batch_invariant, compile=run.compile,
+                                     cuda_graphs=args.cuda_graphs, max_num_seqs=1,
                                      device=device_of(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
@@ -570,6 +571,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weight-only quantization of our target and draft")
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
     parser.add_argument("--draft-vocab-size", type=positive_int, default=None,
@@ -600,6 +603,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         check_device_format(device_of(args), args.quantization, args.batch_invariant)
     except SpecserveError as e:
         parser.error(str(e))
+    if args.cuda_graphs and (device_of(args).type != "cuda" or "plain-compiled" in args.modes):
+        parser.error("--cuda-graphs needs --device cuda (or auto on a GPU) and no plain-compiled row")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2: the decode rate counts tokens after the first")
     try:

@@ -72,6 +72,11 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
                         help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
                         "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
                         "~6%% slower on a 2-core CPU in float32: see benchmarks/README.md")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="on a CUDA GPU, replay each decode step and verification of the target and the "
+                        "draft as a CUDA graph (one launch instead of hundreds); preallocates the KV caches of "
+                        "--max-num-seqs sequences of --max-model-len tokens. Experimental: not yet measured "
+                        "on a GPU, see benchmarks/README.md")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +182,8 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization,
-                                     args.batch_invariant, compile=args.compile, device=device_of(args))
+                                     args.batch_invariant, compile=args.compile, device=device_of(args),
+                                     cuda_graphs=args.cuda_graphs, max_num_seqs=1)
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
@@ -202,6 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
         batch_invariant=args.batch_invariant, compile=args.compile, device=device_of(args),
+        cuda_graphs=args.cuda_graphs,
         host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -349,7 +356,7 @@ def run_ab(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     serve_args = ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
                   "--max-num-seqs", str(args.max_num_seqs)] + ["--batch-invariant"] * args.batch_invariant
-    serve_args += ["--compile"] * args.compile
+    serve_args += ["--compile"] * args.compile + ["--cuda-graphs"] * args.cuda_graphs
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]
     root = Path(args.results_dir)

@@ -11,12 +11,13 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
-from specserve.engine.engine import Engine
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.device import CPU
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.factory import make_proposer, prior_cost_ratio
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -30,11 +31,17 @@ def build_engine(
     batch_invariant: bool = False,
     compile: bool = False,
     device: torch.device = CPU,
+    cuda_graphs: bool = False,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
-    to both (`Decoder.use_torch_compile`), device to both."""
+    to both (`Decoder.use_torch_compile`), device and cuda_graphs to both
+    (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len)."""
+    if cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
+    if cuda_graphs and compile:
+        raise ConfigError("--cuda-graphs and --compile do not go together; choose one")
     target = load_model(model, dtype, quantization, batch_invariant, compile, device)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
@@ -43,6 +50,11 @@ def build_engine(
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
     proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization, compile)
+    if cuda_graphs:
+        slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        positions = max_model_len or target.config.max_position_embeddings
+        for decoder in [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else []):
+            decoder.use_cuda_graphs(slots, positions)
     adaptive = None
     if spec is not None and spec.adaptive:
         adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))

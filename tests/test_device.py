@@ -42,18 +42,23 @@ def run_batch(target, make_proposer, adaptive: bool) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
-@pytest.mark.parametrize("proposer_kind,adaptive", [
-    ("none", False), ("draft", False), ("draft", True), ("ngram", False),
+@pytest.mark.parametrize("proposer_kind,adaptive,static", [
+    ("none", False, False), ("draft", False, False), ("draft", True, False), ("ngram", False, False),
+    ("draft", True, True),
 ])
-def test_nothing_a_step_makes_lands_on_the_default_device(monkeypatch, proposer_kind, adaptive):
+def test_nothing_a_step_makes_lands_on_the_default_device(monkeypatch, proposer_kind, adaptive, static):
     """Under `torch.device("meta")`, a tensor made without naming its device is a meta
     tensor: it has no data, and the first op that mixes it with the models' tensors (or
     reads it) fails. On a GPU that tensor would sit on the CPU and fail the same way, so
     a batch of greedy and sampled requests, prompts read in chunks, drafting, rejection
-    and rollback run this way here must give exactly what they give normally."""
+    and rollback run this way here must give exactly what they give normally; `static`:
+    on the steps CUDA graphs capture (model/graphs.py)."""
     monkeypatch.setattr(native, "library", lambda: None)  # our C kernels are CPU-only: out of this
     target = random_decoder("qwen3", seed=1)
     draft = perturbed(target, 0.3, seed=2)
+    if static:
+        for model in (target, draft):
+            model.use_cuda_graphs(num_slots=len(REQUESTS), capacity=64)
     make_proposer = {
         "none": lambda: None,
         "draft": lambda: DraftModelProposer(draft, confidence_threshold=0.3, catch_up_chunk_size=8),
@@ -62,6 +67,7 @@ def test_nothing_a_step_makes_lands_on_the_default_device(monkeypatch, proposer_
     expected = run_batch(target, make_proposer, adaptive)
     with torch.device("meta"):
         assert run_batch(target, make_proposer, adaptive) == expected
+    assert not static or (target.static.steps and draft.static.steps)
 
 
 def test_perplexity_makes_its_tensors_on_the_models_device(monkeypatch):

@@ -152,6 +152,8 @@ def test_bad_flags_are_one_line_errors(prepared_cache):
     result = run_peers(*SMALL, "--modes", "plain,turbo", cache=prepared_cache)
     assert result.returncode == 2 and "unknown mode(s) ['turbo']" in result.stderr
     assert len(result.stderr.strip().splitlines()[-1]) < 200
+    result = run_peers(*SMALL, "--device", "cpu", "--cuda-graphs", cache=prepared_cache)
+    assert result.returncode == 2 and "--cuda-graphs needs --device cuda" in result.stderr
 
 
 @pytest.fixture(scope="module")

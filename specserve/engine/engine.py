@@ -154,6 +154,7 @@ class Engine:
                 return
             self.waiting.remove(seq)
         seq.finish(reason)
+        seq.cache.release()
         if self.proposer is not None:
             self.proposer.free(seq_id)
         if self.adaptive is not None:

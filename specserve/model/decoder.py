@@ -27,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import native
-from specserve.model.kv_cache import KVCache
+from specserve.model.graphs import StaticDecode
+from specserve.model.kv_cache import CachePool, KVCache
 from specserve.model.quant import QuantizedLinear, silu_and_mul
 
 
@@ -314,7 +315,7 @@ class Attention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             return native.decode_attention(qkv, cos, rotated_sin, q_norm, k_norm, eps, cache_k, cache_v, start, self.num_heads)
 
-        q, k, v = self._rotated_qkv(qkv, cos, rotated_sin)  # [n, heads or kv_heads, head_dim]
+        q, k, v = self.rotated_qkv(qkv, cos, rotated_sin)  # [n, heads or kv_heads, head_dim]
         cache_k[:, start:end] = k.transpose(0, 1)
         cache_v[:, start:end] = v.transpose(0, 1)
         heads_first = q.transpose(0, 1)  # [heads, n, head_dim]
@@ -330,7 +331,7 @@ class Attention(nn.Module):
             out = grouped_attention(heads_first, cache_k[:, :end], cache_v[:, :end], mask)
         return out.transpose(0, 1).reshape(n, -1)
 
-    def _rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor):
+    def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor):
         """[n, q_size + 2 kv_size] -> q [n, heads, head_dim], k and v [n, kv_heads,
         head_dim], with qk_norm and RoPE applied to q and k."""
         q_size, kv_size, _ = self.qkv_sizes
@@ -393,6 +394,7 @@ class Decoder(nn.Module):
         self.head_size = config.vocab_size  # the token ids [0, head_size) it scores: see limit_head
         self.batch_invariant = False
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see rope_table
+        self.static: StaticDecode | None = None  # see use_cuda_graphs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -403,7 +405,9 @@ class Decoder(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config, self.dtype, self.device)
+        """An empty cache: a slot of the pool once it is used, with `use_cuda_graphs`
+        (hand it back with `KVCache.release`)."""
+        return KVCache(self.config, self.dtype, self.device, pool=None if self.static is None else self.static.pool)
 
     @torch.inference_mode()
     def forward(
@@ -424,6 +428,13 @@ class Decoder(nn.Module):
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         rope = self.rope_table(max((s.cache.length + s.num_tokens for s in segments), default=0))
+
+        if self.static is not None and self.static.handles(segments):
+            with attention_backends(self.device):
+                logits = self.static.run(input_ids, segments)  # [T, head_size]: every row
+            for seg in segments:
+                seg.cache.length += seg.num_tokens
+            return logits if logits_rows is None else logits[logits_rows]
 
         h = self.embed_tokens(input_ids)  # [T, hidden]
         in_c = self.in_c()
@@ -487,6 +498,26 @@ class Decoder(nn.Module):
             raise ConfigError(
                 f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]}); drop --compile"
             ) from None
+
+    def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
+        """Run decode steps and verifications as CUDA graphs (model/graphs.py): every
+        cache made after this is a slot of one pool of `num_slots` caches of `capacity`
+        positions, allocated now. On a CPU the same static steps run eagerly (no graphs
+        exist there; tests use this)."""
+        if self.static is not None:
+            raise ConfigError("CUDA graphs are on already")
+        if num_slots < 1 or capacity < 1:
+            raise ConfigError(f"a cache pool needs at least one slot and position, got {num_slots} and {capacity}")
+        if self.device.type == "cuda":
+            needed = CachePool.bytes_needed(self.config, self.dtype, num_slots, capacity)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if needed > 0.9 * free:
+                raise ConfigError(
+                    f"--cuda-graphs preallocates the KV caches: {needed / 2**30:.1f} GiB for {num_slots} sequences "
+                    f"of {capacity} tokens, where {free / 2**30:.1f} GiB of GPU memory are free; lower "
+                    "--max-num-seqs or --max-model-len"
+                )
+        self.static = StaticDecode(self, num_slots, capacity)
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's

@@ -35,6 +35,7 @@ class ServerConfig:
     quantization: str = "none"
     batch_invariant: bool = False
     compile: bool = False  # see Decoder.use_torch_compile
+    cuda_graphs: bool = False  # see Decoder.use_cuda_graphs
     device: torch.device = CPU  # see specserve.model.device
     host: str = "0.0.0.0"
     port: int = 8000
@@ -71,7 +72,8 @@ def serve(config: ServerConfig) -> None:
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        config.batch_invariant, compile=config.compile, device=config.device, max_num_seqs=config.max_num_seqs,
+        config.batch_invariant, compile=config.compile, device=config.device, cuda_graphs=config.cuda_graphs,
+        max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,

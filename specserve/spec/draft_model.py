@@ -145,4 +145,6 @@ class DraftModelProposer:
                 cache.truncate(min(cache.length, len(seq.token_ids) - 1))
 
     def free(self, seq_id: int) -> None:
-        self.caches.pop(seq_id, None)
+        cache = self.caches.pop(seq_id, None)
+        if cache is not None:
+            cache.release()

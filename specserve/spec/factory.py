@@ -66,10 +66,11 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     by the weights it reads: the ratio of weight bytes per token. On a GPU our eager
     steps are bound by kernel launches, a fixed number per layer (an H100 ran the 1.5B
     target at 6% of its memory roofline, and the 0.5B draft's position cost about 0.8 of
-    a target step where its bytes say 0.3): the larger of that and the ratio of layers."""
+    a target step where its bytes say 0.3): the larger of that and the ratio of layers.
+    With CUDA graphs (`Decoder.use_cuda_graphs`) a step launches once: the bytes again."""
     if not isinstance(proposer, DraftModelProposer):
         return 0.0
     by_bytes = weight_bytes_per_token(proposer.draft) / weight_bytes_per_token(target)
-    if target.device.type == "cpu":
+    if target.device.type == "cpu" or (target.static is not None and proposer.draft.static is not None):
         return by_bytes
     return max(by_bytes, proposer.draft.config.num_layers / target.config.num_layers)

@@ -1,0 +1,164 @@
+"""CUDA graphs of the decode step (`--cuda-graphs`, `Decoder.use_cuda_graphs`).
+
+Why: eager PyTorch launches each of a step's ~400 kernels (28 layers of ~15) from
+Python. On an H100 the 1.5B target kept the GPU busy 6% of the time (benchmarks/README.md,
+"The first GPU run"), and a draft model's step cost nearly what the target's did, so
+speculation lost to plain decoding there. A CUDA graph replays a whole step's kernels
+with one launch.
+
+A graph replays the same kernels on the same addresses with the same shapes, so the
+step it captures (`static_forward`) is not Decoder.forward's ragged one:
+- every sequence's cache is a slot of one `CachePool` (kv_cache.py), found by index;
+- every sequence feeds the same number of rows n (1: a decode step; k + 1: a
+  verification of k drafts), and the batch is padded to a power of two with rows that
+  write to the pool's scratch slot;
+- attention reads the first `bucket` positions of each slot (the smallest power of two
+  from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity)
+  under a causal mask made from each sequence's start.
+A graph is captured for each (batch, rows, bucket) the first time a step needs it. A
+prompt's prefill (more than MAX_GRAPH_ROWS rows) and ragged steps run eagerly, on the
+same pool slots.
+
+On a CPU no graphs exist: there the same static step runs eagerly, which is how the
+tests check it against Decoder.forward. Captured on CUDA, it has not been measured on a
+GPU yet (no session with one since it was written): see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model.kv_cache import CachePool
+
+if TYPE_CHECKING:
+    from specserve.model.decoder import Decoder, Segment
+
+MAX_GRAPH_ROWS = 16  # rows per sequence a graph takes: k + 1 for k up to 15 drafts
+MIN_BUCKET = 256  # positions attention reads at the least
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def static_forward(
+    decoder: Decoder,
+    pool: CachePool,
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, rotated_sin [>= capacity, head_dim] (Decoder.rope_table)
+    input_ids: torch.Tensor,  # [B, n] int64: each sequence's n new tokens
+    starts: torch.Tensor,  # [B] int64: positions each sequence has cached already
+    slots: torch.Tensor,  # [B] int64: each sequence's pool slot
+    bucket: int,  # positions of each slot that attention reads: >= every start + n
+) -> torch.Tensor:  # [B n, head_size] float32: every row's logits
+    """Decoder.forward for B sequences of n new tokens each, with shapes that depend on
+    (B, n, bucket) only: no host syncs, no Python branch on a tensor's value. Writes the
+    new keys and values into the pool and reads each sequence's first `bucket` positions."""
+    batch, n = input_ids.shape
+    config = decoder.config
+    kv_heads, group, head_dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    device = input_ids.device
+    positions = starts[:, None] + torch.arange(n, device=device)  # [B, n]
+    row_positions, row_slots = positions.flatten(), slots.repeat_interleave(n)  # [B n] each
+    cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
+    visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
+    # Query rows go (head of the group, new token), as in `grouped_attention`.
+    mask = visible[:, None, None].expand(batch, 1, group, n, bucket).reshape(batch, 1, group * n, bucket)
+    h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
+    for i, block in enumerate(decoder.layers):
+        q, k, v = block.self_attn.rotated_qkv(block.project_qkv(h), cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
+        layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
+        layer_keys[row_slots, :, row_positions] = k
+        layer_values[row_slots, :, row_positions] = v
+        keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
+        values = layer_values[:, :, :bucket][slots]
+        # Query head j uses kv head j // group: each kv head's group of heads goes in as group * n queries.
+        grouped = q.view(batch, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)  # [B, kv_heads, group n, head_dim]
+        attended = out.view(batch, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * n, -1)
+        h = block.finish(h, attended)  # [B n, hidden]
+    return decoder.score(h)
+
+
+class _Step:
+    """One (batch, rows, bucket)'s static inputs and output, and on a GPU its graph."""
+
+    def __init__(self, static: StaticDecode, batch: int, rows: int, bucket: int):
+        device = static.decoder.device
+        self.input_ids = torch.zeros(batch, rows, dtype=torch.int64, device=device)  # [B, n]
+        self.index = torch.zeros(2, batch, dtype=torch.int64, device=device)  # [2, B]: starts, slots
+        self.index[1] = static.pool.scratch  # capturing runs the step: on the scratch slot
+        self.scratch = static.pool.scratch
+
+        def forward() -> torch.Tensor:
+            return static_forward(static.decoder, static.pool, static.rope, self.input_ids, self.index[0],
+                                  self.index[1], bucket)
+
+        self.forward: Callable[[], torch.Tensor] = forward
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if static.capture:
+            self.graph, self.logits = _capture(forward, static.memory)
+
+    def run(self, input_ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
+        """[b, n] ids of b sequences (b <= the step's batch) -> [b n, head_size] logits."""
+        b, padding = len(starts), self.input_ids.shape[0] - len(starts)
+        self.input_ids[:b].copy_(input_ids)
+        self.input_ids[b:].zero_()
+        # Padding rows start at 0 in the scratch slot: they see their own rows, never a sequence's.
+        host = torch.tensor([starts + [0] * padding, slots + [self.scratch] * padding], dtype=torch.int64, device="cpu")
+        self.index.copy_(host)
+        if self.graph is None:
+            logits = self.forward()
+        else:
+            self.graph.replay()
+            logits = self.logits
+        # A copy: the next replay overwrites the graph's output.
+        return logits[: b * input_ids.shape[1]].clone()
+
+
+def _capture(forward: Callable[[], torch.Tensor], memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Record `forward` as a CUDA graph, after warm-up runs on a side stream (PyTorch's
+    recipe: lazy initialisation, cuBLAS workspaces and kernel choices happen outside
+    the capture). Returns the graph and its output tensor."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory):
+        logits = forward()
+    return graph, logits
+
+
+class StaticDecode:
+    """A decoder's pool of cache slots and its captured steps."""
+
+    def __init__(self, decoder: Decoder, num_slots: int, capacity: int):
+        self.decoder = decoder
+        self.pool = CachePool(decoder.config, decoder.dtype, decoder.device, num_slots, capacity)
+        self.rope = decoder.rope_table(capacity)  # held here: a graph reads these addresses
+        self.capture = decoder.device.type == "cuda"
+        self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
+        self.steps: dict[tuple[int, int, int], _Step] = {}
+
+    def handles(self, segments: list[Segment]) -> bool:
+        """Whether a forward over `segments` can be a static step: every cache in this
+        pool, the same number of new tokens each, at most MAX_GRAPH_ROWS."""
+        n = segments[0].num_tokens if segments else 0
+        return 0 < n <= MAX_GRAPH_ROWS and all(s.cache.pool is self.pool and s.num_tokens == n for s in segments)
+
+    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """input_ids [B n] -> logits [B n, head_size] float32 (see `handles`); the caches'
+        slots must be taken (KVCache.reserve) and their lengths not yet advanced."""
+        batch, n = len(segments), segments[0].num_tokens
+        end = max(s.cache.length for s in segments) + n
+        bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
+        key = (next_power_of_two(batch), n, bucket)
+        if key not in self.steps:
+            self.steps[key] = _Step(self, *key)
+        return self.steps[key].run(input_ids.view(batch, n), [s.cache.length for s in segments],
+                                   [s.cache.slot for s in segments])

@@ -1,0 +1,141 @@
+"""The static decode step that CUDA graphs capture (model/graphs.py, `--cuda-graphs`).
+
+On a CPU the static step runs eagerly; these tests hold it to Decoder.forward's logits
+and the engine's plain tokens, and check the pool's slots come back. Where a CUDA GPU is
+present the engine cases run there too, through captured graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specserve.cli import main
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.generate import build_engine
+from specserve.model import graphs
+from specserve.model.decoder import Segment
+from specserve.model.kv_cache import KVCache
+from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from tests.conftest import DEVICES
+from tests.test_engine import EOS, PROMPTS, on, perturbed, random_decoder
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    """Buckets from 8 positions, so the tiny models' sequences cross several."""
+    monkeypatch.setattr(graphs, "MIN_BUCKET", 8)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_static_step_gives_the_ragged_forwards_logits(arch, rows):
+    model = random_decoder(arch, seed=3)
+    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]  # ragged: read eagerly, into the slots
+    new = torch.tensor([[11 + i + j for j in range(rows)] for i in range(len(prompts))])  # [B, rows]
+
+    def step(caches: list[KVCache]) -> torch.Tensor:
+        segments = [Segment(c, len(p)) for c, p in zip(caches, prompts)]
+        model(torch.tensor([t for p in prompts for t in p]), segments, torch.empty(0, dtype=torch.int64))
+        return model(new.flatten(), [Segment(c, rows) for c in caches])  # [B rows, V]
+
+    expected = step([model.new_cache() for _ in prompts])
+    model.use_cuda_graphs(num_slots=4, capacity=64)
+    caches = [model.new_cache() for _ in prompts]
+    got = step(caches)
+    assert [c.slot for c in caches] == [0, 1, 2] and model.static.pool.num_free == 1
+    assert list(model.static.steps) == [(4, rows, 32)]  # 3 padded to 4; 20 + rows positions: bucket 32
+    assert [c.length for c in caches] == [len(p) + rows for p in prompts]
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_padding_rows_never_touch_a_sequences_cache():
+    model = random_decoder("qwen2", seed=4)
+    model.use_cuda_graphs(num_slots=4, capacity=64)
+    caches = [model.new_cache() for _ in range(3)]
+    model(torch.arange(3), [Segment(c, 1) for c in caches])  # batch 3 padded to 4
+    pool = model.static.pool
+    assert pool.keys[3].abs().sum() == 0  # the free slot
+    assert pool.keys[pool.scratch].abs().sum() > 0  # the padding row wrote here
+
+
+def run(target, make_proposer, requests, adaptive=False, max_num_seqs=4, **engine_options) -> tuple[list[list[int]], Engine]:
+    engine = Engine(target, eos_token_ids=[EOS], proposer=make_proposer(), num_speculative_tokens=3,
+                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
+                    max_num_seqs=max_num_seqs, prefill_chunk_size=8, **engine_options)
+    seqs = [engine.add_request(prompt, params) for prompt, params in requests]
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_ids for s in seqs], engine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("proposer_kind,adaptive", [("none", False), ("draft", False), ("draft", True), ("ngram", False)])
+def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, adaptive):
+    """A batch of greedy requests (ragged prompts read in chunks, drafts verified and rolled
+    back, sequences leaving) on static steps gives each request's plain tokens, and every
+    slot comes back to the pool."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in zip(PROMPTS, [40, 25, 33, 18])]
+    expected = [run(target, lambda: None, [r])[0][0] for r in requests]
+    graphed_target, graphed_draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
+    for model in (graphed_target, graphed_draft):
+        model.use_cuda_graphs(num_slots=2, capacity=128)
+    make_proposer = {
+        "none": lambda: None,
+        "draft": lambda: DraftModelProposer(graphed_draft, catch_up_chunk_size=8),
+        "ngram": lambda: NgramProposer(1, 3),
+    }[proposer_kind]
+    outputs, engine = run(graphed_target, make_proposer, requests, adaptive, max_num_seqs=2)
+    assert outputs == expected
+    assert graphed_target.static.pool.num_free == 2 and graphed_draft.static.pool.num_free == 2
+    target_rows = {rows for _, rows, _ in graphed_target.static.steps}
+    if proposer_kind == "none":
+        assert target_rows == {1}
+    else:
+        assert engine.spec_stats.num_draft_tokens > 0
+        assert max(target_rows) > 1  # verifications were static steps too
+    if proposer_kind == "draft":
+        assert (1, 1) in {(batch, rows) for batch, rows, _ in graphed_draft.static.steps}  # a draft position
+
+
+def test_a_slot_is_taken_at_the_first_step_and_given_back_at_the_end():
+    model = random_decoder("llama", seed=5)
+    model.use_cuda_graphs(num_slots=1, capacity=64)
+    engine = Engine(model, eos_token_ids=[EOS], max_num_seqs=1)
+    first, second = (engine.add_request(PROMPTS[i], GREEDY) for i in (0, 1))
+    assert model.static.pool.num_free == 1  # waiting requests hold no slot
+    engine.step()
+    assert model.static.pool.num_free == 0
+    while not first.finished:
+        engine.step()
+    assert model.static.pool.num_free == 1  # given back as the first finished
+    engine.step()
+    assert model.static.pool.num_free == 0 and second.cache.slot == 0  # the second took it
+    engine.abort(second.seq_id)
+    assert model.static.pool.num_free == 1
+
+
+def test_a_pool_refuses_more_positions_than_its_capacity():
+    model = random_decoder("llama", seed=5)
+    model.use_cuda_graphs(num_slots=1, capacity=16)
+    with pytest.raises(ConfigError, match="17 positions do not fit a KV cache slot of 16.*--max-model-len"):
+        model(torch.arange(17), [Segment(model.new_cache(), 17)])
+    with pytest.raises(ConfigError, match="CUDA graphs are on already"):
+        model.use_cuda_graphs(num_slots=1, capacity=16)
+
+
+def test_cuda_graphs_are_refused_off_a_gpu_and_with_compile(capsys):
+    with pytest.raises(ConfigError, match="--cuda-graphs needs a CUDA GPU.*--device cuda"):
+        build_engine("no-such-model", cuda_graphs=True)
+    with pytest.raises(ConfigError, match="--cuda-graphs and --compile"):
+        build_engine("no-such-model", cuda_graphs=True, compile=True, device=torch.device("cuda"))
+    assert main(["generate", "--model", "no-such-model", "--device", "cpu", "--cuda-graphs", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: --cuda-graphs needs a CUDA GPU") and "Traceback" not in err
