@@ -16,13 +16,13 @@ from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.generate import build_engine
 from specserve.model import graphs
-from specserve.model.decoder import Segment
+from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, tiny_config
 from tests.test_engine import EOS, PROMPTS, on, perturbed, random_decoder
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -63,6 +63,21 @@ def test_padding_rows_never_touch_a_sequences_cache():
     pool = model.static.pool
     assert pool.keys[3].abs().sum() == 0  # the free slot
     assert pool.keys[pool.scratch].abs().sum() > 0  # the padding row wrote here
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_static_step_reads_no_tensor_value_on_the_host(arch):
+    """A CUDA graph cannot capture a step that reads a tensor's value on the host (a
+    sync: `.item()`, a data-dependent shape). On the meta device tensors have no values,
+    and the whole static step runs there."""
+    model = Decoder(tiny_config(arch)).eval().to("meta")
+    model.use_cuda_graphs(num_slots=2, capacity=64)
+    caches = [model.new_cache() for _ in range(2)]
+    for cache, length in zip(caches, (5, 9)):
+        cache.reserve(length)
+        cache.length = length
+    logits = model(torch.zeros(6, dtype=torch.int64, device="meta"), [Segment(c, 3) for c in caches])
+    assert logits.shape == (6, 96) and list(model.static.steps) == [(2, 3, 16)]
 
 
 def run(target, make_proposer, requests, adaptive=False, max_num_seqs=4, **engine_options) -> tuple[list[list[int]], Engine]:
