@@ -67,9 +67,10 @@ def test_padding_rows_never_touch_a_sequences_cache():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_static_step_reads_no_tensor_value_on_the_host(arch):
-    """A CUDA graph cannot capture a step that reads a tensor's value on the host (a
-    sync: `.item()`, a data-dependent shape). On the meta device tensors have no values,
-    and the whole static step runs there."""
+    """A CUDA graph cannot capture a step that reads a tensor's value on the host
+    (`.item()`, a shape that depends on values). On the meta device tensors have no
+    values, and the whole static step runs there. (Syncs inside an op's CUDA code, such
+    as repeat_interleave's, only a capture on a GPU finds.)"""
     model = Decoder(tiny_config(arch)).eval().to("meta")
     model.use_cuda_graphs(num_slots=2, capacity=64)
     caches = [model.new_cache() for _ in range(2)]

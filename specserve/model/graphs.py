@@ -61,7 +61,8 @@ def static_forward(
     kv_heads, group, head_dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     device = input_ids.device
     positions = starts[:, None] + torch.arange(n, device=device)  # [B, n]
-    row_positions, row_slots = positions.flatten(), slots.repeat_interleave(n)  # [B n] each
+    # (not repeat_interleave: on CUDA it reads the repeats back to size its output, a sync)
+    row_positions, row_slots = positions.flatten(), slots[:, None].expand(batch, n).flatten()  # [B n] each
     cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
     visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
     # Query rows go (head of the group, new token), as in `grouped_attention`.
