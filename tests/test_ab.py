@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from specserve.cli import main
+from specserve import models
+from specserve.cli import build_parser, main
 
 
 def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
@@ -40,3 +41,10 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
     for plot in ("e2e_latency.png", "inter_token_latency.png", "ttft.png"):
         assert (comparison / plot).stat().st_size > 5000
     assert {str(comparison / "comparison.md")} <= set(report["files"])
+
+
+def test_ab_without_a_model_serves_the_default_target():
+    """ab's bench flags once set the model name to None over the positional's default,
+    and the first server was started as `specserve serve None`."""
+    assert build_parser().parse_args(["ab"]).model == models.DEFAULT_TARGET
+    assert build_parser().parse_args(["ab", "smollm2-135m"]).model == "smollm2-135m"

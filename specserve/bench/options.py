@@ -49,8 +49,8 @@ class BenchOptions:
 def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) -> None:
     """The flags of `specserve bench`; `own_servers`: the command starts the servers it
     measures (`ab`), so where to reach them and what they serve are not flags."""
-    if own_servers:
-        parser.set_defaults(url="http://localhost", api_key=None, model=None)
+    if own_servers:  # the model name sent is the command's own model (its target)
+        parser.set_defaults(url="http://localhost", api_key=None)
     else:
         parser.add_argument("--url", default="http://localhost:8000",
                             help="the server root; requests go to /v1/chat/completions or /v1/completions")
