@@ -48,3 +48,10 @@ def test_ab_without_a_model_serves_the_default_target():
     and the first server was started as `specserve serve None`."""
     assert build_parser().parse_args(["ab"]).model == models.DEFAULT_TARGET
     assert build_parser().parse_args(["ab", "smollm2-135m"]).model == "smollm2-135m"
+
+
+def test_a_server_that_cannot_start_is_a_one_line_error(tmp_path, capsys):
+    assert main(["ab", "no-such-model", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "specserve: error: the server exited during start-up: 'no-such-model' is neither a catalogue model" in err
+    assert "Traceback" not in err

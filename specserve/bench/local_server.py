@@ -14,6 +14,23 @@ from pathlib import Path
 
 import httpx
 
+from specserve.errors import SpecserveError
+
+CLI_ERROR = "specserve: error: "  # how the CLI prints a SpecserveError
+
+
+class ServerStartError(SpecserveError):
+    """The server exited during start-up, or never became healthy."""
+
+    def __init__(self, reason: str, log: str):
+        # The server's own one-line error where it printed one (a bad flag, an unknown
+        # model), else the end of its log.
+        lines = log.strip().splitlines()
+        said = lines[-1].removeprefix(CLI_ERROR) if lines and lines[-1].startswith(CLI_ERROR) else None
+        detail = said or "\n".join(lines[-20:])
+        super().__init__(f"the server {reason}: {detail}")
+        self.log = log
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,7 +51,7 @@ class ServerProcess:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{self.log()}")
+                raise ServerStartError("exited during start-up", self.log())
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -42,7 +59,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"server not healthy after {startup_timeout_s} s:\n{self.log()}")
+                raise ServerStartError(f"was not healthy after {startup_timeout_s:.0f} s", self.log())
             time.sleep(0.2)
 
     def log(self) -> str:
