@@ -76,12 +76,10 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
     }
 }
 
-/* Activation rows that share one unpacked super-block of weights: one weight row's 8
- * levels and 8 accumulators fit the 32 vector registers (8 rows: ~10% faster than 4
- * on verification's 8 rows). PAIR_TILE with two weight rows, whose 16 levels leave
- * room for 4 (8 spilled them). */
+/* Activation rows that share one unpacked super-block of weights (8 rows: ~10% faster
+ * than 4 on verification's 8 rows). The compiler keeps their accumulators in memory
+ * and the levels of one or two weight rows (8 or 16) in registers. */
 #define TILE 8
-#define PAIR_TILE 4
 /* Bytes of weights ahead of the super-block being read that are prefetched: always for
  * int4; for int8 only with more than PREFETCH_MIN_ROWS_INT8 activation rows. Measured
  * against none, paired, on the 1.5B target's int8 head [151936, 1536]: 8 rows (k = 7
@@ -90,15 +88,16 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
 #define PREFETCH_AHEAD 2048
 #define PREFETCH_MIN_ROWS_INT8 4
 
-/* Weight rows 0 .. nr-1 (nr = 1 or 2, rows row_bytes apart) against activation rows
+/* Weight rows 0 .. nr-1 (nr = 1 or 2, the second pair_bytes and pair_scales after the
+ * first) against activation rows
  * 0 .. nt-1 (q in padded super-blocks of 512 bytes, d and a padded to whole
  * super-blocks with zeros). Two weight rows share each activation load. bits, nr and nt
  * are constants after inlining, so the accumulators stay in registers.
  * bits 4: levels 0..15, scale and zero per group: w = (level - 8) s + z.
  * bits 8: levels 0..255 (int8 weight + 128), one scale per row: w = (level - 128) s. */
 static inline __attribute__((always_inline)) void rows_tile(
-    const int bits, const int nr, const uint8_t *w, size_t row_bytes, const uint16_t *scale,
-    const uint16_t *zero, size_t row_scales, int G, const int8_t *q, const float *d, const float *a,
+    const int bits, const int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
+    const uint16_t *zero, size_t pair_scales, int G, const int8_t *q, const float *d, const float *a,
     const int nt, float *out /* [nr][TILE] */) {
     const int Gp = padded_groups(G);
     const __m512i low_nibble = _mm512_set1_epi8(0x0f);
@@ -113,7 +112,7 @@ static inline __attribute__((always_inline)) void rows_tile(
         __m512 s[2], level0[2]; /* per group: the scale, and the value of level 0 */
         for (int i = 0; i < nr; i++) {
             if (bits == 4) {
-                const uint8_t *wb = w + i * row_bytes + (size_t)16 * g0;
+                const uint8_t *wb = w + i * pair_bytes + (size_t)16 * g0;
                 /* The hardware prefetcher alone leaves one row at 21-24 GB/s where the
                  * memory gives 29-35: asking 2 KB ahead measured 10-20% faster (int8
                  * rows, 3 super-blocks long, measured slower with it). */
@@ -123,14 +122,14 @@ static inline __attribute__((always_inline)) void rows_tile(
                     levels[i][j] = _mm512_and_si512(packed, low_nibble);
                     levels[i][j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibble);
                 }
-                s[i] = load_bf16(scale + i * row_scales + g0, lanes);
-                level0[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[i], load_bf16(zero + i * row_scales + g0, lanes));
+                s[i] = load_bf16(scale + i * pair_scales + g0, lanes);
+                level0[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[i], load_bf16(zero + i * pair_scales + g0, lanes));
             } else {
-                const uint8_t *wb = w + i * row_bytes + (size_t)32 * g0;
+                const uint8_t *wb = w + i * pair_bytes + (size_t)32 * g0;
                 if (nt > PREFETCH_MIN_ROWS_INT8)
                     for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
                 for (int r = 0; r < 8; r++) levels[i][r] = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)r * 4 * n);
-                s[i] = _mm512_set1_ps(from_bf16(scale[i * row_scales]));
+                s[i] = _mm512_set1_ps(from_bf16(scale[i * pair_scales]));
                 level0[i] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), s[i]);
             }
         }
@@ -139,7 +138,10 @@ static inline __attribute__((always_inline)) void rows_tile(
             __m512i dot[2]; /* per group: sum of level * q */
             for (int i = 0; i < nr; i++) dot[i] = _mm512_setzero_si512();
             for (int r = 0; r < 8; r++) {
-                const __m512i qv = _mm512_load_si512(qb + r);
+                __m512i qv = _mm512_load_si512(qb + r);
+                /* Into a register: the compiler would fold the load into each row's
+                 * vpdpbusd, two loads where one serves both. */
+                if (nr == 2) __asm__("" : "+v"(qv));
                 for (int i = 0; i < nr; i++) dot[i] = _mm512_dpbusd_epi32(dot[i], levels[i][r], qv);
             }
             const __m512 dv = _mm512_load_ps(d + (size_t)t * Gp + g0);
@@ -157,20 +159,21 @@ static inline __attribute__((always_inline)) void rows_tile(
 
 #define ONE_ROW_CASE(NT)                                                                            \
     case NT:                                                                                        \
-        if (bits == 4) rows_tile(4, 1, w, row_bytes, scale, zero, row_scales, G, q, d, a, NT, out);  \
-        else rows_tile(8, 1, w, row_bytes, scale, zero, row_scales, G, q, d, a, NT, out);            \
+        if (bits == 4) rows_tile(4, 1, w, 0, scale, zero, 0, G, q, d, a, NT, out);                   \
+        else rows_tile(8, 1, w, 0, scale, zero, 0, G, q, d, a, NT, out);                             \
         break;
 #define ROW_PAIR_CASE(NT)                                                                           \
     case NT:                                                                                        \
-        rows_tile(4, 2, w, row_bytes, scale, zero, row_scales, G, q, d, a, NT, out);                \
+        rows_tile(4, 2, w, pair_bytes, scale, zero, pair_scales, G, q, d, a, NT, out);              \
         break;
 
-/* nr = 1 with nt <= TILE, or int4 with nr = 2 and nt <= PAIR_TILE. */
-static void rows_tile_any(int bits, int nr, const uint8_t *w, size_t row_bytes, const uint16_t *scale,
-                          const uint16_t *zero, size_t row_scales, int G, const int8_t *q, const float *d,
+/* nt <= TILE; nr = 1, or int4 with nr = 2. */
+static void rows_tile_any(int bits, int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
+                          const uint16_t *zero, size_t pair_scales, int G, const int8_t *q, const float *d,
                           const float *a, int nt, float *out) {
     if (nr == 2) switch (nt) {
             ROW_PAIR_CASE(1) ROW_PAIR_CASE(2) ROW_PAIR_CASE(3) ROW_PAIR_CASE(4)
+            ROW_PAIR_CASE(5) ROW_PAIR_CASE(6) ROW_PAIR_CASE(7) ROW_PAIR_CASE(8)
         }
     else switch (nt) {
             ONE_ROW_CASE(1) ONE_ROW_CASE(2) ONE_ROW_CASE(3) ONE_ROW_CASE(4)
@@ -178,36 +181,41 @@ static void rows_tile_any(int bits, int nr, const uint8_t *w, size_t row_bytes, 
         }
 }
 
-/* Weight rows n .. n + nr - 1 against activation rows t0 .. t0 + nt - 1 (nt <= TILE):
- * out [nr][TILE] float32, before bias. */
-static inline void dot_tile(int bits, int nr, int n, int t0, int nt, int K, const uint8_t *weights,
+/* Weight row n, and row `second` with it unless second < 0 (int4 only), against
+ * activation rows t0 .. t0 + nt - 1 (nt <= TILE): out [2][TILE] float32, before bias. */
+static inline void dot_tile(int bits, int n, int second, int t0, int nt, int K, const uint8_t *weights,
                             const uint16_t *scale, const uint16_t *zero, const int8_t *q, const float *d,
                             const float *a, float *out) {
     const int G = K / GROUP, Gp = padded_groups(G);
     const size_t row_bytes = (size_t)K * bits / 8, row_scales = bits == 4 ? (size_t)G : 1;
-    rows_tile_any(bits, nr, weights + n * row_bytes, row_bytes, scale + n * row_scales,
-                  zero ? zero + n * row_scales : NULL, row_scales, G, q + (size_t)t0 * GROUP * Gp, d + (size_t)t0 * Gp,
-                  a + (size_t)t0 * Gp, nt, out);
+    const size_t apart = second < 0 ? 0 : (size_t)(second - n);
+    rows_tile_any(bits, second < 0 ? 1 : 2, weights + n * row_bytes, apart * row_bytes, scale + n * row_scales,
+                  zero ? zero + n * row_scales : NULL, apart * row_scales, G, q + (size_t)t0 * GROUP * Gp,
+                  d + (size_t)t0 * Gp, a + (size_t)t0 * Gp, nt, out);
 }
+
+/* Whether two int4 weight rows share each activation load: with several activation
+ * rows (see plain_rows). */
+static inline int paired(int bits, int T) { return bits == 4 && T > 1; }
 
 /* y [T, N] = x W^T + bias, each output rounded to bfloat16 once. */
 static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
                        const uint16_t *bias, int N, const int8_t *q, const float *d, const float *a, uint16_t *y) {
-    /* Where the activation rows outgrow L1 and come from L2 once per weight row, two
-     * weight rows share each activation load: int4 down projections verifying 8 rows
-     * (8 x 9 KB; 15% faster), and prompts (32-200 rows of 1536: qkv and o 16-23%
-     * faster). Within L1 (verifying 8 rows of 1536 or less) it measured 0-10% slower,
-     * with one row 25% slower. (The gated gate/up pairs measured 9-16% slower on
-     * prompts: gated_rows keeps to one row.) */
-    const int step = bits == 4 && T > PAIR_TILE && ((size_t)PAIR_TILE * K > 16384 || (size_t)T * K > 32768) ? 2 : 1;
-    const int tile = step == 2 ? PAIR_TILE : TILE;
+    /* With several activation rows, two int4 weight rows share each activation load
+     * (gated_rows pairs each gate row with its up row): one row alone needs one 64-byte
+     * load per vpdpbusd, about what the L1 serves. Against one row at a time (the 1.5B
+     * target's o, gate/up and down; 7 rounds taking turns): 2-16 rows 0.81-0.90x the
+     * time, 200 rows 0.85-0.96x; the whole forward 0.96x at 8 rows, a 200-token prompt
+     * 0.90-0.95x. (Pairs once took tiles of 4, their accumulators held in registers,
+     * which spilled them: within L1 they lost 0-10%, and gate/up pairs 9-16%.) */
+    const int step = paired(bits, T) ? 2 : 1;
 #pragma omp parallel for schedule(static)
     for (int first = 0; first < (N + step - 1) / step; first++) {
         const int n = first * step, nr = n + step <= N ? step : N - n;
         float out[2 * TILE];
-        for (int t0 = 0; t0 < T; t0 += tile) {
-            const int nt = T - t0 < tile ? T - t0 : tile;
-            dot_tile(bits, nr, n, t0, nt, K, weights, scale, zero, q, d, a, out);
+        for (int t0 = 0; t0 < T; t0 += TILE) {
+            const int nt = T - t0 < TILE ? T - t0 : TILE;
+            dot_tile(bits, n, nr == 2 ? n + 1 : -1, t0, nt, K, weights, scale, zero, q, d, a, out);
             for (int i = 0; i < nr; i++) {
                 const float b = bias ? from_bf16(bias[n + i]) : 0.0f;
                 for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * N + n + i] = to_bf16(out[i * TILE + t] + b);
@@ -228,13 +236,19 @@ static void gated_rows(int bits, int T, int K, const uint8_t *weights, const uin
         for (int t0 = 0; t0 < T; t0 += TILE) {
             const int nt = T - t0 < TILE ? T - t0 : TILE;
             float gate[TILE][16] = {{0}}, up[TILE][16] = {{0}}, out[2 * TILE];
-            for (int j = 0; j < width; j++)
-                for (int part = 0; part < 2; part++) {
-                    const int n = n0 + j + part * half;
-                    dot_tile(bits, 1, n, t0, nt, K, weights, scale, zero, q, d, a, out);
-                    const float b = bias ? from_bf16(bias[n]) : 0.0f;
-                    for (int t = 0; t < nt; t++) (part ? up : gate)[t][j] = round_bf16(out[t] + b);
+            for (int j = 0; j < width; j++) {
+                const int n = n0 + j;  /* the gate's row; the up's is n + half */
+                if (paired(bits, T)) {
+                    dot_tile(bits, n, n + half, t0, nt, K, weights, scale, zero, q, d, a, out);
+                } else {
+                    dot_tile(bits, n, -1, t0, nt, K, weights, scale, zero, q, d, a, out);
+                    dot_tile(bits, n + half, -1, t0, nt, K, weights, scale, zero, q, d, a, out + TILE);
                 }
+                for (int part = 0; part < 2; part++) {
+                    const float b = bias ? from_bf16(bias[n + part * half]) : 0.0f;
+                    for (int t = 0; t < nt; t++) (part ? up : gate)[t][j] = round_bf16(out[part * TILE + t] + b);
+                }
+            }
             for (int t = 0; t < nt; t++) silu_times_up(gate[t], up[t], width, y + (size_t)(t0 + t) * half + n0);
         }
     }
