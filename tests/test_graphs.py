@@ -34,25 +34,30 @@ def small_buckets(monkeypatch):
     monkeypatch.setattr(graphs, "MIN_BUCKET", 8)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_a_static_step_gives_the_ragged_forwards_logits(arch, rows):
+@pytest.mark.parametrize("new_tokens", [(1, 1, 1), (4, 4, 4), (1, 4, 3)])
+def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
+    """Three sequences (a batch padded to 4), each feeding 1 token (a decode step), 4
+    (verifying 3 drafts) or a mix (the rows the others lack pad), against the eager
+    forward on caches of their own; and nothing but the step's rows changes the slots."""
     model = random_decoder(arch, seed=3)
-    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]  # ragged: read eagerly, into the slots
-    new = torch.tensor([[11 + i + j for j in range(rows)] for i in range(len(prompts))])  # [B, rows]
+    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]  # 20 tokens: read eagerly, into the slots
+    new = [[11 + i + j for j in range(n)] for i, n in enumerate(new_tokens)]
 
     def step(caches: list[KVCache]) -> torch.Tensor:
         segments = [Segment(c, len(p)) for c, p in zip(caches, prompts)]
         model(torch.tensor([t for p in prompts for t in p]), segments, torch.empty(0, dtype=torch.int64))
-        return model(new.flatten(), [Segment(c, rows) for c in caches])  # [B rows, V]
+        return model(torch.tensor([t for tokens in new for t in tokens]), [Segment(c, len(t)) for c, t in zip(caches, new)])
 
     expected = step([model.new_cache() for _ in prompts])
     model.use_cuda_graphs(num_slots=4, capacity=64)
     caches = [model.new_cache() for _ in prompts]
-    got = step(caches)
+    got = step(caches)  # [sum(new_tokens), V]
     assert [c.slot for c in caches] == [0, 1, 2] and model.static.pool.num_free == 1
-    assert list(model.static.steps) == [(4, rows, 32)]  # 3 padded to 4; 20 + rows positions: bucket 32
-    assert [c.length for c in caches] == [len(p) + rows for p in prompts]
+    assert list(model.static.steps) == [(4, max(new_tokens), 32)]  # 3 padded to 4; 20 + 4 positions: bucket 32
+    assert [c.length for c in caches] == [len(p) + n for p, n in zip(prompts, new_tokens)]
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    for cache, prompt, n in zip(caches, prompts, new_tokens):  # nothing written past each sequence's rows
+        assert cache.keys[:, :, len(prompt) + n :].abs().sum() == 0
 
 
 def test_padding_rows_never_touch_a_sequences_cache():
@@ -112,8 +117,9 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
     assert outputs == expected
     assert graphed_target.static.pool.num_free == 2 and graphed_draft.static.pool.num_free == 2
     target_rows = {rows for _, rows, _ in graphed_target.static.steps}
+    assert 8 in target_rows  # prompt chunks of 8 beside the decoding rows
     if proposer_kind == "none":
-        assert target_rows == {1}
+        assert 1 in target_rows
     else:
         assert engine.spec_stats.num_draft_tokens > 0
         assert max(target_rows) > 1  # verifications were static steps too

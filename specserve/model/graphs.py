@@ -9,15 +9,15 @@ with one launch.
 A graph replays the same kernels on the same addresses with the same shapes, so the
 step it captures (`static_forward`) is not Decoder.forward's ragged one:
 - every sequence's cache is a slot of one `CachePool` (kv_cache.py), found by index;
-- every sequence feeds the same number of rows n (1: a decode step; k + 1: a
-  verification of k drafts), and the batch is padded to a power of two with rows that
-  write to the pool's scratch slot;
+- every sequence feeds n rows, the most any of them feeds this step (1: a decode step;
+  k + 1: a verification of k drafts); a sequence with fewer (another k, a prompt chunk)
+  and the rows that pad the batch to a power of two write their keys and values to
+  the pool's scratch slot, and their logits are dropped;
 - attention reads the first `bucket` positions of each slot (the smallest power of two
   from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity)
   under a causal mask made from each sequence's start.
 A graph is captured for each (batch, rows, bucket) the first time a step needs it. A
-prompt's prefill (more than MAX_GRAPH_ROWS rows) and ragged steps run eagerly, on the
-same pool slots.
+prompt's prefill of more than MAX_GRAPH_ROWS rows runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
 tests check it against Decoder.forward. Captured on CUDA, it has not been measured on a
@@ -48,21 +48,28 @@ def static_forward(
     decoder: Decoder,
     pool: CachePool,
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, rotated_sin [>= capacity, head_dim] (Decoder.rope_table)
-    input_ids: torch.Tensor,  # [B, n] int64: each sequence's n new tokens
+    input_ids: torch.Tensor,  # [B, n] int64: each sequence's new tokens, padded to n
     starts: torch.Tensor,  # [B] int64: positions each sequence has cached already
     slots: torch.Tensor,  # [B] int64: each sequence's pool slot
-    bucket: int,  # positions of each slot that attention reads: >= every start + n
+    lengths: torch.Tensor,  # [B] int64: each sequence's new tokens (the rest of its n rows pad)
+    bucket: int,  # positions of each slot that attention reads: >= every start + length
+    scratch: int,  # the pool's scratch slot
 ) -> torch.Tensor:  # [B n, head_size] float32: every row's logits
-    """Decoder.forward for B sequences of n new tokens each, with shapes that depend on
-    (B, n, bucket) only: no host syncs, no Python branch on a tensor's value. Writes the
-    new keys and values into the pool and reads each sequence's first `bucket` positions."""
+    """Decoder.forward for B sequences of up to n new tokens each, with shapes that
+    depend on (B, n, bucket) only: no host syncs, no Python branch on a tensor's value.
+    Writes the new keys and values into the pool (a padding row's into the scratch
+    slot, at its row index) and reads each sequence's first `bucket` positions."""
     batch, n = input_ids.shape
     config = decoder.config
     kv_heads, group, head_dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     device = input_ids.device
-    positions = starts[:, None] + torch.arange(n, device=device)  # [B, n]
-    # (not repeat_interleave: on CUDA it reads the repeats back to size its output, a sync)
-    row_positions, row_slots = positions.flatten(), slots[:, None].expand(batch, n).flatten()  # [B n] each
+    offsets = torch.arange(n, device=device)  # [n]
+    real = offsets < lengths[:, None]  # [B, n]
+    # A padding row sits at its row index (within every table) in the scratch slot.
+    # (Broadcast, not repeat_interleave: on CUDA that reads the repeats back to size its output, a sync.)
+    positions = torch.where(real, starts[:, None] + offsets, offsets)  # [B, n]
+    row_slots = torch.where(real, slots[:, None], scratch).flatten()  # [B n]
+    row_positions = positions.flatten()  # [B n]
     cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
     visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
     # Query rows go (head of the group, new token), as in `grouped_attention`.
@@ -89,34 +96,48 @@ class _Step:
     def __init__(self, static: StaticDecode, batch: int, rows: int, bucket: int):
         device = static.decoder.device
         self.input_ids = torch.zeros(batch, rows, dtype=torch.int64, device=device)  # [B, n]
-        self.index = torch.zeros(2, batch, dtype=torch.int64, device=device)  # [2, B]: starts, slots
-        self.index[1] = static.pool.scratch  # capturing runs the step: on the scratch slot
+        self.index = torch.zeros(3, batch, dtype=torch.int64, device=device)  # [3, B]: starts, slots, lengths
+        self.index[1] = static.pool.scratch  # capturing runs the step: no rows of any sequence
         self.scratch = static.pool.scratch
 
         def forward() -> torch.Tensor:
-            return static_forward(static.decoder, static.pool, static.rope, self.input_ids, self.index[0],
-                                  self.index[1], bucket)
+            starts, slots, lengths = self.index
+            return static_forward(static.decoder, static.pool, static.rope, self.input_ids, starts, slots, lengths,
+                                  bucket, self.scratch)
 
         self.forward: Callable[[], torch.Tensor] = forward
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.logits = _capture(forward, static.memory)
 
-    def run(self, input_ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
-        """[b, n] ids of b sequences (b <= the step's batch) -> [b n, head_size] logits."""
-        b, padding = len(starts), self.input_ids.shape[0] - len(starts)
-        self.input_ids[:b].copy_(input_ids)
-        self.input_ids[b:].zero_()
-        # Padding rows start at 0 in the scratch slot: they see their own rows, never a sequence's.
-        host = torch.tensor([starts + [0] * padding, slots + [self.scratch] * padding], dtype=torch.int64, device="cpu")
-        self.index.copy_(host)
+    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """input_ids [T] of the segments, in order -> [T, head_size] logits."""
+        batch, rows = self.input_ids.shape
+        padding = batch - len(segments)
+        lengths = [s.num_tokens for s in segments]
+        # Where each of the step's B x n rows takes its token from the stream (a padding
+        # row: the first token, whatever it is), and where each token's logits land.
+        sources, outputs, offset = [], [], 0
+        for b, length in enumerate(lengths):
+            sources += [offset + i for i in range(length)] + [0] * (rows - length)
+            outputs += [b * rows + i for i in range(length)]
+            offset += length
+        sources += [0] * (rows * padding)
+        host = torch.tensor(
+            [s.cache.length for s in segments] + [0] * padding
+            + [s.cache.slot for s in segments] + [self.scratch] * padding
+            + lengths + [0] * padding + sources + outputs, dtype=torch.int64, device="cpu",
+        )
+        moved = host.to(self.index.device)  # one copy to the device
+        self.index.copy_(moved[: 3 * batch].view(3, batch))
+        self.input_ids.view(-1).copy_(input_ids[moved[3 * batch : 3 * batch + batch * rows]])
         if self.graph is None:
             logits = self.forward()
         else:
             self.graph.replay()
             logits = self.logits
-        # A copy: the next replay overwrites the graph's output.
-        return logits[: b * input_ids.shape[1]].clone()
+        # A gather, so a copy: the next replay overwrites the graph's output.
+        return logits[moved[3 * batch + batch * rows :]]
 
 
 def _capture(forward: Callable[[], torch.Tensor], memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -148,18 +169,17 @@ class StaticDecode:
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
-        pool, the same number of new tokens each, at most MAX_GRAPH_ROWS."""
-        n = segments[0].num_tokens if segments else 0
-        return 0 < n <= MAX_GRAPH_ROWS and all(s.cache.pool is self.pool and s.num_tokens == n for s in segments)
+        pool, 1 to MAX_GRAPH_ROWS new tokens each."""
+        return bool(segments) and all(s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS
+                                      for s in segments)
 
     def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """input_ids [B n] -> logits [B n, head_size] float32 (see `handles`); the caches'
+        """input_ids [T] -> logits [T, head_size] float32 (see `handles`); the caches'
         slots must be taken (KVCache.reserve) and their lengths not yet advanced."""
-        batch, n = len(segments), segments[0].num_tokens
-        end = max(s.cache.length for s in segments) + n
+        rows = max(s.num_tokens for s in segments)
+        end = max(s.cache.length + s.num_tokens for s in segments)
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
-        key = (next_power_of_two(batch), n, bucket)
+        key = (next_power_of_two(len(segments)), rows, bucket)
         if key not in self.steps:
             self.steps[key] = _Step(self, *key)
-        return self.steps[key].run(input_ids.view(batch, n), [s.cache.length for s in segments],
-                                   [s.cache.slot for s in segments])
+        return self.steps[key].run(input_ids, segments)
