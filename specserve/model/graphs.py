@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
 
+from specserve.model.decoder import batched_grouped_attention
 from specserve.model.kv_cache import CachePool
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ def static_forward(
     Writes the new keys and values into the pool (a padding row's into the scratch
     slot, at its row index) and reads each sequence's first `bucket` positions."""
     batch, n = input_ids.shape
-    config = decoder.config
-    kv_heads, group, head_dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     device = input_ids.device
     offsets = torch.arange(n, device=device)  # [n]
     real = offsets < lengths[:, None]  # [B, n]
@@ -72,8 +70,6 @@ def static_forward(
     row_positions = positions.flatten()  # [B n]
     cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
     visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
-    # Query rows go (head of the group, new token), as in `grouped_attention`.
-    mask = visible[:, None, None].expand(batch, 1, group, n, bucket).reshape(batch, 1, group * n, bucket)
     h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
     for i, block in enumerate(decoder.layers):
         q, k, v = block.self_attn.rotated_qkv(block.project_qkv(h), cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
@@ -82,11 +78,9 @@ def static_forward(
         layer_values[row_slots, :, row_positions] = v
         keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
         values = layer_values[:, :, :bucket][slots]
-        # Query head j uses kv head j // group: each kv head's group of heads goes in as group * n queries.
-        grouped = q.view(batch, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)  # [B, kv_heads, group n, head_dim]
-        attended = out.view(batch, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * n, -1)
-        h = block.finish(h, attended)  # [B n, hidden]
+        heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
+        out = batched_grouped_attention(heads_first, keys, values, visible)  # [B, heads, n, head_dim]
+        h = block.finish(h, out.transpose(1, 2).reshape(batch * n, -1))  # [B n, hidden]
     return decoder.score(h)
 
 

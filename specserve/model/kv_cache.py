@@ -13,6 +13,8 @@ none) and handed back by `release`, and it never grows past the pool's capacity.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specserve.config import ModelConfig
@@ -24,16 +26,20 @@ class CachePool:
     slot (index num_slots) that a graph's padding rows write to."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int, capacity: int):
-        shape = (num_slots + 1, config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+        shape = self.shape(config, num_slots, capacity)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [slots + 1, L, kv_heads, capacity, head_dim]
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.scratch = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     @staticmethod
+    def shape(config: ModelConfig, num_slots: int, capacity: int) -> tuple[int, ...]:
+        """Of the keys, and of the values: every slot and the scratch one."""
+        return (num_slots + 1, config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+
+    @staticmethod
     def bytes_needed(config: ModelConfig, dtype: torch.dtype, num_slots: int, capacity: int) -> int:
-        per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-        return (num_slots + 1) * capacity * per_position
+        return 2 * math.prod(CachePool.shape(config, num_slots, capacity)) * dtype.itemsize
 
     @property
     def capacity(self) -> int:

@@ -92,7 +92,7 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
  * first) against activation rows
  * 0 .. nt-1 (q in padded super-blocks of 512 bytes, d and a padded to whole
  * super-blocks with zeros). Two weight rows share each activation load. bits, nr and nt
- * are constants after inlining, so the accumulators stay in registers.
+ * are constants after inlining (see TILE for what the compiler keeps in registers).
  * bits 4: levels 0..15, scale and zero per group: w = (level - 8) s + z.
  * bits 8: levels 0..255 (int8 weight + 128), one scale per row: w = (level - 128) s. */
 static inline __attribute__((always_inline)) void rows_tile(
