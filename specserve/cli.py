@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most requests waiting to join the batch; more get HTTP 429")
     srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
                      help="most prompt tokens prefilled per step; longer prompts go in chunks")
+    srv.add_argument("--enable-prefix-caching", action="store_true",
+                     help="keep finished requests' keys and values, so a prompt that starts like an earlier "
+                     "one (a chat's next turn: the conversation so far) prefills only what is new")
+    srv.add_argument("--prefix-cache-space", type=float, default=4.0, metavar="GIB",
+                     help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                      help="seconds between throughput/acceptance log lines (0: off)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
@@ -205,10 +210,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    if not args.prefix_cache_space > 0:
+        raise ConfigError(f"--prefix-cache-space must be > 0 GiB, got {args.prefix_cache_space}")
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
         batch_invariant=args.batch_invariant, compile=args.compile, device=device_of(args),
         cuda_graphs=args.cuda_graphs,
+        prefix_cache_space=args.prefix_cache_space if args.enable_prefix_caching else None,
         host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

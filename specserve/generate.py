@@ -14,6 +14,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.device import CPU
+from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -32,12 +33,15 @@ def build_engine(
     compile: bool = False,
     device: torch.device = CPU,
     cuda_graphs: bool = False,
+    prefix_cache_space: float | None = None,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
     to both (`Decoder.use_torch_compile`), device and cuda_graphs to both
-    (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len)."""
+    (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
+    prefix_cache_space: GiB of keys and values kept for prefix caching
+    (model/prefix_cache.py), the target's and a draft model's together; None: off."""
     if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
     if cuda_graphs and compile:
@@ -55,6 +59,16 @@ def build_engine(
         positions = max_model_len or target.config.max_position_embeddings
         for decoder in [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else []):
             decoder.use_cuda_graphs(slots, positions)
+    prefix_cache = None
+    if prefix_cache_space is not None:
+        decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
+        max_tokens = int(prefix_cache_space * 2**30) // sum(kv_bytes_per_token(d) for d in decoders)
+        if max_tokens < BLOCK:
+            raise ConfigError(f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "
+                              f"{model!r}; give room for at least {BLOCK}")
+        prefix_cache = PrefixCache(max_tokens)
+        if isinstance(proposer, DraftModelProposer):
+            proposer.prefix_cache = PrefixCache(max_tokens)
     adaptive = None
     if spec is not None and spec.adaptive:
         adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
@@ -66,6 +80,7 @@ def build_engine(
         max_model_len=max_model_len,
         adaptive=adaptive,
         lookup_first=None if spec is None else spec.prompt_lookup_first,
+        prefix_cache=prefix_cache,
         **engine_options,
     )
     return engine, target.tokenizer

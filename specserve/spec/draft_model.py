@@ -10,6 +10,9 @@ Drafting for a batch is batched: one forward for everyone's catch-up tokens, the
 single-token forward per further draft position for the sequences that want more.
 A long catch-up (a new sequence's prompt) goes in chunks, one per step, with no drafts
 for that sequence until it is done. spec/fused.py runs the same steps in one C call.
+
+With a `prefix_cache` (the draft's own, model/prefix_cache.py) a sequence's draft cache
+starts from the longest stored prefix of its tokens, and is stored when it is freed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
+from specserve.model.prefix_cache import PrefixCache
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -37,17 +41,25 @@ class DraftModelProposer:
         # draft's own outputs, so verification stays lossless.
         self.confidence_threshold = confidence_threshold
         self.caches: dict[int, KVCache] = {}
+        self.prefix_cache: PrefixCache | None = None  # the draft's own, if any (see above)
+        self._token_ids: dict[int, list[int]] = {}  # each cache's sequence's tokens (the live list), to store it
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.in_c() is not None
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
-            self.caches[seq.seq_id] = self.draft.new_cache()
+            cache = self.caches[seq.seq_id] = self.draft.new_cache()
+            self._token_ids[seq.seq_id] = seq.token_ids
+            if self.prefix_cache is not None:  # all but the newest token: a draft starts from its logits
+                self.prefix_cache.load(seq.token_ids, cache, len(seq.token_ids) - 1)
         return self.caches[seq.seq_id]
 
     def backlog(self, seq: SequenceView) -> int:
         cache = self.caches.get(seq.seq_id)
-        return len(seq.token_ids) - (0 if cache is None else cache.length)
+        if cache is not None:
+            return len(seq.token_ids) - cache.length
+        cached = 0 if self.prefix_cache is None else self.prefix_cache.cached_length(seq.token_ids, len(seq.token_ids) - 1)
+        return len(seq.token_ids) - cached
 
     def unseen(self, seq: SequenceView) -> list[int]:
         """The tokens of `seq` this draft has not read yet."""
@@ -146,5 +158,8 @@ class DraftModelProposer:
 
     def free(self, seq_id: int) -> None:
         cache = self.caches.pop(seq_id, None)
+        token_ids = self._token_ids.pop(seq_id, None)
         if cache is not None:
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(token_ids, cache)
             cache.release()

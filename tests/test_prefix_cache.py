@@ -1,0 +1,180 @@
+"""Prefix caching (model/prefix_cache.py, `--enable-prefix-caching`): a conversation's
+next turn starts from the keys and values its previous turn left, the target's and the
+draft's, with the tokens a run without the cache gives and speculation still lossless."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.model import prefix_cache as prefix_cache_module
+from specserve.model.decoder import Segment
+from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token
+from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
+from tests.test_engine import EOS, perturbed, random_decoder
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_decoder("qwen3", seed=1)
+
+
+def filled_cache(decoder, token_ids):
+    """A cache holding token_ids' keys and values (one prefill)."""
+    cache = decoder.new_cache()
+    decoder(torch.tensor(token_ids), [Segment(cache, len(token_ids))], torch.empty(0, dtype=torch.int64))
+    return cache
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_the_longest_stored_prefix_is_found_in_whole_blocks(target):
+    store = PrefixCache(max_tokens=1000)
+    tokens = [(7 * i) % 90 for i in range(50)]  # 3 whole blocks and 2 tokens
+    store.store(tokens, filled_cache(target, tokens))
+    assert store.num_tokens == 3 * BLOCK and len(store) == 1
+
+    prompt = tokens[:40] + [1, 2, 3]  # shares 2 blocks and 8 tokens
+    cache = target.new_cache()
+    assert store.cached_length(prompt, len(prompt) - 1) == 2 * BLOCK
+    assert store.load(prompt, cache, limit=len(prompt) - 1) == 2 * BLOCK == cache.length
+    reference = filled_cache(target, prompt)
+    assert torch.equal(cache.keys[:, :, : 2 * BLOCK], reference.keys[:, :, : 2 * BLOCK])
+    assert torch.equal(cache.values[:, :, : 2 * BLOCK], reference.values[:, :, : 2 * BLOCK])
+    assert (store.queried_tokens, store.hit_tokens) == (len(prompt), 2 * BLOCK)
+
+    # The limit holds (a prompt of exactly the stored blocks keeps its last token to feed)...
+    assert store.load(tokens[: 3 * BLOCK], target.new_cache(), limit=3 * BLOCK - 1) == 2 * BLOCK
+    # ... and a prompt that differs in its first block finds nothing.
+    assert store.load([89] + tokens[1:], target.new_cache(), limit=49) == 0
+
+
+def test_a_longer_turn_replaces_the_one_before_and_old_entries_go_first(target):
+    store = PrefixCache(max_tokens=4 * BLOCK)
+    turn1 = list(range(2 * BLOCK))
+    turn2 = turn1 + list(range(50, 50 + BLOCK))  # the conversation goes on
+    store.store(turn1, filled_cache(target, turn1))
+    store.store(turn2, filled_cache(target, turn2))
+    assert len(store) == 1 and store.num_tokens == 3 * BLOCK  # turn 1's blocks all live in turn 2's entry
+    store.store(turn1, filled_cache(target, turn1))  # held already: nothing new
+    assert len(store) == 1
+
+    other = [80 - i for i in range(2 * BLOCK)]
+    store.store(other, filled_cache(target, other))  # 5 blocks > 4: the least recently used goes
+    assert len(store) == 1 and store.num_tokens == 2 * BLOCK
+    assert store.cached_length(turn2 + [1], 3 * BLOCK) == 0
+    assert store.cached_length(other + [1], 2 * BLOCK) == 2 * BLOCK
+
+
+def test_a_shared_first_block_keeps_both_conversations(target):
+    store = PrefixCache(max_tokens=1000)
+    system = list(range(BLOCK))
+    first, second = system + [1] * BLOCK, system + [2] * BLOCK
+    store.store(first, filled_cache(target, first))
+    store.store(second, filled_cache(target, second))
+    assert len(store) == 2
+    assert store.cached_length(first + [0], 2 * BLOCK) == 2 * BLOCK
+    assert store.cached_length(second + [0], 2 * BLOCK) == 2 * BLOCK
+
+
+def test_a_hash_collision_is_a_miss(target, monkeypatch):
+    monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda ids: list(range(len(ids) // BLOCK)))
+    store = PrefixCache(max_tokens=1000)
+    stored = list(range(BLOCK))
+    store.store(stored, filled_cache(target, stored))
+    other = [t + 1 for t in stored] + [0]  # the same (colliding) hashes, other tokens
+    assert store.load(other, target.new_cache(), limit=BLOCK) == 0
+    assert store.load(stored + [0], target.new_cache(), limit=BLOCK) == BLOCK
+
+
+def test_a_store_smaller_than_a_block_is_refused():
+    with pytest.raises(ValueError, match="at least one block"):
+        PrefixCache(max_tokens=BLOCK - 1)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def conversation(engine: Engine, turns: int, params=GREEDY) -> list:
+    """Each turn's prompt is the last turn's prompt and answer and a new message; the
+    finished sequences."""
+    prompt, seqs = [5, 9, 13, 5, 9, 2, 7, 40, 41], []
+    for turn in range(turns):
+        seq = engine.generate(prompt, params)
+        seqs.append(seq)
+        prompt = seq.token_ids + [60 + turn, 61, 62 + turn]
+    return seqs
+
+
+def test_a_conversations_turns_start_from_the_last_turns_cache(target):
+    expected = [s.output_ids for s in conversation(Engine(target, eos_token_ids=[EOS]), turns=3)]
+    store = PrefixCache(max_tokens=10_000)
+    seqs = conversation(Engine(target, eos_token_ids=[EOS], prefix_cache=store), turns=3)
+    assert [s.output_ids for s in seqs] == expected
+    assert seqs[0].num_cached_tokens == 0
+    for seq, before in zip(seqs[1:], seqs):  # the last turn's tokens, in whole blocks
+        assert seq.num_cached_tokens == (len(before.token_ids) - 1) // BLOCK * BLOCK > 0
+    assert len(store) == 1  # one conversation, one entry
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_speculation_with_prefix_caching_gives_the_plain_tokens(target, adaptive):
+    """Plain and speculative engines, each with its stores, on the same conversation:
+    the same tokens every turn, and the draft's own store spares it the prompt."""
+    plain = conversation(Engine(target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), turns=3)
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2), catch_up_chunk_size=8)
+    proposer.prefix_cache = PrefixCache(10_000)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
+                    prefix_cache=PrefixCache(10_000), prefill_chunk_size=8,
+                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None)
+    speculative = conversation(engine, turns=3)
+    assert [s.output_ids for s in speculative] == [s.output_ids for s in plain]
+    assert [s.num_cached_tokens for s in speculative] == [s.num_cached_tokens for s in plain]
+    assert sum(s.spec.num_draft_tokens for s in speculative) > 0 and not proposer.caches  # every draft cache freed
+    if not adaptive:  # (adaptive k stops drafting on these random models early in turn 1)
+        assert proposer.prefix_cache.hit_tokens > 0
+
+
+def test_sampled_requests_keep_their_seeded_outputs(target):
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)
+    expected = [s.output_ids for s in conversation(Engine(target, eos_token_ids=[EOS]), 2, params)]
+    cached = conversation(Engine(target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), 2, params)
+    assert [s.output_ids for s in cached] == expected and cached[1].num_cached_tokens > 0
+
+
+def test_slots_of_a_pool_are_stored_and_handed_back(target):
+    """With a CachePool (the static step of --cuda-graphs), a stored prefix is a copy:
+    the slot goes back to the pool, and the next turn's slot is filled from the copy."""
+    model = copy.deepcopy(target)
+    model.use_cuda_graphs(num_slots=2, capacity=256)
+    expected = [s.output_ids for s in conversation(Engine(target, eos_token_ids=[EOS]), turns=2)]
+    store = PrefixCache(10_000)
+    seqs = conversation(Engine(model, eos_token_ids=[EOS], prefix_cache=store, max_num_seqs=2), turns=2)
+    assert [s.output_ids for s in seqs] == expected
+    assert seqs[1].num_cached_tokens > 0 and model.static.pool.num_free == 2
+
+
+def test_an_aborted_request_leaves_what_it_read(target):
+    store = PrefixCache(10_000)
+    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=BLOCK)
+    prompt = list(range(3 * BLOCK))
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()  # one chunk of the prompt read
+    engine.abort(seq.seq_id)
+    assert store.num_tokens == BLOCK
+    again = engine.generate(prompt, GREEDY)
+    assert again.num_cached_tokens == BLOCK
+    assert again.output_ids == Engine(target, eos_token_ids=[EOS]).generate(prompt, GREEDY).output_ids
+
+
+def test_kv_bytes_per_token(target):
+    config = target.config
+    assert kv_bytes_per_token(target) == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
