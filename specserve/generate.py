@@ -119,6 +119,7 @@ def run_one(
         "text": tokenizer.decode(seq.output_ids),
         "token_ids": seq.output_ids,
         "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_cached_tokens": seq.num_cached_tokens,  # of the prompt, found in the prefix cache
         "num_output_tokens": seq.num_output_tokens,
         "finish_reason": seq.finish_reason,
         **timings,

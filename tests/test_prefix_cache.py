@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from specserve.cli import main
 from specserve.engine.engine import Engine
 from specserve.model import prefix_cache as prefix_cache_module
 from specserve.model.decoder import Segment
@@ -16,7 +17,9 @@ from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.fused import FusedDraftProposer
 from tests.test_engine import EOS, perturbed, random_decoder
+from tests.test_native import needs_kernel
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -178,3 +181,42 @@ def test_an_aborted_request_leaves_what_it_read(target):
 def test_kv_bytes_per_token(target):
     config = target.config
     assert kv_bytes_per_token(target) == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+
+
+@needs_kernel
+def test_fused_speculation_with_prefix_caching_gives_the_plain_tokens(target):
+    """The fused path (C kernels, int4 draft and target) loads and stores the same way."""
+    from tests.test_fused import quantized
+
+    q_target, q_draft = quantized(target), quantized(perturbed(target, 0.3, seed=2))
+    plain = conversation(Engine(q_target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), turns=3)
+    proposer = FusedDraftProposer(q_draft, q_target, catch_up_chunk_size=8)
+    proposer.prefix_cache = PrefixCache(10_000)
+    engine = Engine(q_target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
+                    prefix_cache=PrefixCache(10_000), prefill_chunk_size=8)
+    fused = conversation(engine, turns=3)
+    assert [s.output_ids for s in fused] == [s.output_ids for s in plain]
+    assert fused[2].num_cached_tokens > 0 and proposer.prefix_cache.hit_tokens > 0
+
+
+# ------------------------------------------------------------------ flags
+
+
+def test_the_space_is_shared_by_the_target_and_the_draft(prepared_cache, monkeypatch):
+    from specserve.config import SpecConfig
+    from specserve.errors import ConfigError
+    from specserve.generate import build_engine
+
+    monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
+    spec = SpecConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 3})
+    engine, _ = build_engine("smollm2-135m", spec, prefix_cache_space=0.25)
+    per_token = kv_bytes_per_token(engine.target) + kv_bytes_per_token(engine.proposer.draft)
+    assert engine.prefix_cache.max_tokens == engine.proposer.prefix_cache.max_tokens == 2**28 // per_token
+    assert build_engine("smollm2-135m")[0].prefix_cache is None  # off unless asked for
+    with pytest.raises(ConfigError, match="--prefix-cache-space .* holds 0 tokens"):
+        build_engine("smollm2-135m", prefix_cache_space=1e-9)
+
+
+def test_serve_refuses_a_prefix_cache_of_no_space(capsys):
+    assert main(["serve", "--enable-prefix-caching", "--prefix-cache-space", "0"]) == 2
+    assert "--prefix-cache-space must be > 0 GiB, got 0.0" in capsys.readouterr().err
