@@ -140,8 +140,8 @@ class PrefixCache:
             self._drop(entry)
 
     def _drop(self, entry: _Entry) -> None:
-        for index, block_hash in enumerate(entry.hashes):
-            if self._by_hash.get(block_hash, (None, 0))[0] is entry:
+        for block_hash in entry.hashes:
+            if self._by_hash.get(block_hash, (None, 0))[0] is entry:  # not taken over by a newer entry
                 del self._by_hash[block_hash]
         del self._entries[id(entry)]
         self.num_tokens -= len(entry.token_ids)
