@@ -269,6 +269,27 @@ def test_decode_attention_is_the_decoders_pytorch_attention(arch, dtype, monkeyp
     assert torch.equal(model(ids[43:44], [Segment(alone, 1)]), ours[3:4])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 7])
+def test_decode_attention_gives_each_token_its_solo_bits_in_any_group(group, dtype):
+    """Several tokens attend in blocks of the query heads that share a kv head (up to 4
+    per block), one token head by head: every token and head gets the same bits either way."""
+    kv_heads, dim, start, n = 2, 32, 37, 5
+    heads = group * kv_heads
+    torch.manual_seed(group)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos, rotated_sin = torch.randn(n, dim).to(dtype), torch.randn(n, dim).to(dtype)
+    keys, values = torch.randn(kv_heads, start + n, dim).to(dtype), torch.randn(kv_heads, start + n, dim).to(dtype)
+    solo_keys, solo_values = keys.clone(), values.clone()
+    together = native.decode_attention(qkv, cos, rotated_sin, None, None, 1e-6, keys, values, start, heads)
+    for i in range(n):
+        alone = native.decode_attention(qkv[i : i + 1], cos[i : i + 1], rotated_sin[i : i + 1], None, None, 1e-6,
+                                        solo_keys, solo_values, start + i, heads)
+        assert torch.equal(alone, together[i : i + 1])
+    assert torch.equal(solo_keys, keys) and torch.equal(solo_values, values)
+
+
 def tiny_float_model(arch: str) -> Decoder:
     """A random float32 model, norms and biases perturbed (the init sets them to 1 and 0)."""
     torch.manual_seed(2)
