@@ -54,14 +54,14 @@ def build_engine(
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
     proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization, compile)
+    decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
     if cuda_graphs:
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         positions = max_model_len or target.config.max_position_embeddings
-        for decoder in [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else []):
+        for decoder in decoders:
             decoder.use_cuda_graphs(slots, positions)
     prefix_cache = None
     if prefix_cache_space is not None:
-        decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
         max_tokens = int(prefix_cache_space * 2**30) // sum(kv_bytes_per_token(d) for d in decoders)
         if max_tokens < BLOCK:
             raise ConfigError(f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "

@@ -95,16 +95,16 @@ static inline __attribute__((always_inline)) void block_scores(const int NH, con
         }
 }
 
-/* acc[g][16 c0 ..] += sum over j in [j0, j1) of weights[g][j] v_j, for NC chunks from c0
- * and the NH heads of one kv head: each sum in the order of j, as one head alone sums
- * it; the NH x NC chains are independent (NH x NC >= 8 keeps the FMA pipes busy). */
-static inline __attribute__((always_inline)) void block_values(const int NH, const int NC, int c0, int j0, int j1,
+/* acc[g][16 c0 ..] = sum over j < length of weights[g][j] v_j, for NC chunks from c0 and
+ * the NH heads of one kv head: each sum in the order of j, as one head alone sums it;
+ * the NH x NC chains are independent. */
+static inline __attribute__((always_inline)) void block_values(const int NH, const int NC, int c0, int length,
                                                                float *const *weights, const void *values,
                                                                size_t kv_offset, int D, int bf16, float *acc) {
     __m512 sum[HEADS_AT_ONCE][8];
     for (int g = 0; g < NH; g++)
-        for (int c = 0; c < NC; c++) sum[g][c] = _mm512_load_ps(acc + 256 * g + 16 * (c0 + c));
-    for (int j = j0; j < j1; j++) {
+        for (int c = 0; c < NC; c++) sum[g][c] = _mm512_setzero_ps();
+    for (int j = 0; j < length; j++) {
         __m512 value[8];
         for (int c = 0; c < NC; c++) value[c] = load16(values, kv_offset + (size_t)j * D + 16 * (c0 + c), bf16);
         for (int g = 0; g < NH; g++) {
@@ -116,9 +116,20 @@ static inline __attribute__((always_inline)) void block_values(const int NH, con
         for (int c = 0; c < NC; c++) _mm512_store_ps(acc + 256 * g + 16 * (c0 + c), sum[g][c]);
 }
 
-/* Value rows weighted per pass over a block of this many positions: the passes over
- * its chunks find it in L1, and memory streams through the rows in order. */
-#define VALUE_ROWS 32
+/* block_values over every chunk, in passes of as many chunks as keep NH x NC >= 8
+ * chains going (the FMA's latency hidden), fewer at the end. */
+static inline __attribute__((always_inline)) void all_values(const int NH, int chunks, int length,
+                                                             float *const *weights, const void *values,
+                                                             size_t kv_offset, int D, int bf16, float *acc) {
+    const int widest = NH == 1 ? 8 : NH == 2 ? 4 : 2;
+    int c0 = 0;
+    if (widest == 8)
+        for (; chunks - c0 >= 8; c0 += 8) block_values(NH, 8, c0, length, weights, values, kv_offset, D, bf16, acc);
+    if (widest >= 4)
+        for (; chunks - c0 >= 4; c0 += 4) block_values(NH, 4, c0, length, weights, values, kv_offset, D, bf16, acc);
+    for (; chunks - c0 >= 2; c0 += 2) block_values(NH, 2, c0, length, weights, values, kv_offset, D, bf16, acc);
+    if (c0 < chunks) block_values(NH, 1, c0, length, weights, values, kv_offset, D, bf16, acc);
+}
 
 /* Softmax numerators of s[0 .. length) in place (the padding to 16 set to -inf);
  * returns 1 / their sum. */
@@ -162,20 +173,7 @@ static inline __attribute__((always_inline)) void attend_block(
     block_scores(NH, queries, chunks, keys, kv_offset, D, bf16, length, s);
     float inverse[HEADS_AT_ONCE];
     for (int g = 0; g < NH; g++) inverse[g] = softmax_numerators(s[g], length);
-    for (int g = 0; g < NH; g++)
-        for (int c = 0; c < chunks; c++) _mm512_store_ps(acc + 256 * g + 16 * c, _mm512_setzero_ps());
-    for (int j0 = 0; j0 < length; j0 += VALUE_ROWS) {
-        const int j1 = j0 + VALUE_ROWS < length ? j0 + VALUE_ROWS : length;
-        /* Passes over as many chunks as NH x NC >= 8 chains want (fewer at the end). */
-        const int widest = NH == 1 ? 8 : NH == 2 ? 4 : 2;
-        for (int c0 = 0; c0 < chunks;) {
-            const int left = chunks - c0;
-            if (widest >= 8 && left >= 8) block_values(NH, 8, c0, j0, j1, s, values, kv_offset, D, bf16, acc), c0 += 8;
-            else if (widest >= 4 && left >= 4) block_values(NH, 4, c0, j0, j1, s, values, kv_offset, D, bf16, acc), c0 += 4;
-            else if (left >= 2) block_values(NH, 2, c0, j0, j1, s, values, kv_offset, D, bf16, acc), c0 += 2;
-            else block_values(NH, 1, c0, j0, j1, s, values, kv_offset, D, bf16, acc), c0 += 1;
-        }
-    }
+    all_values(NH, chunks, length, s, values, kv_offset, D, bf16, acc);
     for (int g = 0; g < NH; g++)
         for (int c = 0; c < chunks; c++) {
             float lanes[16];
