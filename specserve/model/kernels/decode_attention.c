@@ -208,9 +208,9 @@ int decode_attention(const void *qkv, int row, const void *cos, const void *rota
     if (!scores) return -1;
     /* A task: one token's block of query heads within a kv head's group, the group split
      * into near-equal blocks of at most HEADS_AT_ONCE; for one token, one head a task
-     * (blocks of 3 heads made a decode step's attention 1.26-1.43x slower on the 1.5B
-     * target's shapes, 28 layers at 1024-4096 positions, where 8 tokens took 0.79-0.95x
-     * the time). The bits are the same either way. */
+     * (blocks of 3 heads made a decode step's attention 1.18-1.34x slower on the 1.5B
+     * target's shapes, 28 layers at 1024-4096 positions, where 8 tokens took 0.76-0.83x
+     * the time of one head a task). The bits are the same either way. */
     const int blocks = n == 1 ? group : (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE, tasks = n * kv_heads * blocks;
 #pragma omp parallel for schedule(dynamic) if (tasks >= 2)
     for (int task = 0; task < tasks; task++) {
