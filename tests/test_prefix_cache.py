@@ -178,9 +178,10 @@ def test_an_aborted_request_leaves_what_it_read(target):
     assert again.output_ids == Engine(target, eos_token_ids=[EOS]).generate(prompt, GREEDY).output_ids
 
 
-def test_kv_bytes_per_token(target):
-    config = target.config
-    assert kv_bytes_per_token(target) == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+def test_kv_bytes_per_token_is_what_a_cache_holds_per_position(target):
+    cache = target.new_cache()
+    held = cache.keys.numel() * cache.keys.element_size() + cache.values.numel() * cache.values.element_size()
+    assert kv_bytes_per_token(target) == held // cache.capacity
 
 
 @needs_kernel
