@@ -26,12 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve import cli
 from specserve.bench.benchmark import load_tokenizer
 from specserve.bench.local_server import ServerProcess, free_port
-from specserve.bench.workload import Lengths, builtin_workload, build_requests, sonnet_prompt
+from specserve.bench.workload import Lengths, builtin_workload, build_requests, shared_prefix, sonnet_prompt
 
 MODEL = "smollm2-135m"
 SUMMARY_KEYS = {
     "name", "model", "test_case", "variant", "url", "mean_input_tokens", "stddev_input_tokens",
-    "mean_output_tokens", "stddev_output_tokens", "num_concurrent_requests", "request_rate",
+    "mean_output_tokens", "stddev_output_tokens", "shared_prefix_tokens", "num_concurrent_requests", "request_rate",
     "additional_sampling_params", "metadata", "timestamp", "version",
     *(f"results_{metric}_{figure}"
       for metric in ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s",
@@ -44,12 +44,12 @@ SUMMARY_KEYS = {
     "results_num_completed_requests_per_min", "results_duration_s", "results_goodput_requests_per_s",
     "results_goodput_fraction", "results_spec_num_drafts", "results_spec_num_draft_tokens",
     "results_spec_num_accepted_tokens", "results_spec_acceptance_rate", "results_spec_mean_acceptance_length",
-    "results_spec_accepted_per_position",
+    "results_spec_accepted_per_position", "results_prefix_cache_hit_rate",
 }
 RECORD_KEYS = {
     "request_index", "test_case", "prompt_name", "start_time_s", "ttft_s", "inter_token_latency_s",
     "end_to_end_latency_s", "request_output_throughput_token_per_s", "number_input_tokens", "number_output_tokens",
-    "number_total_tokens", "num_chunks", "chunk_gaps_s", "error_code", "error_msg",
+    "number_total_tokens", "number_cached_tokens", "num_chunks", "chunk_gaps_s", "error_code", "error_msg",
 }
 
 
@@ -58,6 +58,7 @@ RECORD_KEYS = {
 TOKENS_PER_CHUNK = 3
 WORD = " lorem"  # one token of the fake server
 FAKE_PROMPT_TOKENS = 7
+FAKE_CACHED_TOKENS = 4  # of the prompt, as a server with prefix caching reports them
 FAKE_MODELS = ("fake-usage", "fake-no-usage", "fake-flaky", "fake-stall")
 
 
@@ -102,7 +103,8 @@ def fake_openai_app() -> FastAPI:
                 await asyncio.sleep(30 if model == "fake-stall" else 0.02)
             if model != "fake-no-usage" and body.get("stream_options", {}).get("include_usage"):
                 yield event(None, usage={"prompt_tokens": FAKE_PROMPT_TOKENS, "completion_tokens": sent,
-                                         "total_tokens": FAKE_PROMPT_TOKENS + sent})
+                                         "total_tokens": FAKE_PROMPT_TOKENS + sent,
+                                         "prompt_tokens_details": {"cached_tokens": FAKE_CACHED_TOKENS}})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -156,10 +158,12 @@ def test_tokens_and_tpot_are_counted_per_token_not_per_chunk(fake_url, tmp_path,
     for r in records:
         assert r["error_msg"] == "" and r["number_output_tokens"] == 12 and r["num_chunks"] == 4  # tokens != chunks
         assert r["number_input_tokens"] == FAKE_PROMPT_TOKENS and r["number_total_tokens"] == FAKE_PROMPT_TOKENS + 12
+        assert r["number_cached_tokens"] == FAKE_CACHED_TOKENS
         assert len(r["chunk_gaps_s"]) == 3
         assert r["inter_token_latency_s"] == pytest.approx((r["end_to_end_latency_s"] - r["ttft_s"]) / 11)
         assert 0.05 <= r["ttft_s"] < r["end_to_end_latency_s"]
     assert summary["results_number_output_tokens_mean"] == 12
+    assert summary["results_prefix_cache_hit_rate"] == pytest.approx(FAKE_CACHED_TOKENS / FAKE_PROMPT_TOKENS)
     assert summary["results_num_completed_requests"] == 3 and summary["results_error_rate"] == 0
     assert summary["results_spec_num_drafts"] is None  # no /metrics there
     assert summary["results_chunk_gap_s_mean"] == pytest.approx(np.mean([g for r in records for g in r["chunk_gaps_s"]]))
@@ -228,7 +232,8 @@ def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
 @pytest.fixture(scope="module")
 def ngram_server(prepared_cache):
     server = ServerProcess(MODEL, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "max_speculative_tokens": 5}',
-                           "--max-num-seqs", "4", "--max-model-len", "1024", "--log-stats-interval", "0")
+                           "--max-num-seqs", "4", "--max-model-len", "1024", "--log-stats-interval", "0",
+                           "--enable-prefix-caching")
     yield server
     server.stop()
 
@@ -298,6 +303,33 @@ def test_sonnet_prompts_have_the_sampled_length(ngram_server, tmp_path):
     assert all(60 <= r["number_input_tokens"] <= 100 for r in records)
 
 
+def test_a_shared_prefix_starts_every_prompt_and_the_server_finds_it(ngram_server, tmp_path):
+    tokenizer = load_tokenizer(MODEL)
+    lengths = Lengths(80, 10, 4, 0, shared_prefix_tokens=64)
+    chat = build_requests(builtin_workload("structured"), 4, lengths, api="chat", model=MODEL,
+                          sampling_params={}, tokenizer=tokenizer, seed=0)
+    sonnet = build_requests(builtin_workload("sonnet"), 2, lengths, api="completions", model=MODEL,
+                            sampling_params={}, tokenizer=tokenizer, seed=0)
+    prefix = shared_prefix(64, tokenizer, seed=0)
+    assert abs(len(tokenizer.encode(prefix, add_special_tokens=False)) - 64) <= 1
+    assert all(r.body["messages"][0]["content"].startswith(prefix) for r in chat)
+    assert all(r.body["prompt"].startswith(prefix + "Randomly stream lines") for r in sonnet)
+    unprefixed = build_requests(builtin_workload("structured"), 4, Lengths(80, 10, 4, 0), api="chat", model=MODEL,
+                                sampling_params={}, tokenizer=tokenizer, seed=0)
+    assert [r.body["messages"][0]["content"] for r in chat] == \
+        [prefix + r.body["messages"][0]["content"] for r in unprefixed]  # the same requests otherwise
+
+    # One request at a time: each after the first finds the prefix its predecessors stored.
+    assert bench("--url", ngram_server.url, "--model", MODEL, "--test-case", "structured", "--shared-prefix-tokens", "64",
+                 "--mean-output-tokens", "4", "--stddev-output-tokens", "0", "--max-num-completed-requests", "3",
+                 "--results-dir", str(tmp_path)) == 0
+    summary, records = results(tmp_path, "structured", MODEL, mean_output=4)
+    assert summary["shared_prefix_tokens"] == 64
+    assert all(r["number_cached_tokens"] >= 48 for r in records[1:])  # whole blocks of 16 tokens
+    assert summary["results_prefix_cache_hit_rate"] == pytest.approx(
+        sum(r["number_cached_tokens"] for r in records) / sum(r["number_input_tokens"] for r in records))
+
+
 # ----- bad input: one line naming the fix -----
 
 @pytest.mark.parametrize("args, message", [
@@ -309,6 +341,7 @@ def test_sonnet_prompts_have_the_sampled_length(ngram_server, tmp_path):
     (["--goodput", "latency:100"], "--goodput takes KEY:MILLISECONDS"),
     (["--metadata", "variant"], "--metadata takes KEY=VALUE pairs"),
     (["--num-concurrent-requests", "0"], "--num-concurrent-requests must be >= 1"),
+    (["--shared-prefix-tokens", "-1"], "--shared-prefix-tokens must be >= 0"),
     (["--request-rate", "0"], "--request-rate must be > 0"),
     (["--url", "localhost:8000"], "--url must start with http://"),
 ])
@@ -316,6 +349,11 @@ def test_bad_input_gets_one_line(args, message, capsys):
     assert bench(*args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specserve: error: ") and message in err
+
+
+def test_a_shared_prefix_without_a_tokenizer_names_the_fix(fake_url, capsys):
+    assert bench("--url", fake_url, "--model", "fake-usage", "--shared-prefix-tokens", "8") == 2
+    assert "--shared-prefix-tokens counts its tokens with a tokenizer; pass --tokenizer" in capsys.readouterr().err
 
 
 def test_bad_prompts_files_name_the_line(tmp_path, capsys):

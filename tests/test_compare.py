@@ -49,6 +49,7 @@ def summary(test_case: str, variant: str | None, *, ttft_ms: float, itl_ms: floa
         spec = {"num_drafts": 100, "num_draft_tokens": 700, "num_accepted_tokens": round(700 * acceptance[0]),
                 "acceptance_rate": acceptance[0], "mean_acceptance_length": acceptance[1],
                 "accepted_per_position": [90, 80, 70, 60, 50, 40, 30]}
+        data["results_prefix_cache_hit_rate"] = 0.5  # (a baseline without the key: a file older than it)
     return data | {f"results_spec_{key}": value for key, value in spec.items()}
 
 
@@ -119,6 +120,7 @@ def test_table_figures_and_percent_changes(plain_and_spec):
     assert count["Errors"] == ["1", "1", "0.0%"]
     assert count["Acceptance rate"] == ["n/a", "0.600", "n/a"]
     assert count["Mean acceptance length"] == ["n/a", "5.20", "n/a"]
+    assert count["Prefix cache hit rate"] == ["n/a", "0.500", "n/a"]
 
 
 def test_worse_figures_and_missing_test_cases(plain_and_spec):

@@ -165,6 +165,26 @@ def test_slots_of_a_pool_are_stored_and_handed_back(target):
     assert seqs[1].num_cached_tokens > 0 and model.static.pool.num_free == 2
 
 
+def test_a_shared_prompt_is_found_while_its_first_request_still_runs(target):
+    """A system prompt read for one request serves the next one at once, not only
+    after the first finishes; the tokens are those of a run without the cache."""
+    system = [(11 * i) % 89 for i in range(3 * BLOCK)]
+    first, second = system + [1, 2, 3], system + [4, 5]
+    store = PrefixCache(10_000)
+    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store)
+    a = engine.add_request(first, GREEDY)
+    engine.step()  # a's prompt read, its first token out
+    assert store.num_tokens == 3 * BLOCK
+    b = engine.add_request(second, GREEDY)
+    engine.step()
+    assert not a.finished and b.num_cached_tokens == 3 * BLOCK
+    while engine.has_unfinished():
+        engine.step()
+    plain = Engine(target, eos_token_ids=[EOS])
+    assert [a.output_ids, b.output_ids] == [plain.generate(p, GREEDY).output_ids for p in (first, second)]
+    assert not plain.prefix_cache and len(store) == 2  # each finished sequence took over its prompt's entry
+
+
 def test_an_aborted_request_leaves_what_it_read(target):
     store = PrefixCache(10_000)
     engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=BLOCK)

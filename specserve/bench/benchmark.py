@@ -131,6 +131,7 @@ def run_test_case(options: BenchOptions, workload: Workload, requests: list[Benc
         "stddev_input_tokens": options.lengths.stddev_input_tokens,
         "mean_output_tokens": options.lengths.mean_output_tokens,
         "stddev_output_tokens": options.lengths.stddev_output_tokens,
+        "shared_prefix_tokens": options.lengths.shared_prefix_tokens,
         "num_concurrent_requests": options.num_concurrent_requests,
         "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
         "additional_sampling_params": options.additional_sampling_params, "metadata": options.metadata,
@@ -198,6 +199,9 @@ def describe(result: BenchResult) -> str:
     if s["results_spec_acceptance_rate"] is not None:
         lines.append(f"  speculation   acceptance {s['results_spec_acceptance_rate']:.1%}, "
                      f"mean acceptance length {s['results_spec_mean_acceptance_length']:.2f}")
+    hit_rate = s["results_prefix_cache_hit_rate"]
+    if hit_rate is not None and (hit_rate > 0 or s["shared_prefix_tokens"]):
+        lines.append(f"  prefix cache  {hit_rate:.1%} of prompt tokens found in the server's cache")
     if s["results_goodput_requests_per_s"] is not None:
         lines.append(f"  goodput       {s['results_goodput_requests_per_s']:.2f} req/s "
                      f"({s['results_goodput_fraction']:.0%} of requests within the SLOs)")

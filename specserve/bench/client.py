@@ -30,6 +30,7 @@ class StreamedResponse:
     text: str = ""
     prompt_tokens: int | None = None  # the server's usage, when it sent one
     completion_tokens: int | None = None
+    cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix caching)
     error_code: int | None = None
     error_msg: str = ""
 
@@ -56,9 +57,11 @@ class StreamedResponse:
             code = error.get("code")
             self.fail(code if isinstance(code, int) else None, f"stream error: {error.get('message', error)}")
             return True
-        if event.get("usage"):
-            self.prompt_tokens = event["usage"].get("prompt_tokens")
-            self.completion_tokens = event["usage"].get("completion_tokens")
+        if isinstance(usage := event.get("usage"), dict):
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.completion_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details")
+            self.cached_prompt_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
         for choice in event.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
             if piece:

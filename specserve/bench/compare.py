@@ -39,6 +39,7 @@ class Metric:
     scale: float = 1.0
     digits: int = 1
     better: Literal["lower", "higher"] | None = None  # None: a count, neither better nor worse
+    optional: bool = False  # a key newer than some result files: missing reads as n/a
 
 
 METRICS = (
@@ -53,6 +54,7 @@ METRICS = (
     Metric("Errors", "results_number_errors", digits=0, better="lower"),
     Metric("Acceptance rate", "results_spec_acceptance_rate", digits=3, better="higher"),
     Metric("Mean acceptance length", "results_spec_mean_acceptance_length", digits=2, better="higher"),
+    Metric("Prefix cache hit rate", "results_prefix_cache_hit_rate", digits=3, better="higher", optional=True),
 )
 
 # Per-request fields the plots read; each a number, or null for a failed request.
@@ -150,6 +152,8 @@ def read_summary(path: Path) -> dict[str, Any]:
     if "variant" not in summary or not isinstance(summary["variant"], str | None):
         raise malformed(path, "'variant' is missing or neither a name nor null")
     for metric in METRICS:
+        if metric.optional and metric.key not in summary:
+            continue
         if metric.key not in summary or not is_number_or_null(summary[metric.key]):
             raise malformed(path, f"{metric.key!r} is missing or not a number")
     return summary
@@ -192,7 +196,7 @@ def test_cases_of(variants: list[Variant]) -> list[str]:
 
 def metric_value(variant: Variant, test_case: str, metric: Metric) -> float | None:
     result = variant.test_cases.get(test_case)
-    value = None if result is None else result.summary[metric.key]
+    value = None if result is None else result.summary.get(metric.key)
     if value is None or not math.isfinite(value):
         return None
     return value * metric.scale

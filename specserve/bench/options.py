@@ -71,6 +71,9 @@ def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) 
     parser.add_argument("--stddev-input-tokens", type=int, default=150)
     parser.add_argument("--mean-output-tokens", type=int, default=150, help="max_tokens of each request")
     parser.add_argument("--stddev-output-tokens", type=int, default=80)
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                        help="start every prompt with the same N tokens of text (a long system prompt), "
+                        "to measure prefix caching (default 0: none)")
     parser.add_argument("--num-concurrent-requests", type=int, default=1, help="most requests in flight")
     parser.add_argument("--max-num-completed-requests", type=int, default=10, help="requests per test case")
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -93,6 +96,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for flag, value, least in (
         ("--mean-input-tokens", args.mean_input_tokens, 1), ("--stddev-input-tokens", args.stddev_input_tokens, 0),
         ("--mean-output-tokens", args.mean_output_tokens, 1), ("--stddev-output-tokens", args.stddev_output_tokens, 0),
+        ("--shared-prefix-tokens", args.shared_prefix_tokens, 0),
         ("--num-concurrent-requests", args.num_concurrent_requests, 1),
         ("--max-num-completed-requests", args.max_num_completed_requests, 1),
     ):
@@ -106,7 +110,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         url=_server_root(args.url), api=args.api, api_key=args.api_key or None, model=args.model,
         tokenizer=args.tokenizer, workloads=_workloads(args.test_case, args.prompts_file, args.api),
         lengths=Lengths(args.mean_input_tokens, args.stddev_input_tokens,
-                        args.mean_output_tokens, args.stddev_output_tokens),
+                        args.mean_output_tokens, args.stddev_output_tokens, args.shared_prefix_tokens),
         num_concurrent_requests=args.num_concurrent_requests,
         max_num_completed_requests=args.max_num_completed_requests,
         request_rate=args.request_rate, timeout_s=args.timeout, results_dir=Path(args.results_dir),

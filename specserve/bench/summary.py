@@ -59,7 +59,7 @@ def request_record(request: BenchRequest, response: StreamedResponse, *, test_ca
         "start_time_s": response.started_at - run_started_at,
         "ttft_s": None, "inter_token_latency_s": None, "end_to_end_latency_s": None,
         "request_output_throughput_token_per_s": None, "number_input_tokens": None,
-        "number_output_tokens": None, "number_total_tokens": None,
+        "number_output_tokens": None, "number_total_tokens": None, "number_cached_tokens": None,
         "num_chunks": len(response.chunk_times_s), "chunk_gaps_s": [],
         "error_code": response.error_code, "error_msg": response.error_msg,
     }
@@ -77,6 +77,7 @@ def request_record(request: BenchRequest, response: StreamedResponse, *, test_ca
         "number_input_tokens": prompt_tokens,
         "number_output_tokens": tokens,
         "number_total_tokens": None if prompt_tokens is None else prompt_tokens + tokens,
+        "number_cached_tokens": response.cached_prompt_tokens,
         "chunk_gaps_s": [later - earlier for earlier, later in zip(times, times[1:])],
     })
     return record
@@ -130,4 +131,14 @@ def summarise(records: list[dict[str, Any]], duration_s: float,
         "results_duration_s": duration_s,
         "results_goodput_requests_per_s": None if good is None else good * per_s,
         "results_goodput_fraction": None if good is None else (good / len(records) if records else 0.0),
+        "results_prefix_cache_hit_rate": prefix_cache_hit_rate(ok),
     }
+
+
+def prefix_cache_hit_rate(records: list[dict[str, Any]]) -> float | None:
+    """Prompt tokens the server found in its prefix cache / prompt tokens, over the
+    requests whose usage says (None when none does)."""
+    told = [r for r in records if r["number_cached_tokens"] is not None and r["number_input_tokens"]]
+    if not told:
+        return None
+    return sum(r["number_cached_tokens"] for r in told) / sum(r["number_input_tokens"] for r in told)

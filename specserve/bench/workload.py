@@ -3,7 +3,9 @@ which prompt each request sends, its `max_tokens`, and its prompt length counted
 the tokenizer when there is one.
 
 Invariants: the same seed, test case and flags give the same requests, whatever other
-test cases run beside it. Lengths are drawn from normal(mean, stddev) and drawn again
+test cases run beside it. With `--shared-prefix-tokens N`, every prompt of the run
+starts with the same N tokens of sonnet lines (a long system prompt, a shared
+document), which is what prefix caching is measured with. Lengths are drawn from normal(mean, stddev) and drawn again
 until they are at least 1 (LLMPerf's truncated normal). Prompts are sent in shuffled
 rounds, so every prompt of a suite is sent equally often, give or take one.
 """
@@ -42,12 +44,14 @@ class Workload:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Token-length distributions: input lengths shape only the sonnet prompt."""
+    """Token-length distributions: input lengths shape only the sonnet prompt; the
+    shared prefix goes before every prompt, on top of its own length."""
 
     mean_input_tokens: int
     stddev_input_tokens: int
     mean_output_tokens: int
     stddev_output_tokens: int
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ def build_requests(workload: Workload, num_requests: int, lengths: Lengths, *, a
         raise ConfigError("the sonnet test case counts prompt tokens with a tokenizer; pass --tokenizer "
                           "(a catalogue name or a folder with tokenizer.json)")
     order = _prompt_order(workload.prompts, num_requests, rng)
+    prefix = shared_prefix(lengths.shared_prefix_tokens, tokenizer, seed)
     requests = []
     for index in range(num_requests):
         num_output_tokens = sample_length(rng, lengths.mean_output_tokens, lengths.stddev_output_tokens)
@@ -132,7 +137,7 @@ def build_requests(workload: Workload, num_requests: int, lengths: Lengths, *, a
         else:
             num_input_tokens = sample_length(rng, lengths.mean_input_tokens, lengths.stddev_input_tokens)
             prompt = Prompt(suites.SONNET, text=sonnet_prompt(rng, num_input_tokens, num_output_tokens, tokenizer))
-        body = {"model": model, **_prompt_fields(prompt, api),
+        body = {"model": model, **_prompt_fields(prompt, api, prefix),
                 "max_tokens": prompt.max_tokens or num_output_tokens, **sampling_params}
         count = None if tokenizer is None else count_prompt_tokens(tokenizer, body)
         requests.append(BenchRequest(index, prompt.name, body, count))
@@ -148,10 +153,24 @@ def _prompt_order(prompts: tuple[Prompt, ...], num_requests: int, rng: random.Ra
     return order[:num_requests]
 
 
-def _prompt_fields(prompt: Prompt, api: str) -> dict[str, Any]:
+def shared_prefix(num_tokens: int, tokenizer: Tokenizer | None, seed: int) -> str:
+    """The text of `num_tokens` tokens every prompt starts with ('' for 0); one per seed,
+    whatever the test case, so a server's cache may carry it from one test case to the next."""
+    if num_tokens == 0:
+        return ""
+    if tokenizer is None:
+        raise ConfigError("--shared-prefix-tokens counts its tokens with a tokenizer; pass --tokenizer "
+                          "(a catalogue name or a folder with tokenizer.json)")
+    return sonnet_text(random.Random(f"{seed}:shared-prefix"), num_tokens, tokenizer)
+
+
+def _prompt_fields(prompt: Prompt, api: str, prefix: str = "") -> dict[str, Any]:
+    """The request's prompt (or messages), the shared prefix put before the first text."""
     if api == "completions":
-        return {"prompt": prompt.text}
-    return {"messages": list(prompt.messages or ({"role": "user", "content": prompt.text},))}
+        return {"prompt": prefix + prompt.text}
+    messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
+    messages[0] = {**messages[0], "content": prefix + messages[0]["content"]}
+    return {"messages": messages}
 
 
 def count_prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> int:
@@ -163,24 +182,30 @@ def count_prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> int:
     return len(tokenizer.encode("\n".join(m["content"] for m in body["messages"])))
 
 
-def sonnet_prompt(rng: random.Random, num_input_tokens: int, num_output_tokens: int, tokenizer: Tokenizer) -> str:
-    """LLMPerf's prompt: the instruction, then shuffled sonnet lines until the text holds
-    `num_input_tokens` tokens (never fewer than the instruction's own); the last line is
-    cut at a token boundary."""
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+def _count(tokenizer: Tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
+
+def sonnet_prompt(rng: random.Random, num_input_tokens: int, num_output_tokens: int, tokenizer: Tokenizer) -> str:
+    """LLMPerf's prompt: the instruction, then sonnet lines until the text holds
+    `num_input_tokens` tokens (never fewer than the instruction's own)."""
     prompt = SONNET_INSTRUCTION.format(num_output_tokens=num_output_tokens)
-    remaining = num_input_tokens - count(prompt)
+    return prompt + sonnet_text(rng, num_input_tokens - _count(tokenizer, prompt), tokenizer)
+
+
+def sonnet_text(rng: random.Random, num_tokens: int, tokenizer: Tokenizer) -> str:
+    """Shuffled sonnet lines until the text holds `num_tokens` tokens (none for <= 0); the
+    last line is cut at a token boundary."""
+    text, remaining = "", num_tokens
     lines = suites.sonnet_lines()
     rng.shuffle(lines)
     while remaining > 0:
         for line in lines:
-            size = count(line)
+            size = _count(tokenizer, line)
             if size > remaining:
-                prompt += tokenizer.decode(tokenizer.encode(line, add_special_tokens=False)[:remaining])
+                text += tokenizer.decode(tokenizer.encode(line, add_special_tokens=False)[:remaining])
                 remaining = 0
                 break
-            prompt += line
+            text += line
             remaining -= size
-    return prompt
+    return text

@@ -35,8 +35,10 @@ the open-ended prompts, replayed in front of plain decoding).
 
 With a `prefix_cache` (model/prefix_cache.py), a request joining the batch starts from
 the keys and values of the longest stored prefix of its prompt (all but its last
-token at most: the first token comes from a forward), and a finished sequence's are
-stored.
+token at most: the first token comes from a forward). A sequence's prompt is stored
+once it is read, so requests that share a system prompt or a document share it while
+the first is still decoding, and the whole sequence is stored when it finishes (the
+next turn of its conversation).
 """
 
 from __future__ import annotations
@@ -260,8 +262,11 @@ class Engine:
         outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [seq for seq, _, _ in outcomes]
         for seq, num_drafted, verdict in outcomes:
+            prefilled_now = not seq.prefilled
             seq.append(verdict.tokens)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
+            if prefilled_now and self.prefix_cache is not None:
+                self.prefix_cache.store(seq.token_ids, seq.cache)  # the prompt, for requests running beside it
             if num_drafted:
                 seq.spec.record(num_drafted, verdict.num_accepted)
                 self.spec_stats.record(num_drafted, verdict.num_accepted)

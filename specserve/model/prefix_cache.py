@@ -1,5 +1,5 @@
-"""Prefix caching (`--enable-prefix-caching`): the keys and values of finished
-sequences, found again by a new prompt that starts with the same tokens.
+"""Prefix caching (`--enable-prefix-caching`): the keys and values of read prompts and
+finished sequences, found again by a new prompt that starts with the same tokens.
 
 Why: a chat client sends the whole conversation every turn, so turn n's prompt is turn
 n - 1's prompt and answer plus a new message. Without this the engine prefills all of
@@ -17,8 +17,8 @@ Each model has a store of its own (the target's in the engine, the draft's in
 DraftModelProposer), holding at most `max_tokens` positions; the least recently used
 entries go first. A new entry copies its sequence's cache (the cache may be a pool
 slot, which goes back to the pool), and an entry whose every block a longer entry also
-holds (the previous turn of the same conversation) is dropped, so a conversation costs
-one entry.
+holds (the previous turn of the same conversation, or a sequence's prompt once the
+sequence is stored whole) is dropped, so a conversation costs one entry.
 
 The copied keys and values are those the earlier sequence computed: a prompt chunk and
 a decode step round differently (Segment's docstring), so outputs may differ from a
