@@ -13,7 +13,7 @@ from specserve.cli import main
 from specserve.engine.engine import Engine
 from specserve.model import prefix_cache as prefix_cache_module
 from specserve.model.decoder import Segment
-from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token
+from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token, shared_blocks
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
@@ -165,24 +165,57 @@ def test_slots_of_a_pool_are_stored_and_handed_back(target):
     assert seqs[1].num_cached_tokens > 0 and model.static.pool.num_free == 2
 
 
-def test_a_shared_prompt_is_found_while_its_first_request_still_runs(target):
-    """A system prompt read for one request serves the next one at once, not only
-    after the first finishes; the tokens are those of a run without the cache."""
-    system = [(11 * i) % 89 for i in range(3 * BLOCK)]
+def test_a_shared_prompt_is_read_once_by_requests_that_run_together(target):
+    """Requests that share a system prompt, added together: the first reads it (prompt
+    chunks share one budget per step, so the second waits), the second copies it from
+    the first's cache as far as it was read, and nothing is stored until one finishes.
+    The tokens are those of runs without the cache."""
+    system = [(11 * i) % 89 for i in range(4 * BLOCK)]
     first, second = system + [1, 2, 3], system + [4, 5]
     store = PrefixCache(10_000)
-    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store)
-    a = engine.add_request(first, GREEDY)
-    engine.step()  # a's prompt read, its first token out
-    assert store.num_tokens == 3 * BLOCK
-    b = engine.add_request(second, GREEDY)
+    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=2 * BLOCK)
+    a, b = engine.add_request(first, GREEDY), engine.add_request(second, GREEDY)
     engine.step()
-    assert not a.finished and b.num_cached_tokens == 3 * BLOCK
+    engine.step()  # a has read the system prompt, b nothing yet
+    assert (a.cache.length, b.cache.length, store.num_tokens) == (4 * BLOCK, 0, 0)
+    engine.step()  # a reads its last 3 tokens; b copies 4 blocks and reads 1 token
+    assert a.prefilled and b.prefilled and b.num_cached_tokens == 4 * BLOCK
     while engine.has_unfinished():
         engine.step()
     plain = Engine(target, eos_token_ids=[EOS])
     assert [a.output_ids, b.output_ids] == [plain.generate(p, GREEDY).output_ids for p in (first, second)]
-    assert not plain.prefix_cache and len(store) == 2  # each finished sequence took over its prompt's entry
+    assert a.num_cached_tokens == 0 and len(store) == 2
+    assert (store.queried_tokens, store.hit_tokens) == (len(first) + len(second), 4 * BLOCK)
+
+
+def test_a_prompt_copies_from_a_sequence_still_reading_it_and_then_from_the_store(target):
+    """A request arriving while another reads the same long prompt copies what was read
+    so far, before each of its chunks; a later one finds the finished sequence's entry."""
+    prompt = [(5 * i) % 89 for i in range(5 * BLOCK)]
+    store = PrefixCache(10_000)
+    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=3 * BLOCK)
+    a = engine.add_request(prompt, GREEDY)
+    engine.step()  # a reads 3 blocks
+    b = engine.add_request(prompt + [7], GREEDY)
+    engine.step()  # a reads its last 2 blocks; b copies a's 3 and reads 1 block with the budget left
+    assert (b.num_cached_tokens, b.cache.length) == (3 * BLOCK, 4 * BLOCK)
+    engine.step()  # b copies the block a read meanwhile, and reads its last token
+    assert b.prefilled and b.num_cached_tokens == 4 * BLOCK
+    while engine.has_unfinished():
+        engine.step()
+    c = engine.generate(prompt + [8], GREEDY)
+    assert c.num_cached_tokens == 5 * BLOCK
+    plain = Engine(target, eos_token_ids=[EOS])
+    assert [s.output_ids for s in (a, b, c)] == [plain.generate(s.token_ids[: s.num_prompt_tokens], GREEDY).output_ids
+                                                   for s in (a, b, c)]
+
+
+def test_shared_blocks_counts_whole_blocks_alike():
+    a = list(range(3 * BLOCK + 5))
+    assert shared_blocks(a, a) == 3 * BLOCK
+    assert shared_blocks(a, a[: 2 * BLOCK + 3]) == 2 * BLOCK
+    assert shared_blocks(a, a[:BLOCK] + [-1] + a[BLOCK + 1 :]) == BLOCK
+    assert shared_blocks(a, [-1] + a[1:]) == 0 and shared_blocks([], a) == 0
 
 
 def test_an_aborted_request_leaves_what_it_read(target):

@@ -35,10 +35,10 @@ the open-ended prompts, replayed in front of plain decoding).
 
 With a `prefix_cache` (model/prefix_cache.py), a request joining the batch starts from
 the keys and values of the longest stored prefix of its prompt (all but its last
-token at most: the first token comes from a forward). A sequence's prompt is stored
-once it is read, so requests that share a system prompt or a document share it while
-the first is still decoding, and the whole sequence is stored when it finishes (the
-next turn of its conversation).
+token at most: the first token comes from a forward), stored or in the cache of a
+running sequence, looked up again before each of its prompt chunks (so requests that
+share a system prompt and arrive together read it once); a finished sequence's keys
+and values are stored (for the next turn of its conversation).
 """
 
 from __future__ import annotations
@@ -229,8 +229,6 @@ class Engine:
         whole step runs in one fused call, and the ids of those drafted by lookup."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if self.prefix_cache is not None:
-                seq.num_cached_tokens = self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
         looked_up = self._look_up(decoding)
@@ -248,6 +246,9 @@ class Engine:
         for seq in self.running.values():
             if seq.prefilled or budget == 0:
                 continue
+            if self.prefix_cache is not None:
+                live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
+                seq.num_cached_tokens += self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
             unseen = seq.token_ids[seq.cache.length :]
             chunk = unseen[:budget]
             budget -= len(chunk)
@@ -262,11 +263,8 @@ class Engine:
         outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [seq for seq, _, _ in outcomes]
         for seq, num_drafted, verdict in outcomes:
-            prefilled_now = not seq.prefilled
             seq.append(verdict.tokens)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
-            if prefilled_now and self.prefix_cache is not None:
-                self.prefix_cache.store(seq.token_ids, seq.cache)  # the prompt, for requests running beside it
             if num_drafted:
                 seq.spec.record(num_drafted, verdict.num_accepted)
                 self.spec_stats.record(num_drafted, verdict.num_accepted)

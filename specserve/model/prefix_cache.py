@@ -1,5 +1,5 @@
-"""Prefix caching (`--enable-prefix-caching`): the keys and values of read prompts and
-finished sequences, found again by a new prompt that starts with the same tokens.
+"""Prefix caching (`--enable-prefix-caching`): the keys and values of finished and
+running sequences, found again by a new prompt that starts with the same tokens.
 
 Why: a chat client sends the whole conversation every turn, so turn n's prompt is turn
 n - 1's prompt and answer plus a new message. Without this the engine prefills all of
@@ -17,8 +17,15 @@ Each model has a store of its own (the target's in the engine, the draft's in
 DraftModelProposer), holding at most `max_tokens` positions; the least recently used
 entries go first. A new entry copies its sequence's cache (the cache may be a pool
 slot, which goes back to the pool), and an entry whose every block a longer entry also
-holds (the previous turn of the same conversation, or a sequence's prompt once the
-sequence is stored whole) is dropped, so a conversation costs one entry.
+holds (the previous turn of the same conversation) is dropped, so a conversation costs
+one entry.
+
+Running sequences are sources too (`live`): requests that share a system prompt or a
+document and arrive together find it in the cache of the one that read it first, as
+far as it has read it, without a copy being stored for them. The engine looks before
+each prompt chunk, not only once: prompt chunks share one budget per step, so the
+first request reads the shared part while the others wait for budget, and each of them
+then copies what it read.
 
 The copied keys and values are those the earlier sequence computed: a prompt chunk and
 a decode step round differently (Segment's docstring), so outputs may differ from a
@@ -30,6 +37,7 @@ engine given the same requests hold the same entries.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +72,14 @@ def block_hashes(token_ids: list[int]) -> list[int]:
     return hashes
 
 
+def shared_blocks(a: list[int], b: list[int]) -> int:
+    """How many tokens of whole BLOCKs `a` and `b` start with alike."""
+    end = min(len(a), len(b)) // BLOCK * BLOCK
+    if a[:end] == b[:end]:
+        return end
+    return next(start for start in range(0, end, BLOCK) if a[start : start + BLOCK] != b[start : start + BLOCK])
+
+
 class PrefixCache:
     def __init__(self, max_tokens: int):
         if max_tokens < BLOCK:
@@ -80,22 +96,31 @@ class PrefixCache:
         found = self._find(token_ids, limit)
         return 0 if found is None else found[1]
 
-    def load(self, token_ids: list[int], cache: KVCache, limit: int) -> int:
-        """Copy the longest stored prefix of `token_ids`, at most `limit` tokens, into
-        the empty `cache`; returns its length (0: nothing found)."""
-        assert cache.length == 0, "a prefix loads into an empty cache"
-        self.queried_tokens += len(token_ids)
+    def load(self, token_ids: list[int], cache: KVCache, limit: int,
+             live: Iterable[tuple[list[int], KVCache]] = ()) -> int:
+        """Extend `cache` (holding token_ids[: cache.length]) to the longest prefix of
+        token_ids[:limit] that the store or a `live` source holds (a running sequence's
+        tokens and cache: the positions it has computed); returns the positions copied
+        (0: nothing longer found). The first call for a cache counts its tokens as queried."""
+        if cache.length == 0:
+            self.queried_tokens += len(token_ids)
         found = self._find(token_ids, limit)
-        if found is None:
+        source, length = (found[0], found[1]) if found is not None else (None, 0)
+        for source_tokens, source_cache in live:
+            shared = shared_blocks(token_ids[:limit], source_tokens[: source_cache.length])
+            if shared > length:
+                source, length = source_cache, shared
+        start = cache.length
+        if length <= start:
             return 0
-        entry, length = found
         cache.reserve(length)
-        cache.keys[:, :, :length].copy_(entry.keys[:, :, :length])
-        cache.values[:, :, :length].copy_(entry.values[:, :, :length])
+        cache.keys[:, :, start:length].copy_(source.keys[:, :, start:length])
+        cache.values[:, :, start:length].copy_(source.values[:, :, start:length])
         cache.length = length
-        self._entries.move_to_end(id(entry))
-        self.hit_tokens += length
-        return length
+        if isinstance(source, _Entry):
+            self._entries.move_to_end(id(source))
+        self.hit_tokens += length - start
+        return length - start
 
     def _find(self, token_ids: list[int], limit: int) -> tuple[_Entry, int] | None:
         """The entry holding the longest stored prefix of token_ids[:limit], and its length."""
