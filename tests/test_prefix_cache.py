@@ -52,7 +52,7 @@ def test_the_longest_stored_prefix_is_found_in_whole_blocks(target):
     reference = filled_cache(target, prompt)
     assert torch.equal(cache.keys[:, :, : 2 * BLOCK], reference.keys[:, :, : 2 * BLOCK])
     assert torch.equal(cache.values[:, :, : 2 * BLOCK], reference.values[:, :, : 2 * BLOCK])
-    assert (store.queried_tokens, store.hit_tokens) == (len(prompt), 2 * BLOCK)
+    assert store.hit_tokens == 2 * BLOCK  # (queries are counted by the engine, once a sequence)
 
     # The limit holds (a prompt of exactly the stored blocks keeps its last token to feed)...
     assert store.load(tokens[: 3 * BLOCK], target.new_cache(), limit=3 * BLOCK - 1) == 2 * BLOCK
@@ -190,17 +190,20 @@ def test_a_shared_prompt_is_read_once_by_requests_that_run_together(target):
 
 def test_a_prompt_copies_from_a_sequence_still_reading_it_and_then_from_the_store(target):
     """A request arriving while another reads the same long prompt copies what was read
-    so far, before each of its chunks; a later one finds the finished sequence's entry."""
+    so far, before each of its chunks, and waits rather than read a block the other reads
+    in the same step; a later one finds the finished sequence's entry."""
     prompt = [(5 * i) % 89 for i in range(5 * BLOCK)]
     store = PrefixCache(10_000)
     engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=3 * BLOCK)
     a = engine.add_request(prompt, GREEDY)
     engine.step()  # a reads 3 blocks
     b = engine.add_request(prompt + [7], GREEDY)
-    engine.step()  # a reads its last 2 blocks; b copies a's 3 and reads 1 block with the budget left
-    assert (b.num_cached_tokens, b.cache.length) == (3 * BLOCK, 4 * BLOCK)
-    engine.step()  # b copies the block a read meanwhile, and reads its last token
-    assert b.prefilled and b.num_cached_tokens == 4 * BLOCK
+    # a reads its last 2 blocks; b copies a's 3, and leaves the budget it has for the
+    # next block unused, since a reads that block in this step.
+    engine.step()
+    assert (b.num_cached_tokens, b.cache.length) == (3 * BLOCK, 3 * BLOCK)
+    engine.step()  # b copies the 2 blocks a read meanwhile, and reads its last token
+    assert b.prefilled and b.num_cached_tokens == 5 * BLOCK
     while engine.has_unfinished():
         engine.step()
     c = engine.generate(prompt + [8], GREEDY)
@@ -208,6 +211,31 @@ def test_a_prompt_copies_from_a_sequence_still_reading_it_and_then_from_the_stor
     plain = Engine(target, eos_token_ids=[EOS])
     assert [s.output_ids for s in (a, b, c)] == [plain.generate(s.token_ids[: s.num_prompt_tokens], GREEDY).output_ids
                                                    for s in (a, b, c)]
+
+
+def test_the_draft_reads_a_shared_prompt_once_but_not_for_seeded_sampling(target):
+    """Two requests sharing a system prompt through a speculative engine: the draft reads
+    it once for greedy requests (the second copies the first's draft cache). A seeded
+    sampling request reads it alone, so its outputs are those it gets alone."""
+    system = [(13 * i) % 89 for i in range(4 * BLOCK)]
+    prompts = [system + [1, 2, 3], system + [4, 5]]
+
+    def run(prompts, params):
+        proposer = DraftModelProposer(perturbed(target, 0.3, seed=2), catch_up_chunk_size=BLOCK)
+        proposer.prefix_cache = PrefixCache(10_000)
+        engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
+                        prefix_cache=PrefixCache(10_000))
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs], proposer.prefix_cache.hit_tokens
+
+    greedy, hits = run(prompts, GREEDY)
+    assert greedy == [Engine(target, eos_token_ids=[EOS]).generate(p, GREEDY).output_ids for p in prompts]
+    assert hits == 4 * BLOCK
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
+    together, hits = run(prompts, seeded)
+    assert hits == 0 and together == [run([p], seeded)[0][0] for p in prompts]
 
 
 def test_shared_blocks_counts_whole_blocks_alike():

@@ -55,7 +55,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Decoder, Segment
-from specserve.model.prefix_cache import PrefixCache
+from specserve.model.prefix_cache import PrefixCache, read_elsewhere
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.fused import FusedDraftProposer
@@ -229,6 +229,8 @@ class Engine:
         whole step runs in one fused call, and the ids of those drafted by lookup."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
+            if self.prefix_cache is not None:
+                self.prefix_cache.count_query(seq.num_prompt_tokens)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
         looked_up = self._look_up(decoding)
@@ -243,16 +245,20 @@ class Engine:
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
         budget = self.prefill_chunk_size
+        reading: list[tuple[list[int], int]] = []  # (tokens, end) of each prompt chunk this step
         for seq in self.running.values():
             if seq.prefilled or budget == 0:
                 continue
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
                 seq.num_cached_tokens += self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
-            unseen = seq.token_ids[seq.cache.length :]
-            chunk = unseen[:budget]
+            start = seq.cache.length
+            chunk = seq.token_ids[start : start + budget]
+            if self.prefix_cache is not None and read_elsewhere(seq.token_ids, start, start + len(chunk), reading):
+                continue
+            reading.append((seq.token_ids, start + len(chunk)))
             budget -= len(chunk)
-            work.append(_Work(seq, chunk, Draft.empty(), scored=len(chunk) == len(unseen)))
+            work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (work, [drafting[i] for i in in_one_call], [wanted[i] for i in in_one_call],
                 {decoding[i].seq_id for i in looked_up})
 

@@ -25,7 +25,8 @@ document and arrive together find it in the cache of the one that read it first,
 far as it has read it, without a copy being stored for them. The engine looks before
 each prompt chunk, not only once: prompt chunks share one budget per step, so the
 first request reads the shared part while the others wait for budget, and each of them
-then copies what it read.
+then copies what it read. And a sequence whose next chunk another one reads in the same
+step waits a step to copy it (`read_elsewhere`), where budget was left to read it twice.
 
 The copied keys and values are those the earlier sequence computed: a prompt chunk and
 a decode step round differently (Segment's docstring), so outputs may differ from a
@@ -72,6 +73,13 @@ def block_hashes(token_ids: list[int]) -> list[int]:
     return hashes
 
 
+def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable[tuple[list[int], int]]) -> bool:
+    """Whether a whole block of token_ids[start:end], which a sequence is about to read,
+    is read this step by another sequence, reading (its tokens, up to its end): then
+    waiting a step and copying it costs less than reading it twice."""
+    return any(shared_blocks(token_ids[:end], tokens[:their_end]) > start for tokens, their_end in reading)
+
+
 def shared_blocks(a: list[int], b: list[int]) -> int:
     """How many tokens of whole BLOCKs `a` and `b` start with alike."""
     end = min(len(a), len(b)) // BLOCK * BLOCK
@@ -91,25 +99,21 @@ class PrefixCache:
         # Prompt tokens looked up and found, as vLLM counts them (metrics, usage).
         self.queried_tokens = self.hit_tokens = 0
 
-    def cached_length(self, token_ids: list[int], limit: int) -> int:
-        """How many tokens `load` would copy (without copying or counting them)."""
-        found = self._find(token_ids, limit)
-        return 0 if found is None else found[1]
+    def count_query(self, num_tokens: int) -> None:
+        """Count a new sequence's prompt tokens as looked up (once; `load` counts the hits)."""
+        self.queried_tokens += num_tokens
+
+    def cached_length(self, token_ids: list[int], limit: int, live: Iterable[tuple[list[int], KVCache]] = ()) -> int:
+        """The prefix `load` would extend a cache to (without copying or counting it)."""
+        return self._longest(token_ids, limit, live)[1]
 
     def load(self, token_ids: list[int], cache: KVCache, limit: int,
              live: Iterable[tuple[list[int], KVCache]] = ()) -> int:
         """Extend `cache` (holding token_ids[: cache.length]) to the longest prefix of
         token_ids[:limit] that the store or a `live` source holds (a running sequence's
         tokens and cache: the positions it has computed); returns the positions copied
-        (0: nothing longer found). The first call for a cache counts its tokens as queried."""
-        if cache.length == 0:
-            self.queried_tokens += len(token_ids)
-        found = self._find(token_ids, limit)
-        source, length = (found[0], found[1]) if found is not None else (None, 0)
-        for source_tokens, source_cache in live:
-            shared = shared_blocks(token_ids[:limit], source_tokens[: source_cache.length])
-            if shared > length:
-                source, length = source_cache, shared
+        (0: nothing longer found)."""
+        source, length = self._longest(token_ids, limit, live)
         start = cache.length
         if length <= start:
             return 0
@@ -121,6 +125,18 @@ class PrefixCache:
             self._entries.move_to_end(id(source))
         self.hit_tokens += length - start
         return length - start
+
+    def _longest(self, token_ids: list[int], limit: int,
+                 live: Iterable[tuple[list[int], KVCache]]) -> tuple[_Entry | KVCache | None, int]:
+        """Where the longest prefix of token_ids[:limit] is held (a stored entry or a live
+        cache; None: nowhere), and its length."""
+        found = self._find(token_ids, limit)
+        source, length = (found[0], found[1]) if found is not None else (None, 0)
+        for source_tokens, source_cache in live:
+            shared = shared_blocks(token_ids[:limit], source_tokens[: source_cache.length])
+            if shared > length:
+                source, length = source_cache, shared
+        return source, length
 
     def _find(self, token_ids: list[int], limit: int) -> tuple[_Entry, int] | None:
         """The entry holding the longest stored prefix of token_ids[:limit], and its length."""

@@ -13,6 +13,10 @@ for that sequence until it is done. spec/fused.py runs the same steps in one C c
 
 With a `prefix_cache` (the draft's own, model/prefix_cache.py) a sequence's draft cache
 starts from the longest stored prefix of its tokens, and is stored when it is freed.
+Other sequences' draft caches are sources too, looked at before each chunk of a long
+catch-up, and a chunk that another sequence reads in the same call waits a call to be
+copied, as the engine does for the target; not for seeded sampling requests, whose
+drafts, and so their outputs, must not depend on what else runs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
-from specserve.model.prefix_cache import PrefixCache
+from specserve.model.prefix_cache import PrefixCache, read_elsewhere
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -48,17 +52,33 @@ class DraftModelProposer:
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
-            cache = self.caches[seq.seq_id] = self.draft.new_cache()
+            self.caches[seq.seq_id] = self.draft.new_cache()
             self._token_ids[seq.seq_id] = seq.token_ids
-            if self.prefix_cache is not None:  # all but the newest token: a draft starts from its logits
-                self.prefix_cache.load(seq.token_ids, cache, len(seq.token_ids) - 1)
+            if self.prefix_cache is not None:
+                self.prefix_cache.count_query(len(seq.token_ids))
+                self._load_prefix(seq)
         return self.caches[seq.seq_id]
+
+    def _load_prefix(self, seq: SequenceView) -> None:
+        # All but the newest token: a draft starts from its logits.
+        self.prefix_cache.load(seq.token_ids, self.caches[seq.seq_id], len(seq.token_ids) - 1, self._live(seq))
+
+    def _shares(self, seq: SequenceView) -> bool:
+        """Whether seq may copy from, or wait for, other sequences' draft caches."""
+        return self.prefix_cache is not None and (seq.params.greedy or seq.params.seed is None)
+
+    def _live(self, seq: SequenceView) -> list[tuple[list[int], KVCache]]:
+        """The other sequences' draft caches, as prefix cache sources (none where seq may not share)."""
+        if not self._shares(seq):
+            return []
+        return [(self._token_ids[i], cache) for i, cache in self.caches.items() if i != seq.seq_id]
 
     def backlog(self, seq: SequenceView) -> int:
         cache = self.caches.get(seq.seq_id)
         if cache is not None:
             return len(seq.token_ids) - cache.length
-        cached = 0 if self.prefix_cache is None else self.prefix_cache.cached_length(seq.token_ids, len(seq.token_ids) - 1)
+        cached = 0 if self.prefix_cache is None else self.prefix_cache.cached_length(
+            seq.token_ids, len(seq.token_ids) - 1, self._live(seq))
         return len(seq.token_ids) - cached
 
     def unseen(self, seq: SequenceView) -> list[int]:
@@ -69,18 +89,34 @@ class DraftModelProposer:
         """Where a sequence that wants drafts has more unseen tokens than a chunk (a
         sequence new to the draft has its whole prompt unseen), read one chunk of them
         and draft nothing for it this step: returns num_tokens with those set to 0. So the
-        batch never waits for a long draft prefill; the rule looks at the sequence alone,
-        so seeded outputs do not depend on what else is in the batch.
+        batch never waits for a long draft prefill; for a seeded sampling request the rule
+        looks at the sequence alone, so its outputs do not depend on what else is in the
+        batch (others may copy from, or wait for, other sequences' caches: see above).
 
         Every proposing call starts here, so this also starts the call's count of tokens
         read (last_catch_up, last_tokens_read), which the drafting after it adds to."""
-        long = {i: self.unseen(seqs[i]) for i, k in enumerate(num_tokens) if k > 0}
-        long = {i: unseen[: self.catch_up_chunk_size] for i, unseen in long.items() if len(unseen) > self.catch_up_chunk_size}
+        long: dict[int, list[int]] = {}  # the chunk each sequence catching up reads now
+        waiting: set[int] = set()  # catching up, but its chunk is read by another one now
+        reading: list[tuple[list[int], int]] = []  # (tokens, end) of each chunk in `long`
+        for i, seq in enumerate(seqs):
+            if num_tokens[i] == 0 or len(self.unseen(seq)) <= self.catch_up_chunk_size:
+                continue
+            if self._shares(seq):
+                self._load_prefix(seq)  # what another sequence read since this one started reading
+                if len(self.unseen(seq)) <= self.catch_up_chunk_size:
+                    continue
+            start = self._cache(seq).length
+            end = start + self.catch_up_chunk_size
+            if self._shares(seq) and read_elsewhere(seq.token_ids, start, end, reading):
+                waiting.add(i)
+                continue
+            long[i] = seq.token_ids[start:end]
+            reading.append((seq.token_ids, end))
         if long:
             self._catch_up(long, seqs)
         self.last_catch_up = self.last_tokens_read = 0
         self._count_read([len(chunk) for chunk in long.values()])
-        return [0 if i in long else k for i, k in enumerate(num_tokens)]
+        return [0 if i in long or i in waiting else k for i, k in enumerate(num_tokens)]
 
     def _count_read(self, lengths: list[int]) -> None:
         """Add the tokens each sequence read before drafting to this call's count."""
