@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
                      help="most prompt tokens prefilled per step; longer prompts go in chunks")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                     help="keep finished requests' keys and values, so a prompt that starts like an earlier "
-                     "one (a chat's next turn: the conversation so far) prefills only what is new (default: off)")
+                     help="a prompt that starts like an earlier or a running request's (a chat's next turn, a "
+                     "shared system prompt) copies their keys and values and prefills only what is new "
+                     "(default: off)")
     srv.add_argument("--prefix-cache-space", type=float, default=4.0, metavar="GIB",
                      help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
