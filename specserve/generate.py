@@ -14,7 +14,8 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.device import CPU
-from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token
+from specserve.model.kv_cache import bytes_per_position
+from specserve.model.prefix_cache import BLOCK, PrefixCache
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -62,7 +63,7 @@ def build_engine(
             decoder.use_cuda_graphs(slots, positions)
     prefix_cache = None
     if prefix_cache_space is not None:
-        max_tokens = int(prefix_cache_space * 2**30) // sum(kv_bytes_per_token(d) for d in decoders)
+        max_tokens = int(prefix_cache_space * 2**30) // sum(bytes_per_position(d.config, d.dtype) for d in decoders)
         if max_tokens < BLOCK:
             raise ConfigError(f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "
                               f"{model!r}; give room for at least {BLOCK}")

@@ -13,7 +13,8 @@ from specserve.cli import main
 from specserve.engine.engine import Engine
 from specserve.model import prefix_cache as prefix_cache_module
 from specserve.model.decoder import Segment
-from specserve.model.prefix_cache import BLOCK, PrefixCache, kv_bytes_per_token, shared_blocks
+from specserve.model.kv_cache import bytes_per_position
+from specserve.model.prefix_cache import BLOCK, PrefixCache, shared_blocks
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
@@ -259,10 +260,10 @@ def test_an_aborted_request_leaves_what_it_read(target):
     assert again.output_ids == Engine(target, eos_token_ids=[EOS]).generate(prompt, GREEDY).output_ids
 
 
-def test_kv_bytes_per_token_is_what_a_cache_holds_per_position(target):
+def test_bytes_per_position_is_what_a_cache_holds_per_position(target):
     cache = target.new_cache()
     held = cache.keys.numel() * cache.keys.element_size() + cache.values.numel() * cache.values.element_size()
-    assert kv_bytes_per_token(target) == held // cache.capacity
+    assert bytes_per_position(target.config, target.dtype) == held // cache.capacity
 
 
 @needs_kernel
@@ -292,7 +293,7 @@ def test_the_space_is_shared_by_the_target_and_the_draft(prepared_cache, monkeyp
     monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
     spec = SpecConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 3})
     engine, _ = build_engine("smollm2-135m", spec, prefix_cache_space=0.25)
-    per_token = kv_bytes_per_token(engine.target) + kv_bytes_per_token(engine.proposer.draft)
+    per_token = sum(bytes_per_position(d.config, d.dtype) for d in (engine.target, engine.proposer.draft))
     assert engine.prefix_cache.max_tokens == engine.proposer.prefix_cache.max_tokens == 2**28 // per_token
     assert build_engine("smollm2-135m")[0].prefix_cache is None  # off unless asked for
     with pytest.raises(ConfigError, match="--prefix-cache-space .* holds 0 tokens"):

@@ -13,12 +13,15 @@ none) and handed back by `release`, and it never grows past the pool's capacity.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError
+
+
+def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys and values that one position holds, over every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
 class CachePool:
@@ -39,7 +42,7 @@ class CachePool:
 
     @staticmethod
     def bytes_needed(config: ModelConfig, dtype: torch.dtype, num_slots: int, capacity: int) -> int:
-        return 2 * math.prod(CachePool.shape(config, num_slots, capacity)) * dtype.itemsize
+        return (num_slots + 1) * capacity * bytes_per_position(config, dtype)
 
     @property
     def capacity(self) -> int:

@@ -57,12 +57,6 @@ class _Entry:
     blocks_held: int = 0  # of its blocks, those whose hash still leads here
 
 
-def kv_bytes_per_token(decoder) -> int:
-    """Bytes of keys and values one position of `decoder` holds."""
-    config = decoder.config
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * decoder.dtype.itemsize
-
-
 def block_hashes(token_ids: list[int]) -> list[int]:
     """The chain hash of each whole block of `token_ids`: block j's hash covers
     token_ids[: (j + 1) * BLOCK]."""
