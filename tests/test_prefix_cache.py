@@ -11,7 +11,6 @@ import torch
 
 from specserve.cli import main
 from specserve.engine.engine import Engine
-from specserve.model import prefix_cache as prefix_cache_module
 from specserve.model.decoder import Segment
 from specserve.model.kv_cache import bytes_per_position
 from specserve.model.prefix_cache import BLOCK, PrefixCache, shared_blocks
@@ -44,7 +43,7 @@ def test_the_longest_stored_prefix_is_found_in_whole_blocks(target):
     store = PrefixCache(max_tokens=1000)
     tokens = [(7 * i) % 90 for i in range(50)]  # 3 whole blocks and 2 tokens
     store.store(tokens, filled_cache(target, tokens))
-    assert store.num_tokens == 3 * BLOCK and len(store) == 1
+    assert store.num_tokens == 3 * BLOCK and len(store) == 3
 
     prompt = tokens[:40] + [1, 2, 3]  # shares 2 blocks and 8 tokens
     cache = target.new_cache()
@@ -61,42 +60,52 @@ def test_the_longest_stored_prefix_is_found_in_whole_blocks(target):
     assert store.load([89] + tokens[1:], target.new_cache(), limit=49) == 0
 
 
-def test_a_longer_turn_replaces_the_one_before_and_old_entries_go_first(target):
+def test_a_cache_that_ends_inside_a_block_is_extended_from_there(target):
+    store = PrefixCache(max_tokens=1000)
+    tokens = [(7 * i) % 90 for i in range(50)]
+    stored = filled_cache(target, tokens)
+    store.store(tokens, stored)
+    cache = filled_cache(target, tokens[:20])  # read 20 positions itself
+    kept = cache.keys[:, :, :20].clone()
+    assert store.load(tokens, cache, limit=49) == 3 * BLOCK - 20 and cache.length == 3 * BLOCK
+    assert torch.equal(cache.keys[:, :, :20], kept)
+    assert torch.equal(cache.keys[:, :, 20 : 3 * BLOCK], stored.keys[:, :, 20 : 3 * BLOCK])
+    assert torch.equal(cache.values[:, :, 20 : 3 * BLOCK], stored.values[:, :, 20 : 3 * BLOCK])
+
+
+def test_turns_and_conversations_share_blocks_and_old_blocks_go_first(target):
     store = PrefixCache(max_tokens=4 * BLOCK)
     turn1 = list(range(2 * BLOCK))
     turn2 = turn1 + list(range(50, 50 + BLOCK))  # the conversation goes on
     store.store(turn1, filled_cache(target, turn1))
     store.store(turn2, filled_cache(target, turn2))
-    assert len(store) == 1 and store.num_tokens == 3 * BLOCK  # turn 1's blocks all live in turn 2's entry
+    assert len(store) == 3  # turn 1's blocks are turn 2's first ones
     store.store(turn1, filled_cache(target, turn1))  # held already: nothing new
-    assert len(store) == 1
+    assert len(store) == 3
 
+    # 5 blocks > 4: the least recently used goes, which is turn 2's last (turn 1's
+    # were used since), never a block that a stored one follows.
     other = [80 - i for i in range(2 * BLOCK)]
-    store.store(other, filled_cache(target, other))  # 5 blocks > 4: the least recently used goes
-    assert len(store) == 1 and store.num_tokens == 2 * BLOCK
-    assert store.cached_length(turn2 + [1], 3 * BLOCK) == 0
+    store.store(other, filled_cache(target, other))
+    assert len(store) == 4
+    assert store.cached_length(turn2 + [1], 3 * BLOCK) == 2 * BLOCK
     assert store.cached_length(other + [1], 2 * BLOCK) == 2 * BLOCK
+    # A prefix that is found is used: turn 1's blocks outlast other's now.
+    store.load(turn1 + [1], target.new_cache(), 2 * BLOCK)
+    store.store(turn2, filled_cache(target, turn2))
+    assert store.cached_length(turn2 + [1], 3 * BLOCK) == 3 * BLOCK
+    assert store.cached_length(other + [1], 2 * BLOCK) == BLOCK
 
 
-def test_a_shared_first_block_keeps_both_conversations(target):
+def test_conversations_with_one_system_prompt_hold_it_once(target):
     store = PrefixCache(max_tokens=1000)
-    system = list(range(BLOCK))
+    system = list(range(2 * BLOCK))
     first, second = system + [1] * BLOCK, system + [2] * BLOCK
     store.store(first, filled_cache(target, first))
     store.store(second, filled_cache(target, second))
-    assert len(store) == 2
-    assert store.cached_length(first + [0], 2 * BLOCK) == 2 * BLOCK
-    assert store.cached_length(second + [0], 2 * BLOCK) == 2 * BLOCK
-
-
-def test_a_hash_collision_is_a_miss(target, monkeypatch):
-    monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda ids: list(range(len(ids) // BLOCK)))
-    store = PrefixCache(max_tokens=1000)
-    stored = list(range(BLOCK))
-    store.store(stored, filled_cache(target, stored))
-    other = [t + 1 for t in stored] + [0]  # the same (colliding) hashes, other tokens
-    assert store.load(other, target.new_cache(), limit=BLOCK) == 0
-    assert store.load(stored + [0], target.new_cache(), limit=BLOCK) == BLOCK
+    assert len(store) == 4  # the system prompt's 2 blocks, and 1 block of each
+    assert store.cached_length(first + [0], 3 * BLOCK) == 3 * BLOCK
+    assert store.cached_length(second + [0], 3 * BLOCK) == 3 * BLOCK
 
 
 def test_a_store_smaller_than_a_block_is_refused():
@@ -126,7 +135,7 @@ def test_a_conversations_turns_start_from_the_last_turns_cache(target):
     assert seqs[0].num_cached_tokens == 0
     for seq, before in zip(seqs[1:], seqs):  # the last turn's tokens, in whole blocks
         assert seq.num_cached_tokens == (len(before.token_ids) - 1) // BLOCK * BLOCK > 0
-    assert len(store) == 1  # one conversation, one entry
+    assert store.num_tokens == (len(seqs[-1].token_ids) - 1) // BLOCK * BLOCK  # each turn's blocks begin the next's
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -185,7 +194,7 @@ def test_a_shared_prompt_is_read_once_by_requests_that_run_together(target):
         engine.step()
     plain = Engine(target, eos_token_ids=[EOS])
     assert [a.output_ids, b.output_ids] == [plain.generate(p, GREEDY).output_ids for p in (first, second)]
-    assert a.num_cached_tokens == 0 and len(store) == 2
+    assert a.num_cached_tokens == 0 and store.num_tokens == 4 * BLOCK + 2 * BLOCK  # the system prompt's once
     assert (store.queried_tokens, store.hit_tokens) == (len(first) + len(second), 4 * BLOCK)
 
 

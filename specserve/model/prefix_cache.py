@@ -7,18 +7,20 @@ it again, and on a CPU a prefill is slow (the 1.5B target in float32 reads ~1000
 tokens in ~10 s); with it, time to first token follows the new message only.
 
 A position's key and value depend on the tokens up to it alone (causal attention), so
-any sequence that starts with the same tokens may start from a copy of them. Stored
-prefixes are found in blocks of BLOCK tokens, as vLLM's automatic prefix caching does:
-each block is keyed by a hash of every token up to its end (a chain), so one dict
-lookup per block finds the longest stored prefix; a hit is checked against the stored
-tokens, so a hash collision costs a miss, never wrong keys.
+any sequence that starts with the same tokens may start from a copy of them. Prefixes
+are stored in blocks of BLOCK positions, as vLLM's automatic prefix caching stores
+them: a block is keyed by its tokens and the block before it, so one dict lookup per
+block finds the longest stored prefix, and the key is compared whole on a lookup (a
+hash collision costs nothing but a comparison, never wrong keys). Blocks are shared:
+the turns of a conversation, or conversations that start with the same system prompt,
+hold their common blocks once.
 
 Each model has a store of its own (the target's in the engine, the draft's in
-DraftModelProposer), holding at most `max_tokens` positions; the least recently used
-entries go first. A new entry copies its sequence's cache (the cache may be a pool
-slot, which goes back to the pool), and an entry whose every block a longer entry also
-holds (the previous turn of the same conversation) is dropped, so a conversation costs
-one entry.
+DraftModelProposer), holding at most `max_tokens` positions. Storing a sequence copies
+the blocks of its cache that are not stored yet (the cache may be a pool slot, which
+goes back to the pool). The least recently used blocks go first; a prefix that is used
+is touched from its last block to its first, so a block is always used more recently
+than the blocks after it, and the block that goes is one that no stored block follows.
 
 Running sequences are sources too (`live`): requests that share a system prompt or a
 document and arrive together find it in the cache of the one that read it first, as
@@ -45,26 +47,20 @@ import torch
 
 from specserve.model.kv_cache import KVCache
 
-BLOCK = 16  # tokens per hashed block: a prefix is stored and found in whole blocks
+BLOCK = 16  # positions per stored block: a prefix is stored and found in whole blocks
+
+# A block's key: the id of the block before it (ROOT for a prefix's first) and its tokens.
+# An id is never reused while it names a stored block's parent: a block goes only after
+# every block that follows it (see the module's docstring).
+BlockKey = tuple[int, tuple[int, ...]]
+ROOT = 0
 
 
 @dataclass(eq=False)
-class _Entry:
-    token_ids: list[int]  # the stored positions' tokens, a whole number of blocks
-    keys: torch.Tensor  # [L, kv_heads, len(token_ids), head_dim]
-    values: torch.Tensor  # [L, kv_heads, len(token_ids), head_dim]
-    hashes: list[int]  # chain hash of each block
-    blocks_held: int = 0  # of its blocks, those whose hash still leads here
-
-
-def block_hashes(token_ids: list[int]) -> list[int]:
-    """The chain hash of each whole block of `token_ids`: block j's hash covers
-    token_ids[: (j + 1) * BLOCK]."""
-    hashes, previous = [], 0
-    for end in range(BLOCK, len(token_ids) + 1, BLOCK):
-        previous = hash((previous, *token_ids[end - BLOCK : end]))
-        hashes.append(previous)
-    return hashes
+class _Block:
+    key: BlockKey
+    keys: torch.Tensor  # [L, kv_heads, BLOCK, head_dim]
+    values: torch.Tensor  # [L, kv_heads, BLOCK, head_dim]
 
 
 def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable[tuple[list[int], int]]) -> bool:
@@ -87,11 +83,18 @@ class PrefixCache:
         if max_tokens < BLOCK:
             raise ValueError(f"a prefix cache holds at least one block of {BLOCK} tokens, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.num_tokens = 0  # positions held by every entry
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry), least recently used first
-        self._by_hash: dict[int, tuple[_Entry, int]] = {}  # block hash -> (newest entry holding it, its block index)
+        self._blocks: OrderedDict[BlockKey, _Block] = OrderedDict()  # least recently used first
         # Prompt tokens looked up and found, as vLLM counts them (metrics, usage).
         self.queried_tokens = self.hit_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions held."""
+        return len(self._blocks) * BLOCK
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self._blocks)
 
     def count_query(self, num_tokens: int) -> None:
         """Count a new sequence's prompt tokens as looked up (once; `load` counts the hits)."""
@@ -112,74 +115,59 @@ class PrefixCache:
         if length <= start:
             return 0
         cache.reserve(length)
-        cache.keys[:, :, start:length].copy_(source.keys[:, :, start:length])
-        cache.values[:, :, start:length].copy_(source.values[:, :, start:length])
+        if isinstance(source, KVCache):
+            cache.keys[:, :, start:length].copy_(source.keys[:, :, start:length])
+            cache.values[:, :, start:length].copy_(source.values[:, :, start:length])
+        else:
+            for j in range(start // BLOCK, length // BLOCK):
+                first = max(start, j * BLOCK)  # a cache may end inside a block
+                cache.keys[:, :, first : (j + 1) * BLOCK].copy_(source[j].keys[:, :, first - j * BLOCK :])
+                cache.values[:, :, first : (j + 1) * BLOCK].copy_(source[j].values[:, :, first - j * BLOCK :])
+            self._touch(source)
         cache.length = length
-        if isinstance(source, _Entry):
-            self._entries.move_to_end(id(source))
         self.hit_tokens += length - start
         return length - start
 
     def _longest(self, token_ids: list[int], limit: int,
-                 live: Iterable[tuple[list[int], KVCache]]) -> tuple[_Entry | KVCache | None, int]:
-        """Where the longest prefix of token_ids[:limit] is held (a stored entry or a live
-        cache; None: nowhere), and its length."""
-        found = self._find(token_ids, limit)
-        source, length = (found[0], found[1]) if found is not None else (None, 0)
+                 live: Iterable[tuple[list[int], KVCache]]) -> tuple[list[_Block] | KVCache, int]:
+        """Where the longest prefix of token_ids[:limit] is held (stored blocks, maybe
+        none, or a live cache), and its length."""
+        chain = self._find(token_ids[:limit])
+        source, length = chain, len(chain) * BLOCK
         for source_tokens, source_cache in live:
             shared = shared_blocks(token_ids[:limit], source_tokens[: source_cache.length])
             if shared > length:
                 source, length = source_cache, shared
         return source, length
 
-    def _find(self, token_ids: list[int], limit: int) -> tuple[_Entry, int] | None:
-        """The entry holding the longest stored prefix of token_ids[:limit], and its length."""
-        found = None
-        for j, block_hash in enumerate(block_hashes(token_ids[:limit])):
-            hit = self._by_hash.get(block_hash)
-            if hit is None or hit[1] != j:
+    def _find(self, token_ids: list[int]) -> list[_Block]:
+        """The stored blocks of token_ids' longest stored prefix, in order."""
+        chain: list[_Block] = []
+        for start in range(0, len(token_ids) // BLOCK * BLOCK, BLOCK):
+            block = self._blocks.get((id(chain[-1]) if chain else ROOT, tuple(token_ids[start : start + BLOCK])))
+            if block is None:
                 break
-            found = hit[0], (j + 1) * BLOCK
-        if found is not None and found[0].token_ids[: found[1]] != token_ids[: found[1]]:
-            return None  # a hash collision: a miss, never another prompt's keys
-        return found
+            chain.append(block)
+        return chain
 
     def store(self, token_ids: list[int], cache: KVCache) -> None:
         """Keep the whole blocks of `cache`'s positions (token_ids[: cache.length]) for
         later prompts; call before the cache is released."""
         length = min(cache.length, len(token_ids), self.max_tokens) // BLOCK * BLOCK
-        if length == 0:
-            return
-        hashes = block_hashes(token_ids[:length])
-        held = self._by_hash.get(hashes[-1])
-        if held is not None and held[1] == len(hashes) - 1:  # stored already (or longer)
-            self._entries.move_to_end(id(held[0]))
-            return
-        entry = _Entry(list(token_ids[:length]), cache.keys[:, :, :length].clone(),
-                       cache.values[:, :, :length].clone(), hashes)
-        for index, block_hash in enumerate(hashes):
-            previous = self._by_hash.get(block_hash)
-            if previous is not None:
-                self._let_go(previous[0])
-            self._by_hash[block_hash] = entry, index
-            entry.blocks_held += 1
-        self._entries[id(entry)] = entry
-        self.num_tokens += length
+        chain: list[_Block] = []
+        for start in range(0, length, BLOCK):
+            key = (id(chain[-1]) if chain else ROOT, tuple(token_ids[start : start + BLOCK]))
+            block = self._blocks.get(key)
+            if block is None:
+                end = start + BLOCK
+                block = self._blocks[key] = _Block(key, cache.keys[:, :, start:end].clone(),
+                                                   cache.values[:, :, start:end].clone())
+            chain.append(block)
+        self._touch(chain)
         while self.num_tokens > self.max_tokens:
-            self._drop(next(iter(self._entries.values())))
+            self._blocks.popitem(last=False)
 
-    def _let_go(self, entry: _Entry) -> None:
-        """One of entry's blocks now leads to a newer entry; with none left, it goes."""
-        entry.blocks_held -= 1
-        if entry.blocks_held == 0:
-            self._drop(entry)
-
-    def _drop(self, entry: _Entry) -> None:
-        for block_hash in entry.hashes:
-            if self._by_hash.get(block_hash, (None, 0))[0] is entry:  # not taken over by a newer entry
-                del self._by_hash[block_hash]
-        del self._entries[id(entry)]
-        self.num_tokens -= len(entry.token_ids)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    def _touch(self, chain: list[_Block]) -> None:
+        """Mark a prefix's blocks used, its first block last (the most recently used)."""
+        for block in reversed(chain):
+            self._blocks.move_to_end(block.key)
