@@ -27,6 +27,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ["auto", *DTYPES]
 
 
+def add_prefix_caching_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                        help="a prompt that starts like an earlier or a running request's (a chat's next turn, a "
+                        "shared system prompt) copies their keys and values and prefills only what is new "
+                        f"(default: off{note})")
+    parser.add_argument("--prefix-cache-space", type=float, default=4.0, metavar="GIB",
+                        help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)")
+
+
+def prefix_cache_space_of(args: argparse.Namespace) -> float | None:
+    """GiB for prefix caching, None when it is off."""
+    if not args.prefix_cache_space > 0:
+        raise ConfigError(f"--prefix-cache-space must be > 0 GiB, got {args.prefix_cache_space}")
+    return args.prefix_cache_space if args.enable_prefix_caching else None
+
+
 def add_format_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help="auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N; "
@@ -109,12 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most requests waiting to join the batch; more get HTTP 429")
     srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
                      help="most prompt tokens prefilled per step; longer prompts go in chunks")
-    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                     help="a prompt that starts like an earlier or a running request's (a chat's next turn, a "
-                     "shared system prompt) copies their keys and values and prefills only what is new "
-                     "(default: off)")
-    srv.add_argument("--prefix-cache-space", type=float, default=4.0, metavar="GIB",
-                     help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)")
+    add_prefix_caching_flags(srv)
     srv.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                      help="seconds between throughput/acceptance log lines (0: off)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
@@ -143,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab = sub.add_parser("ab", help="serve the target plainly, then with speculation; bench both; compare")
     add_model_flags(ab, positional=True)
     ab.add_argument("--max-num-seqs", type=int, default=8, help="passed to both servers")
+    add_prefix_caching_flags(ab, "; passed to both servers")
     add_bench_flags(ab, own_servers=True)
     ab.set_defaults(run=run_ab, results_dir="results/ab")
 
@@ -211,13 +223,12 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
-    if not args.prefix_cache_space > 0:
-        raise ConfigError(f"--prefix-cache-space must be > 0 GiB, got {args.prefix_cache_space}")
+    prefix_cache_space = prefix_cache_space_of(args)
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
         batch_invariant=args.batch_invariant, compile=args.compile, device=device_of(args),
         cuda_graphs=args.cuda_graphs,
-        prefix_cache_space=args.prefix_cache_space if args.enable_prefix_caching else None,
+        prefix_cache_space=prefix_cache_space,
         host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -368,6 +379,8 @@ def run_ab(args: argparse.Namespace) -> int:
     serve_args += ["--compile"] * args.compile + ["--cuda-graphs"] * args.cuda_graphs
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]
+    if (prefix_cache_space := prefix_cache_space_of(args)) is not None:
+        serve_args += ["--enable-prefix-caching", "--prefix-cache-space", str(prefix_cache_space)]
     root = Path(args.results_dir)
     results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root)
     return print_comparison(results_dirs, str(root / "comparison"), None, args.json)

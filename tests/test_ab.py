@@ -19,7 +19,7 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
     argv = ["ab", "smollm2-135m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
             "--test-case", "count,meaning", "--max-num-completed-requests", "2", "--mean-output-tokens", "24",
             "--stddev-output-tokens", "0", "--additional-sampling-params", '{"temperature": 0}',
-            "--results-dir", str(results), "--json"]
+            "--enable-prefix-caching", "--shared-prefix-tokens", "32", "--results-dir", str(results), "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert not stale.exists()
@@ -32,6 +32,7 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
             assert summary["results_number_errors"] == 0
             spec_rate = summary["results_spec_acceptance_rate"]
             assert (spec_rate is None) == (variant == "baseline")
+            assert summary["results_prefix_cache_hit_rate"] > 0  # both servers were given the flag
     # At temperature 0 both servers generate the same tokens.
     outputs = {v: json.loads(next((results / v).glob("count_*_summary.json")).read_text())
                ["results_number_output_tokens_mean"] for v in ("baseline", "speculative")}
@@ -48,6 +49,11 @@ def test_ab_without_a_model_serves_the_default_target():
     and the first server was started as `specserve serve None`."""
     assert build_parser().parse_args(["ab"]).model == models.DEFAULT_TARGET
     assert build_parser().parse_args(["ab", "smollm2-135m"]).model == "smollm2-135m"
+
+
+def test_ab_refuses_a_prefix_cache_of_no_space(capsys):
+    assert main(["ab", "--enable-prefix-caching", "--prefix-cache-space", "0"]) == 2
+    assert "--prefix-cache-space must be > 0 GiB, got 0.0" in capsys.readouterr().err
 
 
 def test_a_server_that_cannot_start_is_a_one_line_error(tmp_path, capsys):
