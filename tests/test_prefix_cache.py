@@ -13,7 +13,7 @@ from specserve.cli import main
 from specserve.engine.engine import Engine
 from specserve.model.decoder import Segment
 from specserve.model.kv_cache import bytes_per_position
-from specserve.model.prefix_cache import BLOCK, PrefixCache, shared_blocks
+from specserve.model.prefix_cache import BLOCK, PrefixCache, read_elsewhere, shared_blocks
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
@@ -248,12 +248,40 @@ def test_the_draft_reads_a_shared_prompt_once_but_not_for_seeded_sampling(target
     assert hits == 0 and together == [run([p], seeded)[0][0] for p in prompts]
 
 
+def test_a_chunk_waits_only_when_most_of_it_is_read_elsewhere():
+    first = list(range(4 * BLOCK))
+    second = first[: 3 * BLOCK] + [-1] * (7 * BLOCK)  # shares 3 blocks with first
+    # first reads its blocks 2 and 3 now: second's next 14 tokens are all in block 2.
+    assert read_elsewhere(second, 2 * BLOCK, 2 * BLOCK + 14, [(first, 4 * BLOCK)])
+    # second's chunk of 7 blocks would share only its first one: read it twice, not wait.
+    assert not read_elsewhere(second, 2 * BLOCK, 9 * BLOCK, [(first, 4 * BLOCK)])
+    assert not read_elsewhere(second, 3 * BLOCK, 4 * BLOCK, [(first, 4 * BLOCK)])  # past what they share
+    assert not read_elsewhere(second, 0, BLOCK, [(first, 0)]) and not read_elsewhere(second, 0, BLOCK, [])
+
+
 def test_shared_blocks_counts_whole_blocks_alike():
     a = list(range(3 * BLOCK + 5))
     assert shared_blocks(a, a) == 3 * BLOCK
     assert shared_blocks(a, a[: 2 * BLOCK + 3]) == 2 * BLOCK
     assert shared_blocks(a, a[:BLOCK] + [-1] + a[BLOCK + 1 :]) == BLOCK
     assert shared_blocks(a, [-1] + a[1:]) == 0 and shared_blocks([], a) == 0
+
+
+def test_running_slots_of_a_pool_are_sources_too(target):
+    """On a CachePool, a request copies a shared system prompt from the slot of the one
+    that read it, slot to slot."""
+    model = copy.deepcopy(target)
+    model.use_cuda_graphs(num_slots=2, capacity=256)
+    system = [(3 * i) % 89 for i in range(3 * BLOCK)]
+    prompts = [system + [1, 2], system + [3]]
+    engine = Engine(model, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000), max_num_seqs=2,
+                    prefill_chunk_size=2 * BLOCK)
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs[1].num_cached_tokens == 3 * BLOCK and model.static.pool.num_free == 2
+    assert [s.output_ids for s in seqs] == [Engine(target, eos_token_ids=[EOS]).generate(p, GREEDY).output_ids
+                                             for p in prompts]
 
 
 def test_an_aborted_request_leaves_what_it_read(target):

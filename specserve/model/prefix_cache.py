@@ -27,8 +27,9 @@ document and arrive together find it in the cache of the one that read it first,
 far as it has read it, without a copy being stored for them. The engine looks before
 each prompt chunk, not only once: prompt chunks share one budget per step, so the
 first request reads the shared part while the others wait for budget, and each of them
-then copies what it read. And a sequence whose next chunk another one reads in the same
-step waits a step to copy it (`read_elsewhere`), where budget was left to read it twice.
+then copies what it read. And a sequence whose next chunk is mostly what another one
+reads in the same step waits a step to copy it (`read_elsewhere`) rather than read it
+twice.
 
 The copied keys and values are those the earlier sequence computed: a prompt chunk and
 a decode step round differently (Segment's docstring), so outputs may differ from a
@@ -64,10 +65,16 @@ class _Block:
 
 
 def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable[tuple[list[int], int]]) -> bool:
-    """Whether a whole block of token_ids[start:end], which a sequence is about to read,
-    is read this step by another sequence, reading (its tokens, up to its end): then
-    waiting a step and copying it costs less than reading it twice."""
-    return any(shared_blocks(token_ids[:end], tokens[:their_end]) > start for tokens, their_end in reading)
+    """Whether at least half of token_ids[start:end], the chunk a sequence is about to
+    read, another sequence reads in this step (`reading`: its tokens, up to its end), in
+    whole blocks. Then the sequence had better wait a step and copy that part: reading
+    it would compute it twice, and the step's delay costs it less than the half it
+    would have read of its own."""
+    for tokens, their_end in reading:
+        shared = min(shared_blocks(token_ids, tokens[:their_end]), end)
+        if shared > start and 2 * (shared - start) >= end - start:
+            return True
+    return False
 
 
 def shared_blocks(a: list[int], b: list[int]) -> int:
