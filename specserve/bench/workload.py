@@ -3,11 +3,12 @@ which prompt each request sends, its `max_tokens`, and its prompt length counted
 the tokenizer when there is one.
 
 Invariants: the same seed, test case and flags give the same requests, whatever other
-test cases run beside it. With `--shared-prefix-tokens N`, every prompt of the run
-starts with the same N tokens of sonnet lines (a long system prompt, a shared
-document), which is what prefix caching is measured with. Lengths are drawn from normal(mean, stddev) and drawn again
+test cases run beside it. Lengths are drawn from normal(mean, stddev) and drawn again
 until they are at least 1 (LLMPerf's truncated normal). Prompts are sent in shuffled
-rounds, so every prompt of a suite is sent equally often, give or take one.
+rounds, so every prompt of a suite is sent equally often, give or take one. With
+`--shared-prefix-tokens N`, every prompt of the run starts with the same N tokens of
+sonnet lines (a long system prompt, a shared document), which is what prefix caching
+is measured with.
 """
 
 from __future__ import annotations

@@ -64,6 +64,11 @@ class _Block:
     values: torch.Tensor  # [L, kv_heads, BLOCK, head_dim]
 
 
+def _key_after(chain: list[_Block], tokens: list[int]) -> BlockKey:
+    """The key of the block of `tokens` that follows the stored blocks `chain`."""
+    return id(chain[-1]) if chain else ROOT, tuple(tokens)
+
+
 def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable[tuple[list[int], int]]) -> bool:
     """Whether at least half of token_ids[start:end], the chunk a sequence is about to
     read, another sequence reads in this step (`reading`: its tokens, up to its end), in
@@ -139,10 +144,11 @@ class PrefixCache:
                  live: Iterable[tuple[list[int], KVCache]]) -> tuple[list[_Block] | KVCache, int]:
         """Where the longest prefix of token_ids[:limit] is held (stored blocks, maybe
         none, or a live cache), and its length."""
-        chain = self._find(token_ids[:limit])
+        token_ids = token_ids[:limit]
+        chain = self._find(token_ids)
         source, length = chain, len(chain) * BLOCK
         for source_tokens, source_cache in live:
-            shared = shared_blocks(token_ids[:limit], source_tokens[: source_cache.length])
+            shared = shared_blocks(token_ids, source_tokens[: source_cache.length])
             if shared > length:
                 source, length = source_cache, shared
         return source, length
@@ -151,7 +157,7 @@ class PrefixCache:
         """The stored blocks of token_ids' longest stored prefix, in order."""
         chain: list[_Block] = []
         for start in range(0, len(token_ids) // BLOCK * BLOCK, BLOCK):
-            block = self._blocks.get((id(chain[-1]) if chain else ROOT, tuple(token_ids[start : start + BLOCK])))
+            block = self._blocks.get(_key_after(chain, token_ids[start : start + BLOCK]))
             if block is None:
                 break
             chain.append(block)
@@ -161,14 +167,12 @@ class PrefixCache:
         """Keep the whole blocks of `cache`'s positions (token_ids[: cache.length]) for
         later prompts; call before the cache is released."""
         length = min(cache.length, len(token_ids), self.max_tokens) // BLOCK * BLOCK
-        chain: list[_Block] = []
-        for start in range(0, length, BLOCK):
-            key = (id(chain[-1]) if chain else ROOT, tuple(token_ids[start : start + BLOCK]))
-            block = self._blocks.get(key)
-            if block is None:
-                end = start + BLOCK
-                block = self._blocks[key] = _Block(key, cache.keys[:, :, start:end].clone(),
-                                                   cache.values[:, :, start:end].clone())
+        chain = self._find(token_ids[:length])
+        for start in range(len(chain) * BLOCK, length, BLOCK):  # the blocks not stored yet
+            end = start + BLOCK
+            block = _Block(_key_after(chain, token_ids[start:end]), cache.keys[:, :, start:end].clone(),
+                           cache.values[:, :, start:end].clone())
+            self._blocks[block.key] = block
             chain.append(block)
         self._touch(chain)
         while self.num_tokens > self.max_tokens:

@@ -99,9 +99,12 @@ class DraftModelProposer:
         waiting: set[int] = set()  # catching up, but its chunk is read by another one now
         reading: list[tuple[list[int], int]] = []  # (tokens, end) of each chunk in `long`
         for i, seq in enumerate(seqs):
-            if num_tokens[i] == 0 or len(self.unseen(seq)) <= self.catch_up_chunk_size:
+            if num_tokens[i] == 0:
                 continue
-            if self._shares(seq):
+            new = seq.seq_id not in self.caches  # a new cache looks for its prefix as it is made
+            if len(self.unseen(seq)) <= self.catch_up_chunk_size:
+                continue
+            if self._shares(seq) and not new:
                 self._load_prefix(seq)  # what another sequence read since this one started reading
                 if len(self.unseen(seq)) <= self.catch_up_chunk_size:
                     continue
