@@ -80,13 +80,17 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
  * than 4 on verification's 8 rows). The compiler keeps their accumulators in memory
  * and the levels of one or two weight rows (8 or 16) in registers. */
 #define TILE 8
-/* Bytes of weights ahead of the super-block being read that are prefetched: always for
- * int4; for int8 only with more than PREFETCH_MIN_ROWS_INT8 activation rows. Measured
- * against none, paired, on the 1.5B target's int8 head [151936, 1536]: 8 rows (k = 7
- * verified) 1.31-1.42x faster, 5-6 rows 1.09-1.11x, 1-4 rows 0.96-1.03x (one row
- * alone keeps up with memory through the hardware prefetcher). */
+/* Bytes of weights ahead of the super-block being read that are prefetched, with the
+ * int4 scales and zeros as far ahead (they are streams of their own: 4 bytes a group
+ * beside the levels' 16). The hardware prefetcher alone keeps one streamed row far
+ * below the memory on some machines. On a Zen 4 (32-34 GB/s) the int8 head
+ * [151936, 1536] with it against without: 8 rows (k = 7 verified) 1.31-1.42x faster,
+ * 1-4 rows 0.96-1.03x. On a Zen 5 (77 GB/s, 2 cores, the 1.5B int4 target, its layers
+ * in a forward's order so that each comes from memory): one row of the head 10.5-11.5
+ * -> 3.1-5.7 ms (21 GB/s without); the int4 layers' scales and zeros prefetched too,
+ * one row 22-24 -> 16-17 ms, 8 rows 51-56 -> 39-44 ms; a whole decode step 38 -> 25-27
+ * ms, the 0.5B draft's 18.4 -> 8.9 ms. 4 KB or 8 KB ahead measured as 2 KB. */
 #define PREFETCH_AHEAD 2048
-#define PREFETCH_MIN_ROWS_INT8 4
 
 /* Weight rows 0 .. nr-1 (nr = 1 or 2, the second pair_bytes and pair_scales after the
  * first) against activation rows
@@ -113,10 +117,11 @@ static inline __attribute__((always_inline)) void rows_tile(
         for (int i = 0; i < nr; i++) {
             if (bits == 4) {
                 const uint8_t *wb = w + i * pair_bytes + (size_t)16 * g0;
-                /* The hardware prefetcher alone leaves one row at 21-24 GB/s where the
-                 * memory gives 29-35: asking 2 KB ahead measured 10-20% faster (int8
-                 * rows, 3 super-blocks long, measured slower with it). */
+                /* The levels 2 KB ahead (on a Zen 4: 10-20% faster than none), and the
+                 * scales and zeros of the same groups: 2 bytes a group where levels take 16 */
                 for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(scale + i * pair_scales + g0 + PREFETCH_AHEAD / 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(zero + i * pair_scales + g0 + PREFETCH_AHEAD / 16), _MM_HINT_T0);
                 for (int j = 0; j < 4; j++) {
                     __m512i packed = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)j * 4 * n);
                     levels[i][j] = _mm512_and_si512(packed, low_nibble);
@@ -126,8 +131,7 @@ static inline __attribute__((always_inline)) void rows_tile(
                 level0[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[i], load_bf16(zero + i * pair_scales + g0, lanes));
             } else {
                 const uint8_t *wb = w + i * pair_bytes + (size_t)32 * g0;
-                if (nt > PREFETCH_MIN_ROWS_INT8)
-                    for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
+                for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
                 for (int r = 0; r < 8; r++) levels[i][r] = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)r * 4 * n);
                 s[i] = _mm512_set1_ps(from_bf16(scale[i * pair_scales]));
                 level0[i] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), s[i]);
