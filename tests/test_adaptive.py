@@ -181,6 +181,28 @@ def test_a_sequence_that_stops_paying_decodes_plainly_and_probes_less_often():
     assert max(gaps) <= adaptive_module.MAX_PROBE_INTERVAL + 1
 
 
+def test_a_run_of_drafting_goes_on_at_a_lower_bar_than_one_starts():
+    """Near break-even a noisy estimate would flap: a sequence already drafting goes on
+    while the best k is predicted at CONTINUE_SPEEDUP, one decoding plainly starts
+    only at MIN_SPEEDUP."""
+    ctl = controller()
+
+    def drafting_speed(rate: float) -> float:  # the best predicted speedup of any k > 0
+        tokens, drafted = steady(rate).curves()
+        return max(ctl.speedup(tokens[k], drafted[k], 1) for k in range(1, 16))
+
+    near_even = next(rate for rate in (i / 200 for i in range(200)) if drafting_speed(rate) >= 1.0)
+    assert adaptive_module.CONTINUE_SPEEDUP <= drafting_speed(near_even) < adaptive_module.MIN_SPEEDUP
+    drafting, plain = steady(near_even), steady(near_even)
+    drafting.drafting_steps = 5  # in a run of drafting
+    plain.plain_steps = 1  # decoding plainly, not due a probe
+    ctl.sequences.update({1: drafting, 2: plain})
+    assert ctl.choose([1])[0] > 0
+    assert ctl.choose([2]) == [0]
+    # A batch goes on only when every one of its sequences is drafting.
+    assert ctl.choose([1, 2]) == [0, 0]
+
+
 def test_a_probe_that_pays_brings_drafting_back():
     ctl = controller()
     ctl.sequences[3] = Acceptance(ctl.max_k)  # a sequence k is chosen for

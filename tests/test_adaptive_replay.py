@@ -8,42 +8,57 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adaptive_replay import FIXED_KS, Costs, geomean, load_traces, replay, speedups
+from benchmarks.adaptive_replay import FIXED_KS, TRACES as ZEN4_TRACES, Costs, Trace, geomean, load_traces, replay, speedups
 
-COSTS, TRACES = load_traces()
-SUITES = sorted({t.suite for t in TRACES})
-
-
-def suite_speedups(costs: Costs, k: int | None, warm: bool = True) -> dict[str, float]:
-    table = speedups(TRACES, costs, [k], warm=warm)
-    return {suite: geomean([table[t.name][k] for t in TRACES if t.suite == suite]) for suite in SUITES}
-
-
-def test_the_traces_cover_both_suites():
-    assert SUITES == ["open-ended", "structured"]
-    assert all(len(t.match) == len(t.confidence) > 40 for t in TRACES)
+# The pair's costs on two machines' kernels: a Zen 4 at 32-35 GB/s (draft position ~0.4
+# of a plain step, a verified row ~0.25) and a Zen 5 whose one-row steps gained most
+# (target 16.0 + 3.5 ms a row, draft 0.9 + 7.7 ms a position).
+TRACE_FILES = {"zen4": ZEN4_TRACES, "zen5": ZEN4_TRACES.with_name("adaptive_traces_zen5.json")}
+TRACE_SETS = {name: load_traces(path) for name, path in TRACE_FILES.items()}
+COSTS, TRACES = TRACE_SETS["zen4"]
 
 
+def suite_speedups(costs: Costs, k: int | None, warm: bool = True, traces: list[Trace] = TRACES) -> dict[str, float]:
+    table = speedups(traces, costs, [k], warm=warm)
+    suites = sorted({t.suite for t in traces})
+    return {suite: geomean([table[t.name][k] for t in traces if t.suite == suite]) for suite in suites}
+
+
+@pytest.mark.parametrize("machine", TRACE_SETS)
+def test_the_traces_cover_both_suites(machine):
+    _, traces = TRACE_SETS[machine]
+    assert sorted({t.suite for t in traces}) == ["open-ended", "structured"]
+    assert all(len(t.match) == len(t.confidence) > 40 for t in traces)
+
+
+@pytest.mark.parametrize("machine", TRACE_SETS)
 @pytest.mark.parametrize("warm", [True, False], ids=["serving", "new-engine"])
-def test_where_drafting_pays_adaptive_comes_close_to_the_best_fixed_k(warm):
-    adaptive = suite_speedups(COSTS, None, warm)
-    for suite in SUITES:
-        best_fixed = max(suite_speedups(COSTS, k)[suite] for k in FIXED_KS)
-        assert adaptive[suite] >= 0.98, (suite, adaptive)
-        assert adaptive[suite] >= 0.9 * best_fixed, (suite, adaptive[suite], best_fixed)
+def test_where_drafting_pays_adaptive_comes_close_to_the_best_fixed_k(warm, machine):
+    costs, traces = TRACE_SETS[machine]
+    adaptive = suite_speedups(costs, None, warm, traces)
+    for suite, speed in adaptive.items():
+        best_fixed = max(suite_speedups(costs, k, traces=traces)[suite] for k in FIXED_KS)
+        assert speed >= 0.98, (suite, adaptive)
+        assert speed >= 0.9 * best_fixed, (suite, speed, best_fixed)
 
 
-@pytest.mark.parametrize("scale", [1.5, 2.0, 3.0])
+# Draft costs times these where drafting starts to lose, and where it loses outright
+# (k = 3 loses 10% or more on both suites): on the Zen 4 traces 1.5x loses ~9% on
+# open-ended text at any fixed k, 2-3x 11-35%; the Zen 5's draft is cheaper.
+DEARER = [("zen4", 1.5), ("zen4", 2.0), ("zen4", 3.0), ("zen5", 1.5), ("zen5", 2.5), ("zen5", 3.0)]
+
+
+@pytest.mark.parametrize(("machine", "scale"), DEARER)
 @pytest.mark.parametrize("warm", [True, False], ids=["serving", "new-engine"])
-def test_where_drafting_does_not_pay_adaptive_stays_near_plain(scale, warm):
-    """A dearer draft (1.5x: every fixed k loses ~9% on open-ended text; 2-3x: every
-    fixed k loses 11-35%): adaptive pays only for what it must learn."""
-    costs = COSTS.with_dearer_draft(scale)
-    adaptive = suite_speedups(costs, None, warm)
+def test_where_drafting_does_not_pay_adaptive_stays_near_plain(scale, warm, machine):
+    """A dearer draft: adaptive pays only for what it must learn."""
+    costs, traces = TRACE_SETS[machine]
+    costs = costs.with_dearer_draft(scale)
+    adaptive = suite_speedups(costs, None, warm, traces)
     assert all(speed >= 0.95 for speed in adaptive.values()), adaptive
     if scale >= 2:
         assert all(speed >= 0.98 for speed in adaptive.values()), adaptive
-        assert max(suite_speedups(costs, 3).values()) < 0.9  # the scenario is one where drafting loses
+        assert max(suite_speedups(costs, 3, traces=traces).values()) < 0.9  # a scenario where drafting loses
 
 
 def test_replay_counts_every_token_once():
