@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adaptive_replay import FIXED_KS, TRACES as ZEN4_TRACES, Costs, Trace, geomean, load_traces, replay, speedups
+from benchmarks.adaptive_replay import FIXED_KS, TRACES as ZEN4_FILE, Costs, Trace, geomean, load_traces, replay, speedups
 
-# The pair's costs on two machines' kernels: a Zen 4 at 32-35 GB/s (draft position ~0.4
-# of a plain step, a verified row ~0.25) and a Zen 5 whose one-row steps gained most
-# (target 16.0 + 3.5 ms a row, draft 0.9 + 7.7 ms a position).
-TRACE_FILES = {"zen4": ZEN4_TRACES, "zen5": ZEN4_TRACES.with_name("adaptive_traces_zen5.json")}
+# The pair's costs on two machines' kernels: a Zen 4 at 32-35 GB/s (a draft position
+# ~0.39 of a plain step, a verified row ~0.22) and a Zen 5 whose one-row steps gained
+# most (target 16.0 + 3.5 ms a row, draft 0.9 + 7.7 ms a position: 0.39 and 0.18).
+TRACE_FILES = {"zen4": ZEN4_FILE, "zen5": ZEN4_FILE.with_name("adaptive_traces_zen5.json")}
 TRACE_SETS = {name: load_traces(path) for name, path in TRACE_FILES.items()}
 COSTS, TRACES = TRACE_SETS["zen4"]
 
