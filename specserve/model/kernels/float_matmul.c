@@ -31,13 +31,22 @@
 #include "swiglu.h"
 
 /* Register tiles of 24 accumulators: for up to 8 activation rows (decode steps,
- * verifications), 3 weight rows x all of them, so each weight is read from memory once;
+ * verifications), 3 weight rows x all of them (1 weight row for the fewest rows: see
+ * ONE_WEIGHT_ROW_MAX_T), so each weight is read from memory once;
  * for more (prompts), 6 weight rows x 4 activation rows, whose 6 + 4 loads per 24 FMAs
  * keep closer to the FMA peak (200 rows: 0.8x the time of 3 x 8), and on vdpbf16ps 4 x
  * 6 (200 rows: 0.8-0.95x the time of 6 x 4). The tile changes which outputs are
  * computed together, never how one is computed. */
 #define FEW_ROWS 8
 #define FEW_WEIGHT_ROWS 3
+/* Up to this many activation rows, one weight row at a time instead: the memory then
+ * sees one sequential stream per thread, where three rows read side by side are three.
+ * On a Zen 5 (2 cores, 45-77 GB/s; the 1.5B target's layers in a forward's order, two
+ * builds taking turns in one process, outputs identical): float32 1 and 2 rows 0.91x
+ * and 0.92x the time, 4 rows 1.07x; bfloat16 on vdpbf16ps 1-5 rows 0.69-0.91x, 6 rows
+ * 0.96x, 8 rows 1.09x. (With the widened bfloat16 weights, more work a byte, as float32.) */
+#define ONE_WEIGHT_ROW_MAX_T 2
+#define DOT_ONE_WEIGHT_ROW_MAX_T 4
 #define MANY_WEIGHT_ROWS 6
 #define MANY_TILE 4
 #define DOT_MANY_WEIGHT_ROWS 4
@@ -220,6 +229,7 @@ static inline __attribute__((always_inline)) void matmul(const enum kind kind, c
     const size_t x_width = kind == FLOAT32 || kind == BF16_WIDEN ? 4 : 2;
     const int many = T > FEW_ROWS;
     int step = FEW_WEIGHT_ROWS, tile = FEW_ROWS; /* weight rows x activation rows */
+    if (T <= (kind == BF16_DOT ? DOT_ONE_WEIGHT_ROW_MAX_T : ONE_WEIGHT_ROW_MAX_T)) step = 1;
     if (many) {
         step = kind == BF16_DOT ? DOT_MANY_WEIGHT_ROWS : MANY_WEIGHT_ROWS;
         tile = kind == BF16_DOT ? DOT_MANY_TILE : MANY_TILE;
