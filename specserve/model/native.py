@@ -92,17 +92,23 @@ def _library_path(compiler: str) -> Path:
     return cache_root() / "kernels" / f"specserve-kernels-{key.hexdigest()[:16]}.so"
 
 
-def _compile(compiler: str, target: Path) -> None:
+def compile_kernels(compiler: str, target: Path, sources: list[Path] = SOURCES) -> None:
+    """Compile the kernel sources into the shared library `target` (benchmarks/kernel_ab.py
+    builds another revision's sources with it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile beside the target and rename: a process loading it never sees half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-lm", "-o", str(built)], capture_output=True, text=True
+            [compiler, *COMPILE_FLAGS, *map(str, sources), "-lm", "-o", str(built)], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to compile our kernels:\n{result.stderr[-2000:]}")
         os.replace(built, target)
+
+
+def _compile(compiler: str, target: Path) -> None:
+    compile_kernels(compiler, target)
     # Libraries built from older sources are never loaded again (the name is their
     # sources' hash); a process that has one loaded keeps its mapping.
     for stale in target.parent.glob("specserve-kernels-*.so"):
@@ -121,12 +127,16 @@ def library() -> ctypes.CDLL | None:
             if not path.exists():
                 logger.info("compiling our CPU kernels into %s", path)
                 _compile(compiler, path)
-            lib = ctypes.CDLL(str(path))
+            return load_library(path)
         except (OSError, RuntimeError) as error:
             reason = str(error)
-    if reason is not None:
-        logger.info("PyTorch runs the quantized layers and norms: our kernels are unavailable (%s)", reason)
-        return None
+    logger.info("PyTorch runs the quantized layers and norms: our kernels are unavailable (%s)", reason)
+    return None
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """A compiled kernel library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, gated, x, T, K
