@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.model import native  # noqa: E402
 from specserve.model.decoder import FloatLinear  # noqa: E402
+from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
 from specserve.model.quant import QuantizedLinear  # noqa: E402
 from specserve.models import load_model  # noqa: E402
 
@@ -62,7 +63,7 @@ def kernel_sources(build: str, into: Path) -> Path:
 
 
 def build_library(sources: Path, target: Path):
-    native.compile_kernels(native._compiler(), target, sorted(sources.glob("*.c")))
+    native.compile_kernels(target, sorted(sources.glob("*.c")))
     return native.load_library(target)
 
 
@@ -78,35 +79,36 @@ def in_features(layer: torch.nn.Module) -> int:
     return layer.in_features if isinstance(layer, QuantizedLinear) else layer.weight.shape[1]
 
 
-def run_layers(layers, inputs) -> tuple[float, list[torch.Tensor]]:
+def run_layers(lib, layers, inputs) -> tuple[float, list[torch.Tensor]]:
+    """Seconds to run every layer once on `lib`'s kernels, and the outputs."""
+    native.library = lambda: lib  # the layers find the kernels through it
     started = time.perf_counter()
     outputs = [layer.silu_and_mul(x) if gated else layer(x) for (layer, gated), x in zip(layers, inputs)]
     return time.perf_counter() - started, outputs
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals itself, -0.0 does not equal 0.0)."""
+    as_ints = {2: torch.int16, 4: torch.int32}
+    return a.shape == b.shape and torch.equal(a.view(as_ints[a.element_size()]), b.view(as_ints[b.element_size()]))
 
 
 def compare(libraries: dict, layers, rows: int, rounds: int, dtype: torch.dtype) -> dict:
     """Median seconds per build, and each build's per-round ratio to the first."""
     inputs = [torch.randn(rows, in_features(layer), dtype=dtype) for layer, _ in layers]
     library = native.library
+    first = next(iter(libraries))
     times: dict[str, list[float]] = {name: [] for name in libraries}
     try:
-        first_outputs = None
-        for name, lib in libraries.items():  # a warm-up round, and the outputs compared
-            native.library = lambda lib=lib: lib  # the layers find the kernels through it
-            _, outputs = run_layers(layers, inputs)
-            if first_outputs is None:
-                first_outputs = outputs
-            elif not all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                                     b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
-                         for a, b in zip(first_outputs, outputs)):
-                print(f"  {name}: outputs differ from {next(iter(libraries))}'s")
+        outputs = {name: run_layers(lib, layers, inputs)[1] for name, lib in libraries.items()}  # also a warm-up
+        for name, theirs in outputs.items():
+            if not all(map(same_bits, outputs[first], theirs)):
+                print(f"  {name}: outputs differ from {first}'s")
         for _ in range(rounds):
             for name, lib in libraries.items():
-                native.library = lambda lib=lib: lib
-                times[name].append(run_layers(layers, inputs)[0])
+                times[name].append(run_layers(lib, layers, inputs)[0])
     finally:
         native.library = library
-    first = next(iter(libraries))
     return {name: (statistics.median(seconds), [b / a for a, b in zip(times[first], seconds)])
             for name, seconds in times.items()}
 
@@ -127,9 +129,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.quantization != "none" else "float32"))
     decoder = load_model(args.target, dtype=dtype, quantization=args.quantization).decoder
     layers = linear_layers(decoder)
-    weight_bytes = sum(buffer.numel() * buffer.element_size() for layer, _ in layers
-                       for buffer in (layer.weight, getattr(layer, "scales", None), getattr(layer, "zeros", None))
-                       if buffer is not None)
+    weight_bytes = sum(weight_bytes_per_token(layer) for layer, _ in layers)
     scratch = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     try:
         names = {"a": args.a, "b": args.b}

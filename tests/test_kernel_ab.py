@@ -26,6 +26,15 @@ def test_a_build_is_a_folder_or_a_git_revision(tmp_path):
         kernel_ab.kernel_sources("no-such-revision", tmp_path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_are_compared_bit_for_bit(dtype):
+    a = torch.tensor([1.0, float("nan"), 0.0], dtype=dtype)
+    assert kernel_ab.same_bits(a, a.clone())  # a NaN is the same bits as itself
+    assert not kernel_ab.same_bits(a, torch.tensor([1.0, float("nan"), -0.0], dtype=dtype))
+    assert not kernel_ab.same_bits(a, torch.tensor([1.0 + 2**-7, float("nan"), 0.0], dtype=dtype))
+    assert not kernel_ab.same_bits(a, a[:2])
+
+
 @needs_kernel
 def test_two_builds_take_turns_on_the_same_layers_and_agree(tmp_path, capsys):
     torch.manual_seed(0)

@@ -92,9 +92,10 @@ def _library_path(compiler: str) -> Path:
     return cache_root() / "kernels" / f"specserve-kernels-{key.hexdigest()[:16]}.so"
 
 
-def compile_kernels(compiler: str, target: Path, sources: list[Path] = SOURCES) -> None:
+def compile_kernels(target: Path, sources: list[Path] = SOURCES, compiler: str | None = None) -> None:
     """Compile the kernel sources into the shared library `target` (benchmarks/kernel_ab.py
     builds another revision's sources with it)."""
+    compiler = compiler or _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile beside the target and rename: a process loading it never sees half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
@@ -108,7 +109,7 @@ def compile_kernels(compiler: str, target: Path, sources: list[Path] = SOURCES) 
 
 
 def _compile(compiler: str, target: Path) -> None:
-    compile_kernels(compiler, target)
+    compile_kernels(target, compiler=compiler)
     # Libraries built from older sources are never loaded again (the name is their
     # sources' hash); a process that has one loaded keeps its mapping.
     for stale in target.parent.glob("specserve-kernels-*.so"):

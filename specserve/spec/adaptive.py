@@ -325,10 +325,9 @@ class AdaptiveSpecLength:
         batch = len(seq_ids) + others
         hopeful = None  # worked out once, if some sequence is due a probe
         # A batch whose every sequence is in a run of drafting goes on at a lower bar
-        # than one that would start (see CONTINUE_SPEEDUP).
-        running = bool(states) and all(state.drafting_steps for state in states)
-        running = running and self.target_steps >= COSTS_KNOWN_STEPS
-        floor = CONTINUE_SPEEDUP if running else MIN_SPEEDUP
+        # than one that would start, once the costs are measured (see CONTINUE_SPEEDUP).
+        running = self.target_steps >= COSTS_KNOWN_STEPS and all(state.drafting_steps for state in states)
+        floor = CONTINUE_SPEEDUP if running and states else MIN_SPEEDUP
         ks = []
         for state, k, read in zip(states, self.batch_ks(states, read_costs, others, floor), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
