@@ -60,7 +60,7 @@ from specserve.bench.roofline import (
 )
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
-from specserve.config import DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
+from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model.decoder import Decoder
@@ -176,8 +176,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:
         raw["quantization"] = args.draft_quantization
-    if mode != "ngram" and args.draft_vocab_size:
-        raw["draft_vocab_size"] = args.draft_vocab_size
+    if mode != "ngram":
+        raw["draft_vocab_size"] = args.draft_vocab_size or None
     if mode != "ngram":
         raw["prompt_lookup_first"] = args.prompt_lookup_first or None
     raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
@@ -557,6 +557,12 @@ def positive_int(value: str) -> int:
     return int(value)
 
 
+def non_negative_int(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=models.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
@@ -575,8 +581,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
-    parser.add_argument("--draft-vocab-size", type=positive_int, default=None,
-                        help="our draft guesses only token ids below this (the speculative config's draft_vocab_size)")
+    parser.add_argument("--draft-vocab-size", type=non_negative_int, default=DEFAULT_DRAFT_VOCAB_SIZE,
+                        help="our draft guesses only token ids below this while the text keeps to them (the "
+                             "speculative config's draft_vocab_size; 0: every id always)")
     parser.add_argument("--prompt-lookup-first", type=int, default=DEFAULT_PROMPT_LOOKUP_FIRST,
                         help="our draft rows look the last this-many tokens up first (the speculative config's "
                              "prompt_lookup_first; 0: always the draft model)")

@@ -203,6 +203,12 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             raise ConfigError(f"the model's chat template does not compile: {error}") from error
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (chat markup, end of turn, padding): not text."""
+        return frozenset(token_id for token_id, token in self._backend.get_added_tokens_decoder().items()
+                         if token.special)
+
     # -- vocabulary identity --
 
     @functools.cached_property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.config import DEFAULT_PROMPT_LOOKUP_FIRST, ModelConfig, SpecConfig
+from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, ModelConfig, SpecConfig
 from specserve.errors import ConfigError
 from specserve.sampling import SamplingParams
 from tests.conftest import tiny_config
@@ -13,7 +13,7 @@ from tests.conftest import tiny_config
 def test_model_without_method_means_draft_model():
     spec = SpecConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}')
     assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b",
-                              prompt_lookup_first=DEFAULT_PROMPT_LOOKUP_FIRST)
+                              prompt_lookup_first=DEFAULT_PROMPT_LOOKUP_FIRST, draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE)
     assert spec.draft_confidence_threshold == 0.5
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "draft_confidence_threshold": 0})
     assert fixed.draft_confidence_threshold == 0.0

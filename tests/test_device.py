@@ -16,6 +16,7 @@ from specserve.errors import ConfigError
 from specserve.model import native
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.device import check_device_format, default_dtype, resolve_device
+from specserve.model.footprint import weight_bytes_per_token
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
@@ -169,3 +170,9 @@ def test_a_drafts_prior_cost_follows_bytes_on_the_cpu_and_layers_on_a_gpu():
     assert by_bytes < 0.5
     assert prior_cost_ratio(DraftModelProposer(draft.to("meta")), target.to("meta")) == 0.75
     assert prior_cost_ratio(NgramProposer(1, 3), target) == 0.0
+    # A common head (Decoder.add_common_head) reads only its rows on most text.
+    target, draft = Decoder(target.config), Decoder(draft.config)  # on the CPU again
+    draft.add_common_head(draft.config.vocab_size // 2)
+    head_bytes = weight_bytes_per_token(draft.lm_head)
+    cut = prior_cost_ratio(DraftModelProposer(draft), target)
+    assert cut == pytest.approx(by_bytes - head_bytes / 2 / weight_bytes_per_token(target))

@@ -1,7 +1,7 @@
-"""A draft that guesses only the first token ids (`"draft_vocab_size"`,
-`Decoder.limit_head`): its cut head scores exactly those ids as the whole head does,
-and the output stays the target's (the sampled case is in test_engine.py, the fused
-one in test_fused.py)."""
+"""A draft that guesses only the first token ids while a sequence's text keeps to them
+(`"draft_vocab_size"`, `Decoder.add_common_head`): its common head scores exactly
+those ids as the whole head does, each sequence by its own text, and the output stays
+the target's (the sampled case is in test_engine.py, the fused one in test_fused.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from specserve.config import SpecConfig
+from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model import native
@@ -63,16 +63,54 @@ def test_int8_on_pytorchs_kernel_cuts_too(monkeypatch):
     torch.testing.assert_close(first_rows(layer, 40)(x), layer(x)[:, :40], atol=0, rtol=0)
 
 
+def test_a_common_head_scores_its_rows_as_the_whole_head_does_and_mixed_calls_too():
+    draft = random_decoder("qwen2", seed=1)
+    tokens = torch.tensor([5, 60, 7, 90])
+    whole = draft(tokens, [Segment(draft.new_cache(), 4)])  # [4, 96]
+    draft.add_common_head(48)
+    assert draft(tokens, [Segment(draft.new_cache(), 4)]).shape == (4, 96)  # no row marked: every id
+    common = draft(tokens, [Segment(draft.new_cache(), 4)], common=[True] * 4)  # [4, 48]
+    # (float32 GEMMs of 2 and 4 rows round differently: see RowBlockedLinear)
+    torch.testing.assert_close(common, whole[:, :48], atol=1e-5, rtol=0)
+    mixed = draft(tokens, [Segment(draft.new_cache(), 4)], common=[True, False, True, False])  # [4, 96]
+    torch.testing.assert_close(mixed[1::2], whole[1::2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[0::2, :48], whole[0::2, :48], atol=1e-5, rtol=0)
+    assert torch.isneginf(mixed[0::2, 48:]).all()
+
+
 def test_greedy_output_stays_the_targets_when_the_draft_guesses_half_the_ids():
     target = random_decoder("qwen2", seed=1)
     draft = perturbed(target, 0.3, seed=2)
-    draft.limit_head(48)
-    assert draft(torch.tensor([1, 2, 3]), [Segment(draft.new_cache(), 3)]).shape == (3, 48)
+    draft.add_common_head(48)
     engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(draft), num_speculative_tokens=5)
     for prompt in PROMPTS:
         assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafting, and rejections rolled back
+
+
+def test_each_sequence_guesses_over_the_common_ids_while_its_recent_text_keeps_to_them():
+    draft = random_decoder("llama", seed=4)
+    draft.add_common_head(48)
+    proposer = DraftModelProposer(draft, special_ids=frozenset({95}))
+    low, high = list(range(10, 40)), list(range(50, 80))
+    assert proposer.keeps_to_common(View(0, low))
+    assert not proposer.keeps_to_common(View(0, high))
+    assert proposer.keeps_to_common(View(0, low + [60, 95, 95, 95]))  # 1 of 31 text tokens past: 10% allowed
+    assert not proposer.keeps_to_common(View(0, low[:20] + [60, 61, 62]))
+    assert proposer.keeps_to_common(View(0, [60] * 10 + low * 3))  # only the last COMMON_WINDOW count
+    # A sequence whose text lies past the common ids may be guessed any id, beside one
+    # that keeps to them, in one batch; each one's guesses are what it drafts alone.
+    together = proposer.propose([View(1, high), View(2, low)], [6, 6])
+    alone = [DraftModelProposer(draft, special_ids=frozenset({95})).propose([View(i, t)], [6])[0]
+             for i, t in ((1, high), (2, low))]
+    assert [d.tokens.tolist() for d in together] == [d.tokens.tolist() for d in alone]
+    assert max(together[1].tokens.tolist()) < 48
+    assert max(together[0].tokens.tolist()) >= 48  # this draft's argmax lies past the common ids
+
+
+def test_without_a_common_head_no_sequence_keeps_to_one():
+    assert not DraftModelProposer(random_decoder("llama", seed=4)).keeps_to_common(View(0, [1, 2, 3]))
 
 
 @pytest.mark.parametrize("raw,words", [
@@ -85,18 +123,32 @@ def test_bad_draft_vocab_sizes_are_refused(raw, words):
         SpecConfig.parse(raw)
 
 
-def test_a_draft_vocab_size_past_the_vocabulary_is_refused():
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 65536}).draft_vocab_size == 65536
-    with pytest.raises(ConfigError, match=r"draft_vocab_size must be in \[1, 96\], got 97"):
-        random_decoder("llama", seed=1).limit_head(97)
+def test_a_draft_model_has_common_ids_by_default_and_null_turns_them_off():
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3}).draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": None}).draft_vocab_size is None
+    assert SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3}).draft_vocab_size is None
+    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 1000}).draft_vocab_size == 1000
+
+
+def test_common_ids_at_or_past_the_vocabulary_mean_every_id():
+    draft = random_decoder("llama", seed=1)
+    for size in (96, 97, 65536):
+        draft.add_common_head(size)
+        assert draft.common is None
+    with pytest.raises(ConfigError, match="draft_vocab_size must be >= 1, got 0"):
+        draft.add_common_head(0)
 
 
 def test_sampled_guesses_come_from_the_scored_ids_and_give_the_rest_no_mass():
     draft = random_decoder("llama", seed=4)
-    draft.limit_head(48)
+    draft.add_common_head(48)
     params = SamplingParams(max_tokens=8, temperature=1.5, seed=3)
-    view = View(0, list(PROMPTS[3]), params, params.make_generator())
-    (guess,) = DraftModelProposer(draft).propose([view], [6])
-    assert guess.num_tokens == 6 and max(guess.tokens.tolist()) < 48
-    assert guess.probs.shape == (6, 96) and not guess.probs[:, 48:].any()
-    torch.testing.assert_close(guess.probs.sum(dim=1), torch.ones(6))
+    for prompt, past in ((list(PROMPTS[3]), False), (list(range(50, 80)), True)):
+        view = View(0, prompt, params, params.make_generator())
+        (guess,) = DraftModelProposer(draft).propose([view], [6])
+        assert guess.num_tokens == 6 and guess.probs.shape == (6, 96)
+        torch.testing.assert_close(guess.probs.sum(dim=1), torch.ones(6))
+        if not past:  # a text that keeps to the common ids: guesses among them alone
+            assert max(guess.tokens.tolist()) < 48 and not guess.probs[:, 48:].any()
+        else:
+            assert guess.probs[:, 48:].any()

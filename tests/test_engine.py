@@ -181,7 +181,8 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4),
-    also where the draft's head scores only some token ids (Decoder.limit_head), and
+    also where the draft's common head scores only some token ids (Decoder.add_common_head:
+    each sequence's guesses over those or every id, by its text), and
     where lookups draft in place of the model (one-hot drafts beside the model's)."""
     import itertools
 
@@ -193,7 +194,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
     draft = perturbed(target, 1.5, seed=4)
-    draft.limit_head(draft_head)  # 3: token 3 only ever comes from the target's residual
+    draft.add_common_head(draft_head)  # 3: while a sequence has no 3, a 3 only comes from the target's residual
     draft = on(draft, device)
     params = dict(max_tokens=length, temperature=0.9, top_p=0.95, ignore_eos=True)
 

@@ -131,7 +131,7 @@ def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def first_rows(layer: nn.Module, n: int) -> nn.Module:
-    """`layer` computing only its outputs [0, n) (`Decoder.limit_head`): views of its
+    """`layer` computing only its outputs [0, n) (`Decoder.add_common_head`): views of its
     weights, or for oneDNN's packed format, which cannot be sliced, a packed copy of them."""
     if isinstance(layer, QuantizedLinear):
         return layer.first_rows(n)
@@ -405,7 +405,10 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
-        self.head_size = config.vocab_size  # the token ids [0, head_size) it scores: see limit_head
+        self.head_size = config.vocab_size  # the token ids [0, head_size) lm_head scores
+        # (common ids, the head's first rows) where `add_common_head` gave one: a plain
+        # attribute, not a submodule, so its views of lm_head are not counted twice.
+        self.common: tuple[int, nn.Module] | None = None
         self.batch_invariant = False
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see rope_table
         self.static: StaticDecode | None = None  # see use_cuda_graphs
@@ -429,7 +432,8 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,  # [T] int64 on self.device: every segment's new tokens, in segment order
         segments: list[Segment],
         logits_rows: torch.Tensor | None = None,  # [R] on self.device: rows of the stream to score; None = all
-    ) -> torch.Tensor:  # [R, vocab] float32 on self.device
+        common: list[bool] | None = None,  # [R]: rows that may score the common ids only (see `score`)
+    ) -> torch.Tensor:  # [R, width] float32 on self.device: logits of token ids [0, width)
         """Append the segments' tokens to their caches and return logits for chosen rows."""
         assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
         if self.batch_invariant:
@@ -446,7 +450,7 @@ class Decoder(nn.Module):
                 logits = self.static.run(input_ids, segments)  # [T, head_size]: every row
             for seg in segments:
                 seg.cache.length += seg.num_tokens
-            return logits if logits_rows is None else logits[logits_rows]
+            return logits if logits_rows is None else logits[logits_rows]  # every id: the graph holds lm_head
 
         rope = self.rope_table(max((s.cache.length + s.num_tokens for s in segments), default=0))
         h = self.embed_tokens(input_ids)  # [T, hidden]
@@ -469,24 +473,43 @@ class Decoder(nn.Module):
             if logits_rows.numel() == 0:  # cache-filling only (a prompt chunk)
                 return h.new_empty(0, self.head_size, dtype=torch.float32)
             h = h[logits_rows]  # [R, hidden]
-        return self.score(h)
+        return self.score(h, common)
 
-    def score(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, head_size] float32
+    def score(self, h: torch.Tensor, common: list[bool] | None = None) -> torch.Tensor:
+        """h [R, hidden] -> logits [R, width] float32 of token ids [0, width): every id,
+        or, where the model has a common head and every row is `common`, the common ids
+        only; rows of a mixed call that are common get -inf past the common ids (their
+        logits otherwise as the common head computes them, bit for bit)."""
+        if self.common is None or not common or not any(common):
+            return self.score_every_id(h)  # [R, vocab]
+        h = self.norm(h)
+        num_common, head = self.common
+        if all(common):
+            return head(h).float()  # [R, num_common]
+        rows = torch.tensor(common, device=h.device)  # [R] bool
+        logits = torch.full((h.shape[0], self.head_size), float("-inf"), device=h.device)  # [R, vocab]
+        logits[rows, :num_common] = head(h[rows]).float()
+        logits[~rows] = self.lm_head(h[~rows]).float()
+        return logits
+
+    def score_every_id(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         return self.lm_head(self.norm(h)).float()
 
-    def limit_head(self, num_token_ids: int) -> None:
-        """Score only token ids [0, num_token_ids): for a draft model, whose guesses the
-        target verifies, so any subset of the vocabulary keeps the output the target's
-        (FR-Spec, Zhao et al. 2025, drafts over the most frequent tokens). BPE vocabularies
-        number tokens roughly by merge order, so the first ids are the common ones: on
-        the 0.5B draft, ids below 65536 cover 97-100% of our suites' output tokens and
-        the head then reads 43% of its bytes. The cut rows are views of the weights
-        (the embedding is not touched), so a tied head costs no memory."""
-        if not 0 < num_token_ids <= self.config.vocab_size:
-            raise ConfigError(f"draft_vocab_size must be in [1, {self.config.vocab_size}], got {num_token_ids}")
-        self.lm_head = first_rows(self.lm_head, num_token_ids)
-        self.head_size = num_token_ids
-        self.__dict__.pop("_in_c", None)  # described with the old head
+    def add_common_head(self, num_token_ids: int) -> None:
+        """Let `score` score token ids [0, num_token_ids) alone, for the rows a caller
+        marks `common`: for a draft model, whose guesses the target verifies, so any
+        subset of the vocabulary keeps the output the target's (FR-Spec, Zhao et al.
+        2025, drafts over the most frequent tokens). BPE vocabularies number tokens
+        roughly by merge order, so the first ids are the common ones: on the 0.5B draft,
+        ids below 65536 cover 97-100% of our suites' English and code output tokens and
+        such a head reads 43% of the whole one's bytes, but 22% of a Chinese answer's
+        (hence per row: spec/draft_model.py decides by each sequence's text). The cut
+        rows are views of the weights, so a tied head costs no memory. At or past the
+        vocabulary's size it does nothing."""
+        if num_token_ids < 1:
+            raise ConfigError(f"draft_vocab_size must be >= 1, got {num_token_ids}")
+        self.common = (num_token_ids, first_rows(self.lm_head, num_token_ids)) if num_token_ids < self.head_size else None
+        self.__dict__.pop("_in_c_common", None)  # described with the old head
 
     def use_torch_compile(self) -> None:
         """Run the PyTorch parts that touch no cache through torch.compile (inductor):
@@ -502,7 +525,7 @@ class Decoder(nn.Module):
         for block in self.layers:
             block.project_qkv = torch.compile(block.project_qkv, dynamic=True)
             block.finish = torch.compile(block.finish, dynamic=True)
-        self.score = torch.compile(self.score, dynamic=True)
+        self.score_every_id = torch.compile(self.score_every_id, dynamic=True)  # a common head's rows run eagerly
         cache = self.new_cache()
         try:
             self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
@@ -550,16 +573,21 @@ class Decoder(nn.Module):
             )
         return table[1], table[2]
 
-    def in_c(self) -> native.ModelInC | None:
+    def in_c(self, common: bool = False) -> native.ModelInC | None:
         """This model described for `native.decode_blocks` and `native.speculate_greedy`
         where all of it can run there (bfloat16, every projection and the head on our
         int4/int8 or bfloat16 kernels, a head size it takes), else None; decided once,
-        after loading."""
+        after loading. common: with the common head (`add_common_head`) where there
+        is one."""
         if not hasattr(self, "_in_c"):
-            self._in_c = self._describe_in_c()
-        return self._in_c
+            self._in_c = self._describe_in_c(self.lm_head, self.head_size)
+        if not common or self.common is None or self._in_c is None:
+            return self._in_c
+        if not hasattr(self, "_in_c_common"):
+            self._in_c_common = self._describe_in_c(self.common[1], self.common[0])
+        return self._in_c_common
 
-    def _describe_in_c(self) -> native.ModelInC | None:
+    def _describe_in_c(self, head: nn.Module, head_size: int) -> native.ModelInC | None:
         config = self.config
         if (self.dtype != torch.bfloat16 or self.device.type != "cpu" or native.library() is None
                 or config.head_dim % 16 or config.head_dim > 256):
@@ -579,11 +607,10 @@ class Decoder(nn.Module):
             ):
                 return None
             blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
-        head = self.lm_head
         if not (on_our_kernels(head) and self.norm.weight.dtype == torch.bfloat16):
             return None
         shape = native.ModelShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                  config.intermediate_size, self.head_size, config.rms_norm_eps)
+                                  config.intermediate_size, head_size, config.rms_norm_eps)
         return native.ModelInC(blocks, self.embed_tokens.weight, self.norm.weight, head, shape)
 
     def pack_linear_weights(self) -> None:

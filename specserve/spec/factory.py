@@ -54,10 +54,12 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
                        device=target.decoder.device)
     check_same_vocabulary(target, draft)
     if spec.draft_vocab_size is not None:
-        draft.decoder.limit_head(spec.draft_vocab_size)
+        draft.decoder.add_common_head(spec.draft_vocab_size)
+    special_ids = target.tokenizer.special_ids
     if spec.fused:
-        return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
-    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size)
+        return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold,
+                                  prefill_chunk_size, special_ids)
+    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)
 
 
 def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
@@ -70,7 +72,11 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     With CUDA graphs (`Decoder.use_cuda_graphs`) a step launches once: the bytes again."""
     if not isinstance(proposer, DraftModelProposer):
         return 0.0
-    by_bytes = weight_bytes_per_token(proposer.draft) / weight_bytes_per_token(target)
-    if target.device.type == "cpu" or (target.static is not None and proposer.draft.static is not None):
+    draft = proposer.draft
+    draft_bytes = weight_bytes_per_token(draft)
+    if draft.common is not None:  # most text drafts over the common ids (spec/draft_model.py)
+        draft_bytes -= weight_bytes_per_token(draft.lm_head) - weight_bytes_per_token(draft.common[1])
+    by_bytes = draft_bytes / weight_bytes_per_token(target)
+    if target.device.type == "cpu" or (target.static is not None and draft.static is not None):
         return by_bytes
-    return max(by_bytes, proposer.draft.config.num_layers / target.config.num_layers)
+    return max(by_bytes, draft.config.num_layers / target.config.num_layers)

@@ -36,10 +36,9 @@ class FusedDraftProposer(DraftModelProposer):
     which can also verify (`speculate`) when the target runs in C."""
 
     def __init__(self, draft: Decoder, target: Decoder, confidence_threshold: float = 0.0,
-                 catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE):
-        super().__init__(draft, confidence_threshold, catch_up_chunk_size)
-        self.draft_in_c = draft.in_c()
-        if self.draft_in_c is None:
+                 catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
+        super().__init__(draft, confidence_threshold, catch_up_chunk_size, special_ids)
+        if draft.in_c() is None:
             reason = native.unavailable_reason() or "the draft is not quantized"
             raise ConfigError(
                 '"fused": true runs the draft in our C kernels, which take a quantized draft '
@@ -100,9 +99,16 @@ class FusedDraftProposer(DraftModelProposer):
         target = None
         if target_caches is not None:
             target = (self.target_in_c, self.target.rope_table(target_end))
-        self.last_seconds = native.speculate_greedy(
-            self.draft_in_c, self.draft.rope_table(draft_end), target, jobs, self.confidence_threshold
-        )
+        # One call per draft head: sequences whose text keeps to the common ids guess
+        # over those alone (as in DraftModelProposer, so the drafts stay the unfused ones).
+        by_head: dict[bool, list[native.GreedySpeculation]] = {}
+        for seq, job in zip(seqs, jobs):
+            by_head.setdefault(self.keeps_to_common(seq), []).append(job)
+        self.last_seconds = (0.0, 0.0)
+        for common, group in by_head.items():
+            seconds = native.speculate_greedy(self.draft.in_c(common), self.draft.rope_table(draft_end), target,
+                                              group, self.confidence_threshold)
+            self.last_seconds = (self.last_seconds[0] + seconds[0], self.last_seconds[1] + seconds[1])
         for i, (seq, job) in enumerate(zip(seqs, jobs)):
             if job.drafted:
                 self._cache(seq).length += len(job.unseen) + len(job.drafted) - 1
