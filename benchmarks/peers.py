@@ -68,7 +68,7 @@ from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_
 from specserve.model.device import check_device_format
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
-from specserve.spec.factory import draft_format
+from specserve.spec.factory import draft_bytes_per_position, draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
@@ -239,7 +239,8 @@ def note_our_models(args, run: OurRun, engine, report: Report) -> None:
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
     if isinstance(draft, Decoder) and not any(m["role"] == "draft" for m in report.models):
         draft_format_name = format_of(*draft_format(run.spec.quantization, run.dtype, run.quantization))
-        report.add_model("draft", args.draft, "specserve", draft_format_name, weight_bytes_per_token(draft), None)
+        # what a position reads on most text: with the common head (spec/draft_model.py)
+        report.add_model("draft", args.draft, "specserve", draft_format_name, draft_bytes_per_position(draft), None)
 
 
 # ---------------------------------------------------------------- transformers

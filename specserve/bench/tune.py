@@ -35,7 +35,7 @@ import torch
 
 from specserve.bench.roofline import arithmetic_of, ceiling, measure_dot_peaks, measure_read_bandwidth
 from specserve.bench.suites import SUITES
-from specserve.config import SpecConfig
+from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.generate import encode_prompt, run_one
 from specserve.model.device import CPU
@@ -44,7 +44,7 @@ from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.adaptive import AdaptiveSpecLength
-from specserve.spec.factory import check_same_vocabulary, draft_format, prior_cost_ratio
+from specserve.spec.factory import check_same_vocabulary, draft_bytes_per_position, draft_format, prior_cost_ratio
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.stats import SpecStats
 
@@ -105,6 +105,7 @@ class Tuner:
                 continue
             draft = load_model(name, *draft_format(draft_quantization, dtype, quantization), device=device)
             check_same_vocabulary(self.target, draft)
+            draft.decoder.add_common_head(DEFAULT_DRAFT_VOCAB_SIZE)  # as served by default
             self.drafts[name] = draft
         self.ks = ks
         self.max_tokens = max_tokens
@@ -121,7 +122,8 @@ class Tuner:
         if proposer_name == NGRAM:
             proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
         elif proposer_name != PLAIN:
-            proposer = DraftModelProposer(self.drafts[proposer_name].decoder, self.threshold)
+            proposer = DraftModelProposer(self.drafts[proposer_name].decoder, self.threshold,
+                                          special_ids=self.target.tokenizer.special_ids)
         adaptive = None
         if k == ADAPTIVE:
             k = max(self.ks)
@@ -162,7 +164,7 @@ class Tuner:
         target = self.target.decoder
         target_bytes = weight_bytes_per_token(target)
         target_macs = multiply_adds_per_token(target.config, target.head_size)
-        return {name: ceiling(target_bytes, target_macs, 0 if draft is None else weight_bytes_per_token(draft.decoder),
+        return {name: ceiling(target_bytes, target_macs, 0 if draft is None else draft_bytes_per_position(draft.decoder),
                               bandwidth, peaks[0][self.arithmetic])
                 for name, draft in self.drafts.items()}
 

@@ -62,6 +62,15 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)
 
 
+def draft_bytes_per_position(draft: Decoder) -> int:
+    """Bytes of weights a draft position reads on most text: with the common head where
+    the draft has one (spec/draft_model.py: a text that keeps to its ids)."""
+    whole = weight_bytes_per_token(draft)
+    if draft.common is None:
+        return whole
+    return whole - weight_bytes_per_token(draft.lm_head) + weight_bytes_per_token(draft.common[1])
+
+
 def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     """A first guess of one draft position's cost in target forwards, before any is
     measured (an n-gram lookup costs next to nothing). On the CPU a decode step is bound
@@ -73,10 +82,7 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     if not isinstance(proposer, DraftModelProposer):
         return 0.0
     draft = proposer.draft
-    draft_bytes = weight_bytes_per_token(draft)
-    if draft.common is not None:  # most text drafts over the common ids (spec/draft_model.py)
-        draft_bytes -= weight_bytes_per_token(draft.lm_head) - weight_bytes_per_token(draft.common[1])
-    by_bytes = draft_bytes / weight_bytes_per_token(target)
+    by_bytes = draft_bytes_per_position(draft) / weight_bytes_per_token(target)
     if target.device.type == "cpu" or (target.static is not None and draft.static is not None):
         return by_bytes
     return max(by_bytes, draft.config.num_layers / target.config.num_layers)
