@@ -72,9 +72,12 @@ from specserve.spec.factory import draft_bytes_per_position, draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
-OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused", "plain-compiled")
-# Asked for by name: the fused modes need a quantized draft (--quantization or
-# --draft-quantization), and plain-compiled spends a minute in torch.compile.
+OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused", "draft-unfused",
+             "adaptive-unfused", "plain-compiled")
+# Asked for by name: draft and adaptive run as served, fused wherever the draft runs in
+# our C kernels; the -fused modes insist on it (they need a quantized draft:
+# --quantization or --draft-quantization), the -unfused ones turn it off; and
+# plain-compiled spends a minute in torch.compile.
 DEFAULT_MODES = ("plain", "draft", "adaptive", "ngram")
 PEERS = ("transformers", "llama.cpp")
 FLOAT32_PLAIN = "plain-float32"  # the reference the quality section compares against
@@ -183,6 +186,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
     if mode.endswith("-fused"):
         raw["fused"] = True
+    elif mode.endswith("-unfused"):
+        raw["fused"] = False
     return SpecConfig.parse(raw)
 
 

@@ -177,8 +177,9 @@ class SpecConfig:
     # Our addition (draft_model only): greedy requests draft all k tokens, and the target
     # verifies them, in one call into our C kernels (spec/fused.py), with no Python
     # between the steps. Needs a quantized draft; the verification joins the call when
-    # the target is quantized too, else it stays a PyTorch forward.
-    fused: bool = False
+    # the target is quantized too, else it stays a PyTorch forward. None (the default):
+    # wherever the draft runs in our C kernels; true: refused where it cannot.
+    fused: bool | None = None
     # Our addition (draft_model only), as EAGLE-3's draft_vocab_size: the draft guesses
     # only token ids below this while a sequence's recent text keeps to them
     # (Decoder.add_common_head, spec/draft_model.py), so its head reads that share of its
@@ -273,8 +274,8 @@ class SpecConfig:
                 raise ConfigError(
                     f"unknown draft quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
                 )
-        fused = raw.get("fused", False)
-        if not isinstance(fused, bool):
+        fused = raw.get("fused")
+        if fused is not None and not isinstance(fused, bool):
             raise ConfigError(f"fused must be true or false, got {fused!r}")
         if fused and method != "draft_model":
             raise ConfigError('fused applies to "draft_model" only: an n-gram lookup has no steps to fuse')

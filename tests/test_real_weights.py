@@ -16,7 +16,9 @@ from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.factory import make_proposer
+from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
+from tests.test_native import needs_kernel
 
 MODEL = "smollm2-135m"
 
@@ -119,3 +121,19 @@ def test_bfloat16_speculation_matches_bfloat16_plain(prepared_cache):
     engine = Engine(target.decoder, target.tokenizer.eos_token_ids, NgramProposer(1, 4), num_speculative_tokens=4)
     assert engine.generate(ids, params).output_ids == plain
     assert "1" in target.tokenizer.decode(plain)
+
+
+@needs_kernel
+def test_the_factory_fuses_a_draft_that_runs_in_our_kernels_unless_told_not_to(smollm, plain_outputs):
+    """Fused drafting is the default wherever the draft runs in C (a quantized draft on
+    our kernels); a float draft, or "fused": false, drafts through PyTorch."""
+    def proposer(**keys):
+        return make_proposer(SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 3, **keys}), smollm, torch.float32)
+
+    fused = proposer(quantization="int8")
+    assert isinstance(fused, FusedDraftProposer)
+    assert type(proposer(quantization="int8", fused=False)) is DraftModelProposer
+    assert type(proposer()) is DraftModelProposer  # a float32 draft has no C path
+    engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, fused, num_speculative_tokens=3)
+    prompt = PROMPTS[0]
+    assert engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY).output_ids == plain_outputs[prompt]

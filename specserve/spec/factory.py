@@ -56,7 +56,8 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     if spec.draft_vocab_size is not None:
         draft.decoder.add_common_head(spec.draft_vocab_size)
     special_ids = target.tokenizer.special_ids
-    if spec.fused:
+    # Fused wherever the draft runs in C (1.5-5% faster than unfused on the int4 pair).
+    if spec.fused or (spec.fused is None and draft.decoder.in_c() is not None):
         return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold,
                                   prefill_chunk_size, special_ids)
     return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)
