@@ -152,3 +152,11 @@ def test_sampled_guesses_come_from_the_scored_ids_and_give_the_rest_no_mass():
             assert max(guess.tokens.tolist()) < 48 and not guess.probs[:, 48:].any()
         else:
             assert guess.probs[:, 48:].any()
+
+
+def test_a_proposer_says_how_it_drafts():
+    draft = random_decoder("llama", seed=4)
+    assert DraftModelProposer(draft).describe() == "the draft drafts step by step"
+    draft.add_common_head(48)
+    assert DraftModelProposer(draft).describe() == (
+        "the draft drafts step by step, guessing ids below 48 while a text keeps to them")

@@ -137,3 +137,4 @@ def test_the_factory_fuses_a_draft_that_runs_in_our_kernels_unless_told_not_to(s
     engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, fused, num_speculative_tokens=3)
     prompt = PROMPTS[0]
     assert engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY).output_ids == plain_outputs[prompt]
+    assert fused.describe().startswith("the draft drafts in one C call per step (fused)")

@@ -23,6 +23,7 @@ from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
+from specserve.spec.draft_model import DraftModelProposer
 
 log = logging.getLogger("specserve")
 
@@ -88,8 +89,10 @@ def serve(config: ServerConfig) -> None:
     settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key)
     app = build_app(async_engine, tokenizer, settings, lifespan=lifespan)
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
+    if isinstance(engine.proposer, DraftModelProposer):
+        spec += f"; {engine.proposer.describe()}"
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
-    log.info("serving %r as %r (speculation %s, max_num_seqs %d, max_model_len %d, prefix caching %s)",
+    log.info("serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",
              config.model, name, spec, config.max_num_seqs, engine.max_model_len, prefix)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_grace_s + 5)

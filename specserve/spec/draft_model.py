@@ -48,6 +48,8 @@ COMMON_WINDOW, COMMON_MAX_SHARE = 64, 0.1
 
 
 class DraftModelProposer:
+    fuses = False  # FusedDraftProposer drafts greedy requests in C
+
     def __init__(self, draft: Decoder, confidence_threshold: float = 0.0,
                  catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
         self.draft = draft
@@ -139,6 +141,13 @@ class DraftModelProposer:
         """Add the tokens each sequence read before drafting to this call's count."""
         self.last_catch_up = max([self.last_catch_up, *lengths])
         self.last_tokens_read += sum(lengths)
+
+    def describe(self) -> str:
+        """How this proposer drafts, for the server's start-up line."""
+        how = "in one C call per step (fused)" if self.fuses else "step by step"
+        if self.draft.common is not None:
+            how += f", guessing ids below {self.draft.common[0]} while a text keeps to them"
+        return f"the draft drafts {how}"
 
     def keeps_to_common(self, seq: SequenceView) -> bool:
         """Whether seq's recent text keeps to the draft's common ids (see COMMON_MAX_SHARE);

@@ -35,6 +35,8 @@ class FusedDraftProposer(DraftModelProposer):
     """A `DraftModelProposer` whose greedy drafting runs in one C call per step, and
     which can also verify (`speculate`) when the target runs in C."""
 
+    fuses = True
+
     def __init__(self, draft: Decoder, target: Decoder, confidence_threshold: float = 0.0,
                  catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
         super().__init__(draft, confidence_threshold, catch_up_chunk_size, special_ids)
