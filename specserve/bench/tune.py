@@ -42,9 +42,9 @@ from specserve.model.device import CPU
 from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
-from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.adaptive import AdaptiveSpecLength
-from specserve.spec.factory import check_same_vocabulary, draft_bytes_per_position, draft_format, prior_cost_ratio
+from specserve.spec.factory import (
+    check_same_vocabulary, draft_bytes_per_position, draft_format, draft_proposer, prior_cost_ratio)
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.stats import SpecStats
 
@@ -105,7 +105,7 @@ class Tuner:
                 continue
             draft = load_model(name, *draft_format(draft_quantization, dtype, quantization), device=device)
             check_same_vocabulary(self.target, draft)
-            draft.decoder.add_common_head(DEFAULT_DRAFT_VOCAB_SIZE)  # as served by default
+            draft.decoder.add_common_head(DEFAULT_DRAFT_VOCAB_SIZE)  # as served by default (the ceilings count it)
             self.drafts[name] = draft
         self.ks = ks
         self.max_tokens = max_tokens
@@ -114,7 +114,6 @@ class Tuner:
         tokenizer = self.target.tokenizer
         self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
                         for suite in suites}
-        self.threshold = SpecConfig.draft_confidence_threshold  # as served by default
 
     def measure(self, proposer_name: str, k: int | str) -> dict[str, Measurement]:
         """k: a fixed number of drafted tokens, or ADAPTIVE (up to max(ks))."""
@@ -122,8 +121,8 @@ class Tuner:
         if proposer_name == NGRAM:
             proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
         elif proposer_name != PLAIN:
-            proposer = DraftModelProposer(self.drafts[proposer_name].decoder, self.threshold,
-                                          special_ids=self.target.tokenizer.special_ids)
+            served = SpecConfig.parse({"model": proposer_name, "num_speculative_tokens": 1})  # the defaults
+            proposer = draft_proposer(served, self.drafts[proposer_name].decoder, self.target)
         adaptive = None
         if k == ADAPTIVE:
             k = max(self.ks)

@@ -53,14 +53,20 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
                        device=target.decoder.device)
     check_same_vocabulary(target, draft)
+    return draft_proposer(spec, draft.decoder, target, prefill_chunk_size)
+
+
+def draft_proposer(spec: SpecConfig, draft: Decoder, target: LoadedModel,
+                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> DraftModelProposer:
+    """The proposer of a loaded draft model as `spec` asks: its common head, and fused
+    wherever the draft runs in C (2-3% faster than unfused on the int4 pair)."""
     if spec.draft_vocab_size is not None:
-        draft.decoder.add_common_head(spec.draft_vocab_size)
+        draft.add_common_head(spec.draft_vocab_size)
     special_ids = target.tokenizer.special_ids
-    # Fused wherever the draft runs in C (1.5-5% faster than unfused on the int4 pair).
-    if spec.fused or (spec.fused is None and draft.decoder.in_c() is not None):
-        return FusedDraftProposer(draft.decoder, target.decoder, spec.draft_confidence_threshold,
+    if spec.fused or (spec.fused is None and draft.in_c() is not None):
+        return FusedDraftProposer(draft, target.decoder, spec.draft_confidence_threshold,
                                   prefill_chunk_size, special_ids)
-    return DraftModelProposer(draft.decoder, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)
+    return DraftModelProposer(draft, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)
 
 
 def draft_bytes_per_position(draft: Decoder) -> int:
