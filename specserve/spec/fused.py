@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.model import native
