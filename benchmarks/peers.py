@@ -181,7 +181,6 @@ def our_spec(mode: str, args) -> SpecConfig | None:
         raw["quantization"] = args.draft_quantization
     if mode != "ngram":
         raw["draft_vocab_size"] = args.draft_vocab_size or None
-    if mode != "ngram":
         raw["prompt_lookup_first"] = args.prompt_lookup_first or None
     raw["adaptive"] = mode.startswith("adaptive")  # its k ranges up to the config's default maximum
     if mode.endswith("-fused"):
@@ -557,16 +556,16 @@ def comma_list(known: tuple[str, ...], flag: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return int(value)
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a decimal integer >= minimum (minimum >= 0)."""
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}")
+        return int(value)
+    return parse
 
 
-def non_negative_int(value: str) -> int:
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return int(value)
+positive_int = int_at_least(1)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -587,7 +586,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
                         help="our draft's own weight format (default: --quantization's)")
-    parser.add_argument("--draft-vocab-size", type=non_negative_int, default=DEFAULT_DRAFT_VOCAB_SIZE,
+    parser.add_argument("--draft-vocab-size", type=int_at_least(0), default=DEFAULT_DRAFT_VOCAB_SIZE,
                         help="our draft guesses only token ids below this while the text keeps to them (the "
                              "speculative config's draft_vocab_size; 0: every id always)")
     parser.add_argument("--prompt-lookup-first", type=int, default=DEFAULT_PROMPT_LOOKUP_FIRST,

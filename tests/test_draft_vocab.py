@@ -139,6 +139,16 @@ def test_common_ids_at_or_past_the_vocabulary_mean_every_id():
         draft.add_common_head(0)
 
 
+def test_asking_for_the_same_common_ids_again_keeps_the_head():
+    draft = random_decoder("llama", seed=1)
+    draft.add_common_head(48)
+    head = draft.common[1]
+    draft.add_common_head(48)
+    assert draft.common[1] is head
+    draft.add_common_head(40)
+    assert draft.common[0] == 40 and draft.common[1] is not head
+
+
 def test_sampled_guesses_come_from_the_scored_ids_and_give_the_rest_no_mass():
     draft = random_decoder("llama", seed=4)
     draft.add_common_head(48)

@@ -505,9 +505,12 @@ class Decoder(nn.Module):
         such a head reads 43% of the whole one's bytes, but 22% of a Chinese answer's
         (hence per row: spec/draft_model.py decides by each sequence's text). The cut
         rows are views of the weights, so a tied head costs no memory. At or past the
-        vocabulary's size it does nothing."""
+        vocabulary's size it does nothing; asked again for the same ids, it keeps the
+        head it has (and its C description)."""
         if num_token_ids < 1:
             raise ConfigError(f"draft_vocab_size must be >= 1, got {num_token_ids}")
+        if self.common is not None and self.common[0] == num_token_ids:
+            return
         self.common = (num_token_ids, first_rows(self.lm_head, num_token_ids)) if num_token_ids < self.head_size else None
         self.__dict__.pop("_in_c_common", None)  # described with the old head
 

@@ -104,11 +104,9 @@ class FusedDraftProposer(DraftModelProposer):
         by_head: dict[bool, list[native.GreedySpeculation]] = {}
         for seq, job in zip(seqs, jobs):
             by_head.setdefault(self.keeps_to_common(seq), []).append(job)
-        self.last_seconds = (0.0, 0.0)
-        for common, group in by_head.items():
-            seconds = native.speculate_greedy(self.draft.in_c(common), self.draft.rope_table(draft_end), target,
-                                              group, self.confidence_threshold)
-            self.last_seconds = (self.last_seconds[0] + seconds[0], self.last_seconds[1] + seconds[1])
+        seconds = [native.speculate_greedy(self.draft.in_c(common), self.draft.rope_table(draft_end), target,
+                                           group, self.confidence_threshold) for common, group in by_head.items()]
+        self.last_seconds = (sum(s[0] for s in seconds), sum(s[1] for s in seconds))  # drafting, verifying
         for i, (seq, job) in enumerate(zip(seqs, jobs)):
             if job.drafted:
                 self._cache(seq).length += len(job.unseen) + len(job.drafted) - 1
