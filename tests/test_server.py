@@ -132,7 +132,7 @@ def test_a_chats_next_turn_starts_from_the_cache_with_the_same_answer(plain, spe
     for name, moved in (("prefix_cache_queries_total", second.usage.prompt_tokens), ("prefix_cache_hits_total", cached)):
         assert after[("specserve:" + name, ())] - before.get(("specserve:" + name, ()), 0) == moved
     plain_usage = complete(plain, PROMPTS[0], MODEL, max_tokens=4).usage
-    assert plain_usage.prompt_tokens_details.cached_tokens == 0
+    assert plain_usage.prompt_tokens_details is None  # no prefix cache: no count of its hits (vLLM's usage)
     assert metrics(plain).get(("specserve:prefix_cache_queries_total", ()), 0) == 0  # no prefix caching there
 
 

@@ -46,7 +46,10 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "completion_tokens": out.num_output_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
         # OpenAI's field: prompt tokens served from the prefix cache (--enable-prefix-caching).
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        # Without a prefix cache it is null, as vLLM leaves it: a benchmark then reports no
+        # hit rate rather than a rate of 0 for a cache that is not there.
+        "prompt_tokens_details": (None if out.num_cached_tokens is None
+                                  else {"cached_tokens": out.num_cached_tokens}),
     }
 
 

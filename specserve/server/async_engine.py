@@ -60,7 +60,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far
-    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: no prefix caching)
     spec: dict[str, Any] | None = None  # the request's SpecStats.to_dict(), None without speculation
 
 
@@ -245,9 +245,9 @@ class AsyncEngine:
         stop_reason = request.text.stop_reason
         if stop_reason is not None and not seq.finished:  # a stop string ended it
             self.engine.abort(seq.seq_id, reason="stop")
+        num_cached_tokens = None if self.engine.prefix_cache is None else seq.num_cached_tokens
         if request.last_token_time is None:
-            self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens,
-                                     None if self.engine.prefix_cache is None else seq.num_cached_tokens)
+            self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens, num_cached_tokens)
             self._stat_logger.count(seq.num_prompt_tokens, 0, None)
             gap = None
         else:
@@ -267,7 +267,7 @@ class AsyncEngine:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=num_cached_tokens,
             spec=seq.spec.to_dict() if self.engine.proposer is not None else None,
         ))
 
