@@ -60,6 +60,33 @@ def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
     assert ctl.draft_costs()[1] == pytest.approx(0.050, rel=0.02)  # half a one-row forward
 
 
+def test_verification_is_priced_as_measured_where_a_line_would_miss_a_step():
+    """Our CPU kernels multiply up to 8 rows by each weight row they read, so 9-16 rows
+    take a second pass of arithmetic. A line through the forwards measured prices k = 15
+    too cheap and k = 7 too dear; priced as each row count measured, a sequence that
+    earns 0.98 a position drafts 7, the best k under these costs (the line: 10)."""
+    def forward(rows: int) -> float:  # seconds: 22 ms plain, 36 ms for 8 rows, 52 for 9
+        return 0.020 + 0.002 * rows + 0.014 * ((rows + 7) // 8 - 1)
+
+    def best_k_by_the_costs(rate: float) -> int:
+        def speedup(k: int) -> float:
+            return (1 - rate ** (k + 1)) / (1 - rate) * forward(1) / (forward(k + 1) + 0.001 + 0.006 * k)
+        return max(range(1, 16), key=speedup)
+
+    ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
+    for _ in range(300):
+        for rows in (1, 4, 8, 9, 12, 16):
+            ctl.observe_target(rows, forward(rows))
+        for positions in (3, 7, 15):
+            ctl.observe_draft(positions, 0.001 + 0.006 * positions)
+    assert ctl.target_seconds(9) == pytest.approx(forward(9), rel=0.01)
+    assert ctl.target_seconds(7) == pytest.approx(forward(7), rel=0.05)  # between 4 and 8 measured
+    assert ctl.plain_step(1) == pytest.approx(forward(1), rel=0.15)  # the line's own
+    assert ctl.best_k(steady(0.98), batch=1) == best_k_by_the_costs(0.98) == 7
+    ctl.shape.clear()  # priced by the line alone
+    assert ctl.best_k(steady(0.98), batch=1) > 8
+
+
 def test_a_slow_phase_in_the_drafts_fit_fades_with_the_targets():
     """The machine slows to a third for a while, the draft timed meanwhile; then it is
     fast again, and the policy drafts nothing, so only the target is timed. Fitted in

@@ -10,6 +10,9 @@ engine's own timings (recent steps weigh more):
 
 (drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
 steps a draft first reads every token decoded since, which is not what k positions cost).
+A forward that verifies drafts is priced by the line times a factor measured for its
+row count (`target_seconds`): our CPU kernels make 9-16 rows cost a second pass of
+arithmetic, a step no line follows.
 Those reads (and a new request's prompt) are fitted as a third line, cost per token
 read, and a sequence with a backlog to read is charged it when it drafts, spread over
 the tokens it has left (`read_cost`).
@@ -58,6 +61,8 @@ current step's, so verification stays lossless whatever k is.
 
 from __future__ import annotations
 
+import bisect
+
 # A draft's catch-up after a drafting step: the recovered or bonus token, and the last
 # accepted draft when all were accepted. Proposer calls that read more are measured as
 # reading, not drafting.
@@ -85,6 +90,9 @@ COSTS_KNOWN_STEPS = 64
 # 0.954x.)
 ACCEPTANCE_DECAY = 0.85
 TIMING_DECAY = 0.97
+# Weight of a row count's past shape factor (see `target_seconds`) at each new forward of
+# that many rows.
+SHAPE_DECAY = 0.8
 # A new sequence's prior: each position earned with 0.8 given the one before, with the
 # weight of one step; a position never reached leans on the one before it likewise.
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 1.0
@@ -200,6 +208,7 @@ class AdaptiveSpecLength:
         # Measurements take over within a few dozen steps. The target's fit is in
         # seconds once its first step is measured; the draft's stay in units.
         self.target = LinearFit(((1, 1.0), (9, 1.4)))
+        self.shape: dict[int, float] = {}  # rows -> measured / the line's (see target_seconds)
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
         self.read = LinearFit(((0, 0.0), (64, 32 * r)))
@@ -211,6 +220,40 @@ class AdaptiveSpecLength:
         """Predicted seconds of a plain decode step of `batch` sequences."""
         fixed, per_row = self.target.coefficients()
         return fixed + per_row * batch
+
+    def target_seconds(self, rows: float) -> float:
+        """Predicted seconds of a forward that verifies drafts, `rows` rows in all (an
+        expected count: between two counts, in proportion): the line, times what
+        forwards of that many rows have measured against it.
+
+        A line misses steps in the cost: our CPU kernels multiply up to 8 rows by each
+        weight row they read, so 9-16 rows cost two passes of arithmetic (the 1.5B int4
+        target on a Zen 5: 8 rows 1.75x a plain step, 16 rows 3.4x), and a line through
+        both priced k = 15 too cheap and k = 7 too dear. A plain step keeps the line's
+        price: its row count's factor follows every change in the machine's speed
+        before the line does (the line remembers more), and a plain step priced by it
+        against drafts priced by factors measured earlier made drafting look dearer
+        than it was whenever the machine had just sped up."""
+        fixed, per_row = self.target.coefficients()
+        low = int(rows)
+
+        def at(count: int) -> float:
+            return (fixed + per_row * count) * self._shape_factor(count)
+
+        share = rows - low
+        return at(low) if share == 0 else (1 - share) * at(low) + share * at(low + 1)
+
+    def _shape_factor(self, rows: int) -> float:
+        """The factor measured at `rows`; between two measured counts, in proportion;
+        beyond them, the nearest one's (1 before any)."""
+        if rows in self.shape or not self.shape:
+            return self.shape.get(rows, 1.0)
+        counts = sorted(self.shape)
+        above = bisect.bisect(counts, rows)
+        if above == 0 or above == len(counts):
+            return self.shape[counts[min(above, len(counts) - 1)]]
+        low, high = counts[above - 1], counts[above]
+        return self.shape[low] + (self.shape[high] - self.shape[low]) * (rows - low) / (high - low)
 
     def _unit(self) -> float:
         """Seconds of a one-row target forward now: the unit of the draft's fits."""
@@ -233,12 +276,11 @@ class AdaptiveSpecLength:
     def speedup(self, tokens: float, drafted: float, batch: int) -> float:
         """Predicted speed against plain decoding of a step that emits `tokens` on
         average after drafting `drafted` positions for each of `batch` sequences."""
-        _, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if drafted == 0 or plain <= 0:
             return 1.0
-        return tokens * plain / (plain + draft_fixed + drafted * (per_position + per_row * batch))
+        return tokens * plain / (self.target_seconds(batch * (1 + drafted)) + draft_fixed + drafted * per_position)
 
     def best_k(self, acceptance: Acceptance, batch: int) -> int:
         """k for a batch of `batch` sequences that all draft like `acceptance`."""
@@ -280,7 +322,7 @@ class AdaptiveSpecLength:
         count = len(acceptances)
         batch = count + others
         read_costs = read_costs or [0.0] * count
-        fixed, per_row = self.target.coefficients()
+        _, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
@@ -292,7 +334,7 @@ class AdaptiveSpecLength:
             drafted = [D[k] for (_, D), k in zip(curves, ks)]
             if max(drafted) == 0:
                 return 1.0
-            step = fixed + per_row * (batch + sum(drafted)) + draft_fixed + per_position * max(drafted)
+            step = self.target_seconds(batch + sum(drafted)) + draft_fixed + per_position * max(drafted)
             step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
             return tokens * plain / (batch * step)
 
@@ -403,6 +445,11 @@ class AdaptiveSpecLength:
         self._rescale_priors(seconds / (intercept + slope * rows))
         self.target.add(rows, seconds)
         self.target_steps += 1
+        intercept, slope = self.target.coefficients()
+        if intercept + slope * rows > 0:
+            measured = seconds / (intercept + slope * rows)
+            known = self.shape.get(rows)
+            self.shape[rows] = measured if known is None else SHAPE_DECAY * known + (1 - SHAPE_DECAY) * measured
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """A proposer call that drafted up to `positions` tokens per sequence. Calls
