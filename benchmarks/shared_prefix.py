@@ -89,11 +89,22 @@ def main() -> int:
     print(f"{'variant':<10}" + "".join(f"{column:>13}" for column in FIGURES))
     for variant, rows in runs.items():
         for row in rows:
-            print(f"{variant:<10}" + "".join(f"{row[c]:>13.2f}" for c in FIGURES))
-    medians = {v: {c: statistics.median(row[c] for row in rows) for c in FIGURES} for v, rows in runs.items()}
+            print(f"{variant:<10}" + "".join(cell(row[c]) for c in FIGURES))
+    medians = {v: {c: median_of(row[c] for row in rows) for c in FIGURES} for v, rows in runs.items()}
     print(f"{'on / off':<10}" + "".join(
-        f"{medians['on'][c] / medians['off'][c]:>12.2f}x" if medians["off"][c] else f"{'-':>13}" for c in FIGURES))
+        f"{medians['on'][c] / medians['off'][c]:>12.2f}x" if medians["off"][c] and medians["on"][c] is not None
+        else f"{'-':>13}" for c in FIGURES))
     return 0
+
+
+def cell(value: float | None) -> str:
+    """A figure, or '-' where there is none (the hit rate of a server without a prefix cache)."""
+    return f"{'-':>13}" if value is None else f"{value:>13.2f}"
+
+
+def median_of(values) -> float | None:
+    values = list(values)
+    return None if any(v is None for v in values) else statistics.median(values)
 
 
 if __name__ == "__main__":

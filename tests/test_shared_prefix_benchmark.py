@@ -20,7 +20,7 @@ def test_the_cache_finds_the_shared_prefix_only_when_on(prepared_cache):
         env={**os.environ, "SPECSERVE_CACHE": prepared_cache})
     assert result.returncode == 0, result.stderr
     runs = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
-    assert runs["off"]["from cache"] == 0
+    assert runs["off"]["from cache"] is None  # no prefix cache: the server counts no hits (vLLM's usage)
     # Three of the four requests find at least the 64 shared tokens (the second copies
     # them from the first, which arrived with it), of ~100 prompt tokens each.
     assert runs["on"]["from cache"] > 0.4
