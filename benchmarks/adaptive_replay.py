@@ -20,13 +20,16 @@ the draft stops may differ.
     .venv/bin/python benchmarks/adaptive_replay.py            # the table, in a second
     .venv/bin/python benchmarks/adaptive_replay.py --draft-cost-scale 2   # a dearer draft
 
-The recorded traces live in benchmarks/data/adaptive_traces.json (also read by
-tests/test_adaptive_replay.py).
+The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
+tests/test_adaptive_replay.py). Traces recorded since the sixteenth session also keep
+the target's forward time for each row count (`Costs.target_by_rows`), which the
+replay charges instead of the line: on our CPU kernels 9-16 rows cost a second pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -51,14 +54,25 @@ class Costs:
     draft_fixed: float
     draft_per_position: float
     read_per_token: float
+    # Seconds of a target forward by its row count ("1", "2", ...: JSON's keys), as the
+    # policy priced them after recording (`target_seconds`): on our CPU kernels 9-16
+    # rows cost a second pass of arithmetic, which the line above misses. None: the line.
+    target_by_rows: dict[str, float] | None = None
+
+    def forward(self, rows: int) -> float:
+        """Seconds of a target forward of `rows` rows."""
+        if self.target_by_rows is not None and str(rows) in self.target_by_rows:
+            return self.target_by_rows[str(rows)]
+        return self.target_fixed + self.target_per_row * rows
 
     def plain_step(self) -> float:
-        return self.target_fixed + self.target_per_row
+        return self.forward(1)
 
     def with_dearer_draft(self, scale: float) -> Costs:
         """The draft's costs, drafting and reading, times `scale`."""
-        return Costs(self.target_fixed, self.target_per_row, scale * self.draft_fixed,
-                     scale * self.draft_per_position, scale * self.read_per_token)
+        return dataclasses.replace(self, draft_fixed=scale * self.draft_fixed,
+                                   draft_per_position=scale * self.draft_per_position,
+                                   read_per_token=scale * self.read_per_token)
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,7 @@ def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLeng
             drafts += 1
             drafted_total += drafted
             accepted_total += accepted
-        forward = costs.target_fixed + costs.target_per_row * (drafted + 1)
+        forward = costs.forward(drafted + 1)
         seconds += forward
         if adaptive:
             adaptive.observe_target(drafted + 1, forward)
@@ -172,6 +186,9 @@ def print_table(traces: list[Trace], costs: Costs) -> None:
     print(f"costs (ms): target {1e3 * costs.target_fixed:.1f} + {1e3 * costs.target_per_row:.1f}/row, "
           f"draft {1e3 * costs.draft_fixed:.1f} + {1e3 * costs.draft_per_position:.1f}/position, "
           f"read {1e3 * costs.read_per_token:.2f}/token")
+    if costs.target_by_rows is not None:
+        print("target forward by rows (ms): " + ", ".join(
+            f"{rows} {1e3 * seconds:.1f}" for rows, seconds in costs.target_by_rows.items()))
     print(f"| prompt | suite | tokens | {' | '.join(columns)} |")
     print("|---|---|---:|" + "---:|" * len(columns))
     for trace in traces:
@@ -196,9 +213,9 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
     dtype = torch.bfloat16 if quantization != "none" else torch.float32
     engine, tokenizer = build_engine(target, spec, dtype, quantization=quantization)
     fits = engine.adaptive
-    # Random k (0 included) so the fits see steps of every shape.
+    # Random k (0 included) so the fits see steps of every shape, past 8 rows too.
     rng = random.Random(0)
-    fits.choose = lambda seq_ids, *args, **kwargs: [rng.choice((0, 1, 2, 3, 5, 7)) for _ in seq_ids]
+    fits.choose = lambda seq_ids, *args, **kwargs: [rng.choice((0, 1, 2, 3, 5, 7, 11, 15)) for _ in seq_ids]
     draft_model = engine.proposer.draft
     traces = []
     for suite, prompts in SUITES.items():
@@ -218,7 +235,8 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
             })
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
     (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft_costs()
-    costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1])
+    by_rows = {str(rows): fits.target_seconds(rows) for rows in range(1, fits.max_k + 2)}
+    costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1], by_rows)
     return {"pair": {"target": target, "draft": draft, "quantization": quantization},
             "costs": costs.__dict__, "traces": traces}
 
