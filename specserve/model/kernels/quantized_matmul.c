@@ -56,14 +56,16 @@ static inline int padded_groups(int G) { return (G + BLOCK_GROUPS - 1) / BLOCK_G
  * one after another, and within each, the tile's rows side by side. So the rows a
  * weight row is multiplied by are read as one stream, in the order they are used.
  * Row by row, 8 rows of the 1.5B target's down projection (8960 inputs) were 8 streams
- * 9 KB apart. With the two chains of rows_tile, on a Zen 5 (2 cores; builds taking
- * turns, outputs identical): that projection at 8 rows 0.63-0.67x the time, every
- * layer of the 1.5B int4 target at 8 rows 0.83-0.86x, at 64 rows 0.86x, at 1-4 and
- * 12-16 rows 0.97-1.0x; the 0.5B draft at 8 rows 1.08x (its down projection, 4864
- * inputs, 1.1x: not understood), at 41 rows 0.89x. */
+ * 9 KB apart. With the two chains of rows_tile, on a Zen 5 (2 cores), every layer of
+ * the 1.5B int4 target in a process of its own, builds alternating 4 times: 8 rows
+ * 0.89x the time (0.80-1.01), 64 rows 0.88x (0.86-0.90), one row within the memory's
+ * noise; outputs identical. (Two builds in one process, as benchmarks/kernel_ab.py
+ * runs them, said 0.83-0.86x at 8 rows, but put one build against itself at 1.13x.) */
+static inline size_t slot_in_tile(int b, int nt, int t) { return (size_t)b * nt + (size_t)t; }
+
 static inline size_t block_slot(int t, int b, int T, int blocks) {
     const int t0 = t - t % TILE, nt = T - t0 < TILE ? T - t0 : TILE;
-    return (size_t)t0 * blocks + (size_t)b * nt + (size_t)(t - t0);
+    return (size_t)t0 * blocks + slot_in_tile(b, nt, t - t0);
 }
 
 /* x [T, K] bfloat16 -> q int8 in super-blocks of 8 quads x 64 bytes (lane = group),
@@ -111,8 +113,8 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
 
 /* Weight rows 0 .. nr-1 (nr = 1 or 2, the second pair_bytes and pair_scales after the
  * first) against the nt activation rows of one tile (q, d and a: the tile's first
- * super-block, the others placed as block_slot places them). Two weight rows share each activation load. bits, nr and nt
- * are constants after inlining (see TILE for what the compiler keeps in registers).
+ * super-block, the others placed as block_slot places them). Two weight rows share
+ * each activation load. bits, nr and nt are constants after inlining (see TILE for what the compiler keeps in registers).
  * bits 4: levels 0..15, scale and zero per group: w = (level - 8) s + z.
  * bits 8: levels 0..255 (int8 weight + 128), one scale per row: w = (level - 128) s. */
 static inline __attribute__((always_inline)) void rows_tile(
@@ -153,12 +155,10 @@ static inline __attribute__((always_inline)) void rows_tile(
             }
         }
         for (int t = 0; t < nt; t++) {
-            const size_t at = (size_t)b * nt + t; /* see block_slot */
+            const size_t at = slot_in_tile(b, nt, t); /* q, d and a start at the tile's first slot */
             const __m512i *qb = (const __m512i *)(q + at * GROUP * BLOCK_GROUPS);
-            /* per group: sum of level * q. With several activation rows, as two chains
-             * (quads 0-3 and 4-7) added at the end: the same integers, half the latency
-             * (8 rows: 0.95x the time; one row, bound by memory, measured slower). */
-            const int chains = nt > 1 ? 2 : 1;
+            /* per group: sum of level * q, as two chains (quads 0-3 and 4-7) added at the
+             * end: the same integers, half the latency. */
             __m512i dot[2][2];
             for (int i = 0; i < nr; i++) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
             for (int r = 0; r < 8; r++) {
@@ -166,8 +166,7 @@ static inline __attribute__((always_inline)) void rows_tile(
                 /* Into a register: the compiler would fold the load into each row's
                  * vpdpbusd, two loads where one serves both. */
                 if (nr == 2) __asm__("" : "+v"(qv));
-                const int chain = chains == 2 && r >= 4;
-                for (int i = 0; i < nr; i++) dot[i][chain] = _mm512_dpbusd_epi32(dot[i][chain], levels[i][r], qv);
+                for (int i = 0; i < nr; i++) dot[i][r >= 4] = _mm512_dpbusd_epi32(dot[i][r >= 4], levels[i][r], qv);
             }
             for (int i = 0; i < nr; i++) dot[i][0] = _mm512_add_epi32(dot[i][0], dot[i][1]);
             const __m512 dv = _mm512_load_ps(d + at * BLOCK_GROUPS);
