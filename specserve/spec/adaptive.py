@@ -218,8 +218,12 @@ class AdaptiveSpecLength:
 
     def plain_step(self, batch: int) -> float:
         """Predicted seconds of a plain decode step of `batch` sequences."""
+        return self._target_line(batch)
+
+    def _target_line(self, rows: float) -> float:
+        """The target's fitted line at `rows` rows (seconds, once the unit is known)."""
         fixed, per_row = self.target.coefficients()
-        return fixed + per_row * batch
+        return fixed + per_row * rows
 
     def target_seconds(self, rows: float) -> float:
         """Predicted seconds of a forward that verifies drafts, `rows` rows in all (an
@@ -234,11 +238,10 @@ class AdaptiveSpecLength:
         before the line does (the line remembers more), and a plain step priced by it
         against drafts priced by factors measured earlier made drafting look dearer
         than it was whenever the machine had just sped up."""
-        fixed, per_row = self.target.coefficients()
         low = int(rows)
 
         def at(count: int) -> float:
-            return (fixed + per_row * count) * self._shape_factor(count)
+            return self._target_line(count) * self._shape_factor(count)
 
         share = rows - low
         return at(low) if share == 0 else (1 - share) * at(low) + share * at(low + 1)
@@ -441,13 +444,12 @@ class AdaptiveSpecLength:
         """A decode step's target forward: `rows` tokens verified in `seconds`."""
         # The unit is a one-row forward: a first step that verified drafts says what one
         # row costs through the prior's own line (a probe's 3 rows are not 3 units).
-        intercept, slope = self.target.coefficients()
-        self._rescale_priors(seconds / (intercept + slope * rows))
+        self._rescale_priors(seconds / self._target_line(rows))
         self.target.add(rows, seconds)
         self.target_steps += 1
-        intercept, slope = self.target.coefficients()
-        if intercept + slope * rows > 0:
-            measured = seconds / (intercept + slope * rows)
+        line = self._target_line(rows)
+        if line > 0:
+            measured = seconds / line
             known = self.shape.get(rows)
             self.shape[rows] = measured if known is None else SHAPE_DECAY * known + (1 - SHAPE_DECAY) * measured
 
