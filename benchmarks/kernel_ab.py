@@ -1,13 +1,19 @@
-"""Two builds of our CPU kernels side by side in one process: is a kernel change faster?
+"""Two builds of our CPU kernels taking turns, each in processes of its own: is a kernel
+change faster?
 
 On a shared machine the memory's speed moves by 30-70% from minute to minute, more
-than most kernel changes are worth, and two processes run minutes apart measure the
-neighbours. Here both builds are loaded into one process (ctypes) and take turns, round
-by round, running every linear layer of a model in a forward's order (so that each
-layer's weights come from memory, as in a decode step); each round gives a ratio, and
-the ratios' median and range are what to quote. The outputs must be identical bit for
-bit (a kernel change that moves a result is not a speed change); the script says so
-when they are not.
+than most kernel changes are worth, so the builds take turns, round by round (the order
+alternating), and each round gives a ratio: the ratios' median and range are what to
+quote. A round runs each build in a fresh process that loads the model, runs every
+linear layer in a forward's order (so that each layer's weights come from memory, as
+in a decode step) `--passes` times per row count, and reports the median. Two builds
+loaded into one process are not a fair comparison: the same sources built twice and
+taking turns in one process measured 1.08-1.15x apart at 8 rows (one row 1.0x), and
+the kernel figures of the sixteenth session had to be taken again this way.
+
+The outputs must be identical bit for bit (a kernel change that moves a result is not
+a speed change): each process reports a digest of its outputs, and the script says so
+when two builds' digests differ.
 
 A build is a git revision (its specserve/model/kernels/) or a folder holding the kernel
 sources; the default compares HEAD with the working tree.
@@ -20,7 +26,9 @@ sources; the default compares HEAD with the working tree.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import json
 import shutil
 import statistics
 import subprocess
@@ -62,9 +70,10 @@ def kernel_sources(build: str, into: Path) -> Path:
     return into / build.replace("/", "_") / KERNELS_IN_REPO
 
 
-def build_library(sources: Path, target: Path):
+def build_library(sources: Path, target: Path) -> Path:
+    """Compile `sources` (a folder of kernel sources) into the library `target`."""
     native.compile_kernels(target, sorted(sources.glob("*.c")))
-    return native.load_library(target)
+    return target
 
 
 def linear_layers(decoder) -> list[tuple[torch.nn.Module, bool]]:
@@ -87,30 +96,79 @@ def run_layers(lib, layers, inputs) -> tuple[float, list[torch.Tensor]]:
     return time.perf_counter() - started, outputs
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (a NaN equals itself, -0.0 does not equal 0.0)."""
-    as_ints = {2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and torch.equal(a.view(as_ints[a.element_size()]), b.view(as_ints[b.element_size()]))
+def digest(outputs: list[torch.Tensor]) -> str:
+    """A digest of the outputs' shapes and bits (a NaN matches itself, -0.0 not 0.0)."""
+    h = hashlib.sha256()
+    for output in outputs:
+        h.update(repr(tuple(output.shape)).encode())
+        h.update(output.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
-def compare(libraries: dict, layers, rows: int, rounds: int, dtype: torch.dtype) -> dict:
-    """Median seconds per build, and each build's per-round ratio to the first."""
-    inputs = [torch.randn(rows, in_features(layer), dtype=dtype) for layer, _ in layers]
+def measure(lib, layers, rows: list[int], passes: int, dtype: torch.dtype) -> dict[int, tuple[float, str]]:
+    """Per row count: the median seconds of `passes` runs of every layer on `lib`, and
+    the outputs' digest. The inputs are seeded, so every process feeds the same ones."""
     library = native.library
-    first = next(iter(libraries))
-    times: dict[str, list[float]] = {name: [] for name in libraries}
+    results = {}
     try:
-        outputs = {name: run_layers(lib, layers, inputs)[1] for name, lib in libraries.items()}  # also a warm-up
-        for name, theirs in outputs.items():
-            if not all(map(same_bits, outputs[first], theirs)):
-                print(f"  {name}: outputs differ from {first}'s")
-        for _ in range(rounds):
-            for name, lib in libraries.items():
-                times[name].append(run_layers(lib, layers, inputs)[0])
+        for count in rows:
+            generator = torch.Generator().manual_seed(count)
+            inputs = [torch.randn(count, in_features(layer), generator=generator).to(dtype) for layer, _ in layers]
+            _, outputs = run_layers(lib, layers, inputs)  # also a warm-up
+            seconds = [run_layers(lib, layers, inputs)[0] for _ in range(passes)]
+            results[count] = (statistics.median(seconds), digest(outputs))
     finally:
         native.library = library
-    return {name: (statistics.median(seconds), [b / a for a, b in zip(times[first], seconds)])
-            for name, seconds in times.items()}
+    return results
+
+
+def worker_command(library: Path, args: argparse.Namespace) -> list[str]:
+    """The command line of one process measuring `library` (see `worker`)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(library), "--target", args.target,
+               "--quantization", args.quantization, "--rows", args.rows, "--passes", str(args.passes)]
+    return command + (["--dtype", args.dtype] if args.dtype else [])
+
+
+def run_worker(command: list[str]) -> dict[int, tuple[float, str]]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"kernel_ab: a measuring process failed:\n{done.stderr[-2000:]}")
+    return {int(rows): (seconds, digest) for rows, (seconds, digest) in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def compare(commands: dict[str, list[str]], rounds: int, run=run_worker) -> dict[int, dict[str, tuple[float, list[float]]]]:
+    """Per row count, per build: the median seconds over the rounds, and each round's
+    ratio to the first build's. Each round runs every build's command once, in turn, the
+    order reversed every other round so that neither build always follows the other."""
+    names = list(commands)
+    times: dict[str, list[dict[int, tuple[float, str]]]] = {name: [] for name in names}
+    for round_number in range(rounds):
+        for name in names if round_number % 2 == 0 else names[::-1]:
+            times[name].append(run(commands[name]))
+    first = names[0]
+    results: dict[int, dict[str, tuple[float, list[float]]]] = {}
+    for rows in times[first][0]:
+        for name in names:
+            if any(r[rows][1] != times[first][0][rows][1] for r in times[name]):
+                print(f"  rows {rows}: {name}'s outputs differ from {first}'s")
+            seconds = [r[rows][0] for r in times[name]]
+            ratios = [mine / theirs for mine, theirs in zip(seconds, (r[rows][0] for r in times[first]))]
+            results.setdefault(rows, {})[name] = (statistics.median(seconds), ratios)
+    return results
+
+
+def model_layers(args: argparse.Namespace) -> tuple[list, torch.dtype]:
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.quantization != "none" else "float32"))
+    decoder = load_model(args.target, dtype=dtype, quantization=args.quantization).decoder
+    return linear_layers(decoder), dtype
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One measuring process: prints {rows: [median seconds, digest]} as JSON."""
+    layers, dtype = model_layers(args)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = measure(native.load_library(Path(args.worker)), layers, rows, args.passes, dtype)
+    print(json.dumps({str(count): list(result) for count, result in results.items()}))
 
 
 def main() -> None:
@@ -122,23 +180,26 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="default: bfloat16 with --quantization, else float32")
     parser.add_argument("--rows", default="1,8", help="activation rows per layer call, comma-separated")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=6, help="processes per build, taking turns")
+    parser.add_argument("--passes", type=int, default=5, help="runs of every layer per process (the median counts)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a measuring process: its library
     args = parser.parse_args()
     if (reason := native.unavailable_reason()) is not None:
         sys.exit(f"kernel_ab: our kernels cannot run here ({reason})")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.quantization != "none" else "float32"))
-    decoder = load_model(args.target, dtype=dtype, quantization=args.quantization).decoder
-    layers = linear_layers(decoder)
+    if args.worker:
+        worker(args)
+        return
+    layers, dtype = model_layers(args)  # prepares a quantized model once, before the processes need it
     weight_bytes = sum(weight_bytes_per_token(layer) for layer, _ in layers)
     scratch = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     try:
-        names = {"a": args.a, "b": args.b}
-        libraries = {f"{key}:{build}": build_library(kernel_sources(build, scratch), scratch / f"{key}.so")
-                     for key, build in names.items()}
+        builds = {f"a:{args.a}": args.a, f"b:{args.b}": args.b}
+        commands = {name: worker_command(build_library(kernel_sources(build, scratch), scratch / f"{key}.so"), args)
+                    for key, (name, build) in zip("ab", builds.items())}
         print(f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {len(layers)} layers, "
-              f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds taking turns")
-        for rows in (int(r) for r in args.rows.split(",")):
-            result = compare(libraries, layers, rows, args.rounds, dtype)
+              f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds of a process "
+              f"per build taking turns, {args.passes} passes each")
+        for rows, result in compare(commands, args.rounds).items():
             for name, (seconds, ratios) in result.items():
                 print(f"rows {rows:>3} {name:>24}: {seconds * 1e3:7.1f} ms ({weight_bytes / seconds / 1e9:5.1f} GB/s), "
                       f"x{min(ratios):.3f}-{max(ratios):.3f}, median x{statistics.median(ratios):.3f} the time of a")

@@ -1,6 +1,8 @@
-"""benchmarks/kernel_ab.py: two builds of our kernels taking turns in one process."""
+"""benchmarks/kernel_ab.py: two builds of our kernels taking turns, each in processes of its own."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -29,26 +31,55 @@ def test_a_build_is_a_folder_or_a_git_revision(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_outputs_are_compared_bit_for_bit(dtype):
     a = torch.tensor([1.0, float("nan"), 0.0], dtype=dtype)
-    assert kernel_ab.same_bits(a, a.clone())  # a NaN is the same bits as itself
-    assert not kernel_ab.same_bits(a, torch.tensor([1.0, float("nan"), -0.0], dtype=dtype))
-    assert not kernel_ab.same_bits(a, torch.tensor([1.0 + 2**-7, float("nan"), 0.0], dtype=dtype))
-    assert not kernel_ab.same_bits(a, a[:2])
+    same = kernel_ab.digest([a])
+    assert kernel_ab.digest([a.clone()]) == same  # a NaN is the same bits as itself
+    assert kernel_ab.digest([torch.tensor([1.0, float("nan"), -0.0], dtype=dtype)]) != same
+    assert kernel_ab.digest([torch.tensor([1.0 + 2**-7, float("nan"), 0.0], dtype=dtype)]) != same
+    assert kernel_ab.digest([a[:2]]) != same
+    assert kernel_ab.digest([a.view(3, 1)]) != same  # the same bits in another shape
 
 
 @needs_kernel
-def test_two_builds_take_turns_on_the_same_layers_and_agree(tmp_path, capsys):
+def test_two_builds_of_the_same_sources_give_the_same_bits(tmp_path):
     torch.manual_seed(0)
     gate_up = nn.Linear(64, 2 * 96, bias=False)
     layers = [
         (QuantizedLinear.from_state(quantize_int4(nn.Linear(64, 64).weight.detach()), None), False),
         (FloatLinear(gate_up.to(torch.bfloat16)), True),  # called gated, as the decoder does
     ]
-    libraries = {name: kernel_ab.build_library(native.KERNELS, tmp_path / f"{name}.so") for name in ("a", "b")}
     library = native.library
-    result = kernel_ab.compare(libraries, layers, rows=3, rounds=2, dtype=torch.bfloat16)
+    results = [kernel_ab.measure(native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{name}.so")),
+                                 layers, rows=[1, 3], passes=2, dtype=torch.bfloat16) for name in "ab"]
     assert native.library is library  # put back
-    assert set(result) == {"a", "b"}
-    for seconds, ratios in result.values():
-        assert seconds > 0 and len(ratios) == 2 and all(r > 0 for r in ratios)
-    assert result["a"][1] == [1.0, 1.0]
-    assert "differ" not in capsys.readouterr().out  # the same sources give the same bits
+    for count in (1, 3):
+        assert results[0][count][0] > 0 and results[1][count][0] > 0
+        assert results[0][count][1] == results[1][count][1]
+
+
+def test_builds_take_turns_and_ratios_are_against_the_first(capsys):
+    calls = []
+    seconds = {"a": 2.0, "b": 3.0}
+
+    def run(command):
+        calls.append(command[0])
+        return {8: (seconds[command[0]], "same" if command[0] == "a" or len(calls) < 4 else "moved")}
+
+    result = kernel_ab.compare({"a": ["a"], "b": ["b"]}, rounds=3, run=run)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # neither always follows the other
+    assert result[8]["a"] == (2.0, [1.0, 1.0, 1.0])
+    assert result[8]["b"] == (3.0, [1.5, 1.5, 1.5])
+    assert "rows 8: b's outputs differ from a's" in capsys.readouterr().out
+
+
+@needs_kernel
+def test_a_whole_run_measures_each_build_in_its_own_processes(prepared_cache, tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "benchmarks/kernel_ab.py", "--a", "HEAD", "--b", "worktree",
+                           "--target", "smollm2-135m", "--quantization", "none", "--dtype", "bfloat16",
+                           "--rows", "1,2", "--rounds", "1", "--passes", "1"],
+                          capture_output=True, text=True, cwd=kernel_ab.REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rows")]
+    assert len(lines) == 4 and "differ" not in done.stdout  # rows 1 and 2, each build
+    assert "median x1.000 the time of a" in lines[0]
