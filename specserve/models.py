@@ -34,6 +34,7 @@ from specserve.errors import ModelLoadError
 from specserve.model import checkpoint
 from specserve.model.decoder import Decoder, rope_inverse_frequencies
 from specserve.model.device import CPU, check_device_format
+from specserve.model.huge_pages import move_to_huge_pages
 from specserve.model.quant import QUANTIZED_FORMAT_VERSION, check_quantization, load_quantized_state, quantized_state
 from specserve.tokenizer import Tokenizer
 
@@ -333,6 +334,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, quantizati
         decoder.pack_linear_weights()
     else:
         decoder = _load_quantized(folder, config, quantization)
+    if device.type == "cpu":
+        move_to_huge_pages(decoder)  # before anything keeps the weights' addresses
     if batch_invariant:
         decoder.make_batch_invariant()
     if compile:

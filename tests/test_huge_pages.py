@@ -1,0 +1,78 @@
+"""Weights moved into a mapping advised for transparent huge pages (model/huge_pages.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specserve.model import huge_pages
+from specserve.model.huge_pages import MIN_BYTES, move_to_huge_pages
+
+needs_thp = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
+                               reason=f"no huge pages here: {huge_pages.unavailable_reason()}")
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)  # 2 MB of float32
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight  # tied, as small models are
+        self.proj = nn.Linear(512, 512)  # 1 MB: moved; its bias is small and stays
+        self.register_buffer("packed", torch.randint(0, 255, (3, MIN_BYTES), dtype=torch.uint8), persistent=False)
+
+    def forward(self, ids):
+        return self.head(self.proj(self.embed(ids))) + self.packed[:, :1].sum()
+
+
+def mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split()[0] and ":" not in line.split()[0]:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_thp
+def test_weights_move_and_compute_the_same():
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.tensor([1, 5, 1000])
+    expected = model(ids)
+    small_bias = model.proj.bias
+    moved = move_to_huge_pages(model)
+    assert moved >= 2 * 2**20 + 2**20 + 3 * MIN_BYTES  # each tensor once, the tied one too
+    assert torch.equal(model(ids), expected)
+    assert model.head.weight is model.embed.weight and isinstance(model.embed.weight, nn.Parameter)
+    assert model.proj.bias is small_bias  # too small to move
+    for tensor in (model.embed.weight, model.proj.weight, model.packed):
+        assert "hg" in mapping_flags(tensor.data_ptr())  # advised MADV_HUGEPAGE
+        assert tensor.data_ptr() % 64 == 0
+    first = min(t.data_ptr() for t in (model.embed.weight, model.proj.weight, model.packed))
+    assert first % huge_pages.HUGE_PAGE == 0  # the copies start on a huge page
+
+
+@needs_thp
+def test_the_copies_outlive_the_module():
+    model = Tied()
+    move_to_huge_pages(model)
+    weight = model.proj.weight.detach()
+    expected = weight.clone()
+    del model
+    assert torch.equal(weight, expected)  # the mapping is still there
+
+
+def test_where_huge_pages_are_off_nothing_moves(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    model = Tied()
+    before = model.proj.weight
+    assert huge_pages.unavailable_reason() == "transparent huge pages are off ([never])"
+    assert move_to_huge_pages(model) == 0
+    assert model.proj.weight is before
