@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from specserve.model import huge_pages
-from specserve.model.huge_pages import MIN_BYTES, move_to_huge_pages
+from specserve.model.huge_pages import move_to_huge_pages
 
 needs_thp = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
                                reason=f"no huge pages here: {huge_pages.unavailable_reason()}")
@@ -19,8 +19,9 @@ class Tied(nn.Module):
         self.embed = nn.Embedding(1024, 512)  # 2 MB of float32
         self.head = nn.Linear(512, 1024, bias=False)
         self.head.weight = self.embed.weight  # tied, as small models are
-        self.proj = nn.Linear(512, 512)  # 1 MB: moved; its bias is small and stays
-        self.register_buffer("packed", torch.randint(0, 255, (3, MIN_BYTES), dtype=torch.uint8), persistent=False)
+        self.proj = nn.Linear(512, 512)
+        self.register_buffer("packed", torch.randint(0, 255, (3, 1000), dtype=torch.uint8), persistent=False)
+        self.register_buffer("strided", torch.zeros(8, 4).t(), persistent=False)  # not contiguous: stays
 
     def forward(self, ids):
         return self.head(self.proj(self.embed(ids))) + self.packed[:, :1].sum()
@@ -44,16 +45,17 @@ def test_weights_move_and_compute_the_same():
     model = Tied()
     ids = torch.tensor([1, 5, 1000])
     expected = model(ids)
-    small_bias = model.proj.bias
+    strided = model.strided
     moved = move_to_huge_pages(model)
-    assert moved >= 2 * 2**20 + 2**20 + 3 * MIN_BYTES  # each tensor once, the tied one too
+    assert moved == 2**21 + 2**20 + 2048 + 3008  # each tensor once (the tied one too), 64-byte aligned
     assert torch.equal(model(ids), expected)
     assert model.head.weight is model.embed.weight and isinstance(model.embed.weight, nn.Parameter)
-    assert model.proj.bias is small_bias  # too small to move
-    for tensor in (model.embed.weight, model.proj.weight, model.packed):
+    assert model.strided is strided
+    tensors = (model.embed.weight, model.proj.weight, model.proj.bias, model.packed)
+    for tensor in tensors:
         assert "hg" in mapping_flags(tensor.data_ptr())  # advised MADV_HUGEPAGE
         assert tensor.data_ptr() % 64 == 0
-    first = min(t.data_ptr() for t in (model.embed.weight, model.proj.weight, model.packed))
+    first = min(t.data_ptr() for t in tensors)
     assert first % huge_pages.HUGE_PAGE == 0  # the copies start on a huge page
 
 
