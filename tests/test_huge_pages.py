@@ -78,3 +78,11 @@ def test_where_huge_pages_are_off_nothing_moves(tmp_path, monkeypatch):
     assert huge_pages.unavailable_reason() == "transparent huge pages are off ([never])"
     assert move_to_huge_pages(model) == 0
     assert model.proj.weight is before
+
+
+def test_the_environment_can_turn_it_off(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HUGE_PAGES", "0")
+    model = Tied()
+    before = model.proj.weight
+    assert huge_pages.unavailable_reason() == "SPECSERVE_HUGE_PAGES=0"
+    assert move_to_huge_pages(model) == 0 and model.proj.weight is before

@@ -5,7 +5,8 @@ bandwidth, and with 4 KB pages that stream crosses a page every 4 KB: a TLB miss
 page walk each, and the hardware prefetchers stop at every page boundary. Linux backs
 an anonymous mapping advised with MADV_HUGEPAGE by 2 MB pages where it can (most
 distributions set transparent huge pages to `madvise`, and PyTorch's allocator does
-not advise). `move_to_huge_pages` copies a model's tensors into one such mapping.
+not advise). `move_to_huge_pages` copies a model's tensors into one such mapping;
+`SPECSERVE_HUGE_PAGES=0` leaves them where they are.
 
 Measured on a Zen 5 (2 vCPUs, a 1 GiB stream of the 1.5B target's gate/up shape, the
 two placements taking turns in one process): our int4 kernel at one row 35.8 -> 39.1
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +37,9 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def unavailable_reason() -> str | None:
-    """Why huge pages cannot be had here, or None."""
+    """Why huge pages cannot be had here (or are not wanted: SPECSERVE_HUGE_PAGES=0), or None."""
+    if os.environ.get("SPECSERVE_HUGE_PAGES", "1") == "0":
+        return "SPECSERVE_HUGE_PAGES=0"
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return "transparent huge pages are a Linux feature"
     try:
