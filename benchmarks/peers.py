@@ -63,6 +63,7 @@ from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.errors import SpecserveError
 from specserve.generate import build_engine, encode_prompt, run_one
+from specserve.model import huge_pages
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.model.device import check_device_format
@@ -724,7 +725,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in [*report.rows, *roofline, *ceilings, *quality]:
             print(json.dumps(row))
     else:
-        where = f"{torch.get_num_threads()} threads" if device_of(args).type == "cpu" else str(device_of(args))
+        where = str(device_of(args))
+        if device_of(args).type == "cpu":
+            pages = huge_pages.unavailable_reason()
+            where = f"{torch.get_num_threads()} threads, our weights in {'huge pages' if pages is None else f'normal pages ({pages})'}"
         print(f"torch {torch.__version__}, {where}, target {args.target}, "
               f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
               f"{args.max_tokens} tokens, greedy, chat template, TTFT the median of {args.ttft_samples}"
