@@ -24,6 +24,8 @@ The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
 tests/test_adaptive_replay.py). Traces recorded since the sixteenth session also keep
 the target's forward time for each row count (`Costs.target_by_rows`), which the
 replay charges instead of the line: on our CPU kernels 9-16 rows cost a second pass.
+Since the seventeenth those times are measured on their own (`forward_seconds`), not
+taken from the policy's estimates.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import json
 import math
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +57,10 @@ class Costs:
     draft_fixed: float
     draft_per_position: float
     read_per_token: float
-    # Seconds of a target forward by its row count ("1", "2", ...: JSON's keys), as the
-    # policy priced them after recording (`target_seconds`): on our CPU kernels 9-16
-    # rows cost a second pass of arithmetic, which the line above misses. None: the line.
+    # Seconds of a target forward by its row count ("1", "2", ...: JSON's keys): measured
+    # (`forward_seconds`) since the seventeenth session, the policy's own estimates
+    # (`target_seconds`) before. On our CPU kernels 9-16 rows cost a second pass of
+    # arithmetic, which the line above misses. None: the line.
     target_by_rows: dict[str, float] | None = None
 
     def forward(self, rows: int) -> float:
@@ -200,6 +204,32 @@ def print_table(traces: list[Trace], costs: Costs) -> None:
         print(f"| geomean | {suite} | | {row} |")
 
 
+def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100) -> dict[int, float]:
+    """Seconds of the target's forward at 1..max_rows rows (attending one at a time, as a
+    verification does, after `context` cached tokens): the median of `passes`, the row
+    counts taking turns (up, then down), so that a phase of the machine's memory weighs
+    on all of them alike. Measured, not the policy's belief: the policy's own estimates
+    (what traces before the seventeenth session kept) carried its noise, 7 rows priced
+    above 8."""
+    import statistics
+
+    import torch
+
+    from specserve.model.decoder import Segment
+
+    cache = decoder.new_cache()
+    ids = torch.arange(context, dtype=torch.int64) % 1000 + 100
+    decoder(ids, [Segment(cache, context)], torch.tensor([context - 1]))
+    times: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
+    for turn in range(passes):
+        for rows in (range(1, max_rows + 1) if turn % 2 == 0 else range(max_rows, 0, -1)):
+            started = time.perf_counter()
+            decoder(ids[:rows], [Segment(cache, rows, one_query_at_a_time=True)], torch.arange(rows)).argmax(-1).tolist()
+            times[rows].append(time.perf_counter() - started)
+            cache.truncate(context)
+    return {rows: statistics.median(seconds) for rows, seconds in times.items()}
+
+
 def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[str, Any]:
     """Run the pair on every suite prompt: the traces, and the costs fitted on the way."""
     import torch
@@ -235,7 +265,7 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
             })
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
     (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft_costs()
-    by_rows = {str(rows): fits.target_seconds(rows) for rows in range(1, fits.max_k + 2)}
+    by_rows = {str(rows): seconds for rows, seconds in forward_seconds(engine.target, fits.max_k + 1).items()}
     costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1], by_rows)
     return {"pair": {"target": target, "draft": draft, "quantization": quantization},
             "costs": costs.__dict__, "traces": traces}
