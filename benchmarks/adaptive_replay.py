@@ -19,6 +19,7 @@ the draft stops may differ.
     .venv/bin/python benchmarks/adaptive_replay.py --record   # about a minute, int4 pair
     .venv/bin/python benchmarks/adaptive_replay.py            # the table, in a second
     .venv/bin/python benchmarks/adaptive_replay.py --draft-cost-scale 2   # a dearer draft
+    .venv/bin/python benchmarks/adaptive_replay.py --score   # every trace set and scale: one figure
 
 The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
 tests/test_adaptive_replay.py). Traces recorded since the sixteenth session also keep
@@ -204,6 +205,45 @@ def print_table(traces: list[Trace], costs: Costs) -> None:
         print(f"| geomean | {suite} | | {row} |")
 
 
+# Draft costs times these for `score`: from the recorded costs to where drafting loses outright.
+SCORE_SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Adaptive's speed over the best of plain decoding and every fixed k, for one trace
+    set, draft-cost scale, suite, and a serving (warm) or new engine."""
+
+    ratio: float
+    traces: str
+    scale: float
+    suite: str
+    warm: bool
+
+
+def score(paths: list[Path], scales: tuple[float, ...] = SCORE_SCALES) -> tuple[float, list[Cell]]:
+    """The policy judged over every trace set and draft-cost scale at once: the geometric
+    mean of its cells' ratios (1.0: as good as the best choice made in hindsight), and the
+    cells, worst first. A change to the policy that helps one trace set often costs
+    another; this is the figure to compare (benchmarks/README.md, seventeenth session)."""
+    cells = []
+    for path in paths:
+        recorded, traces = load_traces(path)
+        for scale in scales:
+            costs = recorded.with_dearer_draft(scale)
+            fixed = speedups(traces, costs, list(FIXED_KS))
+            for warm in (True, False):
+                adaptive = speedups(traces, costs, [None], warm=warm)
+                for suite in dict.fromkeys(t.suite for t in traces):
+                    names = [t.name for t in traces if t.suite == suite]
+                    best = max([1.0] + [geomean([fixed[n][k] for n in names]) for k in FIXED_KS])
+                    ratio = geomean([adaptive[n][None] for n in names]) / best
+                    cells.append(Cell(ratio, path.stem.removeprefix("adaptive_traces").lstrip("_") or "zen4",
+                                      scale, suite, warm))
+    cells.sort(key=lambda cell: cell.ratio)
+    return geomean([cell.ratio for cell in cells]), cells
+
+
 def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100) -> dict[int, float]:
     """Seconds of the target's forward at 1..max_rows rows (attending one at a time, as a
     verification does, after `context` cached tokens): the median of `passes`, the row
@@ -281,7 +321,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-cost-scale", type=float, default=1.0,
                         help="replay with the draft's and the reading's costs times this")
+    parser.add_argument("--score", action="store_true",
+                        help="judge the policy over every recorded trace set and draft-cost scale")
     args = parser.parse_args()
+    if args.score:
+        total, cells = score(sorted(TRACES.parent.glob("adaptive_traces*.json")))
+        print(f"score {total:.4f} over {len(cells)} cells (adaptive over the best of plain and fixed k); worst:")
+        for cell in cells[:8]:
+            print(f"  {cell.ratio:.3f}  {cell.traces} traces, draft x{cell.scale:g}, {cell.suite}, "
+                  f"{'serving' if cell.warm else 'new engine'}")
+        return
     if args.record:
         data = record(args.target, args.draft, args.quantization, args.max_tokens)
         args.traces.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adaptive_replay import FIXED_KS, TRACES as ZEN4_FILE, Costs, Trace, geomean, load_traces, replay, speedups
+from benchmarks.adaptive_replay import (FIXED_KS, TRACES as ZEN4_FILE, Costs, Trace, geomean, load_traces, replay,
+                                        score, speedups)
 
 # The pair's costs on two machines' kernels: a Zen 4 at 32-35 GB/s (a draft position
 # ~0.39 of a plain step, a verified row ~0.22) and a Zen 5 whose one-row steps gained
@@ -82,3 +83,14 @@ def test_replay_counts_every_token_once():
         assert outcome.accepted <= outcome.drafted
     plain = replay(trace, COSTS, 0)
     assert plain.seconds == pytest.approx(plain.tokens * COSTS.plain_step())
+
+
+def test_the_score_judges_every_scale_suite_and_engine_against_hindsight():
+    total, cells = score([TRACE_FILES["zen5-huge-pages"]], scales=(1.0, 3.0))
+    assert len(cells) == 2 * 2 * 2  # scales x suites x serving or new engine
+    assert [cell.ratio for cell in cells] == sorted(cell.ratio for cell in cells)
+    assert total == pytest.approx(geomean([cell.ratio for cell in cells]))
+    assert {cell.traces for cell in cells} == {"zen5_hp"}
+    # At 3x every fixed k loses: plain is the best choice, and adaptive stays at it.
+    assert all(cell.ratio == pytest.approx(1.0, abs=0.02) for cell in cells if cell.scale == 3.0)
+    assert all(0.85 < cell.ratio <= 1.0 for cell in cells if cell.scale == 1.0)
