@@ -86,3 +86,15 @@ def test_the_environment_can_turn_it_off(monkeypatch):
     before = model.proj.weight
     assert huge_pages.unavailable_reason() == "SPECSERVE_HUGE_PAGES=0"
     assert move_to_huge_pages(model) == 0 and model.proj.weight is before
+
+
+@needs_thp
+def test_a_mapping_that_fails_leaves_the_weights_where_they_are(monkeypatch, caplog):
+    def no_room(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", no_room)
+    model = Tied()
+    before = model.proj.weight
+    assert move_to_huge_pages(model) == 0 and model.proj.weight is before
+    assert "Cannot allocate memory" in caplog.text

@@ -88,8 +88,12 @@ def move_to_huge_pages(module: nn.Module) -> int:
     if not slots:
         return 0
     # One page more than needed, so that the copies can start on a 2 MB boundary.
-    arena = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        arena = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as error:  # no room to map it (strict overcommit), or a kernel without THP
+        logger.warning("weights stay in normal pages: mapping %.0f MB for huge pages failed: %s", size / 1e6, error)
+        return 0
     memory = torch.frombuffer(arena, dtype=torch.uint8)  # [size + HUGE_PAGE]
     start = -memory.data_ptr() % HUGE_PAGE
     # By where the original sat, and whether it was a Parameter: a tied weight stays one
