@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -178,6 +179,14 @@ def speedups(traces: list[Trace], costs: Costs, ks: list[int | None],
     return table
 
 
+def suite_names(traces: list[Trace]) -> dict[str, list[str]]:
+    """Each suite's prompt names, suites in the traces' order."""
+    names: dict[str, list[str]] = {}
+    for trace in traces:
+        names.setdefault(trace.suite, []).append(trace.name)
+    return names
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values))
 
@@ -199,8 +208,7 @@ def print_table(traces: list[Trace], costs: Costs) -> None:
     for trace in traces:
         row = " | ".join(f"{column[trace.name]:.2f}" for column in columns.values())
         print(f"| {trace.name} | {trace.suite} | {len(trace.match)} | {row} |")
-    for suite in dict.fromkeys(t.suite for t in traces):
-        names = [t.name for t in traces if t.suite == suite]
+    for suite, names in suite_names(traces).items():
         row = " | ".join(f"{geomean([column[n] for n in names]):.2f}" for column in columns.values())
         print(f"| geomean | {suite} | | {row} |")
 
@@ -234,8 +242,7 @@ def score(paths: list[Path], scales: tuple[float, ...] = SCORE_SCALES) -> tuple[
             fixed = speedups(traces, costs, list(FIXED_KS))
             for warm in (True, False):
                 adaptive = speedups(traces, costs, [None], warm=warm)
-                for suite in dict.fromkeys(t.suite for t in traces):
-                    names = [t.name for t in traces if t.suite == suite]
+                for suite, names in suite_names(traces).items():
                     best = max([1.0] + [geomean([fixed[n][k] for n in names]) for k in FIXED_KS])
                     ratio = geomean([adaptive[n][None] for n in names]) / best
                     cells.append(Cell(ratio, path.stem.removeprefix("adaptive_traces").lstrip("_") or "zen4",
@@ -251,8 +258,6 @@ def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100)
     on all of them alike. Measured, not the policy's belief: the policy's own estimates
     (what traces before the seventeenth session kept) carried its noise, 7 rows priced
     above 8."""
-    import statistics
-
     import torch
 
     from specserve.model.decoder import Segment

@@ -190,13 +190,14 @@ def main() -> None:
         worker(args)
         return
     layers, dtype = model_layers(args)  # prepares a quantized model once, before the processes need it
-    weight_bytes = sum(weight_bytes_per_token(layer) for layer, _ in layers)
+    weight_bytes, num_layers = sum(weight_bytes_per_token(layer) for layer, _ in layers), len(layers)
+    del layers  # the measuring processes load their own: a float32 target is 7 GB a process
     scratch = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     try:
         builds = {f"a:{args.a}": args.a, f"b:{args.b}": args.b}
         commands = {name: worker_command(build_library(kernel_sources(build, scratch), scratch / f"{key}.so"), args)
                     for key, (name, build) in zip("ab", builds.items())}
-        print(f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {len(layers)} layers, "
+        print(f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {num_layers} layers, "
               f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds of a process "
               f"per build taking turns, {args.passes} passes each")
         for rows, result in compare(commands, args.rounds).items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.adaptive_replay import (FIXED_KS, TRACES as ZEN4_FILE, Costs, Trace, geomean, load_traces, replay,
-                                        score, speedups)
+                                        score, speedups, suite_names)
 
 # The pair's costs on two machines' kernels: a Zen 4 at 32-35 GB/s (a draft position
 # ~0.39 of a plain step, a verified row ~0.22) and a Zen 5 whose one-row steps gained
@@ -28,8 +28,7 @@ COSTS, TRACES = TRACE_SETS["zen4"]
 
 def suite_speedups(costs: Costs, k: int | None, warm: bool = True, traces: list[Trace] = TRACES) -> dict[str, float]:
     table = speedups(traces, costs, [k], warm=warm)
-    suites = sorted({t.suite for t in traces})
-    return {suite: geomean([table[t.name][k] for t in traces if t.suite == suite]) for suite in suites}
+    return {suite: geomean([table[name][k] for name in names]) for suite, names in suite_names(traces).items()}
 
 
 @pytest.mark.parametrize("machine", TRACE_SETS)
