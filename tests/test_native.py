@@ -68,18 +68,21 @@ def test_kernel_computes_int8_activations_times_the_stored_weights(bits, out_fea
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("in_features, rows", [(896, 13), (4608, 13), (1536, 24)])
+@pytest.mark.parametrize("in_features, rows", [(896, 13), (4608, 13), (1536, 24), (4640, 17), (8960, 5)])
 def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features, rows):
     # int4 weight rows go in pairs for many rows (24 x 1536) or long ones (4608), one
-    # at a time for a few short ones: each output the same either way
-    layer, _, _ = layer_and_weight(bits, 40, in_features, bias=False, seed=3)
+    # at a time for a few short ones; long rows with many activation rows in chunks of
+    # 64 groups (4640: two and 17 groups, the last super-block of one), over more units
+    # than one pass takes (70 weight rows), one row alone whole: each output the same
+    # either way
+    layer, _, _ = layer_and_weight(bits, 70, in_features, bias=False, seed=3)
     x = torch.randn(rows, in_features).bfloat16()
     together = layer(x)
     for row in range(rows):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1])
     for start, stop in ((2, 9), (5, 13)):  # another slot, other neighbours
         assert torch.equal(layer(x[start:stop]), together[start:stop])
-    assert layer(x[:0]).shape == (0, 40)
+    assert layer(x[:0]).shape == (0, 70)
 
 
 # bfloat16 on vdpbf16ps where the CPU has it, and with the weights widened (any AVX-512 CPU)

@@ -26,6 +26,7 @@
  * own lane.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -114,18 +115,26 @@ static void quantize_rows(const uint16_t *x, int T, int K, int8_t *q, float *d, 
 /* Weight rows 0 .. nr-1 (nr = 1 or 2, the second pair_bytes and pair_scales after the
  * first) against the nt activation rows of one tile (q, d and a: the tile's first
  * super-block, the others placed as block_slot places them). Two weight rows share
- * each activation load. bits, nr and nt are constants after inlining (see TILE for what the compiler keeps in registers).
+ * each activation load. Whole rows (chunked = 0) go through every group; a chunk
+ * through groups g_begin .. g_end - 1 (whole super-blocks but the row's last), resuming
+ * the sums `carried` ([nr][TILE]) holds unless g_begin is 0 and leaving them there
+ * unless g_end is G. Either way each output lane adds the same terms in the same
+ * order. The weights `ahead` bytes on are prefetched (the int4 scales and zeros as
+ * far). bits, nr, nt and chunked are constants after inlining (see TILE for what the
+ * compiler keeps in registers; whole rows are compiled apart because the chunks' extra
+ * integers made it spill in the int8 loop: 1.15x the time at 8 rows).
  * bits 4: levels 0..15, scale and zero per group: w = (level - 8) s + z.
  * bits 8: levels 0..255 (int8 weight + 128), one scale per row: w = (level - 128) s. */
 static inline __attribute__((always_inline)) void rows_tile(
-    const int bits, const int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
-    const uint16_t *zero, size_t pair_scales, int G, const int8_t *q, const float *d, const float *a,
-    const int nt, float *out /* [nr][TILE] */) {
+    const int bits, const int nr, const int chunked, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
+    const uint16_t *zero, size_t pair_scales, int G, int g_begin, int g_end, size_t ahead, const int8_t *q,
+    const float *d, const float *a, const int nt, __m512 *carried, float *out /* [nr][TILE] */) {
     const __m512i low_nibble = _mm512_set1_epi8(0x0f);
     __m512 acc[2][TILE];
+    if (!chunked) g_begin = 0, g_end = G, ahead = PREFETCH_AHEAD;
     for (int i = 0; i < nr; i++)
-        for (int t = 0; t < nt; t++) acc[i][t] = _mm512_setzero_ps();
-    for (int g0 = 0, b = 0; g0 < G; g0 += BLOCK_GROUPS, b++) {
+        for (int t = 0; t < nt; t++) acc[i][t] = chunked && g_begin > 0 ? carried[i * TILE + t] : _mm512_setzero_ps();
+    for (int g0 = g_begin, b = g_begin / BLOCK_GROUPS; g0 < g_end; g0 += BLOCK_GROUPS, b++) {
         const int n = G - g0 < BLOCK_GROUPS ? G - g0 : BLOCK_GROUPS;
         const __mmask64 bytes = byte_mask(n);
         const __mmask16 lanes = (__mmask16)((1u << n) - 1);
@@ -136,9 +145,9 @@ static inline __attribute__((always_inline)) void rows_tile(
                 const uint8_t *wb = w + i * pair_bytes + (size_t)16 * g0;
                 /* The levels 2 KB ahead (on a Zen 4: 10-20% faster than none), and the
                  * scales and zeros of the same groups: 2 bytes a group where levels take 16 */
-                for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
-                _mm_prefetch((const char *)(scale + i * pair_scales + g0 + PREFETCH_AHEAD / 16), _MM_HINT_T0);
-                _mm_prefetch((const char *)(zero + i * pair_scales + g0 + PREFETCH_AHEAD / 16), _MM_HINT_T0);
+                for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(wb + ahead + 64 * p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(scale + i * pair_scales + g0 + ahead / 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(zero + i * pair_scales + g0 + ahead / 16), _MM_HINT_T0);
                 for (int j = 0; j < 4; j++) {
                     __m512i packed = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)j * 4 * n);
                     levels[i][j] = _mm512_and_si512(packed, low_nibble);
@@ -148,7 +157,7 @@ static inline __attribute__((always_inline)) void rows_tile(
                 level0[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[i], load_bf16(zero + i * pair_scales + g0, lanes));
             } else {
                 const uint8_t *wb = w + i * pair_bytes + (size_t)32 * g0;
-                for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + PREFETCH_AHEAD + 64 * p), _MM_HINT_T0);
+                for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + ahead + 64 * p), _MM_HINT_T0);
                 for (int r = 0; r < 8; r++) levels[i][r] = _mm512_maskz_loadu_epi8(bytes, wb + (size_t)r * 4 * n);
                 s[i] = _mm512_set1_ps(from_bf16(scale[i * pair_scales]));
                 level0[i] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), s[i]);
@@ -179,50 +188,138 @@ static inline __attribute__((always_inline)) void rows_tile(
         }
     }
     for (int i = 0; i < nr; i++)
-        for (int t = 0; t < nt; t++) out[i * TILE + t] = _mm512_reduce_add_ps(acc[i][t]);
+        for (int t = 0; t < nt; t++) {
+            if (chunked && g_end < G) carried[i * TILE + t] = acc[i][t];
+            else out[i * TILE + t] = _mm512_reduce_add_ps(acc[i][t]);
+        }
 }
 
-#define ONE_ROW_CASE(NT)                                                                            \
+#define ONE_ROW_CASE(NT, CHUNKED)                                                                   \
     case NT:                                                                                        \
-        if (bits == 4) rows_tile(4, 1, w, 0, scale, zero, 0, G, q, d, a, NT, out);                   \
-        else rows_tile(8, 1, w, 0, scale, zero, 0, G, q, d, a, NT, out);                             \
+        if (bits == 4)                                                                              \
+            rows_tile(4, 1, CHUNKED, w, 0, scale, zero, 0, G, g_begin, g_end, ahead, q, d, a, NT, carried, out); \
+        else rows_tile(8, 1, CHUNKED, w, 0, scale, zero, 0, G, g_begin, g_end, ahead, q, d, a, NT, carried, out); \
         break;
-#define ROW_PAIR_CASE(NT)                                                                           \
-    case NT:                                                                                        \
-        rows_tile(4, 2, w, pair_bytes, scale, zero, pair_scales, G, q, d, a, NT, out);              \
+#define ROW_PAIR_CASE(NT, CHUNKED)                                                                                   \
+    case NT:                                                                                                         \
+        rows_tile(4, 2, CHUNKED, w, pair_bytes, scale, zero, pair_scales, G, g_begin, g_end, ahead, q, d, a, NT,       \
+                  carried, out);                                                                                     \
         break;
+#define EVERY_TILE_SIZE(CASE, CHUNKED) \
+    CASE(1, CHUNKED) CASE(2, CHUNKED) CASE(3, CHUNKED) CASE(4, CHUNKED) CASE(5, CHUNKED) CASE(6, CHUNKED) CASE(7, CHUNKED) CASE(8, CHUNKED)
 
-/* nt <= TILE; nr = 1, or int4 with nr = 2. */
+/* nt <= TILE; nr = 1, or int4 with nr = 2. Whole rows. */
 static void rows_tile_any(int bits, int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
                           const uint16_t *zero, size_t pair_scales, int G, const int8_t *q, const float *d,
                           const float *a, int nt, float *out) {
-    if (nr == 2) switch (nt) {
-            ROW_PAIR_CASE(1) ROW_PAIR_CASE(2) ROW_PAIR_CASE(3) ROW_PAIR_CASE(4)
-            ROW_PAIR_CASE(5) ROW_PAIR_CASE(6) ROW_PAIR_CASE(7) ROW_PAIR_CASE(8)
-        }
-    else switch (nt) {
-            ONE_ROW_CASE(1) ONE_ROW_CASE(2) ONE_ROW_CASE(3) ONE_ROW_CASE(4)
-            ONE_ROW_CASE(5) ONE_ROW_CASE(6) ONE_ROW_CASE(7) ONE_ROW_CASE(8)
-        }
+    const int g_begin = 0, g_end = G;
+    const size_t ahead = PREFETCH_AHEAD;
+    __m512 *carried = NULL;
+    if (nr == 2) switch (nt) { EVERY_TILE_SIZE(ROW_PAIR_CASE, 0) }
+    else switch (nt) { EVERY_TILE_SIZE(ONE_ROW_CASE, 0) }
+}
+
+/* The same for a chunk of the rows (see rows_tile). */
+static void chunk_tile_any(int bits, int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
+                           const uint16_t *zero, size_t pair_scales, int G, int g_begin, int g_end, size_t ahead,
+                           const int8_t *q, const float *d, const float *a, int nt, __m512 *carried, float *out) {
+    if (nr == 2) switch (nt) { EVERY_TILE_SIZE(ROW_PAIR_CASE, 1) }
+    else switch (nt) { EVERY_TILE_SIZE(ONE_ROW_CASE, 1) }
 }
 
 /* Weight row n, and row `second` with it unless second < 0 (int4 only), against
- * activation rows t0 .. t0 + nt - 1 (nt <= TILE): out [2][TILE] float32, before bias. */
-static inline void dot_tile(int bits, int n, int second, int t0, int nt, int K, const uint8_t *weights,
-                            const uint16_t *scale, const uint16_t *zero, const int8_t *q, const float *d,
-                            const float *a, float *out) {
-    const int G = K / GROUP;
+ * activation rows t0 .. t0 + nt - 1 (nt <= TILE): out [2][TILE] float32, before bias.
+ * With `carried`, a chunk of groups g_begin .. g_end - 1 (see rows_tile), the weights
+ * `ahead` bytes on prefetched; without, whole rows. */
+static inline void dot_tile_part(int bits, int n, int second, int t0, int nt, int K, int g_begin, int g_end,
+                                 size_t ahead, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
+                                 const int8_t *q, const float *d, const float *a, __m512 *carried, float *out) {
+    const int G = K / GROUP, nr = second < 0 ? 1 : 2;
     const size_t tile = (size_t)t0 * (padded_groups(G) / BLOCK_GROUPS); /* the tile's first slot */
     const size_t row_bytes = (size_t)K * bits / 8, row_scales = bits == 4 ? (size_t)G : 1;
     const size_t apart = second < 0 ? 0 : (size_t)(second - n);
-    rows_tile_any(bits, second < 0 ? 1 : 2, weights + n * row_bytes, apart * row_bytes, scale + n * row_scales,
-                  zero ? zero + n * row_scales : NULL, apart * row_scales, G, q + tile * GROUP * BLOCK_GROUPS,
-                  d + tile * BLOCK_GROUPS, a + tile * BLOCK_GROUPS, nt, out);
+    const uint8_t *w = weights + n * row_bytes;
+    const uint16_t *s = scale + n * row_scales, *z = zero ? zero + n * row_scales : NULL;
+    q += tile * GROUP * BLOCK_GROUPS, d += tile * BLOCK_GROUPS, a += tile * BLOCK_GROUPS;
+    if (carried)
+        chunk_tile_any(bits, nr, w, apart * row_bytes, s, z, apart * row_scales, G, g_begin, g_end, ahead, q, d, a, nt,
+                       carried, out);
+    else
+        rows_tile_any(bits, nr, w, apart * row_bytes, s, z, apart * row_scales, G, q, d, a, nt, out);
+}
+
+/* The same over whole rows. */
+static inline void dot_tile(int bits, int n, int second, int t0, int nt, int K, const uint8_t *weights,
+                            const uint16_t *scale, const uint16_t *zero, const int8_t *q, const float *d,
+                            const float *a, float *out) {
+    dot_tile_part(bits, n, second, t0, nt, K, 0, K / GROUP, PREFETCH_AHEAD, weights, scale, zero, q, d, a, NULL, out);
 }
 
 /* Whether two int4 weight rows share each activation load: with several activation
  * rows (see plain_rows). */
 static inline int paired(int bits, int T) { return bits == 4 && T > 1; }
+
+/* Where a tile's activations outgrow what the L1 cache keeps (more than CHUNK_Q_BYTES of
+ * q), long rows go in chunks of CHUNK_GROUPS groups: a unit of weight rows (one row, or
+ * a pair) runs every tile over its first chunk, the next units the same chunk while
+ * those activations sit in the L1, then all of them the next chunk, carrying their sums
+ * in between. Read whole, the 1.5B target's down projection (8960 inputs: 8 rows take
+ * 72 KB of q against a Zen 5's 48 KB L1) read every tile's activations from L2 again
+ * for each unit, and its speed swung with where the buffers sat: in decode_blocks, code
+ * changes elsewhere in this file moved it from 10 to 17 ms a forward at 8 rows (and
+ * the same in a C harness with q moved by 256 bytes). At 16 rows it took 2.5x the time
+ * of 8, where gate/up took 2x. Chunked, in the int4 target on a Zen 5 (2 cores, weights
+ * in huge pages, builds in processes taking turns, 4 rounds): down at 4 rows 0.97x the
+ * time, at 8 rows 1.00x, at 16 rows 0.71x (the forward 0.90x). On weights in 4 KB pages
+ * a C harness measured 8 chunked rows slower (1.27x: 1 KB pieces of 64 rows instead of
+ * whole rows one after another). */
+#define CHUNK_Q_BYTES (32 * 1024)
+#define CHUNK_GROUPS 64 /* 2048 inputs: 16 KB of q for 8 rows */
+/* At most this many bytes of carried sums per pass (a thread's, in its L2). */
+#define CARRIED_BYTES (64 * 1024)
+
+/* Outputs n .. n + nr - 1 of activation rows t0 .. t0 + nt - 1, from dot_tile's out. */
+static inline void write_tile(int n, int nr, int t0, int nt, int N, const uint16_t *bias, const float *out, uint16_t *y) {
+    for (int i = 0; i < nr; i++) {
+        const float b = bias ? from_bf16(bias[n + i]) : 0.0f;
+        for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * N + n + i] = to_bf16(out[i * TILE + t] + b);
+    }
+}
+
+/* plain_rows in chunks of CHUNK_GROUPS: units of `step` weight rows
+ * in passes of as many as CARRIED_BYTES of sums allow. Returns -1, having written
+ * nothing, when out of memory. */
+static int chunked_rows(int bits, int step, int T, int K, const uint8_t *weights, const uint16_t *scale,
+                        const uint16_t *zero, const uint16_t *bias, int N, const int8_t *q, const float *d,
+                        const float *a, uint16_t *y) {
+    const int G = K / GROUP, tiles = (T + TILE - 1) / TILE, units = (N + step - 1) / step;
+    const size_t unit_carried = 2 * TILE * (size_t)tiles; /* in vectors */
+    const int pass_units = CARRIED_BYTES / (sizeof(__m512) * unit_carried) > 1
+                               ? (int)(CARRIED_BYTES / (sizeof(__m512) * unit_carried)) : 1;
+    __m512 *carried_all = aligned_alloc(64, sizeof(__m512) * unit_carried * pass_units * omp_get_max_threads());
+    if (!carried_all) return -1;
+    const size_t ahead = (size_t)step * K * bits / 8; /* the next unit's chunk */
+#pragma omp parallel for schedule(static)
+    for (int u0 = 0; u0 < units; u0 += pass_units) {
+        const int u1 = u0 + pass_units < units ? u0 + pass_units : units;
+        __m512 *carried = carried_all + unit_carried * pass_units * omp_get_thread_num();
+        for (int g_begin = 0; g_begin < G; g_begin += CHUNK_GROUPS) {
+            const int g_end = g_begin + CHUNK_GROUPS < G ? g_begin + CHUNK_GROUPS : G;
+            for (int u = u0; u < u1; u++) {
+                const int n = u * step, nr = n + step <= N ? step : N - n;
+                for (int t0 = 0, tile = 0; t0 < T; t0 += TILE, tile++) {
+                    const int nt = T - t0 < TILE ? T - t0 : TILE;
+                    float out[2 * TILE];
+                    dot_tile_part(bits, n, nr == 2 ? n + 1 : -1, t0, nt, K, g_begin, g_end, ahead, weights, scale, zero,
+                                  q, d, a, carried + ((size_t)(u - u0) * tiles + tile) * 2 * TILE, out);
+                    if (g_end == G) write_tile(n, nr, t0, nt, N, bias, out, y);
+                }
+            }
+        }
+    }
+    free(carried_all);
+    return 0;
+}
 
 /* y [T, N] = x W^T + bias, each output rounded to bfloat16 once. */
 static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uint16_t *scale, const uint16_t *zero,
@@ -235,6 +332,11 @@ static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uin
      * 0.90-0.95x. (Pairs once took tiles of 4, their accumulators held in registers,
      * which spilled them: within L1 they lost 0-10%, and gate/up pairs 9-16%.) */
     const int step = paired(bits, T) ? 2 : 1;
+    if ((size_t)(T < TILE ? T : TILE) * K > CHUNK_Q_BYTES && K / GROUP > CHUNK_GROUPS &&
+        chunked_rows(bits, step, T, K, weights, scale, zero, bias, N, q, d, a, y) == 0)
+        return;
+    /* Whole rows, a unit at a time (a loop of its own: at 1536 inputs a unit's 8 rows
+     * take ~25 ns, and the chunks' bookkeeping cost int8 1.06x the time). */
 #pragma omp parallel for schedule(static)
     for (int first = 0; first < (N + step - 1) / step; first++) {
         const int n = first * step, nr = n + step <= N ? step : N - n;
@@ -242,10 +344,7 @@ static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uin
         for (int t0 = 0; t0 < T; t0 += TILE) {
             const int nt = T - t0 < TILE ? T - t0 : TILE;
             dot_tile(bits, n, nr == 2 ? n + 1 : -1, t0, nt, K, weights, scale, zero, q, d, a, out);
-            for (int i = 0; i < nr; i++) {
-                const float b = bias ? from_bf16(bias[n + i]) : 0.0f;
-                for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * N + n + i] = to_bf16(out[i * TILE + t] + b);
-            }
+            write_tile(n, nr, t0, nt, N, bias, out, y);
         }
     }
 }
