@@ -9,8 +9,10 @@
  * unsigned weight levels by int8 values with `vpdpbusd` (64 byte products per
  * instruction). Each super-block of a weight row is unpacked once into registers and
  * used for up to TILE activation rows, so the weights are read from memory once per call.
+ * Where many rows of long activations outgrow the L1 cache, rows go in chunks of
+ * inputs (see CHUNK_Q_BYTES).
  *
- * Every output is computed by the same instructions in the same order whatever the
+ * Every output is computed by the same arithmetic in the same order whatever the
  * number of rows, the row's slot or its neighbours: the results are batch invariant.
  *
  * Weights (as native.py lays them out): group g of a row has 32 levels; for
