@@ -11,6 +11,13 @@ loaded into one process are not a fair comparison: the same sources built twice 
 taking turns in one process measured 1.08-1.15x apart at 8 rows (one row 1.0x), and
 the kernel figures of the sixteenth session had to be taken again this way.
 
+With `--forward` a process times whole forwards instead, as a verification runs them
+(every block in one `decode_blocks` call where the model is on our kernels, then the
+head, after 100 cached tokens): the path that serves, with its own buffers. The two
+can disagree: in the eighteenth session a change measured 1.02x at 8 rows layer by
+layer while `decode_blocks` took 1.6x the time in its down projections, because the
+speed of those depended on where their buffers sat.
+
 The outputs must be identical bit for bit (a kernel change that moves a result is not
 a speed change): each process reports a digest of its outputs, and the script says so
 when two builds' digests differ.
@@ -21,6 +28,7 @@ sources; the default compares HEAD with the working tree.
     .venv/bin/python benchmarks/kernel_ab.py                                   # int4 target, HEAD vs working tree
     .venv/bin/python benchmarks/kernel_ab.py --a 1fe63ee --b HEAD --rows 1,8 --rounds 8
     .venv/bin/python benchmarks/kernel_ab.py --quantization none --dtype bfloat16 --rows 1,4
+    .venv/bin/python benchmarks/kernel_ab.py --forward --rows 1,8,16
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.model import native  # noqa: E402
-from specserve.model.decoder import FloatLinear  # noqa: E402
+from specserve.model.decoder import FloatLinear, Segment  # noqa: E402
 from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
 from specserve.model.quant import QuantizedLinear  # noqa: E402
 from specserve.models import load_model  # noqa: E402
@@ -122,11 +130,38 @@ def measure(lib, layers, rows: list[int], passes: int, dtype: torch.dtype) -> di
     return results
 
 
+FORWARD_CONTEXT = 100  # tokens cached before a --forward measurement
+
+
+def measure_forwards(lib, decoder, rows: list[int], passes: int) -> dict[int, tuple[float, str]]:
+    """Per row count: the median seconds of `passes` forwards of `count` tokens attending
+    one at a time (a verification's forward) on `lib`, after FORWARD_CONTEXT cached
+    tokens, and the logits' digest."""
+    library = native.library
+    native.library = lambda: lib  # the decoder finds the kernels through it
+    try:
+        cache = decoder.new_cache()
+        ids = torch.arange(FORWARD_CONTEXT, dtype=torch.int64) * 7 % decoder.config.vocab_size  # [context]
+        decoder(ids, [Segment(cache, FORWARD_CONTEXT)], torch.tensor([FORWARD_CONTEXT - 1]))
+        results = {}
+        for count in rows:
+            seconds, logits = [], None
+            for _ in range(passes + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                logits = decoder(ids[:count], [Segment(cache, count, one_query_at_a_time=True)], torch.arange(count))
+                seconds.append(time.perf_counter() - started)
+                cache.truncate(FORWARD_CONTEXT)
+            results[count] = (statistics.median(seconds[1:]), digest([logits]))
+    finally:
+        native.library = library
+    return results
+
+
 def worker_command(library: Path, args: argparse.Namespace) -> list[str]:
     """The command line of one process measuring `library` (see `worker`)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(library), "--target", args.target,
                "--quantization", args.quantization, "--rows", args.rows, "--passes", str(args.passes)]
-    return command + (["--dtype", args.dtype] if args.dtype else [])
+    return command + (["--dtype", args.dtype] if args.dtype else []) + (["--forward"] if args.forward else [])
 
 
 def run_worker(command: list[str]) -> dict[int, tuple[float, str]]:
@@ -157,17 +192,19 @@ def compare(commands: dict[str, list[str]], rounds: int, run=run_worker) -> dict
     return results
 
 
-def model_layers(args: argparse.Namespace) -> tuple[list, torch.dtype]:
+def model_decoder(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.dtype]:
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.quantization != "none" else "float32"))
-    decoder = load_model(args.target, dtype=dtype, quantization=args.quantization).decoder
-    return linear_layers(decoder), dtype
+    return load_model(args.target, dtype=dtype, quantization=args.quantization).decoder, dtype
 
 
 def worker(args: argparse.Namespace) -> None:
     """One measuring process: prints {rows: [median seconds, digest]} as JSON."""
-    layers, dtype = model_layers(args)
-    rows = [int(r) for r in args.rows.split(",")]
-    results = measure(native.load_library(Path(args.worker)), layers, rows, args.passes, dtype)
+    decoder, dtype = model_decoder(args)
+    rows, lib = [int(r) for r in args.rows.split(",")], native.load_library(Path(args.worker))
+    if args.forward:
+        results = measure_forwards(lib, decoder, rows, args.passes)
+    else:
+        results = measure(lib, linear_layers(decoder), rows, args.passes, dtype)
     print(json.dumps({str(count): list(result) for count, result in results.items()}))
 
 
@@ -182,6 +219,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8", help="activation rows per layer call, comma-separated")
     parser.add_argument("--rounds", type=int, default=6, help="processes per build, taking turns")
     parser.add_argument("--passes", type=int, default=5, help="runs of every layer per process (the median counts)")
+    parser.add_argument("--forward", action="store_true",
+                        help="time whole forwards as verification runs them, not the layers one by one")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a measuring process: its library
     args = parser.parse_args()
     if (reason := native.unavailable_reason()) is not None:
@@ -189,9 +228,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    layers, dtype = model_layers(args)  # prepares a quantized model once, before the processes need it
+    decoder, dtype = model_decoder(args)  # prepares a quantized model once, before the processes need it
+    layers = linear_layers(decoder)
     weight_bytes, num_layers = sum(weight_bytes_per_token(layer) for layer, _ in layers), len(layers)
-    del layers  # the measuring processes load their own: a float32 target is 7 GB a process
+    del decoder, layers  # the measuring processes load their own: a float32 target is 7 GB a process
     scratch = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     try:
         builds = {f"a:{args.a}": args.a, f"b:{args.b}": args.b}
@@ -199,7 +239,8 @@ def main() -> None:
                     for key, (name, build) in zip("ab", builds.items())}
         print(f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {num_layers} layers, "
               f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds of a process "
-              f"per build taking turns, {args.passes} passes each")
+              f"per build taking turns, {args.passes} passes each"
+              + (f", whole forwards after {FORWARD_CONTEXT} cached tokens" if args.forward else ", layer by layer"))
         for rows, result in compare(commands, args.rounds).items():
             for name, (seconds, ratios) in result.items():
                 print(f"rows {rows:>3} {name:>24}: {seconds * 1e3:7.1f} ms ({weight_bytes / seconds / 1e9:5.1f} GB/s), "

@@ -83,3 +83,21 @@ def test_a_whole_run_measures_each_build_in_its_own_processes(prepared_cache, tm
     lines = [line for line in done.stdout.splitlines() if line.startswith("rows")]
     assert len(lines) == 4 and "differ" not in done.stdout  # rows 1 and 2, each build
     assert "median x1.000 the time of a" in lines[0]
+
+
+@needs_kernel
+def test_whole_forwards_run_through_decode_blocks_on_the_given_build(tmp_path, monkeypatch):
+    from tests.test_native import quantized_tiny_model
+
+    model = quantized_tiny_model("qwen2", "int4")
+    calls = []
+    run = native.ModelInC.run_blocks
+    monkeypatch.setattr(native.ModelInC, "run_blocks", lambda self, *args: calls.append(1) or run(self, *args))
+    library = native.library
+    results = [kernel_ab.measure_forwards(native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{n}.so")),
+                                          model, rows=[1, 3], passes=2) for n in "ab"]
+    assert native.library is library  # put back
+    assert len(calls) == 2 * 2 * 3  # builds x row counts x (warm-up + passes), every one in one C call
+    for count in (1, 3):
+        assert results[0][count][0] > 0 and results[0][count][1] == results[1][count][1]
+    assert results[0][1][1] != results[0][3][1]  # the digest is of each row count's own logits
