@@ -68,13 +68,13 @@ def test_kernel_computes_int8_activations_times_the_stored_weights(bits, out_fea
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("in_features, rows", [(896, 13), (4608, 13), (1536, 24), (4640, 17), (8960, 5)])
+@pytest.mark.parametrize("in_features, rows", [(896, 13), (4608, 13), (1536, 24), (4640, 14), (8960, 5), (8960, 17)])
 def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features, rows):
     # int4 weight rows go in pairs for many rows (24 x 1536) or long ones (4608), one
-    # at a time for a few short ones; long rows with many activation rows in chunks of
+    # at a time for a few short ones; long rows with 4-16 activation rows in chunks of
     # 64 groups (4640: two and 17 groups, the last super-block of one), over more units
-    # than one pass takes (70 weight rows), one row alone whole: each output the same
-    # either way
+    # than one pass takes (70 weight rows), one row alone and 17 rows whole: each output
+    # the same either way
     layer, _, _ = layer_and_weight(bits, 70, in_features, bias=False, seed=3)
     x = torch.randn(rows, in_features).bfloat16()
     together = layer(x)
