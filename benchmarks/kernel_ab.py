@@ -34,6 +34,7 @@ sources; the default compares HEAD with the working tree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -96,9 +97,20 @@ def in_features(layer: torch.nn.Module) -> int:
     return layer.in_features if isinstance(layer, QuantizedLinear) else layer.weight.shape[1]
 
 
-def run_layers(lib, layers, inputs) -> tuple[float, list[torch.Tensor]]:
-    """Seconds to run every layer once on `lib`'s kernels, and the outputs."""
-    native.library = lambda: lib  # the layers find the kernels through it
+@contextlib.contextmanager
+def kernels_of(lib):
+    """Within it, the model's layers run on `lib` (they find the kernels through
+    native.library); afterwards on what they ran on before."""
+    library = native.library
+    native.library = lambda: lib
+    try:
+        yield
+    finally:
+        native.library = library
+
+
+def run_layers(layers, inputs) -> tuple[float, list[torch.Tensor]]:
+    """Seconds to run every layer once, and the outputs."""
     started = time.perf_counter()
     outputs = [layer.silu_and_mul(x) if gated else layer(x) for (layer, gated), x in zip(layers, inputs)]
     return time.perf_counter() - started, outputs
@@ -116,17 +128,14 @@ def digest(outputs: list[torch.Tensor]) -> str:
 def measure(lib, layers, rows: list[int], passes: int, dtype: torch.dtype) -> dict[int, tuple[float, str]]:
     """Per row count: the median seconds of `passes` runs of every layer on `lib`, and
     the outputs' digest. The inputs are seeded, so every process feeds the same ones."""
-    library = native.library
     results = {}
-    try:
+    with kernels_of(lib):
         for count in rows:
             generator = torch.Generator().manual_seed(count)
             inputs = [torch.randn(count, in_features(layer), generator=generator).to(dtype) for layer, _ in layers]
-            _, outputs = run_layers(lib, layers, inputs)  # also a warm-up
-            seconds = [run_layers(lib, layers, inputs)[0] for _ in range(passes)]
+            _, outputs = run_layers(layers, inputs)  # also a warm-up
+            seconds = [run_layers(layers, inputs)[0] for _ in range(passes)]
             results[count] = (statistics.median(seconds), digest(outputs))
-    finally:
-        native.library = library
     return results
 
 
@@ -137,9 +146,7 @@ def measure_forwards(lib, decoder, rows: list[int], passes: int) -> dict[int, tu
     """Per row count: the median seconds of `passes` forwards of `count` tokens attending
     one at a time (a verification's forward) on `lib`, after FORWARD_CONTEXT cached
     tokens, and the logits' digest."""
-    library = native.library
-    native.library = lambda: lib  # the decoder finds the kernels through it
-    try:
+    with kernels_of(lib):
         cache = decoder.new_cache()
         ids = torch.arange(FORWARD_CONTEXT, dtype=torch.int64) * 7 % decoder.config.vocab_size  # [context]
         decoder(ids, [Segment(cache, FORWARD_CONTEXT)], torch.tensor([FORWARD_CONTEXT - 1]))
@@ -152,8 +159,6 @@ def measure_forwards(lib, decoder, rows: list[int], passes: int) -> dict[int, tu
                 seconds.append(time.perf_counter() - started)
                 cache.truncate(FORWARD_CONTEXT)
             results[count] = (statistics.median(seconds[1:]), digest([logits]))
-    finally:
-        native.library = library
     return results
 
 

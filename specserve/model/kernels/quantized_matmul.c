@@ -133,7 +133,6 @@ static inline __attribute__((always_inline)) void rows_tile(
     const float *d, const float *a, const int nt, __m512 *carried, float *out /* [nr][TILE] */) {
     const __m512i low_nibble = _mm512_set1_epi8(0x0f);
     __m512 acc[2][TILE];
-    if (!chunked) g_begin = 0, g_end = G, ahead = PREFETCH_AHEAD;
     for (int i = 0; i < nr; i++)
         for (int t = 0; t < nt; t++) acc[i][t] = chunked && g_begin > 0 ? carried[i * TILE + t] : _mm512_setzero_ps();
     for (int g0 = g_begin, b = g_begin / BLOCK_GROUPS; g0 < g_end; g0 += BLOCK_GROUPS, b++) {
@@ -210,7 +209,8 @@ static inline __attribute__((always_inline)) void rows_tile(
 #define EVERY_TILE_SIZE(CASE, CHUNKED) \
     CASE(1, CHUNKED) CASE(2, CHUNKED) CASE(3, CHUNKED) CASE(4, CHUNKED) CASE(5, CHUNKED) CASE(6, CHUNKED) CASE(7, CHUNKED) CASE(8, CHUNKED)
 
-/* nt <= TILE; nr = 1, or int4 with nr = 2. Whole rows. */
+/* nt <= TILE; nr = 1, or int4 with nr = 2. Whole rows: the group bounds and prefetch
+ * distance are constants here, for the compiler. */
 static void rows_tile_any(int bits, int nr, const uint8_t *w, size_t pair_bytes, const uint16_t *scale,
                           const uint16_t *zero, size_t pair_scales, int G, const int8_t *q, const float *d,
                           const float *a, int nt, float *out) {
@@ -280,6 +280,15 @@ static inline int paired(int bits, int T) { return bits == 4 && T > 1; }
 /* At most this many bytes of carried sums per pass (a thread's, in its L2). */
 #define CARRIED_BYTES (64 * 1024)
 
+/* Whether plain_rows takes T rows of K inputs in chunks: where a tile's activations
+ * outgrow CHUNK_Q_BYTES and a chunk of every tile's fits in it (up to 16 rows; a
+ * prompt's 41 rows in chunks that did not fit took 1.04x the time of whole rows). */
+static inline int in_chunks(int T, int K) {
+    const size_t tiles = (size_t)(T + TILE - 1) / TILE;
+    return (size_t)(T < TILE ? T : TILE) * K > CHUNK_Q_BYTES && K / GROUP > CHUNK_GROUPS &&
+           tiles * TILE * CHUNK_GROUPS * GROUP <= CHUNK_Q_BYTES;
+}
+
 /* Outputs n .. n + nr - 1 of activation rows t0 .. t0 + nt - 1, from dot_tile's out. */
 static inline void write_tile(int n, int nr, int t0, int nt, int N, const uint16_t *bias, const float *out, uint16_t *y) {
     for (int i = 0; i < nr; i++) {
@@ -334,13 +343,7 @@ static void plain_rows(int bits, int T, int K, const uint8_t *weights, const uin
      * 0.90-0.95x. (Pairs once took tiles of 4, their accumulators held in registers,
      * which spilled them: within L1 they lost 0-10%, and gate/up pairs 9-16%.) */
     const int step = paired(bits, T) ? 2 : 1;
-    /* Chunks where a tile's activations outgrow CHUNK_Q_BYTES and a chunk of every
-     * tile's fits in it (up to 16 rows): a prompt's 41 rows in chunks that did not fit
-     * took 1.04x the time of whole rows. */
-    const int tiles = (T + TILE - 1) / TILE;
-    if ((size_t)(T < TILE ? T : TILE) * K > CHUNK_Q_BYTES && K / GROUP > CHUNK_GROUPS &&
-        (size_t)tiles * TILE * CHUNK_GROUPS * GROUP <= CHUNK_Q_BYTES &&
-        chunked_rows(bits, step, T, K, weights, scale, zero, bias, N, q, d, a, y) == 0)
+    if (in_chunks(T, K) && chunked_rows(bits, step, T, K, weights, scale, zero, bias, N, q, d, a, y) == 0)
         return;
     /* Whole rows, a unit at a time (a loop of its own: at 1536 inputs a unit's 8 rows
      * take ~25 ns, and the chunks' bookkeeping cost int8 1.06x the time). */
