@@ -11,17 +11,18 @@ from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.spec import adaptive as adaptive_module
-from specserve.spec.adaptive import Acceptance, AdaptiveSpecLength, LinearFit
+from specserve.spec.adaptive import Acceptance, AdaptiveSpecLength, ForwardCosts, LinearFit
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from tests.conftest import tiny_config
 
 
 def controller(fixed=1.0, per_row=0.02, draft_fixed=0.1, per_position=0.3, max_k=15) -> AdaptiveSpecLength:
-    """A controller whose measured costs are exactly the given lines (seconds)."""
+    """A controller whose measured costs are exactly the given lines (seconds): every
+    row count a sequence's step can verify measured, and two a batch's can."""
     ctl = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5)
     for _ in range(400):  # enough to wash the priors out
-        for rows in (1, 4, 16):
+        for rows in (*range(1, max_k + 2), 64, 128):
             ctl.observe_target(rows, fixed + per_row * rows)
         for positions in (1, 3, 8):
             ctl.observe_draft(positions, draft_fixed + per_position * positions)
@@ -60,31 +61,73 @@ def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
     assert ctl.draft_costs()[1] == pytest.approx(0.050, rel=0.02)  # half a one-row forward
 
 
-def test_verification_is_priced_as_measured_where_a_line_would_miss_a_step():
-    """Our CPU kernels multiply up to 8 rows by each weight row they read, so 9-16 rows
-    take a second pass of arithmetic. A line through the forwards measured prices k = 15
-    too cheap and k = 7 too dear; priced as each row count measured, a sequence that
-    earns 0.98 a position drafts 7, the best k under these costs (the line: 10)."""
-    def forward(rows: int) -> float:  # seconds: 22 ms plain, 36 ms for 8 rows, 52 for 9
-        return 0.020 + 0.002 * rows + 0.014 * ((rows + 7) // 8 - 1)
+def tiled_forward(rows: int) -> float:
+    """Seconds of a target forward on our CPU kernels, which multiply up to 8 rows by
+    each weight row they read: 9-16 rows take a second pass of arithmetic (22 ms
+    plain, 36 ms for 8 rows, 52 for 9)."""
+    return 0.020 + 0.002 * rows + 0.014 * ((rows + 7) // 8 - 1)
 
-    def best_k_by_the_costs(rate: float) -> int:
-        def speedup(k: int) -> float:
-            return (1 - rate ** (k + 1)) / (1 - rate) * forward(1) / (forward(k + 1) + 0.001 + 0.006 * k)
-        return max(range(1, 16), key=speedup)
 
+def drafts_seven_at(rate: float) -> bool:
+    """Under tiled_forward and a draft of 1 + 6 ms a position, 7 is the best k."""
+    def speedup(k: int) -> float:
+        return (1 - rate ** (k + 1)) / (1 - rate) * tiled_forward(1) / (tiled_forward(k + 1) + 0.001 + 0.006 * k)
+    return max(range(1, 16), key=speedup) == 7
+
+
+def test_verification_is_priced_as_each_row_count_measured():
+    """A line through the forwards prices k = 15 too cheap and k = 7 too dear; priced
+    as each row count measured, a sequence that earns 0.98 a position drafts 7."""
+    assert drafts_seven_at(0.98)
     ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
     for _ in range(300):
-        for rows in (1, 4, 8, 9, 12, 16):
-            ctl.observe_target(rows, forward(rows))
+        for rows in range(1, 17):
+            ctl.observe_target(rows, tiled_forward(rows))
         for positions in (3, 7, 15):
             ctl.observe_draft(positions, 0.001 + 0.006 * positions)
-    assert ctl.target_seconds(9) == pytest.approx(forward(9), rel=0.01)
-    assert ctl.target_seconds(7) == pytest.approx(forward(7), rel=0.05)  # between 4 and 8 measured
-    assert ctl.plain_step(1) == pytest.approx(forward(1), rel=0.15)  # the line's own
-    assert ctl.best_k(steady(0.98), batch=1) == best_k_by_the_costs(0.98) == 7
-    ctl.shape.clear()  # priced by the line alone
-    assert ctl.best_k(steady(0.98), batch=1) > 8
+    for rows in (1, 8, 9, 16):
+        assert ctl.target_seconds(rows) == pytest.approx(tiled_forward(rows), rel=1e-6)
+    assert ctl.best_k(steady(0.98), batch=1) == 7
+
+
+def test_a_row_count_never_measured_is_priced_low_until_it_is():
+    """What a new engine sees on a predictable prompt: a probe (4 rows), a longer draft
+    (7 rows), then 16 rows. Priced on the chord from 7 to 16 rows (the nineteenth
+    session's engine: factors against a line that went stale as the line moved), 8 rows
+    looked dear, k = 7 was never tried, and the policy drafted 15 a step where 7 was
+    faster. Priced below the chord, the counts it might gain by are tried, then priced
+    as measured, and the policy settles on 7 within a few steps."""
+    ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
+    for rows in (1, 4, 7, 16):
+        ctl.observe_target(rows, tiled_forward(rows))
+    for positions in (3, 6, 15):
+        ctl.observe_draft(positions, 0.001 + 0.006 * positions)
+    chord = tiled_forward(7) + (tiled_forward(16) - tiled_forward(7)) / 9
+    assert tiled_forward(7) < ctl.target_seconds(8) <= tiled_forward(8) < chord
+    tried = []
+    for _ in range(12):  # choose, then measure what was chosen
+        k = ctl.best_k(steady(0.98), batch=1)
+        tried.append(k)
+        ctl.observe_target(k + 1, tiled_forward(k + 1))
+    assert tried[-4:] == [7] * 4 and len(set(tried)) <= 3, tried
+    # Past the largest count measured (a batch's rows): the slope of the two largest.
+    below, largest = sorted(ctl.target.shape)[-2:]
+    slope = (tiled_forward(largest) - tiled_forward(below)) / (largest - below)
+    assert ctl.target_seconds(largest + 8) == pytest.approx(tiled_forward(largest) + 8 * slope)
+
+
+def test_a_change_in_the_machines_speed_reprices_every_row_count():
+    """Plain steps alone measured while the machine runs at half speed: a verification
+    of 8 rows, not measured meanwhile, is priced at half speed too."""
+    ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
+    for _ in range(20):
+        for rows in (1, 8):
+            ctl.observe_target(rows, tiled_forward(rows))
+    for _ in range(30):
+        ctl.observe_target(1, 2 * tiled_forward(1))
+    # Each count's own cost takes a little of the change (a few %) while the pace moves.
+    assert ctl.target_seconds(8) == pytest.approx(2 * tiled_forward(8), rel=0.06)
+    assert ctl.plain_step(1) == pytest.approx(2 * tiled_forward(1), rel=0.01)
 
 
 def test_a_slow_phase_in_the_drafts_fit_fades_with_the_targets():
@@ -161,13 +204,12 @@ def test_where_drafting_pays_the_batch_the_predictable_sequences_draft_most():
     assert min(ks[:4]) > max(ks[4:])
     # That choice beats every batch drafting one k alike.
     curves = [a.curves() for a in [steady(0.95)] * 4 + [steady(0.1)] * 4]
-    fixed, per_row = ctl.target.coefficients()
     draft_fixed, per_position = ctl.draft_costs()
 
     def tokens_per_second(ks: list[int]) -> float:
         tokens = sum(E[k] for (E, _), k in zip(curves, ks))
         drafted = [D[k] for (_, D), k in zip(curves, ks)]
-        return tokens / (fixed + per_row * (8 + sum(drafted)) + draft_fixed * (max(drafted) > 0)
+        return tokens / (ctl.target_seconds(8 + sum(drafted)) + draft_fixed * (max(drafted) > 0)
                          + per_position * max(drafted))
 
     assert all(tokens_per_second(ks) > tokens_per_second([k] * 8) for k in range(16))
@@ -297,7 +339,7 @@ class FreeCosts(AdaptiveSpecLength):
 
     def __init__(self, max_k, prior_draft_cost_ratio):
         super().__init__(max_k, 0.0)
-        self.target = LinearFit(((1, 1.0), (8, 1.0)))
+        self.target = ForwardCosts(prior_row_share=0.0)
 
     def observe_target(self, rows, seconds):
         super().observe_target(rows, 1.0)

@@ -2,18 +2,16 @@
 
 Leviathan et al.: if each drafted token is accepted with probability a (independently),
 a step that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average.
-What a step costs is measured on the spot, as two straight lines fitted to the
-engine's own timings (recent steps weigh more):
+What a step costs is measured on the spot from the engine's own timings (recent steps
+weigh more): the target's forward by its row count (rows = tokens verified), as each
+count has measured (`ForwardCosts`: our CPU kernels make 9-16 rows cost a second pass of
+arithmetic, a step no line follows), and drafting as a straight line,
 
-    target forward (seconds) = fixed + per_row * rows       (rows = tokens verified)
-    drafting       (seconds) = draft_fixed + per_position * k
+    drafting (seconds) = draft_fixed + per_position * k
 
 (drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
 steps a draft first reads every token decoded since, which is not what k positions cost).
-A forward that verifies drafts is priced by the line times a factor measured for its
-row count (`target_seconds`): our CPU kernels make 9-16 rows cost a second pass of
-arithmetic, a step no line follows.
-Those reads (and a new request's prompt) are fitted as a third line, cost per token
+Those reads (and a new request's prompt) are fitted as a second line, cost per token
 read, and a sequence with a backlog to read is charged it when it drafts, spread over
 the tokens it has left (`read_cost`).
 
@@ -26,11 +24,11 @@ good (on the int4 pair, engines that had run through a phase slowed by another j
 drafted nothing on later prompts where drafting paid 1.3-1.5x). As a share of the
 target's step, it fades as soon as the target is fast again.
 
-For a batch of B decoding sequences a plain step costs T0 = fixed + per_row * B; drafting
-k tokens each adds draft_fixed + k * (per_position + per_row * B). So the speed relative
-to plain decoding is
+For a batch of B decoding sequences a plain step costs T(B), the target's forward of B
+rows; drafting k tokens each costs draft_fixed + k * per_position and makes the forward
+one of B * (1 + k) rows. So the speed relative to plain decoding is
 
-    speedup(k) = E(k) * T0 / (T0 + draft_fixed + D(k) * (per_position + per_row * B))
+    speedup(k) = E(k) * T(B) / (T(B * (1 + D(k))) + draft_fixed + D(k) * per_position)
 
 with D(k) the positions drafted. Sequences draft together, so the batch's ks are chosen
 together (`batch_ks`): the draft's cost follows the longest draft, and a sequence that
@@ -52,8 +50,9 @@ drafting steps, that ends before PROBE_INTERVAL steps doubles the wait for the n
 probe (up to MAX_PROBE_INTERVAL), so an open-ended prompt, or a batch under which
 drafting does not pay, costs next to nothing; a run that lasts resets it. In a batch
 of B the waits are B times longer, since a probe holds up the whole batch. As the
-batch grows, per_row * B grows against the draft's fixed costs and k falls: under load
-the weights are already shared by many rows and verification is no longer free.
+batch grows, the verified rows' cost grows against the draft's fixed costs and k falls:
+under load the weights are already shared by many rows and verification is no longer
+free.
 
 k is chosen from the target's and the draft's past outputs only, never from the
 current step's, so verification stays lossless whatever k is.
@@ -90,9 +89,21 @@ COSTS_KNOWN_STEPS = 64
 # 0.954x.)
 ACCEPTANCE_DECAY = 0.85
 TIMING_DECAY = 0.97
-# Weight of a row count's past shape factor (see `target_seconds`) at each new forward of
-# that many rows.
-SHAPE_DECAY = 0.8
+# Weight of a row count's past costs (see `ForwardCosts`) at each new forward of that
+# many rows, and of the machine's past pace at each forward of a count measured before:
+# a change in the machine's speed moves the pace within a few steps, and each count's
+# own cost, noisy from one forward to the next, is a mean of many.
+SHAPE_DECAY = 0.95
+PACE_DECAY = 0.5
+# The target's prior, in units of a one-row forward: 5% more per verified row. It prices
+# the first forwards, and row counts not yet measured where no two measured ones say
+# better (see `ForwardCosts.shape_at`): a dear prior would stop the drafting that
+# measures them.
+PRIOR_ROW_SHARE = 0.05
+# Between two row counts measured, a count not measured is priced on a curve below their
+# chord (cost = low + (high - low) * along ** INTERIOR_BEND): the cost of our CPU
+# kernels bends up past 8 rows, and the chord from 4 to 16 priced 8 rows 25% dear.
+INTERIOR_BEND = 2.0
 # A new sequence's prior: each position earned with 0.8 given the one before, with the
 # weight of one step; a position never reached leans on the one before it likewise.
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 1.0
@@ -129,6 +140,85 @@ class LinearFit:
         slope = (self.sxy / self.sw - mean_x * mean_y) / var_x if var_x > 1e-12 else 0.0
         slope = max(slope, 0.0)
         return max(mean_y - slope * mean_x, 0.0), slope
+
+
+class ForwardCosts:
+    """Seconds of a target forward by its row count: pace * shape(rows).
+
+    shape[rows] is what each row count measured costs (decaying, SHAPE_DECAY), in the
+    machine's pace when measured; pace is how fast the machine runs now against that,
+    moved by every forward of a measured count (PACE_DECAY). A machine's speed moves (a
+    busy neighbour, a clock that drops) and moves every count alike, so a count measured
+    in a slow phase is not priced slow for good. Why not a line through the forwards:
+    our CPU kernels multiply up to 8 rows by each weight row they read, so 9-16 rows take
+    a second pass of arithmetic (the 1.5B int4 target on a Zen 5: 8 rows 2.0x a plain
+    step, 16 rows 4.3x). Until the nineteenth session the policy priced a forward by a
+    line times a factor per count, and the factors, measured against the line of their
+    time, went stale as the line moved from its prior: with 3, 4, 7 and 16 rows measured
+    it priced 8 rows at 2.8 plain steps, and drafted 15 a step where 7 was faster.
+
+    A count never measured is priced from those that were (`shape_at`), and between
+    two of them on the low side: a count priced too dear is never chosen, so never
+    measured and never corrected (the chord from 4 to 16 rows priced 8 rows 25% above
+    their cost, and k = 7 was never tried); one priced too cheap is chosen once, and
+    then it is measured. Between two counts measured, on a curve below their chord
+    (INTERIOR_BEND); past the largest, along the slope of the two largest (a batch's
+    rows), at least the prior's; below the smallest, or with one count measured, by
+    the prior's shape."""
+
+    def __init__(self, prior_row_share: float = PRIOR_ROW_SHARE):
+        self.prior_row_share = prior_row_share
+        self.shape: dict[int, float] = {}  # rows -> seconds at the pace of 1.0
+        self._counts: list[int] = []  # sorted keys of shape
+        self._sums: dict[int, tuple[float, float]] = {}  # rows -> decaying (weight, weight * shape)
+        self.pace = 1.0
+        self.measured = 0  # forwards observed
+
+    def _prior(self, rows: float) -> float:
+        return 1.0 + self.prior_row_share * (rows - 1)
+
+    def shape_at(self, rows: int) -> float:
+        """A forward of `rows` rows at the pace of 1.0 (before any measurement: in units
+        of a one-row forward)."""
+        if rows in self.shape:
+            return self.shape[rows]
+        counts, shape = self._counts, self.shape
+        if not counts:
+            return self._prior(rows)
+        above = bisect.bisect(counts, rows)
+        if 0 < above < len(counts):  # between two counts measured: below their chord
+            low, high = counts[above - 1], counts[above]
+            along = (rows - low) / (high - low)
+            return shape[low] + (shape[high] - shape[low]) * along**INTERIOR_BEND
+        if above == len(counts) and above >= 2:  # past every count measured: their last slope
+            below, high = counts[-2:]
+            unit = shape[high] / self._prior(high)  # a one-row forward, by the prior's shape
+            slope = max((shape[high] - shape[below]) / (high - below), self.prior_row_share * unit)
+            return shape[high] + slope * (rows - high)
+        near = counts[min(above, len(counts) - 1)]  # below every count measured, or past the one
+        return shape[near] * self._prior(rows) / self._prior(near)
+
+    def seconds(self, rows: float) -> float:
+        """Predicted seconds of a forward of `rows` rows; between two counts (an
+        expected count), in proportion."""
+        low = int(rows)
+        share = rows - low
+        cost = self.shape_at(low) if share == 0 else (1 - share) * self.shape_at(low) + share * self.shape_at(low + 1)
+        return self.pace * cost
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if self.measured == 0:  # the first forward sets the unit, by the prior's shape
+            self.pace = seconds / self._prior(rows)
+        elif rows in self.shape:
+            self.pace *= (seconds / (self.pace * self.shape[rows])) ** (1 - PACE_DECAY)
+        self.measured += 1
+        if rows not in self.shape:
+            bisect.insort(self._counts, rows)
+        # A mean of the count's measurements, recent ones weighing more.
+        weight, total = self._sums.get(rows, (0.0, 0.0))
+        weight, total = SHAPE_DECAY * weight + 1, SHAPE_DECAY * total + seconds / self.pace
+        self._sums[rows] = weight, total
+        self.shape[rows] = total / weight
 
 
 class Acceptance:
@@ -200,63 +290,27 @@ class AdaptiveSpecLength:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
-        # Prior, in units of a one-row target forward: 5% more per verified row (a
-        # line fitted to rows seen only one at a time keeps its prior slope, so a dear
-        # prior would stop the drafting that measures it), a draft position the
-        # draft/target size ratio, and a token read into the draft before drafting (a
-        # prompt: 3-5 ms a token on the int4 0.5B draft) half a draft position.
-        # Measurements take over within a few dozen steps. The target's fit is in
-        # seconds once its first step is measured; the draft's stay in units.
-        self.target = LinearFit(((1, 1.0), (9, 1.4)))
-        self.shape: dict[int, float] = {}  # rows -> measured / the line's (see target_seconds)
+        # Prior, in units of a one-row target forward: PRIOR_ROW_SHARE more per verified
+        # row (see ForwardCosts), a draft position the draft/target size ratio, and a
+        # token read into the draft before drafting (a prompt: 3-5 ms a token on the
+        # int4 0.5B draft) half a draft position. Measurements take over within a few
+        # dozen steps. The target's costs are in seconds once its first step is
+        # measured; the draft's fits stay in units.
+        self.target = ForwardCosts()
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
         self.read = LinearFit(((0, 0.0), (64, 32 * r)))
-        self._scale_known = False
         self.target_steps = 0  # target forwards measured
         self.sequences: dict[int, Acceptance] = {}
 
     def plain_step(self, batch: int) -> float:
         """Predicted seconds of a plain decode step of `batch` sequences."""
-        return self._target_line(batch)
-
-    def _target_line(self, rows: float) -> float:
-        """The target's fitted line at `rows` rows (seconds, once the unit is known)."""
-        fixed, per_row = self.target.coefficients()
-        return fixed + per_row * rows
+        return self.target_seconds(batch)
 
     def target_seconds(self, rows: float) -> float:
-        """Predicted seconds of a forward that verifies drafts, `rows` rows in all (an
-        expected count: between two counts, in proportion): the line, times what
-        forwards of that many rows have measured against it.
-
-        A line misses steps in the cost: our CPU kernels multiply up to 8 rows by each
-        weight row they read, so 9-16 rows cost two passes of arithmetic (the 1.5B int4
-        target on a Zen 5: 8 rows 1.75x a plain step, 16 rows 3.4x), and a line through
-        both priced k = 15 too cheap and k = 7 too dear. A plain step keeps the line's
-        price: its row count's factor follows every change in the machine's speed
-        before the line does (the line remembers more), and a plain step priced by it
-        against drafts priced by factors measured earlier made drafting look dearer
-        than it was whenever the machine had just sped up."""
-        low = int(rows)
-
-        def at(count: int) -> float:
-            return self._target_line(count) * self._shape_factor(count)
-
-        share = rows - low
-        return at(low) if share == 0 else (1 - share) * at(low) + share * at(low + 1)
-
-    def _shape_factor(self, rows: int) -> float:
-        """The factor measured at `rows`; between two measured counts, in proportion;
-        beyond them, the nearest one's (1 before any)."""
-        if rows in self.shape or not self.shape:
-            return self.shape.get(rows, 1.0)
-        counts = sorted(self.shape)
-        above = bisect.bisect(counts, rows)
-        if above == 0 or above == len(counts):
-            return self.shape[counts[min(above, len(counts) - 1)]]
-        low, high = counts[above - 1], counts[above]
-        return self.shape[low] + (self.shape[high] - self.shape[low]) * (rows - low) / (high - low)
+        """Predicted seconds of a target forward of `rows` rows in all (an expected
+        count: between two counts, in proportion; see ForwardCosts)."""
+        return self.target.seconds(rows)
 
     def _unit(self) -> float:
         """Seconds of a one-row target forward now: the unit of the draft's fits."""
@@ -325,11 +379,12 @@ class AdaptiveSpecLength:
         count = len(acceptances)
         batch = count + others
         read_costs = read_costs or [0.0] * count
-        _, per_row = self.target.coefficients()
         draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
             return floor, [0] * count
+        # A verified row's cost, on average over every row a step may add.
+        per_row = (self.target_seconds(batch * (1 + self.max_k)) - plain) / (batch * self.max_k)
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
 
         def speedup(ks: list[int]) -> float:
@@ -442,39 +497,23 @@ class AdaptiveSpecLength:
 
     def observe_target(self, rows: int, seconds: float) -> None:
         """A decode step's target forward: `rows` tokens verified in `seconds`."""
-        # The unit is a one-row forward: a first step that verified drafts says what one
-        # row costs through the prior's own line (a probe's 3 rows are not 3 units).
-        self._rescale_priors(seconds / self._target_line(rows))
-        self.target.add(rows, seconds)
+        self.target.observe(rows, seconds)
         self.target_steps += 1
-        line = self._target_line(rows)
-        if line > 0:
-            measured = seconds / line
-            known = self.shape.get(rows)
-            self.shape[rows] = measured if known is None else SHAPE_DECAY * known + (1 - SHAPE_DECAY) * measured
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """A proposer call that drafted up to `positions` tokens per sequence. Calls
         before the first measured target step are not counted: the unit is unknown."""
-        if positions > 0 and self._scale_known:
+        if positions > 0 and self.target_steps:
             self.draft.add(positions, seconds / self._unit())
 
     def observe_read(self, tokens: int, positions: int, seconds: float) -> None:
         """A proposer call that read `tokens` before drafting up to `positions`: the
         time beyond what drafting costs is the reading's."""
-        if not self._scale_known:
+        if not self.target_steps:
             return
         draft_fixed, per_position = self.draft_costs()
         drafting = draft_fixed + per_position * positions if positions else 0.0
         self.read.add(tokens, max(seconds - drafting, 0.0) / self._unit())
-
-    def _rescale_priors(self, seconds_per_unit: float) -> None:
-        # The target's prior is in units of a one-row forward; the first measurement sets the unit.
-        if self._scale_known:
-            return
-        self._scale_known = True
-        for name in ("sy", "sxy"):
-            setattr(self.target, name, getattr(self.target, name) * seconds_per_unit)
 
     def free(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)
