@@ -117,6 +117,36 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_
     assert not proposer.caches and not engine.running
 
 
+class NeverDrafts(FreeCosts):
+    """Adaptive that decodes plainly: k = 0 for every sequence, no probes."""
+
+    def choose(self, seq_ids, backlogs=None, remaining=None, others=0):
+        return [0] * len(seq_ids)
+
+
+@needs_kernel
+def test_a_batch_that_drafts_nothing_takes_one_forward_a_step(target, draft, monkeypatch):
+    """With nothing drafted, the fused call would only run the target, and a prompt
+    being read (or a lookup's draft) would take a second forward in the same step,
+    reading the target's weights twice: the whole batch goes in one forward instead."""
+    proposer = FusedDraftProposer(draft, target)
+    monkeypatch.setattr(proposer, "speculate", lambda *args: pytest.fail("a fused call that drafts nothing"))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
+                    adaptive=NeverDrafts(8, prior_draft_cost_ratio=0.3))
+    forwards = []
+    forward = engine._forward_and_verify
+    monkeypatch.setattr(engine, "_forward_and_verify", lambda work: forwards.append(len(work)) or forward(work))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = engine.add_request(PROMPTS[0], params)
+    engine.step()  # its prompt
+    second = engine.add_request(PROMPTS[1], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert forwards[1] == 2  # the first one's decode step beside the second's prompt, in one forward
+    assert first.output_ids == plain_tokens(target, PROMPTS[0], params)
+    assert second.output_ids == plain_tokens(target, PROMPTS[1], params)
+
+
 @needs_kernel
 def test_fused_engine_output_is_a_bfloat16_targets_own(float_target, draft):
     """A bfloat16 target on our float kernel joins the call too."""
