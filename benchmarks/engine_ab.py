@@ -20,6 +20,12 @@ recompile over each other's cache.
     .venv/bin/python benchmarks/engine_ab.py                               # HEAD vs the working tree
     .venv/bin/python benchmarks/engine_ab.py --a HEAD~1 --b HEAD --rounds 5 --modes k=7,adaptive
     .venv/bin/python benchmarks/engine_ab.py --prompts count,meaning --max-tokens 128
+    .venv/bin/python benchmarks/engine_ab.py --concurrency 8 --requests 28 --max-tokens 128 --modes plain,adaptive
+
+With --concurrency C, each mode's engine serves --requests R instead (the prompts in
+turn, all queued at once, C at a time: continuous batching as a server under that load
+runs it, without HTTP), and its row gives the output throughput of the whole run
+(output tokens over its seconds) and the median time to first token.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,10 +91,15 @@ def worker(args: argparse.Namespace) -> None:
         native.library = lambda: lib
     prompts = prompts_of(args.suites)
     dtype = getattr(torch, args.dtype)
+    names = args.prompts.split(",") if args.prompts else list(prompts)
     for mode in args.modes.split(","):
         engine, tokenizer = build_engine(args.target, SpecConfig.parse(spec_config(mode, args.draft)), dtype,
-                                         quantization=args.quantization, max_num_seqs=1)
-        for name in args.prompts.split(",") if args.prompts else prompts:
+                                         quantization=args.quantization, max_num_seqs=args.concurrency)
+        if args.concurrency > 1:
+            serve_requests(engine, [encode_prompt(tokenizer, chat=prompts[name]) for name in names], mode, args)
+            del engine
+            continue
+        for name in names:
             ids = encode_prompt(tokenizer, chat=prompts[name])
             run_one(engine, tokenizer, ids, SamplingParams(max_tokens=8, temperature=0.0))
             result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
@@ -97,6 +109,29 @@ def worker(args: argparse.Namespace) -> None:
                               "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else math.inf,
                               "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]}), flush=True)
         del engine
+
+
+def serve_requests(engine, prompt_ids: list[list[int]], mode: str, args: argparse.Namespace) -> None:
+    """--concurrency: args.requests requests (the prompts in turn) queued at once, the
+    engine running args.concurrency at a time; prints the mode's one line, its output
+    throughput as decode_tok_s."""
+    from specserve.sampling import SamplingParams
+
+    for ids in prompt_ids[:2]:  # warm-up
+        engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    seqs = [engine.add_request(prompt_ids[i % len(prompt_ids)], params) for i in range(args.requests)]
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - started
+    tokens = [seq.output_ids for seq in seqs]
+    print(json.dumps({"mode": mode, "prompt": f"{args.requests} requests, {args.concurrency} at a time",
+                      "decode_tok_s": sum(map(len, tokens)) / seconds,
+                      "ttft_s": statistics.median(seq.timings()["ttft_s"] for seq in seqs),
+                      "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]}), flush=True)
 
 
 Run = dict[tuple[str, str], dict]  # (mode, prompt) -> a worker's line
@@ -165,6 +200,9 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names of the suites (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="processes per build, taking turns")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="above 1: serve --requests requests, this many at a time, per mode")
+    parser.add_argument("--requests", type=int, default=28, help="with --concurrency: requests per mode")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--library", default=None, help=argparse.SUPPRESS)  # a worker's own kernels
     args = parser.parse_args()
@@ -173,6 +211,8 @@ def main() -> None:
             spec_config(mode, args.draft)
         except ValueError as error:
             parser.error(str(error))
+    if args.concurrency < 1 or args.requests < 1:
+        parser.error("--concurrency and --requests must be at least 1")
     if args.worker:
         worker(args)
         return
@@ -195,6 +235,7 @@ def main() -> None:
                 commands[key] += ["--library", str(library)]
         print(f"a: {args.a}, b: {args.b}; {args.target} ({args.quantization}) with {args.draft}; "
               f"{args.rounds} rounds of a process per build taking turns, {args.max_tokens} tokens"
+              + (f", {args.requests} requests {args.concurrency} at a time" if args.concurrency > 1 else "")
               + ("; each build's own kernels" if differ else "; the same kernel sources"))
         runs = take_turns(list(builds), args.rounds, lambda key: run_worker(commands[key], trees[key]))
         print_table(summarize(runs["a"], runs["b"]), suites)

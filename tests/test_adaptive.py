@@ -90,6 +90,32 @@ def test_verification_is_priced_as_each_row_count_measured():
     assert ctl.best_k(steady(0.98), batch=1) == 7
 
 
+def test_a_lookup_is_verified_as_far_as_its_rows_pay():
+    """A lookup drafts for free, and only its verified rows cost. Alone, 7 rows cost
+    under a step: a lookup right three tokens deep is verified about three deep (the rows
+    past them earn little), one never measured in full. Among 8 sequences the 9th row starts
+    a second pass of arithmetic (tiled_forward): only a lookup that is always right pays
+    for it, and once it has, the next lookup's first row is cheap again (rows 9-16
+    share the pass)."""
+    ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
+    for _ in range(50):
+        for rows in range(1, 25):
+            ctl.observe_target(rows, tiled_forward(rows))
+    for _ in range(30):
+        ctl.record_lookup(1, 7, 7)  # always right
+        ctl.record_lookup(2, 7, 3)  # right three tokens deep
+    assert ctl.lookup_ks([1], [7], batch=1) == [7]
+    assert ctl.lookup_ks([3], [7], batch=1) == [7]
+    # Three deep, and a fourth row: that position leans on the third's rate (Acceptance),
+    # ~13%, which still outweighs what one row costs alone; the rest do not.
+    assert ctl.lookup_ks([2], [7], batch=1) == [4]
+    assert ctl.lookup_ks([2], [7], batch=8) == [0]
+    assert ctl.lookup_ks([1, 2], [7, 7], batch=8) == [7, 1]
+    assert ctl.lookup_ks([1], [4], batch=8) == [0]  # 4 rows do not pay for the second pass
+    ctl.free(1)
+    assert 1 not in ctl.lookups
+
+
 def test_a_row_count_never_measured_is_priced_low_until_it_is():
     """What a new engine sees on a predictable prompt: a probe (4 rows), a longer draft
     (7 rows), then 16 rows. Priced on the chord from 7 to 16 rows (the nineteenth

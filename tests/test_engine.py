@@ -14,6 +14,7 @@ from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
+from specserve.spec.proposer import Draft
 from tests.conftest import DEVICES, tiny_config
 
 EOS = 95
@@ -175,15 +176,18 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("draft_head, lookup_first", [(4, None), (3, None), (4, 1)],
-                         ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first"])
-def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first):
+@pytest.mark.parametrize("draft_head, lookup_first, cut_short", [(4, None, False), (3, None, False), (4, 1, False),
+                                                                  (4, 1, True)],
+                         ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first", "lookups-cut-short"])
+def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first, cut_short):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4),
     also where the draft's common head scores only some token ids (Decoder.add_common_head:
-    each sequence's guesses over those or every id, by its text), and
-    where lookups draft in place of the model (one-hot drafts beside the model's)."""
+    each sequence's guesses over those or every id, by its text),
+    where lookups draft in place of the model (one-hot drafts beside the model's), and
+    where only the first token of each lookup is verified, as adaptive speculation cuts
+    them under load (the rest still compared with what follows)."""
     import itertools
 
     from specserve.model.decoder import Segment
@@ -209,6 +213,9 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
     engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3,
                     lookup_first=lookup_first)
+    if cut_short:
+        look_up = engine._look_up
+        engine._look_up = lambda decoding: {i: Draft(d.tokens[:1]) for i, d in look_up(decoding).items()}
     lookups = log_lookups(engine)
     samples = []
     for batch in range(10):
@@ -310,6 +317,50 @@ def test_a_lookup_after_a_rejected_one_drafts_less(target):
         assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
     assert any(last == 0 for last, _ in lookups) and any(n == 7 for _, n in lookups)
     assert all(n <= 1 + 2 * last for last, n in lookups if last is not None)
+
+
+def lookup_engine(target, verified) -> tuple[Engine, list, list]:
+    """An adaptive engine whose policy verifies verified(n) tokens of each n-token lookup,
+    with the lookups it proposed (their start and tokens) and what it learnt of each
+    (its length, how many of its tokens came next)."""
+    from specserve.spec.adaptive import AdaptiveSpecLength
+
+    adaptive = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.5)
+    adaptive.lookup_ks = lambda seq_ids, proposed, batch: [verified(n) for n in proposed]
+    learnt, record_lookup = [], adaptive.record_lookup
+    adaptive.record_lookup = lambda seq_id, n, matched: (learnt.append((n, matched)), record_lookup(seq_id, n, matched))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
+                    num_speculative_tokens=7, adaptive=adaptive, lookup_first=1)
+    proposed, look_up = [], engine._look_up
+
+    def logged(decoding):
+        pending = [s.lookup_pending for s in decoding]
+        found = look_up(decoding)
+        proposed.extend(s.lookup_pending for s, before in zip(decoding, pending) if s.lookup_pending is not before)
+        return found
+    engine._look_up = logged
+    return engine, proposed, learnt
+
+
+@pytest.mark.parametrize("verified", [lambda n: 0, lambda n: 1], ids=["none-verified", "one-verified"])
+def test_a_lookup_is_learnt_whether_or_not_it_is_verified(target, verified):
+    """Adaptive verifies only as much of a lookup as pays (AdaptiveSpecLength.lookup_ks);
+    what the lookup would have earned is still learnt, from the tokens that came after
+    it, so a lookup cut short is not priced by its prior for good. The output stays the
+    target's own."""
+    engine, proposed, learnt = lookup_engine(target, verified)
+    prompt = PROMPTS[1]
+    seq = engine.generate(prompt, GREEDY)
+    assert seq.output_ids == plain_tokens(target, prompt)
+    truth = []
+    for start, tokens in proposed:
+        came = seq.token_ids[start : start + len(tokens)]
+        matched = next((n for n, (a, b) in enumerate(zip(tokens, came)) if a != b), len(came))
+        if matched < len(tokens) and start + matched == len(seq.token_ids):
+            break  # the output ended while this one was still matching: never settled
+        truth.append((len(tokens), matched))
+    assert learnt == truth and any(n > 1 for n, _ in learnt)
+    assert any(matched > verified(n) for n, matched in learnt)  # learnt past what was verified
 
 
 def test_draft_catches_up_on_a_long_prompt_in_chunks(target):

@@ -31,6 +31,9 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     lookup_accepted: int | None = None  # of its last lookup-first draft (engine.py), None before one
+    # A lookup draft being compared with the tokens that follow it: (where it starts in
+    # token_ids, its tokens); see Engine._compare_lookups.
+    lookup_pending: tuple[int, list[int]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
