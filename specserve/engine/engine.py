@@ -83,6 +83,13 @@ class _Work:
     scored: bool  # False for a prompt chunk that is not the last: nothing is sampled
 
 
+def may_adapt(seq: Sequence) -> bool:
+    """Whether adaptive speculation may choose how much of this sequence's draft to
+    verify. The choice follows measured timings, and a sampled token depends on where
+    the draft stopped: a seeded sampling request keeps the fixed k, so that it repeats."""
+    return seq.params.greedy or seq.params.seed is None
+
+
 class Engine:
     def __init__(
         self,
@@ -180,9 +187,7 @@ class Engine:
 
     def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
         ks = [self.num_speculative_tokens] * len(decoding)
-        # Adaptive k depends on measured timings, and a sampled token depends on where
-        # the draft stopped: a seeded sampling request keeps the fixed k so it repeats.
-        adaptable = [i for i, s in enumerate(decoding) if s.params.greedy or s.params.seed is None]
+        adaptable = [i for i, s in enumerate(decoding) if may_adapt(s)]
         if self.adaptive is not None and adaptable:
             seqs = [decoding[i] for i in adaptable]
             chosen = self.adaptive.choose([s.seq_id for s in seqs], [self.proposer.backlog(s) for s in seqs],
@@ -229,11 +234,9 @@ class Engine:
                 found[i] = draft
                 if seq.lookup_pending is None:
                     seq.lookup_pending = (len(seq.token_ids), draft.tokens.tolist())
-        # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks);
-        # a seeded sampling request keeps its whole draft, so that it repeats.
-        adaptable = [i for i in found if self.adaptive is not None and (decoding[i].params.greedy
-                                                                          or decoding[i].params.seed is None)]
-        if adaptable:
+        # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks).
+        adaptable = [i for i in found if may_adapt(decoding[i])]
+        if self.adaptive is not None and adaptable:
             ks = self.adaptive.lookup_ks([decoding[i].seq_id for i in adaptable],
                                          [found[i].num_tokens for i in adaptable], len(decoding))
             for i, k in zip(adaptable, ks):
