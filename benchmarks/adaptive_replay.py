@@ -309,8 +309,12 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
                 "confidence": [round(c, 4) for c in confidence.tolist()],
             })
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
-    (target_fixed, per_row), (draft_fixed, per_position) = fits.target.coefficients(), fits.draft_costs()
-    by_rows = {str(rows): seconds for rows, seconds in forward_seconds(engine.target, fits.max_k + 1).items()}
+    forwards = forward_seconds(engine.target, fits.max_k + 1)
+    # The line, for row counts past those measured: least squares through the measured ones
+    # (the policy prices each count as measured since the nineteenth session: no line of its own).
+    per_row, target_fixed = statistics.linear_regression(list(forwards), list(forwards.values()))
+    draft_fixed, per_position = fits.draft_costs()
+    by_rows = {str(rows): seconds for rows, seconds in forwards.items()}
     costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1], by_rows)
     return {"pair": {"target": target, "draft": draft, "quantization": quantization},
             "costs": costs.__dict__, "traces": traces}

@@ -97,3 +97,21 @@ def test_the_score_judges_every_scale_suite_and_engine_against_hindsight():
     # At 3x every fixed k loses: plain is the best choice, and adaptive stays at it.
     assert all(cell.ratio == pytest.approx(1.0, abs=0.02) for cell in cells if cell.scale == 3.0)
     assert all(0.85 < cell.ratio <= 1.0 for cell in cells if cell.scale == 1.0)
+
+
+def test_recording_gives_traces_and_costs_the_replay_reads(prepared_cache, tmp_path):
+    """--record on the test model (a few tokens a prompt): every suite prompt's trace,
+    each row count's forward measured, and the line through them for counts past those."""
+    import json
+
+    from benchmarks.adaptive_replay import record
+
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps(record("smollm2-135m", "smollm2-135m", "none", max_tokens=4)))
+    costs, traces = load_traces(path)
+    assert sorted(t.name for t in traces) == sorted(name for names in suite_names(traces).values() for name in names)
+    assert len(traces) >= 7 and all(0 < len(t.match) == len(t.confidence) <= 4 for t in traces)
+    assert sorted(map(int, costs.target_by_rows)) == list(range(1, 17))
+    assert costs.target_per_row >= 0 and costs.forward(1) > 0 and costs.forward(64) > 0
+    assert costs.draft_per_position >= 0
+    replay(traces[0], costs, None)  # the replay runs on what was recorded
