@@ -512,9 +512,10 @@ class AdaptiveSpecLength:
         value = MIN_SPEEDUP * batch / plain  # tokens a second of the forward must earn
         rows, ks = batch, []
         for seq_id, most in zip(seq_ids, proposed):
-            tokens, _ = self.lookups.setdefault(seq_id, Acceptance(self.max_k)).curves()
+            tokens, _ = self._state(seq_id, self.lookups).curves()
             base = self.target_seconds(rows)
-            gains = [tokens[k] - 1 - value * (self.target_seconds(rows + k) - base) for k in range(min(most, self.max_k) + 1)]
+            gains = [tokens[k] - 1 - value * (self.target_seconds(rows + k) - base)
+                     for k in range(min(most, self.max_k) + 1)]
             k = max(range(len(gains)), key=gains.__getitem__)  # gains[0] = 0: k = 0 unless one gains
             ks.append(k)
             rows += k
@@ -523,14 +524,17 @@ class AdaptiveSpecLength:
     def record_lookup(self, seq_id: int, proposed: int, matched: int) -> None:
         """A lookup draft of `proposed` tokens whose first `matched` the target emitted
         after it (verified or not: see `lookup_ks`)."""
-        state = self.lookups.setdefault(seq_id, Acceptance(self.max_k))
+        state = self._state(seq_id, self.lookups)
         state.chosen = proposed
         state.record(proposed, matched)
 
-    def _state(self, seq_id: int) -> Acceptance:
-        if seq_id not in self.sequences:
-            self.sequences[seq_id] = Acceptance(self.max_k)
-        return self.sequences[seq_id]
+    def _state(self, seq_id: int, states: dict[int, Acceptance] | None = None) -> Acceptance:
+        """seq_id's Acceptance in `states` (its proposer's drafts, `self.sequences`, by
+        default), a new one if it has none."""
+        states = self.sequences if states is None else states
+        if seq_id not in states:
+            states[seq_id] = Acceptance(self.max_k)
+        return states[seq_id]
 
     def observe_target(self, rows: int, seconds: float) -> None:
         """A decode step's target forward: `rows` tokens verified in `seconds`."""
