@@ -298,7 +298,7 @@ def test_speculation_ceiling_takes_the_best_k():
 
 def test_formats_map_to_the_arithmetic_they_run():
     assert [arithmetic_of(f) for f in ("int4/bfloat16", "int8/bfloat16", "float32", "bfloat16", "float16")] == [
-        "int8", "int8", "float32", "bfloat16", None]
+        "int8_groups", "int8_groups", "float32", "bfloat16", None]
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")
@@ -306,7 +306,7 @@ def test_arithmetic_peaks_are_measured_and_described():
     peaks, method = measure_dot_peaks()
     # Every kind measured (no ordering between them: that would be a timed assertion,
     # at the mercy of a neighbour stealing the core for one of the 0.3 s windows).
-    assert set(peaks) == {"int8", "float32", "bfloat16"}
+    assert set(peaks) == {"int8", "float32", "bfloat16", "int8_groups"}
     assert all(peak > 1e9 for peak in peaks.values())  # any AVX-512 core does 100x that
     assert ("vdpbf16ps" in method) == native.has_bf16_dot()
     assert "threads" in method

@@ -11,7 +11,8 @@ this module adds the same count for a GGUF file, and the bandwidth.
 
 Speculation meets a second limit. Verifying k drafts runs k + 1 rows through weights
 read once, so its price is arithmetic: on a CPU with few cores a verified row costs
-its multiply-adds over the arithmetic peak (`measure_dot_peaks`). With a plain step
+its multiply-adds over the arithmetic peak (`measure_dot_peaks`; for quantized weights
+the peak of our kernel's instruction mix, int8 dot products with their scaling). With a plain step
 and a draft position at the memory limit and every row at that peak,
 `speculation_ceiling` gives the most any k can gain with every draft accepted: how
 far speculation can pay on this machine, before any acceptance is lost.
@@ -72,22 +73,25 @@ def measure_read_bandwidth(gib: float | None = None, passes: int = BANDWIDTH_PAS
 
 
 def measure_dot_peaks(device: torch.device = torch.device("cpu")) -> tuple[dict[str, float], str] | None:
-    """({"int8": multiply-adds/s, "float32": ..., "bfloat16": ...}, how) of this CPU on
-    torch's threads, or None off the CPU or where our kernels cannot run (see
-    `native.library`)."""
+    """({"int8": multiply-adds/s, "float32": ..., "bfloat16": ..., "int8_groups": ...},
+    how) of this CPU on torch's threads, or None off the CPU or where our kernels cannot
+    run (see `native.library`)."""
     if device.type != "cpu" or native.library() is None:
         return None
     peaks = {kind: native.dot_peak(kind) for kind in native.DOT_KINDS}
     bfloat16 = "vdpbf16ps" if native.has_bf16_dot() else "FMA for bfloat16"
-    return peaks, f"vpdpbusd, FMA and {bfloat16} chains in registers, {torch.get_num_threads()} threads"
+    return peaks, (f"vpdpbusd (alone, and with quantized_matmul's scaling per group), FMA and {bfloat16} "
+                   f"chains in registers, {torch.get_num_threads()} threads")
 
 
 def arithmetic_of(fmt: str) -> str | None:
     """The multiply-adds a row of a model stored as `fmt` ("float32", "int4", peers.py's
-    "int4/bfloat16", ...) costs on our kernels: int8 dot products for int4/int8 weights,
-    float32 FMAs for float32, bfloat16 pairs for bfloat16; None for other formats."""
+    "int4/bfloat16", ...) costs on our kernels: int8 dot products scaled group by group
+    for int4/int8 weights (not vpdpbusd's bare peak: the scaling takes ports it needs,
+    see kernels/dot_peak.c), float32 FMAs for float32, bfloat16 pairs for bfloat16; None
+    for other formats."""
     if fmt.startswith(("int4", "int8")):
-        return "int8"
+        return "int8_groups"
     return fmt if fmt in ("float32", "bfloat16") else None
 
 

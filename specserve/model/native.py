@@ -11,8 +11,8 @@
   that attend one at a time, in one call that runs the others (`ModelInC`).
 - `speculate_greedy`: a quantized draft model's k greedy steps and a quantized target's
   verification of them in one call (`spec/fused.py`).
-- `dot_peak`: the CPU's int8, float32 and bfloat16 multiply-add throughput (the
-  benchmarks' compute roofline).
+- `dot_peak`: the CPU's int8, float32 and bfloat16 multiply-add throughput, and
+  int8's with `quantized_matmul`'s scaling (the benchmarks' compute roofline).
 
 This module decides whether they can run here, compiles them once into the artifacts
 cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads them,
@@ -168,7 +168,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         *[ctypes.c_void_p] * 7, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # draft, its cos and rotated_sin, target, its cos and rotated_sin, sequences, count, threshold, seconds
     lib.dot_peak.restype = ctypes.c_double
-    lib.dot_peak.argtypes = [ctypes.c_int, ctypes.c_double]  # kind (0 int8, 1 float32, 2 bfloat16), seconds
+    lib.dot_peak.argtypes = [ctypes.c_int, ctypes.c_double]  # kind (DOT_KINDS), seconds
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
@@ -289,13 +289,15 @@ def float_matmul(
     return y
 
 
-DOT_KINDS = {"int8": 0, "float32": 1, "bfloat16": 2}
+DOT_KINDS = {"int8": 0, "float32": 1, "bfloat16": 2, "int8_groups": 3}
 
 
 def dot_peak(kind: str, seconds: float = 0.3) -> float:
     """Multiply-adds per second of `kind` ("int8": vpdpbusd, "float32": FMA,
-    "bfloat16": vdpbf16ps where `has_bf16_dot`, else the FMAs our kernel widens to) on
-    every OpenMP thread, measured for `seconds`. Needs the kernels (see `library`)."""
+    "bfloat16": vdpbf16ps where `has_bf16_dot`, else the FMAs our kernel widens to,
+    "int8_groups": vpdpbusd with the per-group scaling `quantized_matmul` does, the most
+    its arithmetic can reach; see kernels/dot_peak.c) on every OpenMP thread, measured
+    for `seconds`. Needs the kernels (see `library`)."""
     lib = library()
     assert lib is not None, "dot_peak called where the kernels are unavailable"
     if kind == "bfloat16" and not has_bf16_dot():
