@@ -65,7 +65,7 @@ def step_costs(engine, prompt_ids: list[int], k: int, max_tokens: int) -> dict[s
                 parts.append(engine.proposer.last_seconds)
     steps, parts = steps[1:], parts[1:]  # the first decode step also reads the prompt into the draft
     if not steps:
-        raise SpecserveError(f"full_acceptance: --max-tokens {max_tokens} leaves no whole step of k = {k}; raise it")
+        raise SpecserveError(f"--max-tokens {max_tokens} leaves no whole step of k = {k}; raise it")
     costs = {"step_s": statistics.median(steps)}
     if parts:
         costs["drafting_s"] = statistics.median(d for d, _ in parts)
