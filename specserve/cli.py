@@ -337,15 +337,16 @@ def run_tune(args: argparse.Namespace) -> int:
     tuner = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
                   args.draft_quantization, batch_invariant=args.batch_invariant, device=device_of(args))
     ceilings = tuner.ceilings()  # measured before the sweep's models have run: a quiet machine
+    measured = tuner.full_acceptance()
     rows = tuner.run()
     best = recommend(rows)
     header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
               f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
-    markdown = to_markdown(rows, best, header, ceilings)
+    markdown = to_markdown(rows, best, header, ceilings, measured)
     folder = Path(args.results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tune.md").write_text(markdown)
-    report = {"rows": rows, "recommended": best, "ceiling": ceilings}
+    report = {"rows": rows, "recommended": best, "ceiling": ceilings, "full_acceptance": measured}
     (folder / "tune.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))

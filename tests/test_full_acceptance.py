@@ -53,4 +53,4 @@ def test_too_few_tokens_for_a_whole_step_is_an_error_not_a_crash(prepared_cache,
     args = [*TEST_PAIR[:4], "--quantization", "none", "--dtype", "float32", "--ks", "8", "--rounds", "1",
             "--max-tokens", "9"]
     assert full_acceptance.main(args) == 1
-    assert "leaves no whole step of k = 8; raise it" in capsys.readouterr().err
+    assert "9 tokens leave no whole step of k = 8; decode more (--max-tokens)" in capsys.readouterr().err

@@ -70,6 +70,14 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
         assert "Ceiling on this machine" in (tmp_path / "tune.md").read_text()
     else:
         assert report["ceiling"] is None
+    # The bound measured from the engine's steps, the draft always drafting k: the target
+    # drafting for itself pays a plain step a position, so it cannot gain much even with
+    # every guess accepted. The n-gram proposer has no steps to force.
+    measured = report["full_acceptance"]
+    assert set(measured) == {"smollm2-135m"}
+    assert [row["k"] for row in measured["smollm2-135m"]["rows"]] == [0, 1, 3]
+    assert measured["smollm2-135m"]["best_k"] in (1, 3) and measured["smollm2-135m"]["max_speedup"] < 2
+    assert "Measured with every draft accepted" in (tmp_path / "tune.md").read_text()
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
 
 

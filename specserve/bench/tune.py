@@ -20,7 +20,8 @@ price of verification and of correlated rejections.
 On a CPU it also gives each draft's ceiling on this machine (`ceilings`): the most any
 k could gain with every guess accepted, from the memory bandwidth and the arithmetic
 peak (see `specserve.bench.roofline`), so a measured speedup can be read against what
-the hardware allows.
+the hardware allows; and for each draft model, on any device, the same bound measured
+from the engine's own steps (`full_acceptance`), which the code that serves reaches.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from specserve.bench import full_acceptance
 from specserve.bench.roofline import arithmetic_of, ceiling, measure_dot_peaks, measure_read_bandwidth
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, SpecConfig
@@ -51,6 +53,7 @@ from specserve.spec.stats import SpecStats
 NGRAM = "ngram"
 PLAIN = "plain"
 ADAPTIVE = "adaptive"  # the k column of adaptive rows
+FULL_ACCEPTANCE_ROUNDS = 3  # of every k and plain taking turns (`full_acceptance`)
 
 
 @dataclass
@@ -167,6 +170,27 @@ class Tuner:
                               bandwidth, peaks[0][self.arithmetic])
                 for name, draft in self.drafts.items()}
 
+    def full_acceptance(self) -> dict[str, dict[str, Any]]:
+        """Per draft model: each k's speed were every draft accepted, from the engine's
+        own steps with the draft always drafting k (`specserve.bench.full_acceptance`):
+        the bound the serving code reaches on this machine at any acceptance. The
+        n-gram proposer is left out: it drafts nothing where its lookup finds nothing."""
+        ids = next(iter(self.prompts.values()))[0]
+        most = max(self.ks)
+        tokens = max(self.max_tokens, 4 * (most + 1) + 2)  # a few whole steps of the longest draft
+        found = {}
+        for name, draft in self.drafts.items():
+            if draft is None:
+                continue
+            spec = SpecConfig.parse({"model": name, "num_speculative_tokens": most, "draft_confidence_threshold": 0.0})
+            engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids,
+                            draft_proposer(spec, draft.decoder, self.target), most)
+            rows = full_acceptance.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
+            top = full_acceptance.best(rows)
+            found[name] = {"max_speedup": top["full_acceptance_speedup"], "best_k": top["k"],
+                           "plain_step_s": rows[0]["step_s"], "step_s": top["step_s"], "rows": rows}
+        return found
+
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()
         configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks]
@@ -210,7 +234,8 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], header: str,
-                ceilings: dict[str, dict[str, float]] | None = None) -> str:
+                ceilings: dict[str, dict[str, float]] | None = None,
+                measured: dict[str, dict[str, Any]] | None = None) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -237,4 +262,10 @@ def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], hea
             lines.append(f"- {name}: at most {c['max_speedup']:.2f}x (k={c['best_k']}; plain step "
                          f"{c['plain_step_s'] * 1e3:.1f} ms, verified row {c['verified_row_s'] * 1e3:.1f} ms, "
                          f"draft position {c['draft_position_s'] * 1e3:.1f} ms)")
+    if measured:
+        lines += ["", "Measured with every draft accepted (the draft always drafting k; "
+                      "benchmarks/full_acceptance.py gives every k):"]
+        for name, m in measured.items():
+            lines.append(f"- {name}: at most {m['max_speedup']:.2f}x (k={m['best_k']}; plain step "
+                         f"{m['plain_step_s'] * 1e3:.1f} ms, that step {m['step_s'] * 1e3:.1f} ms)")
     return "\n".join(lines) + "\n"
