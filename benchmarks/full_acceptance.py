@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from specserve.bench.full_acceptance import best, measure  # noqa: E402
+from specserve.bench.full_acceptance import always_drafting, best, measure  # noqa: E402
 from specserve.bench.suites import prompts_of  # noqa: E402
-from specserve.config import SpecConfig  # noqa: E402
 from specserve.errors import SpecserveError  # noqa: E402
 from specserve.generate import build_engine, encode_prompt  # noqa: E402
 
@@ -80,10 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prompt must be one of {', '.join(prompts)}, got {args.prompt!r}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    spec = {"model": args.draft, "num_speculative_tokens": max(ks), "adaptive": False,
-            "draft_confidence_threshold": 0.0, "prompt_lookup_first": None}
     try:
-        engine, tokenizer = build_engine(args.target, SpecConfig.parse(spec), getattr(torch, args.dtype),
+        engine, tokenizer = build_engine(args.target, always_drafting(args.draft, max(ks)), getattr(torch, args.dtype),
                                          quantization=args.quantization, max_num_seqs=1)
         rows = measure(engine, encode_prompt(tokenizer, chat=prompts[args.prompt]), ks, args.rounds, args.max_tokens)
     except SpecserveError as e:

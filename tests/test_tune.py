@@ -77,6 +77,8 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     assert set(measured) == {"smollm2-135m"}
     assert [row["k"] for row in measured["smollm2-135m"]["rows"]] == [0, 1, 3]
     assert measured["smollm2-135m"]["best_k"] in (1, 3) and measured["smollm2-135m"]["max_speedup"] < 2
+    assert measured["smollm2-135m"]["max_speedup"] == max(
+        row["full_acceptance_speedup"] for row in measured["smollm2-135m"]["rows"][1:])
     assert "Measured with every draft accepted" in (tmp_path / "tune.md").read_text()
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
 

@@ -20,10 +20,19 @@ from __future__ import annotations
 import statistics
 import time
 
+from specserve.config import SpecConfig
 from specserve.engine.engine import Engine
 from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
 from specserve.spec.fused import FusedDraftProposer
+
+
+def always_drafting(draft: str, k: int) -> SpecConfig:
+    """The speculative config whose draft drafts k every step: fixed k, its confidence
+    stop off, no lookups first (an engine measured here runs at most k; `step_costs`
+    sets how many it drafts)."""
+    return SpecConfig.parse({"model": draft, "num_speculative_tokens": k, "adaptive": False,
+                             "draft_confidence_threshold": 0.0, "prompt_lookup_first": None})
 
 
 def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -> dict[str, float]:

@@ -182,9 +182,8 @@ class Tuner:
         for name, draft in self.drafts.items():
             if draft is None:
                 continue
-            spec = SpecConfig.parse({"model": name, "num_speculative_tokens": most, "draft_confidence_threshold": 0.0})
-            engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids,
-                            draft_proposer(spec, draft.decoder, self.target), most)
+            proposer = draft_proposer(full_acceptance.always_drafting(name, most), draft.decoder, self.target)
+            engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, most)
             rows = full_acceptance.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
             top = full_acceptance.best(rows)
             found[name] = {"max_speedup": top["full_acceptance_speedup"], "best_k": top["k"],
