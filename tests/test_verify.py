@@ -18,7 +18,8 @@ import torch
 
 from specserve.sampling import SamplingParams, logits_to_probs, sample
 from specserve.spec.proposer import Draft
-from specserve.spec.verify import PAD_TOKEN, Verdict, rejection_sample, verify, verify_batch
+from specserve.spec.verify import (PAD_TOKEN, Verdict, common_prefix_length, rejection_sample, verdict_from_argmax, verify,
+                                   verify_batch)
 from tests.chi_square import chi_square_p_value
 
 VOCAB = 6
@@ -532,3 +533,16 @@ def test_greedy_batch_matches_single_sequences():
         assert tokens[row].tolist() == verdict.tokens + [PAD_TOKEN] * (3 - verdict.num_accepted)
         target_argmax = target_logits[row].argmax(dim=-1)  # [k+1]
         assert verdict.tokens == target_argmax[: verdict.num_accepted + 1].tolist()
+
+
+def test_verdict_from_argmax_accepts_the_drafts_up_to_the_first_difference():
+    assert verdict_from_argmax([5, 6, 7], [5, 6, 9, 1]) == Verdict(tokens=[5, 6, 9], num_accepted=2)
+    assert verdict_from_argmax([5, 6, 7], [5, 6, 7, 1]) == Verdict(tokens=[5, 6, 7, 1], num_accepted=3)
+    assert verdict_from_argmax([], [4]) == Verdict(tokens=[4], num_accepted=0)
+
+
+def test_common_prefix_length_stops_at_the_shorter_sequence():
+    assert common_prefix_length([1, 2, 3], [1, 2]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([1, 2, 3], [0, 2, 3]) == 0
+    assert common_prefix_length([], [1]) == 0

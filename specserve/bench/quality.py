@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specserve.bench.suites import SONNETS_PATH
 from specserve.model.decoder import Decoder, Segment
+from specserve.spec.verify import common_prefix_length
 from specserve.tokenizer import Tokenizer
 
 FIXED_TEXT_TOKENS = 1024
@@ -43,15 +44,6 @@ def perplexity(decoder: Decoder, token_ids: Sequence[int], chunk: int = 512) -> 
         logits = decoder(inputs, [Segment(cache, len(inputs))], logits_rows=None)  # [n, vocab]
         total_nll += F.cross_entropy(logits[: len(targets)], targets, reduction="sum").item()
     return math.exp(total_nll / (len(ids) - 1))
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prefix_agreement(reference: Sequence[int], other: Sequence[int]) -> float:

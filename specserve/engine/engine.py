@@ -68,7 +68,7 @@ from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
-from specserve.spec.verify import Verdict, verdict_from_argmax, verify
+from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify
 
 DEFAULT_MAX_NUM_SEQS = 256
 
@@ -256,7 +256,7 @@ class Engine:
                 continue
             start, tokens = seq.lookup_pending
             emitted = seq.token_ids[start : start + len(tokens)]
-            matched = next((n for n, (a, b) in enumerate(zip(tokens, emitted)) if a != b), len(emitted))
+            matched = common_prefix_length(tokens, emitted)
             if matched == len(emitted) < len(tokens):
                 continue  # every token so far matches; the rest is still to come
             seq.lookup_pending = None

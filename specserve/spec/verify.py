@@ -23,6 +23,7 @@ residual max(0, target_probs - draft_probs) there is target_probs itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -60,10 +61,15 @@ def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
     return Verdict(tokens=tokens[0, : accepted + 1].tolist(), num_accepted=accepted)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share (at most the shorter's length)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def verdict_from_argmax(drafted: list[int], target_argmax: list[int]) -> Verdict:
     """Greedy verification where the target's argmax of each of the k+1 rows is already
     known (the fused step): the drafts up to the first that differs, then the argmax."""
-    accepted = next((i for i, (d, t) in enumerate(zip(drafted, target_argmax)) if d != t), len(drafted))
+    accepted = common_prefix_length(drafted, target_argmax)
     return Verdict(tokens=target_argmax[: accepted + 1], num_accepted=accepted)
 
 
