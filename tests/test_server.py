@@ -161,6 +161,20 @@ def test_stop_strings_end_the_text_before_them(plain, spec):
         assert "".join(c.choices[0].text for c in chunks) == expected
 
 
+def test_a_stop_string_that_the_last_allowed_token_completes_finishes_with_stop(plain, spec):
+    reference = complete(plain, PROMPTS[0], MODEL, max_tokens=12).choices[0].text
+    # the shortest ending found nowhere earlier: only the 12th token's text completes it
+    stop = next(reference[-n:] for n in range(2, len(reference)) if reference.index(reference[-n:]) == len(reference) - n)
+    for server, name in ((plain, MODEL), (spec, "smol")):
+        before = metrics(server)
+        result = complete(server, PROMPTS[0], name, max_tokens=12, stop=[stop])
+        assert result.choices[0].text == reference[: -len(stop)]
+        assert (result.choices[0].finish_reason, result.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+        after = metrics(server)
+        finished = [key for key in after if key[0] == "specserve:request_success_total" and ("finished_reason", "stop") in key[1]]
+        assert finished and after[finished[0]] - before.get(finished[0], 0) == 1
+
+
 def test_stop_token_ids_ignore_eos_and_echo(plain):
     from specserve.tokenizer import Tokenizer
     from specserve import models

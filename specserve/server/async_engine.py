@@ -243,8 +243,11 @@ class AsyncEngine:
         request.num_sent_tokens = seq.num_output_tokens
         text = request.text.add(new_ids, finished=seq.finished)
         stop_reason = request.text.stop_reason
-        if stop_reason is not None and not seq.finished:  # a stop string ended it
-            self.engine.abort(seq.seq_id, reason="stop")
+        if isinstance(stop_reason, str):  # a stop string ended the text
+            if seq.finished:  # in the step that also reached max_tokens: the text ended first (as vLLM says)
+                seq.finish_reason = "stop"
+            else:
+                self.engine.abort(seq.seq_id, reason="stop")
         num_cached_tokens = None if self.engine.prefix_cache is None else seq.num_cached_tokens
         if request.last_token_time is None:
             self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens, num_cached_tokens)
