@@ -217,10 +217,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from specserve.server.serve import ServerConfig, serve
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--prefill-chunk-size", args.prefill_chunk_size),
-                        ("--port", args.port)):
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--prefill-chunk-size", args.prefill_chunk_size)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     prefix_cache_space = prefix_cache_space_of(args)

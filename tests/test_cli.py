@@ -84,11 +84,14 @@ def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, word
 
 
 def assert_refused(cache: str, capsys, argv: list[str], words: str) -> None:
-    """The command exits 2 with one `specserve: error:` line holding `words`, no traceback."""
+    """The command exits 2 with one `specserve: error:` line holding `words`, last, and no
+    traceback (a model prepared on the way says so before it)."""
     os.environ["SPECSERVE_CACHE"] = cache
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("specserve: error: ") and words in err and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("specserve: error: ") and words in lines[-1] and "Traceback" not in err
+    assert sum(line.startswith("specserve: error: ") for line in lines) == 1
 
 
 def test_models_lists_the_catalogue(prepared_cache, capsys):
@@ -115,6 +118,7 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
     (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
+    (["--port", "65536"], "--port must be in [1, 65535]"),
     (["--max-model-len", "100000"], "--max-model-len must be in"),
 ])
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
