@@ -92,6 +92,7 @@ class Trace:
     prompt_tokens: int
     match: list[bool]
     confidence: list[float]
+    max_tokens: int = 256  # the request's: every trace so far was recorded with 256
 
 
 @dataclass
@@ -122,7 +123,9 @@ def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLeng
     drafts = drafted_total = accepted_total = 0
     unread = trace.prompt_tokens + 1  # tokens the draft has not read, ending with the newest
     while emitted < n:
-        remaining = n - emitted
+        # As the engine knows it: the tokens max_tokens leaves, not where the answer ends
+        # (a short answer's first probe is priced against 255 tokens to come, not 50).
+        remaining = trace.max_tokens - emitted
         want = adaptive.choose([seq_id], [unread], [remaining])[0] if adaptive else k
         want = max(0, min(want, remaining - 1))
         drafted = accepted = 0
@@ -130,9 +133,10 @@ def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLeng
             while drafted < want:
                 position = emitted + drafted
                 drafted += 1
-                if trace.confidence[position] < threshold:
+                # Past the answer's end the draft goes on guessing (it has no end to guess)
+                if position < n and trace.confidence[position] < threshold:
                     break
-            while accepted < drafted and trace.match[emitted + accepted]:
+            while accepted < drafted and emitted + accepted < n and trace.match[emitted + accepted]:
                 accepted += 1
             drafting = costs.draft_fixed + costs.draft_per_position * drafted
             # As the engine times it: a call that first reads a backlog is a reading sample.
@@ -304,7 +308,7 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
             probs = draft_model(ids, [Segment(cache, len(ids))], rows).softmax(dim=-1)  # [len(output), V]
             confidence, guess = probs.max(dim=-1)
             traces.append({
-                "name": name, "suite": suite, "prompt_tokens": len(prompt_ids),
+                "name": name, "suite": suite, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
                 "match": [g == t for g, t in zip(guess.tolist(), output)],
                 "confidence": [round(c, 4) for c in confidence.tolist()],
             })

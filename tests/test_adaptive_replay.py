@@ -21,7 +21,8 @@ from benchmarks.adaptive_replay import (FIXED_KS, TRACES as ZEN4_FILE, Costs, Tr
 # 36.4, 9 rows 44.5).
 TRACE_FILES = {"zen4": ZEN4_FILE, "zen5": ZEN4_FILE.with_name("adaptive_traces_zen5.json"),
                "zen5-tiles": ZEN4_FILE.with_name("adaptive_traces_zen5_tiles.json"),
-               "zen5-huge-pages": ZEN4_FILE.with_name("adaptive_traces_zen5_hp.json")}
+               "zen5-huge-pages": ZEN4_FILE.with_name("adaptive_traces_zen5_hp.json"),
+               "zen5-chains": ZEN4_FILE.with_name("adaptive_traces_zen5_chains.json")}
 TRACE_SETS = {name: load_traces(path) for name, path in TRACE_FILES.items()}
 COSTS, TRACES = TRACE_SETS["zen4"]
 
@@ -60,8 +61,13 @@ DEARER = [("zen4", 1.5), ("zen4", 2.0), ("zen4", 3.0), ("zen5", 1.5), ("zen5", 2
 # the sixteenth, seventeenth and nineteenth sessions). Since the target's forwards are
 # priced count by count (the nineteenth session) these give 0.942-0.949x plain (0.954-
 # 0.956x before; the huge-pages traces at 1.5x went from 0.948x to 0.960x), and a new
-# engine on the tiles traces at 2x 0.943x (0.945x), not listed.
-NEAR_BREAK_EVEN = {("zen5-tiles", 1.5, True): 0.94, ("zen4", 1.5, False): 0.94, ("zen5", 1.5, False): 0.94}
+# engine on the tiles traces at 2x 0.943x (0.945x), not listed. Since the twenty-second
+# session the replay tells the policy the tokens max_tokens leaves, as the engine does,
+# where it told it where each answer ends: a short answer's probes read as cheaper, and
+# the same policy shows 0.930-0.947x plain on open-ended text at 1.5x (the zen4 new
+# engine 0.930x, zen5-huge-pages serving 0.934x, zen4 and zen5 serving 0.946-0.947x).
+NEAR_BREAK_EVEN = {("zen5-tiles", 1.5, True): 0.94, ("zen4", 1.5, False): 0.92, ("zen5", 1.5, False): 0.94,
+                   ("zen4", 1.5, True): 0.94, ("zen5", 1.5, True): 0.94, ("zen5-huge-pages", 1.5, True): 0.93}
 
 
 @pytest.mark.parametrize(("machine", "scale"), DEARER)
