@@ -12,8 +12,9 @@ to the first output token, the median of `--ttft-samples` requests for the promp
 prefill of a short prompt varies by up to 30% on a shared machine, which made a
 single sample useless against a 5% target); the decode rate counts the tokens after
 the first over the time after the first. With `--rounds N` all of it runs N times in
-turn and each row gives its median round: on a shared machine whose speed drifts
-over minutes, one system's rows are then not all measured in a slow phase.
+turn, every other round in the reverse order, and each row gives its median round: on
+a shared machine whose speed drifts over minutes, one system's rows are then not all
+measured in a slow phase, nor always at the same point of a round.
 
 Then the roofline: the weight bytes a decode step reads per model and format, the
 memory bandwidth measured on the spot, and each measured plain decode as a share of
@@ -197,12 +198,17 @@ def our_run(mode: str, args) -> OurRun:
     return OurRun(mode, our_spec(mode, args), dtype_of(args), args.quantization, mode.endswith("-compiled"))
 
 
-def units(args, peers: list[str], first_round: bool) -> list[str]:
-    """What a round runs, in order, each in a process of its own: our modes, then the peers."""
+def units(args, peers: list[str], round_index: int) -> list[str]:
+    """What a round runs, in order, each in a process of its own: our modes, then the
+    peers; every other round the other way round, so that no mode always runs at the
+    same point of a round (the memory's speed drifts over minutes: in the twenty-second
+    session adaptive, always third, trailed k = 7 by 5-10% on most prompts, and by 0-8%
+    with the two taking turns)."""
     modes = list(args.modes)
-    if quality_wanted(args) and first_round:  # float32's tokens, for the quality section: once is enough
+    if quality_wanted(args) and round_index == 0:  # float32's tokens, for the quality section: once is enough
         modes.append(FLOAT32_PLAIN)
-    return [f"specserve:{mode}" for mode in modes] + peers
+    order = [f"specserve:{mode}" for mode in modes] + peers
+    return order if round_index % 2 == 0 else order[::-1]
 
 
 def quality_wanted(args) -> bool:
@@ -710,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = Tokenizer.from_dir(models.resolve(args.target))
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
         for round_index in range(args.rounds):
-            for unit in units(args, peers, first_round=round_index == 0):
+            for unit in units(args, peers, round_index):
                 run_in_child(argv, unit, round_index == 0, report)
     except SpecserveError as e:
         print(f"peers.py: error: {e}", file=sys.stderr)

@@ -375,3 +375,11 @@ def test_prefix_agreement():
     assert prefix_agreement([1, 2], [1, 2, 3, 4]) == 1.0  # went on: the reference is all there
     assert prefix_agreement([], [1]) == 1.0
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_every_other_round_runs_the_units_the_other_way_round(peers_module):
+    args, _ = peers_module.parse_args(["--modes", "plain,draft,adaptive", "--no-quality"])
+    first = peers_module.units(args, ["transformers"], 0)
+    assert first == ["specserve:plain", "specserve:draft", "specserve:adaptive", "transformers"]
+    assert peers_module.units(args, ["transformers"], 1) == first[::-1]
+    assert peers_module.units(args, ["transformers"], 2) == first
