@@ -183,7 +183,8 @@ def test_a_slow_phase_in_the_drafts_fit_fades_with_the_targets():
 def steady(rate: float, max_k: int = 15) -> Acceptance:
     """A sequence known to earn each position with `rate` given the one before."""
     known = Acceptance(max_k, prior_rate=rate, prior_weight=1e12)
-    known.fresh = False  # known from its steps
+    known.fresh = False  # known from its steps, at every depth
+    known.asked[:] = known.drafted[:] = [1e12] * max_k
     return known
 
 
@@ -203,6 +204,21 @@ def test_k_grows_with_acceptance_and_falls_with_batch_size():
     assert ctl.best_k(steady(0.8), batch=64) < ctl.best_k(steady(0.8), batch=1)
     # A free proposer (n-gram) with free verification drafts as long as it may.
     assert controller(per_row=0.0, draft_fixed=0.0, per_position=0.0).best_k(steady(0.9), 1) == 15
+
+
+def test_k_walks_up_from_the_depths_a_sequence_has_tried():
+    """A streak of full acceptance makes every deeper position look sure; k goes at most
+    K_GROWTH past the deepest position asked for, and on from there as it is tried."""
+    ctl = controller(per_row=0.0, draft_fixed=0.0, per_position=0.0)  # free: the estimate alone says 15
+    seq = Acceptance(15)
+    for asked in (3, 3 + adaptive_module.K_GROWTH):
+        seq.chosen = asked
+        seq.record(asked, asked)
+        assert ctl.best_k(seq, 1) == asked + adaptive_module.K_GROWTH
+    for _ in range(40):  # not asked that deep for long: it is forgotten
+        seq.chosen = 2
+        seq.record(2, 2)
+    assert ctl.best_k(seq, 1) == 2 + adaptive_module.K_GROWTH
 
 
 def test_the_chosen_k_maximises_the_predicted_speedup():

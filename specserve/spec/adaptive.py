@@ -85,6 +85,16 @@ MAX_CATCH_UP = 2
 # fixed k 1.10x), 1.04x -> 1.06x with the Zen 4's; every other case replayed (a new
 # engine per prompt, drafts 1.3-3x dearer) within -0.7% and +0.5%.
 MIN_SPEEDUP = 1.03
+# How far past the deepest position a sequence has lately asked for its k may go in one
+# step. After a few fully accepted steps the estimate values positions never tried like
+# the deepest one tried, so k jumped from 7 to 15 on a streak, just before it broke (16
+# verified rows cost twice 8 on our CPU kernels): on `code`, 19 of 38 steps at 14-15 and
+# 1.73x plain where k = 7 gave 1.99x. Walking k up 4 at a time, replayed on every trace
+# set and draft cost (benchmarks/adaptive_replay.py --score): 0.9719 -> 0.9757; growth
+# 2: 0.974, 6: 0.972. An `asked` weight decays by ACCEPTANCE_DECAY a step: below
+# DEEPEST_ASKED_WEIGHT (~14 steps without reaching that deep) it no longer counts.
+K_GROWTH = 4
+DEEPEST_ASKED_WEIGHT = 0.1
 CONTINUE_SPEEDUP = 0.97
 # Target steps measured before that lower bar applies: until then the costs are still
 # much the prior's guess (TIMING_DECAY 0.97: after 64 steps it weighs 14%), and a run
@@ -275,6 +285,11 @@ class Acceptance:
                 self.asked[i - 1] += 1
                 self.drafted[i - 1] += num_drafted >= i
 
+    def deepest_asked(self) -> int:
+        """The deepest position asked for in recent steps (its weight not yet decayed
+        below DEEPEST_ASKED_WEIGHT): how far this sequence's estimate has been tried."""
+        return max((i + 1 for i, a in enumerate(self.asked) if a > DEEPEST_ASKED_WEIGHT), default=0)
+
     def curves(self) -> tuple[list[float], list[float]]:
         """(E, D) for k = 0 .. max_k: tokens a step emits, positions it drafts."""
         tokens, drafted = [1.0], [0.0]
@@ -396,6 +411,7 @@ class AdaptiveSpecLength:
         # A verified row's cost, on average over every row a step may add.
         per_row = (self.target_seconds(batch * (1 + self.max_k)) - plain) / (batch * self.max_k)
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
+        limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
 
         def speedup(ks: list[int]) -> float:
             tokens = others + sum(E[k] for (E, _), k in zip(curves, ks))
@@ -418,7 +434,8 @@ class AdaptiveSpecLength:
                     upto.append(k if better else previous)
                 worth.append(upto)
             for horizon in range(1, self.max_k + 1):
-                for ks in ([horizon] * count, [upto[horizon] for upto in worth]):
+                for ks in ([min(horizon, limit) for limit in limits],
+                           [min(upto[horizon], limit) for upto, limit in zip(worth, limits)]):
                     speed = speedup(ks)
                     if speed > best:
                         best, best_ks = speed, ks
