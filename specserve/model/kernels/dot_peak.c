@@ -86,7 +86,7 @@ static double grouped_rounds(volatile int *sink) {
     __m512i q[GROUPED_TILES]; /* each tile's activations: distinct, so no tile's sums are another's */
     __m512 s[2], level0[2], d[GROUPED_TILES], a[GROUPED_TILES]; /* per tile, as in the kernel */
     for (int i = 0; i < 2; i++) {
-        for (int r = 0; r < 8; r++) levels[i][r] = _mm512_set1_epi8((char)(3 + i + r));
+        for (int r = 0; r < 8; r++) levels[i][r] = _mm512_set1_epi8((char)(3 + 8 * i + r)); /* all distinct: no product is another's */
         s[i] = _mm512_set1_ps(0.5f + (float)i), level0[i] = _mm512_set1_ps(-4.0f - (float)i);
     }
     for (int t = 0; t < GROUPED_TILES; t++) {
@@ -96,12 +96,14 @@ static double grouped_rounds(volatile int *sink) {
     }
     for (long round = 0; round < ROUNDS / 4; round++) {
         for (int t = 0; t < GROUPED_TILES; t++) {
-            __m512i dot[2][2];
-            for (int i = 0; i < 2; i++) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+            __m512i dot[2][4]; /* four chains a row, as rows_tile sums them */
+            for (int i = 0; i < 2; i++) dot[i][0] = dot[i][1] = dot[i][2] = dot[i][3] = _mm512_setzero_si512();
             for (int r = 0; r < 8; r++)
-                for (int i = 0; i < 2; i++) dot[i][r >= 4] = _mm512_dpbusd_epi32(dot[i][r >= 4], levels[i][r], q[t]);
+                for (int i = 0; i < 2; i++) dot[i][r % 4] = _mm512_dpbusd_epi32(dot[i][r % 4], levels[i][r], q[t]);
             for (int i = 0; i < 2; i++) {
-                const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[i][0], dot[i][1]));
+                const __m512i whole = _mm512_add_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]),
+                                                       _mm512_add_epi32(dot[i][2], dot[i][3]));
+                const __m512 sum = _mm512_cvtepi32_ps(whole);
                 acc[t][i] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s[i], d[t]), acc[t][i]);
                 acc[t][i] = _mm512_fmadd_ps(a[t], level0[i], acc[t][i]);
             }
