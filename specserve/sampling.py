@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import ConfigError
+from specserve.logprobs import MAX_LOGPROBS
 
 
 # What torch.Generator.manual_seed takes.
@@ -28,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; n: each output token's logprob and its n most likely alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +42,8 @@ class SamplingParams:
             raise ConfigError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

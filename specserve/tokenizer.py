@@ -53,6 +53,17 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 
 # --- Tokenizer ---------------------------------------------------------------------------
 
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode) inverted: the character
+    that stands for each byte -> the byte. Printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    chars.update((b, chr(256 + i)) for i, b in enumerate(b for b in range(256) if b not in chars))
+    return {c: b for b, c in chars.items()}
+
+
 @dataclass(frozen=True)
 class VocabSignature:
     """What a draft must share with its target: the id -> token table and the stop ids.
@@ -173,6 +184,27 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token's own text included). A
+        byte-level BPE token may hold part of a UTF-8 character, which `decode` of the
+        token alone would turn into U+FFFD; its bytes say exactly what it adds."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_ids:  # written as itself (chat markup)
+            return token.encode()
+        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+            byte_of = _byte_level_decoder()
+            return bytes(byte_of[c] for c in token) if all(c in byte_of for c in token) else token.encode()
+        # SentencePiece: a byte-fallback piece is its byte; "▁" marks a space.
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("▁", " ").encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
 
     # -- chat --
 

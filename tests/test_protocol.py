@@ -102,15 +102,14 @@ def test_error_body_is_openai_shaped():
 @pytest.mark.parametrize("make, fields, param", [
     (completion, {"n": 2}, "n"),
     (chat, {"n": 3}, "n"),
-    (completion, {"logprobs": 1}, "logprobs"),
+    (completion, {"logprobs": 1, "echo": True}, "echo"),
     (completion, {"suffix": "!"}, "suffix"),
     (completion, {"best_of": 2}, "best_of"),
     (completion, {"presence_penalty": 0.5}, "presence_penalty"),
     (chat, {"frequency_penalty": -1.0}, "frequency_penalty"),
     (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
-    (chat, {"logprobs": True}, "logprobs"),
-    (chat, {"top_logprobs": 2}, "logprobs"),
+    (chat, {"top_logprobs": 2}, "top_logprobs"),
     (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (chat, {"response_format": {"type": "json_object"}}, "response_format"),
     (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
@@ -124,8 +123,8 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
 
 @pytest.mark.parametrize("body", [
     completion(n=1, best_of=1, presence_penalty=0.0, logit_bias={}, stream=True,
-               stream_options={"include_usage": True}),
-    chat(logprobs=False, tools=[], response_format={"type": "text"},
+               stream_options={"include_usage": True}, logprobs=5),
+    chat(logprobs=True, top_logprobs=0, tools=[], response_format={"type": "text"},
          messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]),
 ])
 def test_supported_values_of_those_options_pass(body):
@@ -146,11 +145,32 @@ def test_include_usage_needs_stream_options():
     ({"top_p": 0.0}, 16, "top_p"),
     ({"top_p": 1.01}, 16, "top_p"),
     ({"top_k": -2}, 16, "top_k"),
+    ({"logprobs": -1}, 16, "logprobs"),
+    ({"logprobs": 21}, 16, "logprobs"),
 ])
 def test_out_of_range_sampling_values_name_the_param(fields, max_tokens, param):
     with pytest.raises(APIError) as caught:
         completion(**fields).sampling_params(max_tokens)
     assert (caught.value.param, caught.value.status) == (param, 400)
+
+
+def test_chat_top_logprobs_out_of_range_names_top_logprobs():
+    with pytest.raises(APIError) as caught:
+        chat(logprobs=True, top_logprobs=21).sampling_params(16)
+    assert caught.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("make, fields, expected", [
+    (completion, {}, None),
+    (completion, {"logprobs": 0}, 0),
+    (completion, {"logprobs": 3}, 3),
+    (chat, {}, None),
+    (chat, {"logprobs": False}, None),
+    (chat, {"logprobs": True}, 0),
+    (chat, {"logprobs": True, "top_logprobs": 4}, 4),
+])
+def test_logprobs_reach_the_sampling_params(make, fields, expected):
+    assert make(**fields).sampling_params(8).logprobs == expected
 
 
 def test_sampling_params_carry_the_body():

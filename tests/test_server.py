@@ -147,6 +147,46 @@ def test_completion_stream_sends_several_tokens_per_chunk_under_speculation(spec
     assert text_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_are_the_targets_with_and_without_speculation(plain, spec):
+    """Under speculation a step's tokens come from several verified rows; each token's
+    logprob must still be the one plain decoding reports, streamed or not."""
+    kwargs = dict(max_tokens=24, logprobs=2, extra_body={"ignore_eos": True})
+    ours = complete(plain, PROMPTS[2], MODEL, **kwargs).choices[0]
+    drafted = complete(spec, PROMPTS[2], "smol", **kwargs).choices[0]
+    for choice in (ours, drafted):
+        logprobs = choice.logprobs
+        assert "".join(logprobs.tokens) == choice.text and len(logprobs.tokens) == 24
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(24)]
+        for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+            assert value <= 0 and top[token] == value and len(top) <= 3
+            assert max(top.values()) == value  # greedy: the chosen token is the most likely
+    assert drafted.logprobs.tokens == ours.logprobs.tokens
+    assert drafted.logprobs.token_logprobs == pytest.approx(ours.logprobs.token_logprobs, abs=1e-4)
+    chunks = list(client(spec).completions.create(model="smol", prompt=PROMPTS[2], temperature=0, stream=True,
+                                                  **kwargs))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices]
+    assert sum((lp.tokens for lp in streamed), []) == ours.logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == ours.logprobs.text_offset
+    assert any(len(lp.tokens) > 1 for lp in streamed)  # several tokens in one chunk: drafts accepted
+
+
+def test_chat_logprobs_streamed_and_whole(spec):
+    messages = [{"role": "user", "content": "Count from one to five."}]
+    kwargs = dict(model="smol", messages=messages, temperature=0, max_tokens=20, logprobs=True, top_logprobs=3)
+    response = client(spec).chat.completions.create(**kwargs)
+    whole, content = response.choices[0], response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    text = bytes(b for entry in content for b in entry.bytes).decode()
+    assert text.startswith(whole.message.content)  # a closing end-of-turn token may follow
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token for entry in content)
+    chunks = list(client(spec).chat.completions.create(stream=True, **kwargs))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    without = client(spec).chat.completions.create(model="smol", messages=messages, max_tokens=3)
+    assert without.choices[0].logprobs is None
+
+
 def test_stop_strings_end_the_text_before_them(plain, spec):
     reference = complete(plain, PROMPTS[0], MODEL, max_tokens=40).choices[0].text
     stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
@@ -276,7 +316,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 21}, 400, "top_logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, 400, "echo"),
 ]
 
 

@@ -315,6 +315,23 @@ def test_sentencepiece_vocabulary_matches_reference():
     assert detokenizer.add(output) + detokenizer.flush() == " world" and ours.decode(output) == "world"
 
 
+def test_token_bytes_join_to_the_texts_bytes(model):
+    """What logprobs report per token: exact bytes, even for part of a character."""
+    for text in TEXTS:
+        ids = model.ours.encode(text, add_special_tokens=False)
+        assert b"".join(model.ours.token_bytes(i) for i in ids) == text.encode(), text
+    split = [model.ours.token_bytes(i) for i in model.ours.encode("😀", add_special_tokens=False)]
+    assert b"".join(split) == "😀".encode() and all(split)
+
+
+def test_sentencepiece_token_bytes():
+    tokenizer = Tokenizer.from_gguf_fields(_sentencepiece_fields())
+    ids = tokenizer.encode("héllo 😀 world", add_special_tokens=False)  # é and 😀 as byte-fallback pieces
+    # SentencePiece marks a space in front of the text: its first piece is " h".
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == " héllo 😀 world".encode()
+    assert tokenizer.token_bytes(2) == b"</s>"
+
+
 def test_encode_chat_adds_bos_only_when_the_template_did_not():
     with_bos = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     without_bos = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -53,6 +53,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 from typing import Sequence as Seq
 
 import torch
@@ -60,6 +61,7 @@ import torch
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
+from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.prefix_cache import PrefixCache, read_elsewhere
 from specserve.sampling import SamplingParams
@@ -81,6 +83,16 @@ class _Work:
     tokens: list[int]  # fed to the target: unseen tokens (maybe a prompt chunk), then drafts
     draft: Draft
     scored: bool  # False for a prompt chunk that is not the last: nothing is sampled
+
+
+class _Outcome(NamedTuple):
+    """One sequence's step: what it drafted, the verdict, and the emitted tokens'
+    logprobs where the request asked for them."""
+
+    seq: Sequence
+    num_drafted: int
+    verdict: Verdict
+    logprobs: list[TokenLogprob] | None = None
 
 
 def may_adapt(seq: Sequence) -> bool:
@@ -278,7 +290,9 @@ class Engine:
         drafting = [s for i, s in enumerate(decoding) if i not in looked_up]
         wanted = self._num_draft_tokens(drafting)
         fused = isinstance(self.proposer, FusedDraftProposer) and self.proposer.verifies
-        in_one_call = [i for i, s in enumerate(drafting) if fused and s.params.greedy]
+        # The fused call returns argmaxes, not logits: a request that wants logprobs
+        # is drafted and verified the unfused way.
+        in_one_call = [i for i, s in enumerate(drafting) if fused and s.params.greedy and s.params.logprobs is None]
         if not any(wanted[i] for i in in_one_call):
             # Nothing to draft: the fused call would only run the target, and the lookups'
             # drafts and the prompts being read would take a second forward, reading the
@@ -314,9 +328,9 @@ class Engine:
         (check `finished` on each: finished ones have left the batch)."""
         work, fused, fused_wanted, looked_up = self._schedule()
         outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
-        advanced = [seq for seq, _, _ in outcomes]
-        for seq, num_drafted, verdict in outcomes:
-            seq.append(verdict.tokens)
+        advanced = [outcome.seq for outcome in outcomes]
+        for seq, num_drafted, verdict, logprobs in outcomes:
+            seq.append(verdict.tokens, logprobs)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
             if num_drafted:
                 seq.spec.record(num_drafted, verdict.num_accepted)
@@ -326,14 +340,14 @@ class Engine:
                 self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted)
         self._compare_lookups(advanced)
         if self.proposer is not None:
-            self.proposer.observe(advanced, [verdict.num_accepted for _, _, verdict in outcomes])
+            self.proposer.observe(advanced, [outcome.verdict.num_accepted for outcome in outcomes])
 
         for seq in advanced:
             if seq.finished:
                 self.abort(seq.seq_id)
         return advanced
 
-    def _speculate_fused(self, seqs: list[Sequence], wanted: list[int]) -> list[tuple[Sequence, int, Verdict]]:
+    def _speculate_fused(self, seqs: list[Sequence], wanted: list[int]) -> list[_Outcome]:
         """Draft and verify greedy sequences in one fused call (spec/fused.py)."""
         if not seqs:
             return []
@@ -343,9 +357,9 @@ class Engine:
         self._observe_draft([n for n, _ in results], wanted, drafting)
         if self.adaptive is not None:
             self.adaptive.observe_target(sum(n + 1 for n, _ in results), verifying)
-        return [(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]
+        return [_Outcome(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]
 
-    def _forward_and_verify(self, work: list[_Work]) -> list[tuple[Sequence, int, Verdict]]:
+    def _forward_and_verify(self, work: list[_Work]) -> list[_Outcome]:
         """One target forward over the step's work; verify each scored sequence's drafts."""
         if not work:
             return []
@@ -374,7 +388,10 @@ class Engine:
                 verdict = verdict_from_argmax(w.draft.tokens.tolist(), argmax[row : row + k + 1])
             else:
                 verdict = verify(logits[row : row + k + 1], w.draft, w.seq.params, w.seq.generator)
-            outcomes.append((w.seq, k, verdict))
+            num_top = w.seq.params.logprobs
+            # The i-th emitted token is the one row i predicts (see specserve/logprobs.py).
+            logprobs = None if num_top is None else token_logprobs(logits[row : row + k + 1], verdict.tokens, num_top)
+            outcomes.append(_Outcome(w.seq, k, verdict, logprobs))
             row += k + 1
         return outcomes
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.logprobs import TokenLogprob
 from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.stats import SpecStats
@@ -35,6 +36,7 @@ class Sequence:
     # token_ids, its tokens); see Engine._compare_lookups.
     lookup_pending: tuple[int, list[int]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -60,8 +62,9 @@ class Sequence:
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens
 
-    def append(self, new_tokens: list[int]) -> list[int]:
-        """Append a step's tokens up to a stop token or max_tokens; return those kept."""
+    def append(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Append a step's tokens (and their logprobs, one each) up to a stop token or
+        max_tokens; return those kept."""
         kept: list[int] = []
         for token in new_tokens[: self.remaining_tokens]:
             kept.append(token)
@@ -69,6 +72,8 @@ class Sequence:
                 self.finish_reason = "stop"
                 break
         self.token_ids.extend(kept)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[: len(kept)])
         now = time.perf_counter()
         if self.first_token_time is None and kept:
             self.first_token_time = now

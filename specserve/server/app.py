@@ -5,8 +5,9 @@ Every error leaves as {"error": {"message", "type", "param", "code"}} with a 4xx
 (5xx only for our own bugs). When an API key is set, every /v1 route needs
 `Authorization: Bearer <key>`; /health and /metrics stay open for probes and scrapers.
 A streaming response sends one SSE `data:` line per engine step (which may carry
-several tokens under speculation) and `data: [DONE]` last; an error after the stream
-started is sent as a `data: {"error": ...}` line before [DONE].
+several tokens under speculation, and their logprobs when asked) and `data: [DONE]`
+last; an error after the stream started is sent as a `data: {"error": ...}` line
+before [DONE].
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.errors import SpecserveError
+from specserve.logprobs import TokenLogprob
 from specserve.server.async_engine import AsyncEngine, QueueFullError, RequestOutput, ShuttingDownError
+from specserve.server.logprobs import chat_logprobs, completion_logprobs
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from specserve.tokenizer import Tokenizer
 
@@ -150,19 +153,20 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
     async def run(body, prompt_ids: list[int], arrival: float, head: dict[str, Any],
                   make_chunk: Callable[[RequestOutput, bool], dict[str, Any] | None],
-                  make_response: Callable[[str, RequestOutput], dict[str, Any]]) -> Response:
+                  make_response: Callable[[str, RequestOutput, list[TokenLogprob]], dict[str, Any]]) -> Response:
         check_model(body.model)
         params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
         outputs = engine.generate(prompt_ids, params, body.stop_strings(), arrival)
         if not body.stream:
-            text, last = [], None
+            text, logprobs, last = [], [], None
             try:
                 async for out in outputs:
                     text.append(out.text)
+                    logprobs.extend(out.logprobs)
                     last = out
             except Exception as e:
                 raise _as_api_error(e) from None
-            return JSONResponse(make_response("".join(text), last))
+            return JSONResponse(make_response("".join(text), last, logprobs))
 
         # Start the engine before answering, so a refusal (429, 503) is a status, not a stream.
         try:
@@ -201,23 +205,30 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         head = {"id": request_id, "object": "text_completion", "created": created,
                 "model": settings.served_model_name}
 
-        def choice(text: str, out: RequestOutput) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None,
+        text_offset = 0  # of the next streamed token's text (echo and logprobs do not go together)
+
+        def choice(text: str, out: RequestOutput, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]):
+            nonlocal text_offset
+            described = None
+            if body.logprobs is not None:
+                described = completion_logprobs(logprobs, tokenizer, text_offset)
+                text_offset += sum(map(len, described["tokens"]))
+            return {"index": 0, "text": text, "logprobs": described,
                     "finish_reason": out.finish_reason if out.finished else None,
                     "stop_reason": out.stop_reason}
 
         def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
             text = (prompt_text if first and body.echo else "") + out.text
-            if not text and not out.finished:
+            if not text and not out.finished and not (body.logprobs is not None and out.logprobs):
                 return None
-            piece = {**head, "choices": [choice(text, out)]}
+            piece = {**head, "choices": [choice(text, out, out.logprobs)]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode(out)
             return piece
 
-        def response(text: str, out: RequestOutput) -> dict[str, Any]:
+        def response(text: str, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict[str, Any]:
             text = (prompt_text if body.echo else "") + text
-            return {**head, "choices": [choice(text, out)], "usage": _usage(out),
+            return {**head, "choices": [choice(text, out, logprobs)], "usage": _usage(out),
                     "spec_decode": _spec_decode(out)}
 
         return await run(body, prompt_ids, arrival, head, chunk, response)
@@ -234,23 +245,27 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": settings.served_model_name}
 
+        def described(logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+            return chat_logprobs(logprobs, tokenizer) if body.logprobs else None
+
         def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
-            if not out.text and not out.finished and not first:
+            with_logprobs = body.logprobs and out.logprobs
+            if not out.text and not out.finished and not first and not with_logprobs:
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if out.text or first:
+            if out.text or first or with_logprobs:
                 delta["content"] = out.text
-            piece = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            piece = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": described(out.logprobs),
                                           "finish_reason": out.finish_reason if out.finished else None,
                                           "stop_reason": out.stop_reason}]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode(out)
             return piece
 
-        def response(text: str, out: RequestOutput) -> dict[str, Any]:
+        def response(text: str, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict[str, Any]:
             return {**head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                 "logprobs": described(logprobs), "finish_reason": out.finish_reason,
                                  "stop_reason": out.stop_reason}],
                     "usage": _usage(out), "spec_decode": _spec_decode(out)}
 

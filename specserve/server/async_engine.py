@@ -32,6 +32,7 @@ from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence as EngineSequence
 from specserve.engine.text_output import TextOutput
 from specserve.errors import SpecserveError
+from specserve.logprobs import TokenLogprob
 from specserve.sampling import SamplingParams
 from specserve.server.metrics import ServerMetrics, StatLogger
 from specserve.tokenizer import Tokenizer
@@ -62,6 +63,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # so far
     num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: no prefix caching)
     spec: dict[str, Any] | None = None  # the request's SpecStats.to_dict(), None without speculation
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -240,6 +242,7 @@ class AsyncEngine:
     def _emit(self, request: _Request, now: float) -> None:
         seq = request.seq
         new_ids = seq.output_ids[request.num_sent_tokens :]
+        new_logprobs = tuple(seq.logprobs[request.num_sent_tokens :])
         request.num_sent_tokens = seq.num_output_tokens
         text = request.text.add(new_ids, finished=seq.finished)
         stop_reason = request.text.stop_reason
@@ -272,6 +275,7 @@ class AsyncEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=num_cached_tokens,
             spec=seq.spec.to_dict() if self.engine.proposer is not None else None,
+            logprobs=new_logprobs,
         ))
 
     def _record_finish(self, seq: EngineSequence) -> None:

@@ -3,18 +3,19 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (n > 1, logprobs, tools, ...)
-are refused by name rather than silently dropped.
+options keep working. Options we do not implement (n > 1, penalties, tools, the
+prompt's logprobs, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.errors import SpecserveError
+from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 
@@ -83,6 +84,8 @@ class _Sampling(_Body):
             ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
+            (self.logprobs_param, self.num_logprobs() is None or 0 <= self.num_logprobs() <= MAX_LOGPROBS,
+             f"{self.logprobs_param} must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs()}"),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -90,7 +93,14 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.num_logprobs(),
         )
+
+    logprobs_param: ClassVar[str] = "logprobs"  # the parameter that says how many alternatives
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to each output token's logprob; None: no logprobs."""
+        raise NotImplementedError
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -110,11 +120,16 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for name in ("logprobs", "suffix"):
-            if getattr(self, name) is not None:
-                raise APIError(f"{name} is not supported", param=name)
+        if self.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError("best_of is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs (the prompt's logprobs) is not supported; "
+                           "drop echo to get the completion's logprobs", param="echo")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or token ids. A batch of several is refused."""
@@ -159,8 +174,8 @@ class ChatCompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError("tools are not supported", param="tools")
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -171,6 +186,11 @@ class ChatCompletionRequest(_Sampling):
                     f"unknown role {message.role!r}; use one of {list(CHAT_ROLES)}",
                     param=f"messages[{i}].role",
                 )
+
+    logprobs_param: ClassVar[str] = "top_logprobs"
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,45 @@
+"""Log probabilities of emitted tokens, as the OpenAI API's `logprobs` returns them.
+
+What a logprob is here: the log-softmax of the target's raw logits at the token's
+position, before temperature, top-k and top-p (vLLM's default, "raw logprobs"), so the
+figure describes the model, not the sampling settings. It comes from the very rows the
+verifier reads: a step's row i scores the token after the sequence's newest token and
+its first i drafts, and the step's i-th emitted token (accepted, recovered or bonus
+alike) is the one that row predicts. So a request's logprobs are the target's own with
+speculation on or off; on our CPU kernels, which compute a verified row exactly as a
+plain step computes it, bit for bit.
+
+Invariant: `Sequence.logprobs` holds one `TokenLogprob` per output token, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The most alternatives a request may ask for at each position (vLLM's default
+# --max-logprobs; OpenAI's chat API allows 20 too).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely ids and their logprobs, most likely first
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """logits [n, V] (row i predicts token_ids[i]; n >= len(token_ids)) -> one
+    TokenLogprob per token, with its num_top most likely alternatives."""
+    rows = len(token_ids)
+    logprobs = torch.log_softmax(logits[:rows].float(), dim=-1)  # [rows, V]
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)).squeeze(1)  # [rows]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])
+    # One copy to the host for the whole step, not a sync per token.
+    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.long().tolist()
+    return [
+        TokenLogprob(token_id, value, tuple(zip(ids, values)))
+        for token_id, value, ids, values in zip(token_ids, chosen, top_ids, top_values)
+    ]
