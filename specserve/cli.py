@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = off")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object with figures")
     gen.set_defaults(run=run_generate)
@@ -198,6 +201,9 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization,
                                      args.batch_invariant, compile=args.compile, device=device_of(args),

@@ -30,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; n: each output token's logprob and its n most likely alternatives
+    # Penalties on the target's logits (specserve/penalties.py); 0, 0 and 1 are off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,10 +48,19 @@ class SamplingParams:
             raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ConfigError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A request's own random stream on the models' device: seeded runs repeat,

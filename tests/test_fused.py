@@ -195,23 +195,26 @@ def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft)
 
 
 @needs_kernel
-def test_greedy_requests_with_logprobs_take_the_unfused_path(target, draft, monkeypatch):
-    """The fused call returns argmaxes only: a greedy request that wants logprobs is
-    verified in the forward, beside one that decodes fused, and its logprobs are the
-    plain decoding's bit for bit (our int4 kernels compute a verified row as a plain step)."""
+@pytest.mark.parametrize("options", [{"logprobs": 2}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5}],
+                         ids=["logprobs", "penalties"])
+def test_greedy_requests_that_need_the_logits_take_the_unfused_path(target, draft, options, monkeypatch):
+    """The fused call returns the raw logits' argmaxes only: a greedy request that wants
+    logprobs or penalties is verified in the forward, beside one that decodes fused, and
+    gives plain decoding's tokens and logprobs bit for bit (our int4 kernels compute a
+    verified row as a plain step)."""
     proposer = FusedDraftProposer(draft, target)
     fused_ids = []
     speculate = proposer.speculate
     monkeypatch.setattr(proposer, "speculate", lambda seqs, *a: fused_ids.extend(s.seq_id for s in seqs)
                         or speculate(seqs, *a))
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
-    with_logprobs = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    needs_logits = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **options)
     fused_seq = engine.add_request(PROMPTS[0], GREEDY)
-    seq = engine.add_request(PROMPTS[1], with_logprobs)
+    seq = engine.add_request(PROMPTS[1], needs_logits)
     while engine.has_unfinished():
         engine.step()
     assert fused_seq.seq_id in fused_ids and seq.seq_id not in fused_ids
-    plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], with_logprobs)
+    plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], needs_logits)
     assert seq.output_ids == plain.output_ids and seq.logprobs == plain.logprobs
     assert seq.spec.num_draft_tokens > 0
 

@@ -105,8 +105,6 @@ def test_error_body_is_openai_shaped():
     (completion, {"logprobs": 1, "echo": True}, "echo"),
     (completion, {"suffix": "!"}, "suffix"),
     (completion, {"best_of": 2}, "best_of"),
-    (completion, {"presence_penalty": 0.5}, "presence_penalty"),
-    (chat, {"frequency_penalty": -1.0}, "frequency_penalty"),
     (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
     (chat, {"top_logprobs": 2}, "top_logprobs"),
@@ -122,7 +120,7 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
 
 
 @pytest.mark.parametrize("body", [
-    completion(n=1, best_of=1, presence_penalty=0.0, logit_bias={}, stream=True,
+    completion(n=1, best_of=1, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={}, stream=True,
                stream_options={"include_usage": True}, logprobs=5),
     chat(logprobs=True, top_logprobs=0, tools=[], response_format={"type": "text"},
          messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]),
@@ -146,6 +144,9 @@ def test_include_usage_needs_stream_options():
     ({"top_p": 1.01}, 16, "top_p"),
     ({"top_k": -2}, 16, "top_k"),
     ({"logprobs": -1}, 16, "logprobs"),
+    ({"presence_penalty": 2.5}, 16, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, 16, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, 16, "repetition_penalty"),
     ({"logprobs": 21}, 16, "logprobs"),
 ])
 def test_out_of_range_sampling_values_name_the_param(fields, max_tokens, param):
@@ -174,9 +175,11 @@ def test_logprobs_reach_the_sampling_params(make, fields, expected):
 
 
 def test_sampling_params_carry_the_body():
-    body = completion(temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=[3, 4])
+    body = completion(temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=[3, 4],
+                      presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2)
     assert body.sampling_params(5) == SamplingParams(
-        max_tokens=5, temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=(3, 4))
+        max_tokens=5, temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=(3, 4),
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2)
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])

@@ -187,6 +187,15 @@ def test_chat_logprobs_streamed_and_whole(spec):
     assert without.choices[0].logprobs is None
 
 
+def test_penalties_give_the_same_text_with_and_without_speculation(plain, spec):
+    penalties = dict(frequency_penalty=0.8, presence_penalty=0.3, extra_body={"repetition_penalty": 1.2,
+                                                                              "ignore_eos": True})
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
+    ours = complete(plain, prompt, MODEL, max_tokens=32, **penalties).choices[0].text
+    assert complete(spec, prompt, "smol", max_tokens=32, **penalties).choices[0].text == ours
+    assert complete(plain, prompt, MODEL, max_tokens=32, extra_body={"ignore_eos": True}).choices[0].text != ours
+
+
 def test_stop_strings_end_the_text_before_them(plain, spec):
     reference = complete(plain, PROMPTS[0], MODEL, max_tokens=40).choices[0].text
     stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
@@ -319,6 +328,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                           "top_logprobs": 21}, 400, "top_logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, 400, "echo"),
+    ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
 ]
 
 

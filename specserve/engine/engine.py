@@ -64,6 +64,7 @@ from specserve.engine.sequence import Sequence
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.prefix_cache import PrefixCache, read_elsewhere
+from specserve.penalties import apply_penalties
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.fused import FusedDraftProposer
@@ -93,6 +94,13 @@ class _Outcome(NamedTuple):
     num_drafted: int
     verdict: Verdict
     logprobs: list[TokenLogprob] | None = None
+
+
+def fusable(seq: Sequence) -> bool:
+    """Whether the fused call can run this sequence's step: it returns the argmaxes of
+    the raw logits, so not for sampling, logprobs or penalties."""
+    params = seq.params
+    return params.greedy and params.logprobs is None and not params.penalized
 
 
 def may_adapt(seq: Sequence) -> bool:
@@ -290,9 +298,7 @@ class Engine:
         drafting = [s for i, s in enumerate(decoding) if i not in looked_up]
         wanted = self._num_draft_tokens(drafting)
         fused = isinstance(self.proposer, FusedDraftProposer) and self.proposer.verifies
-        # The fused call returns argmaxes, not logits: a request that wants logprobs
-        # is drafted and verified the unfused way.
-        in_one_call = [i for i, s in enumerate(drafting) if fused and s.params.greedy and s.params.logprobs is None]
+        in_one_call = [i for i, s in enumerate(drafting) if fused and fusable(s)]
         if not any(wanted[i] for i in in_one_call):
             # Nothing to draft: the fused call would only run the target, and the lookups'
             # drafts and the prompts being read would take a second forward, reading the
@@ -383,13 +389,19 @@ class Engine:
         for w in work:
             if not w.scored:
                 continue
-            k = w.draft.num_tokens
-            if w.seq.params.greedy:
-                verdict = verdict_from_argmax(w.draft.tokens.tolist(), argmax[row : row + k + 1])
+            k, seq, params = w.draft.num_tokens, w.seq, w.seq.params
+            scores = logits[row : row + k + 1]  # [k+1, V]
+            drafts = w.draft.tokens.tolist()
+            if params.penalized:
+                scores = apply_penalties(scores, params, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, drafts)
+            if params.greedy:
+                row_argmax = scores.argmax(dim=-1).tolist() if params.penalized else argmax[row : row + k + 1]
+                verdict = verdict_from_argmax(drafts, row_argmax)
             else:
-                verdict = verify(logits[row : row + k + 1], w.draft, w.seq.params, w.seq.generator)
-            num_top = w.seq.params.logprobs
-            # The i-th emitted token is the one row i predicts (see specserve/logprobs.py).
+                verdict = verify(scores, w.draft, params, seq.generator)
+            # The i-th emitted token is the one row i predicts (see specserve/logprobs.py);
+            # logprobs are the raw logits', before penalties.
+            num_top = params.logprobs
             logprobs = None if num_top is None else token_logprobs(logits[row : row + k + 1], verdict.tokens, num_top)
             outcomes.append(_Outcome(w.seq, k, verdict, logprobs))
             row += k + 1

@@ -3,7 +3,7 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (n > 1, penalties, tools, the
+options keep working. Options we do not implement (n > 1, logit_bias, tools, the
 prompt's logprobs, ...) are refused by name rather than silently dropped.
 """
 
@@ -56,15 +56,13 @@ class _Sampling(_Body):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension: 1 = off
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise APIError(f"n={self.n} is not supported: send one request per completion", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(f"{name} is not supported; leave it at 0", param=name)
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -84,6 +82,12 @@ class _Sampling(_Body):
             ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"),
             (self.logprobs_param, self.num_logprobs() is None or 0 <= self.num_logprobs() <= MAX_LOGPROBS,
              f"{self.logprobs_param} must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs()}"),
         ]
@@ -93,7 +97,8 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
-            logprobs=self.num_logprobs(),
+            logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
         )
 
     logprobs_param: ClassVar[str] = "logprobs"  # the parameter that says how many alternatives

@@ -1,0 +1,131 @@
+"""Repetition, frequency and presence penalties: the formula, plain decoding with them,
+and speculation that stays lossless with them (greedy equivalence, chi-square)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder, Segment
+from specserve.penalties import apply_penalties
+from specserve.sampling import SamplingParams, logits_to_probs
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from tests.chi_square import chi_square_p_value
+from tests.conftest import tiny_config
+from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
+
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.3)
+
+
+def reference_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                        before: list[int]) -> torch.Tensor:
+    """One row [V], token by token: the definitions, with `before` the output so far."""
+    out = logits.clone().float()
+    for token in range(out.shape[0]):
+        count = before.count(token)
+        if token in prompt or count:
+            x = out[token]
+            out[token] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        out[token] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    return out
+
+
+def test_each_row_is_penalised_as_if_the_drafts_before_it_were_emitted():
+    torch.manual_seed(0)
+    params = SamplingParams(**PENALTIES)
+    logits = torch.randn(4, 10) * 3  # [k+1, V], positive and negative logits
+    prompt, output, drafts = [1, 2], [3, 3, 4], [5, 3, 1]
+    ours = apply_penalties(logits, params, prompt, output, drafts)
+    for i in range(4):
+        expected = reference_penalties(logits[i], params, prompt, output + drafts[:i])
+        assert torch.allclose(ours[i], expected), i
+
+
+def test_no_penalty_leaves_the_logits_alone():
+    logits = torch.randn(3, 10)
+    assert torch.equal(apply_penalties(logits, SamplingParams(), [1], [2, 3], [4, 5]), logits)
+    assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
+
+
+@pytest.mark.parametrize("fields", [{"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
+                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")}])
+def test_out_of_range_penalties_are_refused(fields):
+    with pytest.raises(ConfigError, match=next(iter(fields))):
+        SamplingParams(**fields)
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    return random_decoder("qwen2", seed=1)
+
+
+def penalised_greedy_by_hand(target: Decoder, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding one full forward per token, penalties by the reference."""
+    output: list[int] = []
+    for _ in range(params.max_tokens):
+        ids = prompt + output
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
+        output.append(int(reference_penalties(logits, params, prompt, output).argmax()))
+    return output
+
+
+def test_plain_decoding_with_penalties_is_the_definition(target):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **PENALTIES)
+    for prompt in PROMPTS[:2]:
+        ours = Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
+        assert ours == penalised_greedy_by_hand(target, prompt, params)
+        unpenalised = Engine(target, eos_token_ids=[EOS]).generate(
+            prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).output_ids
+        assert ours != unpenalised  # the penalties do change this text
+
+
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
+def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind):
+    proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else DraftModelProposer(perturbed(target, 0.3, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
+                    lookup_first=1 if "lookup" in proposer_kind else None)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    plain = Engine(target, eos_token_ids=[EOS])
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_ids == plain.generate(prompt, params).output_ids
+    stats = engine.spec_stats
+    # A lookup repeats text, which the penalties push away from: drafted, all rejected here.
+    assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens > 0 or proposer_kind == "ngram")
+
+
+def test_speculative_sampling_with_penalties_samples_the_penalised_target():
+    """At temperature > 0 with every penalty on, 4-token outputs through a draft that is
+    often wrong are distributed as sampling the penalised target one token at a time
+    (chi-square over all 4^4 outputs)."""
+    vocab, length, prompt = 4, 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    fields = dict(max_tokens=length, temperature=0.9, ignore_eos=True, **PENALTIES)
+    params = SamplingParams(**fields)
+
+    expected = torch.ones([vocab] * length, dtype=torch.float64)
+    for cont in itertools.product(range(vocab), repeat=length):
+        ids = prompt + list(cont)
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[len(prompt) - 1 : -1]
+        for j, token in enumerate(cont):
+            penalised = reference_penalties(logits[j], params, prompt, list(cont[:j]))
+            expected[cont] *= logits_to_probs(penalised.unsqueeze(0), params)[0, token]
+
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
+                    num_speculative_tokens=3)
+    samples = []
+    for batch in range(10):
+        seqs = [engine.add_request(prompt, SamplingParams(**fields, seed=batch * 1000 + i)) for i in range(600)]
+        while engine.has_unfinished():
+            engine.step()
+        samples += [s.output_ids for s in seqs]
+    assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
+    assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
