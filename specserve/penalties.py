@@ -28,23 +28,30 @@ from specserve.sampling import SamplingParams
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                     output_ids: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
-    """logits [k+1, V] -> penalised logits [k+1, V] float32, row i conditioned on
-    output_ids + drafts[:i] (k = len(drafts))."""
-    rows, vocab = logits.shape
+    """logits [k+1, V] -> penalised logits [k+1, V] float32 (a copy), row i conditioned
+    on output_ids + drafts[:i] (k = len(drafts))."""
+    rows = logits.shape[0]
     device = logits.device
-    # Output counts for every row: the emitted tokens, then each row one draft more.
-    emitted = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64, device=device), minlength=vocab)  # [V]
-    counts = emitted.unsqueeze(0).repeat(rows, 1).float()  # [k+1, V]
+    # Only the ids in the text move, so the work is over those U ids, not the vocabulary
+    # (the dense way took ~14 ms a step at 8 rows of 151936 ids on 2 cores).
+    text = torch.tensor([*prompt_ids, *output_ids, *drafts], dtype=torch.int64, device=device)
+    ids, where = torch.unique(text, return_inverse=True)  # [U], [len(text)]: each token's index into ids
+    num_prompt, num_output = len(prompt_ids), len(output_ids)
+    emitted = torch.zeros(len(ids), device=device).index_add_(
+        0, where[num_prompt : num_prompt + num_output], torch.ones(num_output, device=device))  # [U]
+    counts = emitted.unsqueeze(0).repeat(rows, 1)  # [k+1, U]: output counts before each row
     if drafts:
-        draft_ids = torch.tensor(list(drafts), dtype=torch.int64, device=device)  # [k]
-        one_hot = torch.zeros(rows, vocab, device=device)
-        one_hot[torch.arange(1, rows, device=device), draft_ids] = 1.0  # row i+1 has seen draft i
+        one_hot = torch.zeros(rows, len(ids), device=device)
+        one_hot[torch.arange(1, rows, device=device), where[num_prompt + num_output :]] = 1.0  # row i+1 saw draft i
         counts += one_hot.cumsum(dim=0)
-    logits = logits.float()
+    scores = logits[:, ids].float()  # [k+1, U]
     if params.repetition_penalty != 1.0:
-        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-        in_prompt[torch.tensor(list(prompt_ids), dtype=torch.int64, device=device)] = True
-        seen = in_prompt.unsqueeze(0) | (counts > 0)  # [k+1, V]
-        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        in_prompt = torch.zeros(len(ids), dtype=torch.bool, device=device)
+        in_prompt[where[:num_prompt]] = True
+        seen = in_prompt.unsqueeze(0) | (counts > 0)  # [k+1, U]
+        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for logprobs
+    out[:, ids] = scores
+    return out

@@ -39,11 +39,15 @@ def test_each_row_is_penalised_as_if_the_drafts_before_it_were_emitted():
     torch.manual_seed(0)
     params = SamplingParams(**PENALTIES)
     logits = torch.randn(4, 10) * 3  # [k+1, V], positive and negative logits
+    raw = logits.clone()
     prompt, output, drafts = [1, 2], [3, 3, 4], [5, 3, 1]
     ours = apply_penalties(logits, params, prompt, output, drafts)
     for i in range(4):
         expected = reference_penalties(logits[i], params, prompt, output + drafts[:i])
         assert torch.allclose(ours[i], expected), i
+    assert torch.equal(logits, raw)  # a copy: the raw logits still serve logprobs
+    first = apply_penalties(logits[:1], params, prompt, [], [])  # a prompt's first token
+    assert torch.allclose(first[0], reference_penalties(logits[0], params, prompt, []))
 
 
 def test_no_penalty_leaves_the_logits_alone():
