@@ -13,8 +13,10 @@ occurs in the prompt or the output; then the frequency penalty is subtracted onc
 occurrence in the output, and the presence penalty once for any occurrence there
 (OpenAI's definitions). Logprobs stay the raw ones (specserve/logprobs.py).
 
-The draft proposes from its own unpenalised logits: any draft distribution is lossless,
-so penalties only cost acceptance, which adaptive k sees.
+A draft model penalises its guesses the same way (spec/draft_model.py, with the step's
+earlier guesses counted), so it guesses what the penalised target will choose; any
+draft distribution would be lossless, this one is accepted more often (int4 pair,
+`code`, repetition 1.15 and frequency 0.2, k = 7: acceptance 0.705 -> 0.87).
 """
 
 from __future__ import annotations

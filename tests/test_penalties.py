@@ -3,6 +3,7 @@ and speculation that stays lossless with them (greedy equivalence, chi-square)."
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -103,6 +104,17 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
     stats = engine.spec_stats
     # A lookup repeats text, which the penalties push away from: drafted, all rejected here.
     assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens > 0 or proposer_kind == "ngram")
+
+
+def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
+    """The draft penalises its guesses as the target will (its earlier guesses in the
+    step counted), so a draft that is the target has every guess accepted."""
+    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(copy.deepcopy(target)),
+                    num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
+    seq = engine.generate(PROMPTS[1], params)
+    assert seq.output_ids == Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], params).output_ids
+    assert engine.spec_stats.acceptance_rate == 1.0
 
 
 def test_speculative_sampling_with_penalties_samples_the_penalised_target():

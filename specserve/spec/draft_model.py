@@ -35,6 +35,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.model.prefix_cache import PrefixCache, read_elsewhere
+from specserve.penalties import apply_penalties
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -181,15 +182,20 @@ class DraftModelProposer:
             logits = self.draft(flat, segments, last_rows, [common[i] for i in order])  # [len(order), width]
             # Every greedy guess of this position from one read-back (one sync on a GPU).
             argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
-            unscored_ids = self.draft.config.vocab_size - logits.shape[-1]  # past the common ids (Decoder.score)
             unsure: set[int] = set()
             for row, i in enumerate(order):
                 params = seqs[i].params
-                if params.greedy:
+                row_logits = logits[row : row + 1]  # [1, width]
+                if params.penalized:  # guess as the penalised target will choose: more accepted
+                    row_logits = self._penalised(seqs[i], row_logits, drafted[i])  # [1, V]
+                if params.greedy and not params.penalized:
                     token, confidence = argmax[row], confidences[row]
+                elif params.greedy:
+                    (token,), (confidence,) = self._greedy_guesses(row_logits)
                 else:
                     # [1, V]: a head limited to the first ids gives the rest no mass.
-                    row_probs = F.pad(logits_to_probs(logits[row : row + 1], params), (0, unscored_ids))
+                    row_probs = logits_to_probs(row_logits, params)
+                    row_probs = F.pad(row_probs, (0, self.draft.config.vocab_size - row_probs.shape[-1]))
                     token = int(sample(row_probs, seqs[i].generator))
                     confidence = float(row_probs[0, token])
                     draft_probs[i].append(row_probs[0])
@@ -206,6 +212,13 @@ class DraftModelProposer:
             else Draft.empty()
             for i in range(len(seqs))
         ]
+
+    def _penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+        """A guess's logits [1, width] -> [1, V] with the request's penalties, the
+        sequence's output and this step's earlier guesses counted (specserve/penalties.py)."""
+        logits = F.pad(logits, (0, self.draft.config.vocab_size - logits.shape[-1]), value=float("-inf"))
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        return apply_penalties(logits, seq.params, prompt, [*seq.token_ids[seq.num_prompt_tokens :], *drafted], [])
 
     def _catch_up(self, chunks: dict[int, list[int]], seqs: Sequence[SequenceView]) -> None:
         """Feed each sequence's chunk of unseen tokens into its draft cache."""

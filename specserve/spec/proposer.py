@@ -37,6 +37,7 @@ class Draft:
 class SequenceView(Protocol):
     seq_id: int
     token_ids: list[int]  # prompt + output so far; the last one is the next step's input
+    num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator  # the request's own random stream, shared with the verifier
 
