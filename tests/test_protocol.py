@@ -100,8 +100,9 @@ def test_error_body_is_openai_shaped():
 # --- refuse_unsupported -----------------------------------------------------------------
 
 @pytest.mark.parametrize("make, fields, param", [
-    (completion, {"n": 2}, "n"),
-    (chat, {"n": 3}, "n"),
+    (completion, {"n": 0}, "n"),
+    (chat, {"n": -1}, "n"),
+    (completion, {"n": 2, "best_of": 3}, "best_of"),
     (completion, {"logprobs": 1, "echo": True}, "echo"),
     (completion, {"suffix": "!"}, "suffix"),
     (completion, {"best_of": 2}, "best_of"),
@@ -120,7 +121,7 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
 
 
 @pytest.mark.parametrize("body", [
-    completion(n=1, best_of=1, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={}, stream=True,
+    completion(n=3, best_of=3, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={}, stream=True,
                stream_options={"include_usage": True}, logprobs=5),
     chat(logprobs=True, top_logprobs=0, tools=[], response_format={"type": "text"},
          messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]),
@@ -194,26 +195,27 @@ def test_seed_outside_64_bits_is_refused(seed):
 # --- prompt, stops, max tokens, messages ------------------------------------------------
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("Hello", "Hello"),
-    ([1, 2, 3], [1, 2, 3]),
-    (["Hello"], "Hello"),
-    ([[1, 2]], [1, 2]),
+    ("Hello", ["Hello"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    (["Hello"], ["Hello"]),
+    ([[1, 2]], [[1, 2]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1], [2], [3]], [[1], [2], [3]]),
 ])
-def test_single_prompt(prompt, expected):
-    assert completion(prompt=prompt).single_prompt() == expected
+def test_prompt_list(prompt, expected):
+    assert completion(prompt=prompt).prompt_list() == expected
 
 
 @pytest.mark.parametrize("prompt, message", [
-    (["a", "b"], "2 prompts"),
-    ([[1], [2], [3]], "3 prompts"),
-    ("", "empty"),
-    ([], "empty"),
-    ([""], "empty"),
-    ([[]], "empty"),
+    ("", "the prompt is empty"),
+    ([], "the prompt is empty"),
+    ([""], "the prompt is empty"),
+    ([[]], "the prompt is empty"),
+    (["a", ""], "prompt 1 is empty"),
 ])
-def test_several_or_empty_prompts_are_refused(prompt, message):
+def test_empty_prompts_are_refused(prompt, message):
     with pytest.raises(APIError) as caught:
-        completion(prompt=prompt).single_prompt()
+        completion(prompt=prompt).prompt_list()
     assert caught.value.param == "prompt" and message in str(caught.value)
 
 

@@ -196,6 +196,41 @@ def test_penalties_give_the_same_text_with_and_without_speculation(plain, spec):
     assert complete(plain, prompt, MODEL, max_tokens=32, extra_body={"ignore_eos": True}).choices[0].text != ours
 
 
+def test_several_prompts_times_n_choices_streamed_and_whole(spec):
+    """Choice i is prompt i // n; at temperature 0 each is that prompt's own answer."""
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    solo = [complete(spec, p, "smol", max_tokens=16).choices[0].text for p in prompts]
+    whole = complete(spec, prompts, "smol", max_tokens=16, n=2)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [solo[0], solo[0], solo[1], solo[1]]
+    singles = [complete(spec, p, "smol", max_tokens=16).usage for p in prompts]
+    assert whole.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)  # each prompt once
+    assert whole.usage.completion_tokens == 2 * sum(u.completion_tokens for u in singles)
+    assert whole.model_extra["spec_decode"]["num_draft_tokens"] > 0
+    chunks = list(client(spec).completions.create(model="smol", prompt=prompts, max_tokens=16, n=2, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["", "", "", ""], [0, 0, 0, 0]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] += choice.finish_reason is not None
+    assert texts == [c.text for c in whole.choices] and finishes == [1, 1, 1, 1]
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_n_seeded_samples_differ_and_repeat(spec):
+    """Sample j of a seeded request draws with seed + j: the n differ, the request repeats."""
+    def sample(**kwargs) -> list[str]:
+        result = client(spec).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=1.0,
+            **kwargs)
+        return [c.message.content for c in sorted(result.choices, key=lambda c: c.index)]
+
+    three = sample(n=3, seed=11)
+    assert len(set(three)) > 1 and sample(n=3, seed=11) == three
+    assert sample(seed=12) == three[1:2]
+
+
 def test_stop_strings_end_the_text_before_them(plain, spec):
     reference = complete(plain, PROMPTS[0], MODEL, max_tokens=40).choices[0].text
     stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
@@ -307,14 +342,15 @@ BAD_REQUESTS = [
     ("completions", b"{not json", 400, None),
     ("completions", {"model": MODEL}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 600}, 400, None),  # > --max-model-len 512
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": ["hi", "ho"], "n": 2}, 400, "n"),  # 4 > 2 running + 1 waiting
     ("completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": 12}, 400, "prompt"),
@@ -374,6 +410,29 @@ def test_full_queue_gets_429_and_everyone_else_is_served(plain):
     assert all(r.json()["error"]["type"] == "rate_limit_error" for r in refused)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_choice_refuses_the_request_and_aborts_the_others(plain, stream):
+    """2 running + 1 waiting fit: with one request running, n = 3 has a choice refused
+    at once, so the whole request gets 429 and its two accepted choices leave the engine."""
+    aborted = ("specserve:request_success_total", (("finished_reason", "abort"),))
+    before = metrics(plain).get(aborted, 0)
+    with httpx.stream("POST", plain.url + "/v1/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                            "stream": True}) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        refused = httpx.post(plain.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                             json={"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 400, "ignore_eos": True,
+                                   "stream": stream})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        deadline = time.monotonic() + 10  # the engine thread applies the aborts between steps
+        while metrics(plain).get(aborted, 0) < before + 2:  # ended by the refusal, not run to their end
+            if time.monotonic() > deadline:
+                pytest.fail("the refused request's accepted choices were not aborted")
+            time.sleep(0.05)
+        assert any('"finish_reason": "length"' in line for line in lines)  # the running one goes on to its end
+
+
 def test_disconnect_mid_stream_frees_the_slot(spec):
     before = metrics(spec).get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0)
     with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
@@ -392,6 +451,20 @@ def test_disconnect_mid_stream_frees_the_slot(spec):
     else:
         pytest.fail(f"the abandoned request still runs: {now}")
     assert now[("specserve:generation_tokens_total", ())] < 10_000
+
+
+def test_disconnect_from_n_choices_frees_every_slot(spec):
+    with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
+                      json={"model": "smol", "prompt": ["Once upon a time", "In a galaxy"], "n": 2,
+                            "max_tokens": 800, "ignore_eos": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # got a chunk; leave
+    deadline = time.monotonic() + 10
+    while metrics(spec)[("specserve:num_requests_running", ())] > 0:
+        if time.monotonic() > deadline:
+            pytest.fail("abandoned choices still run")
+        time.sleep(0.1)
 
 
 def test_sixteen_concurrent_requests_each_get_their_solo_answer(spec):

@@ -16,7 +16,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.errors import SpecserveError
 from specserve.logprobs import TokenLogprob
 from specserve.server.async_engine import AsyncEngine, QueueFullError, RequestOutput, ShuttingDownError
+from specserve.server.fanout import ChoiceResult, Fanout, sample_params
 from specserve.server.logprobs import chat_logprobs, completion_logprobs
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -43,25 +45,31 @@ class ApiSettings:
     api_key: str | None = None
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
+def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
+    """Usage of a response's choices (n per prompt): each prompt counted once, every
+    choice's tokens."""
+    firsts = outs[::n]  # one choice of each prompt
+    prompt_tokens = sum(out.num_prompt_tokens for out in firsts)
+    completion_tokens = sum(out.num_output_tokens for out in outs)
+    cached = [out.num_cached_tokens for out in firsts]
     return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         # OpenAI's field: prompt tokens served from the prefix cache (--enable-prefix-caching).
         # Without a prefix cache it is null, as vLLM leaves it: a benchmark then reports no
         # hit rate rather than a rate of 0 for a cache that is not there.
-        "prompt_tokens_details": (None if out.num_cached_tokens is None
-                                  else {"cached_tokens": out.num_cached_tokens}),
+        "prompt_tokens_details": None if None in cached else {"cached_tokens": sum(cached)},
     }
 
 
-def _spec_decode(out: RequestOutput) -> dict[str, Any] | None:
-    """Per-request speculation figures, under a field of their own."""
-    if out.spec is None:
+def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any] | None:
+    """Speculation figures of these choices together, under a field of their own."""
+    if outs[0].spec is None:
         return None
-    return {k: out.spec[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                     "acceptance_rate", "mean_acceptance_length")}
+    total = sum((out.spec for out in outs), SpecStats()).to_dict()
+    return {k: total[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                  "acceptance_rate", "mean_acceptance_length")}
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -151,87 +159,93 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         # As vLLM: no max_tokens means the rest of the context.
         return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
 
-    async def run(body, prompt_ids: list[int], arrival: float, head: dict[str, Any],
-                  make_chunk: Callable[[RequestOutput, bool], dict[str, Any] | None],
-                  make_response: Callable[[str, RequestOutput, list[TokenLogprob]], dict[str, Any]]) -> Response:
+    async def run(body, prompts: list[list[int]], arrival: float, head: dict[str, Any],
+                  make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
+                  make_response: Callable[[list[ChoiceResult]], dict[str, Any]]) -> Response:
+        """Generate body.n choices for each prompt: choice i is prompt i // n."""
         check_model(body.model)
-        params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
-        outputs = engine.generate(prompt_ids, params, body.stop_strings(), arrival)
-        if not body.stream:
-            text, logprobs, last = [], [], None
+        if len(prompts) * body.n > engine.max_unfinished:
+            raise APIError(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions, more than "
+                           f"this server holds at once ({engine.max_unfinished}); split the request", param="n")
+        requests = []
+        for prompt_ids in prompts:
+            params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
             try:
-                async for out in outputs:
-                    text.append(out.text)
-                    logprobs.extend(out.logprobs)
-                    last = out
+                requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
+            except SpecserveError as e:  # a seed + j past 64 bits
+                raise APIError(str(e), param="seed") from None
+        choices = Fanout(engine, requests, body.stop_strings(), arrival)
+        if not body.stream:
+            try:
+                return JSONResponse(make_response(await choices.collect()))
             except Exception as e:
                 raise _as_api_error(e) from None
-            return JSONResponse(make_response("".join(text), last, logprobs))
 
         # Start the engine before answering, so a refusal (429, 503) is a status, not a stream.
         try:
-            first = await anext(outputs)
+            await choices.start()
         except Exception as e:
             raise _as_api_error(e) from None
 
         async def stream() -> AsyncIterator[bytes]:
-            out, is_first = first, True
+            last: dict[int, RequestOutput] = {}
             try:
-                while True:
-                    piece = make_chunk(out, is_first)
+                async for choice, out in choices:
+                    piece = make_chunk(choice, out, choice not in last)
+                    last[choice] = out
                     if piece is not None:
                         yield _sse(piece)
-                    if out.finished:
-                        break
-                    out, is_first = await anext(outputs), False
                 if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(out)})
+                    yield _sse({**head, "choices": [], "usage": _usage([last[i] for i in sorted(last)], body.n)})
             except Exception as e:  # the stream has started: report in-band
                 yield _sse(_as_api_error(e).body())
             finally:
-                await outputs.aclose()  # client gone: abort the request now
+                await choices.aclose()  # client gone: abort what still runs
             yield _sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def finish(out: RequestOutput) -> dict[str, Any]:
+        return {"finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         arrival = time.perf_counter()
         body.refuse_unsupported()
-        prompt = body.single_prompt()
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        given = body.prompt_list()
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in given]
+        prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(given, prompts)]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created,
                 "model": settings.served_model_name}
+        text_offsets = [0] * (len(prompts) * body.n)  # of each choice's next streamed token (no echo with logprobs)
 
-        text_offset = 0  # of the next streamed token's text (echo and logprobs do not go together)
-
-        def choice(text: str, out: RequestOutput, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]):
-            nonlocal text_offset
+        def choice(index: int, text: str, out: RequestOutput, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
             described = None
             if body.logprobs is not None:
-                described = completion_logprobs(logprobs, tokenizer, text_offset)
-                text_offset += sum(map(len, described["tokens"]))
-            return {"index": 0, "text": text, "logprobs": described,
-                    "finish_reason": out.finish_reason if out.finished else None,
-                    "stop_reason": out.stop_reason}
+                described = completion_logprobs(logprobs, tokenizer, text_offsets[index])
+                text_offsets[index] += sum(map(len, described["tokens"]))
+            return {"index": index, "text": text, "logprobs": described, **finish(out)}
 
-        def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
-            text = (prompt_text if first and body.echo else "") + out.text
+        def echoed(index: int) -> str:
+            return prompt_texts[index // body.n] if body.echo else ""
+
+        def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
+            text = (echoed(index) if first else "") + out.text
             if not text and not out.finished and not (body.logprobs is not None and out.logprobs):
                 return None
-            piece = {**head, "choices": [choice(text, out, out.logprobs)]}
+            piece = {**head, "choices": [choice(index, text, out, out.logprobs)]}
             if out.finished:
-                piece["spec_decode"] = _spec_decode(out)
+                piece["spec_decode"] = _spec_decode([out])
             return piece
 
-        def response(text: str, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-            text = (prompt_text if body.echo else "") + text
-            return {**head, "choices": [choice(text, out, logprobs)], "usage": _usage(out),
-                    "spec_decode": _spec_decode(out)}
+        def response(results: list[ChoiceResult]) -> dict[str, Any]:
+            lasts = [r.last for r in results]
+            return {**head, "choices": [choice(i, echoed(i) + "".join(r.text), r.last, r.logprobs)
+                                        for i, r in enumerate(results)],
+                    "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
 
-        return await run(body, prompt_ids, arrival, head, chunk, response)
+        return await run(body, prompts, arrival, head, chunk, response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -245,30 +259,30 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": settings.served_model_name}
 
-        def described(logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        def described(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
             return chat_logprobs(logprobs, tokenizer) if body.logprobs else None
 
-        def chunk(out: RequestOutput, first: bool) -> dict[str, Any] | None:
+        def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             with_logprobs = body.logprobs and out.logprobs
             if not out.text and not out.finished and not first and not with_logprobs:
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if out.text or first or with_logprobs:
                 delta["content"] = out.text
-            piece = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": described(out.logprobs),
-                                          "finish_reason": out.finish_reason if out.finished else None,
-                                          "stop_reason": out.stop_reason}]}
+            piece = {**head, "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs),
+                                          **finish(out)}]}
             if out.finished:
-                piece["spec_decode"] = _spec_decode(out)
+                piece["spec_decode"] = _spec_decode([out])
             return piece
 
-        def response(text: str, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        def response(results: list[ChoiceResult]) -> dict[str, Any]:
+            lasts = [r.last for r in results]
             return {**head, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": described(logprobs), "finish_reason": out.finish_reason,
-                                 "stop_reason": out.stop_reason}],
-                    "usage": _usage(out), "spec_decode": _spec_decode(out)}
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)},
+                                 "logprobs": described(r.logprobs), **finish(r.last)}
+                                for i, r in enumerate(results)],
+                    "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
 
-        return await run(body, prompt_ids, arrival, head, chunk, response)
+        return await run(body, [prompt_ids], arrival, head, chunk, response)
 
     return app

@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence as EngineSequence
@@ -35,6 +34,7 @@ from specserve.errors import SpecserveError
 from specserve.logprobs import TokenLogprob
 from specserve.sampling import SamplingParams
 from specserve.server.metrics import ServerMetrics, StatLogger
+from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
 log = logging.getLogger("specserve")
@@ -62,7 +62,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far
     num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: no prefix caching)
-    spec: dict[str, Any] | None = None  # the request's SpecStats.to_dict(), None without speculation
+    spec: SpecStats | None = None  # the request's so far (a copy), None without speculation
     logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked for them
 
 
@@ -274,7 +274,7 @@ class AsyncEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=num_cached_tokens,
-            spec=seq.spec.to_dict() if self.engine.proposer is not None else None,
+            spec=seq.spec.copy() if self.engine.proposer is not None else None,
             logprobs=new_logprobs,
         ))
 

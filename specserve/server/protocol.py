@@ -3,8 +3,8 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (n > 1, logit_bias, tools, the
-prompt's logprobs, ...) are refused by name rather than silently dropped.
+options keep working. Options we do not implement (logit_bias, tools, best_of above n,
+the prompt's logprobs, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class _Sampling(_Body):
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(f"n={self.n} is not supported: send one request per completion", param="n")
+        if self.n < 1:
+            raise APIError(f"n must be >= 1, got {self.n}", param="n")
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -127,8 +127,9 @@ class CompletionRequest(_Sampling):
         super().refuse_unsupported()
         if self.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError("best_of is not supported", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise APIError("best_of is not supported (only best_of = n, which returns every choice)",
+                           param="best_of")
         if self.echo and self.logprobs is not None:
             raise APIError("echo with logprobs (the prompt's logprobs) is not supported; "
                            "drop echo to get the completion's logprobs", param="echo")
@@ -136,18 +137,14 @@ class CompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids. A batch of several is refused."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: a list of texts or of id lists is a batch."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    f"got {len(prompt)} prompts; send one prompt per request", param="prompt"
-                )
-            prompt = prompt[0]
-        if not prompt:
-            raise APIError("the prompt is empty", param="prompt")
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for i, one in enumerate(batch):
+            if not one:
+                raise APIError("the prompt is empty" if len(batch) == 1 else f"prompt {i} is empty", param="prompt")
+        return batch
 
 
 class TextPart(_Body):
