@@ -28,3 +28,17 @@ def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> f
     statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
     degrees_of_freedom = torch.tensor(len(expected_cells) - 1, dtype=torch.float64)
     return float(torch.special.gammaincc(degrees_of_freedom / 2, statistic / 2))
+
+
+def seeded_outputs(engine, prompt: list[int], fields: dict, batches: int = 10, per_batch: int = 600) -> torch.Tensor:
+    """[batches * per_batch, max_tokens]: the engine's outputs for prompt, each request
+    seeded apart (seed batch * 1000 + i), per_batch of them at a time."""
+    from specserve.sampling import SamplingParams
+
+    samples = []
+    for batch in range(batches):
+        seqs = [engine.add_request(prompt, SamplingParams(**fields, seed=batch * 1000 + i)) for i in range(per_batch)]
+        while engine.has_unfinished():
+            engine.step()
+        samples += [s.output_ids for s in seqs]
+    return torch.tensor(samples)

@@ -192,7 +192,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
 
     from specserve.model.decoder import Segment
     from specserve.sampling import logits_to_probs
-    from tests.chi_square import chi_square_p_value
+    from tests.chi_square import chi_square_p_value, seeded_outputs
 
     vocab, length, prompt = 4, 4, [0, 1, 2]
     torch.manual_seed(3)
@@ -217,17 +217,12 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
         look_up = engine._look_up
         engine._look_up = lambda decoding: {i: Draft(d.tokens[:1]) for i, d in look_up(decoding).items()}
     lookups = log_lookups(engine)
-    samples = []
-    for batch in range(10):
-        seqs = [engine.add_request(prompt, SamplingParams(**params, seed=batch * 1000 + i)) for i in range(600)]
-        while engine.has_unfinished():
-            engine.step()
-        samples += [s.output_ids for s in seqs]
+    samples = seeded_outputs(engine, prompt, params)
     stats = engine.spec_stats
     assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
     assert bool(lookups) == bool(lookup_first)
-    assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
+    assert chi_square_p_value(samples, expected) > 1e-4
 
 
 def test_max_num_seqs_bounds_the_batch_and_the_rest_wait(target):

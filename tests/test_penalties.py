@@ -16,7 +16,7 @@ from specserve.penalties import apply_penalties
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.chi_square import chi_square_p_value
+from tests.chi_square import chi_square_p_value, seeded_outputs
 from tests.conftest import tiny_config
 from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
@@ -137,11 +137,6 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target():
 
     engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
                     num_speculative_tokens=3)
-    samples = []
-    for batch in range(10):
-        seqs = [engine.add_request(prompt, SamplingParams(**fields, seed=batch * 1000 + i)) for i in range(600)]
-        while engine.has_unfinished():
-            engine.step()
-        samples += [s.output_ids for s in seqs]
+    samples = seeded_outputs(engine, prompt, fields)
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
-    assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
+    assert chi_square_p_value(samples, expected) > 1e-4
