@@ -20,6 +20,15 @@ from specserve.logprobs import MAX_LOGPROBS
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+class InvalidSamplingValue(ConfigError):
+    """A sampling parameter outside its range, named, so that the server's error can
+    name the request's field."""
+
+    def __init__(self, param: str, rule: str, value: object):
+        super().__init__(f"{param} {rule}, got {value!r}")
+        self.param, self.rule, self.value = param, rule, value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -36,23 +45,20 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0 <= self.temperature < math.inf:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ConfigError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
-        if self.top_k < -1:
-            raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ConfigError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        checks = [  # (parameter, within its range, the range)
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("temperature", 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (off) or a positive integer"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be a finite number > 0"),
+        ]
+        for param, ok, rule in checks:
+            if not ok:
+                raise InvalidSamplingValue(param, rule, getattr(self, param))
 
     @property
     def greedy(self) -> bool:

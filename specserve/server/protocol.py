@@ -9,14 +9,12 @@ the prompt's logprobs, ...) are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.errors import SpecserveError
-from specserve.logprobs import MAX_LOGPROBS
-from specserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from specserve.sampling import InvalidSamplingValue, SamplingParams
 
 
 class APIError(SpecserveError):
@@ -74,32 +72,16 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams of this body; out-of-range values become APIError(400, param)."""
-        checks = [
-            ("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
-            ("temperature", 0 <= self.temperature < math.inf,
-             f"temperature must be a finite number >= 0, got {self.temperature}"),
-            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
-            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
-             f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf,
-             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"),
-            (self.logprobs_param, self.num_logprobs() is None or 0 <= self.num_logprobs() <= MAX_LOGPROBS,
-             f"{self.logprobs_param} must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs()}"),
-        ]
-        for param, ok, message in checks:
-            if not ok:
-                raise APIError(message, param=param)
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
-            logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            )
+        except InvalidSamplingValue as e:
+            param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used
+            raise APIError(f"{param} {e.rule}, got {e.value!r}", param=param) from None
 
     logprobs_param: ClassVar[str] = "logprobs"  # the parameter that says how many alternatives
 
