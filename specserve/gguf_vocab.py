@@ -88,7 +88,7 @@ _PRE_TOKENIZERS = {name: spec for names, spec in _PRE_TOKENIZER_FAMILIES for nam
 
 
 @functools.cache
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of each byte, the alphabet of byte-level vocabularies."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     spelling = {byte: chr(byte) for byte in printable}
@@ -106,7 +106,7 @@ def _byte_level_backend(fields: dict[str, Any], token_types: list[int]) -> tuple
                           f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}")
     if "tokenizer.ggml.merges" not in fields:
         raise ConfigError("the GGUF byte-level vocabulary has no tokenizer.ggml.merges")
-    spell = _byte_to_unicode()
+    spell = byte_to_unicode()
     alphabet = set(spell.values())
     vocab = {}
     for token_id, (token, token_type) in enumerate(zip(fields["tokenizer.ggml.tokens"], token_types)):

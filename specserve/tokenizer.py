@@ -33,7 +33,7 @@ import tokenizers
 from tokenizers import processors
 
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.gguf_vocab import backend_from_gguf_fields, read_gguf_tokenizer_fields
+from specserve.gguf_vocab import backend_from_gguf_fields, byte_to_unicode, read_gguf_tokenizer_fields
 
 # GGUF token types (llama.cpp's llama_token_type) that change how a token is added.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -54,14 +54,9 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 # --- Tokenizer ---------------------------------------------------------------------------
 
 @functools.cache
-def _byte_level_decoder() -> dict[str, int]:
-    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode) inverted: the character
-    that stands for each byte -> the byte. Printable bytes stand for themselves, the
-    others for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    chars.update((b, chr(256 + i)) for i, b in enumerate(b for b in range(256) if b not in chars))
-    return {c: b for b, c in chars.items()}
+def _byte_of_character() -> dict[str, int]:
+    """Byte-level BPE's alphabet inverted: the character that spells each byte -> the byte."""
+    return {character: byte for byte, character in byte_to_unicode().items()}
 
 
 @dataclass(frozen=True)
@@ -195,7 +190,7 @@ class Tokenizer:
         if token_id in self._added_ids:  # written as itself (chat markup)
             return token.encode()
         if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
-            byte_of = _byte_level_decoder()
+            byte_of = _byte_of_character()
             return bytes(byte_of[c] for c in token) if all(c in byte_of for c in token) else token.encode()
         # SentencePiece: a byte-fallback piece is its byte; "▁" marks a space.
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
