@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError, SpecserveError
 from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
+from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -133,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between throughput/acceptance log lines (0: off)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long requests in flight may still run")
+    srv.add_argument("--stream-mode", choices=["step", "token"], default="step",
+                     help="a stream's SSE events: one per engine step, with all its tokens (fewest events), "
+                          "or one per token, for clients that count events as tokens (LLMPerf)")
+    srv.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
+                     help="close a connection whose request head has not arrived in this time")
+    srv.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                     help="answer 408 to a request whose body has not arrived in this time")
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(run=run_serve)
@@ -230,6 +239,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < seconds < math.inf:
+            raise ConfigError(f"{flag} must be a number of seconds > 0, got {seconds}")
     prefix_cache_space = prefix_cache_space_of(args)
     serve(ServerConfig(
         model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
@@ -241,6 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
         log_stats_interval_s=args.log_stats_interval, shutdown_grace_s=args.shutdown_grace,
+        stream_mode=args.stream_mode, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         log_level=args.uvicorn_log_level,
     ))
     return 0

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.sampling import SamplingParams
+from specserve.sampling import FLOAT32_MAX, SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
@@ -55,5 +55,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
         scores = torch.where(seen, penalised, scores)
     scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for logprobs
-    out[:, ids] = scores
+    # A logit divided by a tiny repetition penalty overflows: keep it finite, so the
+    # sampler's shift by the row's largest logit never computes inf - inf.
+    out[:, ids] = scores.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     return out

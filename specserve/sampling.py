@@ -2,7 +2,13 @@
 
 One transform (temperature, then top-k, then top-p) serves the target and the draft:
 the verifier is lossless only if both distributions went through the same one.
-Temperature 0 means greedy: no probabilities are formed at all.
+Temperature 0 means greedy: no probabilities are formed at all. As in vLLM, so does any
+temperature below `GREEDY_TEMPERATURE`: dividing float32 logits by less turns every
+gap between them into an infinity, and the distribution is the argmax's one-hot anyway.
+
+Invariant: for any `SamplingParams` that validates, `logits_to_probs` of finite logits
+gives finite probabilities that sum to 1 (the most likely token always keeps its mass),
+so no request's parameters can make the sampler fail.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ import torch
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 
+
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# The penalties' arithmetic runs in float32: a repetition penalty must stay positive and
+# finite there (1e-300 rounds to 0, and a logit divided by it to infinity).
+FLOAT32_TINY, FLOAT32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -54,7 +66,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be a finite number > 0"),
+            ("repetition_penalty", FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX,
+             f"must be a number in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}]"),
         ]
         for param, ok, rule in checks:
             if not ok:
@@ -62,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -82,7 +95,10 @@ class SamplingParams:
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] -> probs [n, V] float32 after temperature, top-k and top-p."""
     assert not params.greedy, "greedy decoding takes the argmax, not probabilities"
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted so that the largest is 0: after the division it stays 0 and the rest at
+    # most that (-inf where the gap overflows), never inf - inf.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
@@ -90,9 +106,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens before it already cover top_p; the first stays.
+        # Drop a token once the tokens before it already cover top_p; the first always
+        # stays (a top_p that rounds to 0 in float32 would drop it too).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= params.top_p, float("-inf"))
+        dropped = mass_before >= params.top_p  # [n, V]
+        dropped[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
 

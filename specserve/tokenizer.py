@@ -171,8 +171,10 @@ class Tokenizer:
     # -- text <-> ids --
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS first when `add_special_tokens` and the model wants it."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; BOS first when `add_special_tokens` and the model wants it.
+        The Rust library releases the GIL in its batch call alone: through it, a long
+        text tokenized on a worker thread leaves the others running."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -374,3 +374,31 @@ def test_draft_catches_up_on_a_long_prompt_in_chunks(target):
     while engine.has_unfinished():
         engine.step()
     assert seq.output_ids == plain_tokens(target, prompt)
+
+
+@pytest.mark.parametrize("proposer_kind", ["none", "draft"])
+def test_a_request_whose_verification_fails_ends_alone(target, monkeypatch, proposer_kind):
+    """A request whose own arithmetic fails (here: a verifier that raises for seed 13)
+    finishes with "error" and its `failure`; the sequence beside it in the batch gets
+    its solo tokens."""
+    import specserve.engine.engine as engine_module
+
+    real_verify = engine_module.verify
+
+    def failing_for_seed_13(scores, draft, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("probabilities are not finite")
+        return real_verify(scores, draft, params, generator)
+
+    monkeypatch.setattr(engine_module, "verify", failing_for_seed_13)
+    proposer = None if proposer_kind == "none" else DraftModelProposer(perturbed(target, 0.3, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3 if proposer else 0)
+    neighbour = engine.add_request(PROMPTS[1], GREEDY)
+    failing = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=1.0, seed=13))
+    returned = []
+    while engine.has_unfinished():
+        returned += engine.step()
+    assert failing.finish_reason == "error" and "not finite" in str(failing.failure)
+    assert failing in returned and failing.num_output_tokens == 0
+    assert neighbour.finish_reason == "length" and neighbour.output_ids == plain_tokens(target, PROMPTS[1])
+    assert not engine.running and (proposer is None or not proposer.caches)

@@ -21,9 +21,9 @@ class StandInEngine:
         self.steps, self.refused = steps, refused
         self.closed_early: list[int] = []
 
-    async def generate(self, prompt_ids, params, stop=(), arrival_time=None):
+    async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False):
         if prompt_ids == [self.refused]:
-            raise QueueFullError("full")
+            raise QueueFullError("full", retry_after_s=1)
         done = False
         try:
             for step in range(self.steps):

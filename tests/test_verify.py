@@ -16,7 +16,8 @@ from typing import Callable
 import pytest
 import torch
 
-from specserve.sampling import SamplingParams, logits_to_probs, sample
+from specserve.penalties import apply_penalties
+from specserve.sampling import InvalidSamplingValue, SamplingParams, logits_to_probs, sample
 from specserve.spec.proposer import Draft
 from specserve.spec.verify import (PAD_TOKEN, Verdict, common_prefix_length, rejection_sample, verdict_from_argmax, verify,
                                    verify_batch)
@@ -546,3 +547,39 @@ def test_common_prefix_length_stops_at_the_shorter_sequence():
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([1, 2, 3], [0, 2, 3]) == 0
     assert common_prefix_length([], [1]) == 0
+
+
+# ----- parameters at the edge of float32 -----
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-4),
+    SamplingParams(temperature=1.0, top_p=1e-300),
+    SamplingParams(temperature=0.7, top_p=1e-40, top_k=3),
+    SamplingParams(temperature=1e30),
+])
+def test_any_valid_parameters_give_finite_probabilities(params):
+    logits = torch.randn(4, 50) * 30
+    logits[1, 7] = logits[1, 8] = logits[1].max() + 5  # a tie at the top
+    probs = logits_to_probs(logits, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4))
+    top = probs.gather(-1, logits.argmax(-1, keepdim=True))  # [4, 1]: the most likely token keeps its mass
+    assert (top > 0).all() and (top == probs.amax(-1, keepdim=True)).all()
+
+
+def test_temperatures_below_the_greedy_threshold_are_greedy():
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e300, 0.0])
+def test_repetition_penalties_that_float32_cannot_hold_are_refused(penalty):
+    with pytest.raises(InvalidSamplingValue, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)
+
+
+def test_the_smallest_repetition_penalty_still_gives_finite_probabilities():
+    params = SamplingParams(temperature=1.0, repetition_penalty=torch.finfo(torch.float32).tiny)
+    logits = torch.randn(2, 40) * 10
+    penalised = apply_penalties(logits, params, [1, 2, 3], [4, 5], [6])
+    assert torch.isfinite(penalised).all()
+    assert torch.isfinite(logits_to_probs(penalised, params)).all()

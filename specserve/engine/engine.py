@@ -50,6 +50,7 @@ and values are stored (for the next turn of its conversation).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ from specserve.spec.stats import SpecStats
 from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify
 
 DEFAULT_MAX_NUM_SEQS = 256
+
+log = logging.getLogger("specserve")
 
 
 @dataclass
@@ -330,11 +333,13 @@ class Engine:
                 {decoding[i].seq_id for i in looked_up})
 
     def step(self) -> list[Sequence]:
-        """Advance the batch by one step; return the sequences that got new tokens
-        (check `finished` on each: finished ones have left the batch)."""
+        """Advance the batch by one step; return the sequences that got new tokens, and
+        those whose own verification failed (`failure` set, finished with "error"):
+        check `finished` on each, finished ones have left the batch."""
         work, fused, fused_wanted, looked_up = self._schedule()
         outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]
+        failed = [w.seq for w in work if w.seq.failure is not None]
         for seq, num_drafted, verdict, logprobs in outcomes:
             seq.append(verdict.tokens, logprobs)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
@@ -348,10 +353,10 @@ class Engine:
         if self.proposer is not None:
             self.proposer.observe(advanced, [outcome.verdict.num_accepted for outcome in outcomes])
 
-        for seq in advanced:
+        for seq in advanced + failed:
             if seq.finished:
                 self.abort(seq.seq_id)
-        return advanced
+        return advanced + failed
 
     def _speculate_fused(self, seqs: list[Sequence], wanted: list[int]) -> list[_Outcome]:
         """Draft and verify greedy sequences in one fused call (spec/fused.py)."""
@@ -389,23 +394,33 @@ class Engine:
         for w in work:
             if not w.scored:
                 continue
-            k, seq, params = w.draft.num_tokens, w.seq, w.seq.params
-            scores = logits[row : row + k + 1]  # [k+1, V]
-            drafts = w.draft.tokens.tolist()
-            if params.penalized:
-                scores = apply_penalties(scores, params, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, drafts)
-            if params.greedy:
-                row_argmax = scores.argmax(dim=-1).tolist() if params.penalized else argmax[row : row + k + 1]
-                verdict = verdict_from_argmax(drafts, row_argmax)
-            else:
-                verdict = verify(scores, w.draft, params, seq.generator)
-            # The i-th emitted token is the one row i predicts (see specserve/logprobs.py);
-            # logprobs are the raw logits', before penalties.
-            num_top = params.logprobs
-            logprobs = None if num_top is None else token_logprobs(logits[row : row + k + 1], verdict.tokens, num_top)
-            outcomes.append(_Outcome(w.seq, k, verdict, logprobs))
+            k = w.draft.num_tokens
+            try:
+                outcomes.append(self._verify_one(w, logits[row : row + k + 1], argmax[row : row + k + 1]))
+            except Exception as error:  # this request's own arithmetic: it alone fails
+                log.exception("verifying request %d failed; its batch goes on", w.seq.seq_id)
+                w.seq.fail(error)
             row += k + 1
         return outcomes
+
+    @staticmethod
+    def _verify_one(w: _Work, logits: torch.Tensor, argmax: list[int]) -> _Outcome:
+        """One scored sequence's verdict from its k+1 rows of logits [k+1, V] (and
+        their argmaxes)."""
+        seq, params = w.seq, w.seq.params
+        scores = logits
+        drafts = w.draft.tokens.tolist()
+        if params.penalized:
+            scores = apply_penalties(scores, params, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, drafts)
+        if params.greedy:
+            verdict = verdict_from_argmax(drafts, scores.argmax(dim=-1).tolist() if params.penalized else argmax)
+        else:
+            verdict = verify(scores, w.draft, params, seq.generator)
+        # The i-th emitted token is the one row i predicts (see specserve/logprobs.py);
+        # logprobs are the raw logits', before penalties.
+        num_top = params.logprobs
+        logprobs = None if num_top is None else token_logprobs(logits, verdict.tokens, num_top)
+        return _Outcome(seq, w.draft.num_tokens, verdict, logprobs)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Run one request to completion (with whatever else is queued)."""

@@ -30,7 +30,8 @@ class Sequence:
     cache: KVCache
     stop_token_ids: frozenset[int]  # EOS ids and the request's own stop ids
     spec: SpecStats = field(default_factory=SpecStats)
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    failure: Exception | None = None  # what ended it, with finish reason "error"
     lookup_accepted: int | None = None  # of its last lookup-first draft (engine.py), None before one
     # A lookup draft being compared with the tokens that follow it: (where it starts in
     # token_ids, its tokens); see Engine._compare_lookups.
@@ -88,6 +89,11 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.finish_time = time.perf_counter()
+
+    def fail(self, error: Exception) -> None:
+        """End the sequence because its own step failed; its batch goes on."""
+        self.failure = error
+        self.finish("error")
 
     def timings(self) -> dict[str, float | None]:
         """TTFT, time per output token after the first, and end-to-end latency (s)."""

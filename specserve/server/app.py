@@ -12,7 +12,9 @@ before [DONE].
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -28,14 +30,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.errors import SpecserveError
 from specserve.logprobs import TokenLogprob
-from specserve.server.async_engine import AsyncEngine, QueueFullError, RequestOutput, ShuttingDownError
+from specserve.server.async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    QueueFullError,
+    RequestOutput,
+    ShuttingDownError,
+)
 from specserve.server.fanout import ChoiceResult, Fanout, sample_params
 from specserve.server.logprobs import chat_logprobs, completion_logprobs
+from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+
+log = logging.getLogger("specserve")
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class ApiSettings:
     served_model_name: str
     max_model_len: int
     api_key: str | None = None
+    # A stream's events: one per engine step ("step"), or one per token ("token"), for
+    # clients that count events as tokens (LLMPerf): see docs in README, "Streaming".
+    stream_mode: str = "step"
 
 
 def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
@@ -78,23 +92,56 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, QueueFullError):
-        return APIError(str(error), status=429, type="rate_limit_error", code="queue_full")
-    if isinstance(error, ShuttingDownError):
-        return APIError(str(error), status=503, type="service_unavailable", code="shutting_down")
+        return APIError(str(error), status=429, type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(error.retry_after_s)})
+    if isinstance(error, ShuttingDownError):  # closing the connection sends the client's retry elsewhere
+        return APIError(str(error), status=503, type="service_unavailable", code="shutting_down",
+                        headers={"Connection": "close"})
     if isinstance(error, SpecserveError):
         return APIError(str(error))
-    return APIError(f"internal error: {error}", status=500, type="internal_error")
+    if isinstance(error, EngineStepError):  # logged where it happened
+        return APIError(str(error), status=500, type="internal_error")
+    # A bug: its text may hold internals (paths, shapes), so it goes to the log only.
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s", error_id, exc_info=error)
+    return APIError(f"internal server error (id {error_id}); the server log has the details",
+                    status=500, type="internal_error")
+
+
+async def _off_the_loop(function: Callable, *args: Any) -> Any:
+    """Run tokenization on a worker thread: a long prompt takes seconds, and the Rust
+    tokenizer lets the event loop (every other request, /health) run meanwhile."""
+    return await asyncio.to_thread(function, *args)
+
+
+async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> bool:
+    """Wait for `work` unless the client disconnects first; then cancel it (its
+    `finally` aborts what runs in the engine) and return False."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return True
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return False
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
-              lifespan: Callable | None = None) -> FastAPI:
+              lifespan: Callable | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="specserve", lifespan=lifespan)
 
     @app.exception_handler(APIError)
@@ -116,25 +163,25 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error_response(APIError(
-                f"the request body is {int(length):,} bytes, more than the limit of {MAX_BODY_BYTES:,}",
-                status=413,
-            ))
         if settings.api_key is not None and request.url.path.startswith("/v1"):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+            # As bytes: compare_digest refuses str with non-ASCII characters.
+            given, key = token.strip().encode("utf-8", "surrogateescape"), settings.api_key.encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given, key):
                 return _error_response(APIError(
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     status=401, code="invalid_api_key",
                 ))
         return await call_next(request)
 
+    app.add_middleware(WholeBody, max_bytes=MAX_BODY_BYTES, timeout_s=body_timeout_s)  # outermost: before any handler reads
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
             return _error_response(APIError("the engine is not running", status=503, type="service_unavailable"))
+        if not engine.accepting:  # draining: a load balancer should send new work elsewhere
+            return _error_response(APIError("the server is shutting down", status=503, type="service_unavailable"))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -159,7 +206,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         # As vLLM: no max_tokens means the rest of the context.
         return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
 
-    async def run(body, prompts: list[list[int]], arrival: float, head: dict[str, Any],
+    async def run(body, http_request: Request, prompts: list[list[int]], arrival: float, head: dict[str, Any],
                   make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
                   make_response: Callable[[list[ChoiceResult]], dict[str, Any]]) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n."""
@@ -174,10 +221,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                 requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
             except SpecserveError as e:  # a seed + j past 64 bits
                 raise APIError(str(e), param="seed") from None
-        choices = Fanout(engine, requests, body.stop_strings(), arrival)
+        choices = Fanout(engine, requests, body.stop_strings(), arrival, per_token=body.stream and per_token)
         if not body.stream:
+            collecting = asyncio.ensure_future(choices.collect())
             try:
-                return JSONResponse(make_response(await choices.collect()))
+                if not await _first_unless_disconnected(collecting, http_request):
+                    return Response(status_code=499)  # the client left: its choices were aborted
+                return JSONResponse(make_response(collecting.result()))
             except Exception as e:
                 raise _as_api_error(e) from None
 
@@ -208,13 +258,23 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
     def finish(out: RequestOutput) -> dict[str, Any]:
         return {"finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason}
 
+    per_token = settings.stream_mode == "token"
+
+    def check_ids(ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:3]} are outside the vocabulary [0, {engine.vocab_size})", param=param)
+        return ids
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http_request: Request) -> Response:
         arrival = time.perf_counter()
         body.refuse_unsupported()
         given = body.prompt_list()
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in given]
-        prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(given, prompts)]
+        prompts = [await _off_the_loop(tokenizer.encode, p) if isinstance(p, str) else check_ids(list(p), "prompt")
+                   for p in given]
+        prompt_texts = [p if isinstance(p, str) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
+                        for p, ids in zip(given, prompts)]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created,
                 "model": settings.served_model_name}
@@ -232,7 +292,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             text = (echoed(index) if first else "") + out.text
-            if not text and not out.finished and not (body.logprobs is not None and out.logprobs):
+            if not text and not out.finished and not (body.logprobs is not None and out.logprobs) \
+                    and not (per_token and out.num_new_tokens):
                 return None
             piece = {**head, "choices": [choice(index, text, out, out.logprobs)]}
             if out.finished:
@@ -245,14 +306,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                                         for i, r in enumerate(results)],
                     "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
 
-        return await run(body, prompts, arrival, head, chunk, response)
+        return await run(body, http_request, prompts, arrival, head, chunk, response)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         arrival = time.perf_counter()
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
         try:
-            prompt_ids = tokenizer.encode_chat(body.template_messages())
+            prompt_ids = await _off_the_loop(tokenizer.encode_chat, body.template_messages())
         except SpecserveError as e:
             raise APIError(str(e), param="messages") from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -264,7 +325,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             with_logprobs = body.logprobs and out.logprobs
-            if not out.text and not out.finished and not first and not with_logprobs:
+            if not out.text and not out.finished and not first and not with_logprobs \
+                    and not (per_token and out.num_new_tokens):
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if out.text or first or with_logprobs:
@@ -283,6 +345,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
                                 for i, r in enumerate(results)],
                     "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
 
-        return await run(body, [prompt_ids], arrival, head, chunk, response)
+        return await run(body, http_request, [prompt_ids], arrival, head, chunk, response)
 
     return app

@@ -13,17 +13,21 @@ Invariants:
   (client gone: the handler's `finally` aborts it at once), or at shutdown.
 - At most `max_num_seqs + max_queue_len` requests are unfinished; one more gets
   `QueueFullError` (HTTP 429) at once, so waiting requests never pile up unbounded.
-- A failing step fails the requests of that batch with `EngineStepError` and the
-  thread goes on serving the others.
+- A request whose own verification fails (Engine.step isolates it) fails alone with
+  `EngineStepError`; a failing step as a whole fails the requests of that batch. Either
+  way the thread goes on serving the others, and the error carries no internals (the
+  log has the traceback).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,9 +43,16 @@ from specserve.tokenizer import Tokenizer
 
 log = logging.getLogger("specserve")
 
+MAX_RETRY_AFTER_S = 30
+
 
 class QueueFullError(SpecserveError):
-    """Too many requests are waiting already."""
+    """Too many requests are waiting already; a slot is likely to free within
+    `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ShuttingDownError(SpecserveError):
@@ -49,7 +60,10 @@ class ShuttingDownError(SpecserveError):
 
 
 class EngineStepError(Exception):
-    """A step failed (a bug): the requests in that batch cannot go on."""
+    """Generating a request failed on our side (a bug): it cannot go on."""
+
+    def __init__(self) -> None:
+        super().__init__("internal error while generating this request; the server log has the details")
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,7 @@ class _Request:
     arrival_time: float
     outputs: asyncio.Queue  # of RequestOutput or Exception
     loop: asyncio.AbstractEventLoop
+    per_token: bool = False  # one RequestOutput per token (see AsyncEngine.generate)
     seq: EngineSequence | None = None
     text: TextOutput | None = None
     num_sent_tokens: int = 0
@@ -119,6 +134,7 @@ class AsyncEngine:
         self._requests: dict[int, _Request] = {}  # by seq_id; engine thread only
         self._stat_logger = StatLogger(log_interval_s)
         self._spec_seen = engine.spec_stats.copy()
+        self._finish_times: deque[float] = deque(maxlen=16)  # of the latest requests to leave
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopping = False
@@ -135,19 +151,23 @@ class AsyncEngine:
         return self._running
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, stop: Sequence[str] = (),
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Run one request; yield its outputs until the finished one. Stopping the
-        iteration early (client gone) aborts the request in the engine."""
+                       arrival_time: float | None = None, per_token: bool = False) -> AsyncIterator[RequestOutput]:
+        """Run one request; yield its outputs until the finished one: one per engine step
+        (its several tokens under speculation), or with `per_token` one per token, in
+        the same order and at the same moment. Stopping the iteration early (client
+        gone) aborts the request in the engine."""
         if self._stopping or not self.alive:
             raise ShuttingDownError("the server is shutting down; retry against another replica")
         self.engine.check_request(prompt_ids, params)  # refuse now, not on the engine thread
         if self.num_unfinished >= self.max_unfinished:
+            retry_after_s = self.retry_after_s()
             raise QueueFullError(
                 f"the server is at capacity ({self.engine.max_num_seqs} running and "
-                f"{self.max_unfinished - self.engine.max_num_seqs} waiting); retry later"
+                f"{self.max_unfinished - self.engine.max_num_seqs} waiting); retry in {retry_after_s} s",
+                retry_after_s,
             )
         request = _Request(
-            prompt_ids=list(prompt_ids), params=params, stop=tuple(stop),
+            prompt_ids=list(prompt_ids), params=params, stop=tuple(stop), per_token=per_token,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             outputs=asyncio.Queue(), loop=asyncio.get_running_loop(),
         )
@@ -165,6 +185,24 @@ class AsyncEngine:
             self.num_unfinished -= 1
             if not request.done:
                 self._commands.put("abort", request)
+
+    def retry_after_s(self) -> int:
+        """Whole seconds until a request is likely to finish and free a slot: the mean
+        interval between the recent finishes (1 s before there are two)."""
+        times = list(self._finish_times)
+        if len(times) < 2:
+            return 1
+        interval = (times[-1] - times[0]) / (len(times) - 1)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(interval)))
+
+    @property
+    def accepting(self) -> bool:
+        return self.alive and not self._stopping
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: [0, vocab_size)."""
+        return self.engine.target.config.vocab_size
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fail what is left and end the engine loop (at shutdown, after the grace time)."""
@@ -223,10 +261,10 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             advanced = self.engine.step()
-        except Exception as e:  # a bug: fail this batch, keep serving the rest
+        except Exception:  # a bug: fail this batch, keep serving the rest
             log.exception("engine step failed")
             batch = [self._requests[s] for s in self.engine.running if s in self._requests]
-            self._fail(batch, EngineStepError(f"internal error while generating: {e!r}"))
+            self._fail(batch, EngineStepError())
             return
         now = time.perf_counter()
         for seq in advanced:
@@ -241,16 +279,27 @@ class AsyncEngine:
 
     def _emit(self, request: _Request, now: float) -> None:
         seq = request.seq
-        new_ids = seq.output_ids[request.num_sent_tokens :]
-        new_logprobs = tuple(seq.logprobs[request.num_sent_tokens :])
+        if seq.failure is not None:  # its own step failed (Engine.step logged why)
+            self._requests.pop(seq.seq_id, None)
+            self._record_finish(seq)
+            request.done = True
+            request.post(EngineStepError())
+            return
+        num_sent = request.num_sent_tokens
+        new_ids = seq.output_ids[num_sent:]
         request.num_sent_tokens = seq.num_output_tokens
-        text = request.text.add(new_ids, finished=seq.finished)
-        stop_reason = request.text.stop_reason
-        if isinstance(stop_reason, str):  # a stop string ended the text
-            if seq.finished:  # in the step that also reached max_tokens: the text ended first (as vLLM says)
-                seq.finish_reason = "stop"
-            else:
-                self.engine.abort(seq.seq_id, reason="stop")
+        # One output per token for a client that counts events as tokens, else the step's.
+        pieces = [slice(i, i + 1) for i in range(len(new_ids))] if request.per_token else []
+        pieces = pieces or [slice(0, len(new_ids))]
+        texts = []
+        for piece in pieces:
+            texts.append(request.text.add(new_ids[piece], finished=seq.finished and piece.stop == len(new_ids)))
+            if isinstance(request.text.stop_reason, str):  # a stop string ended the text: nothing after it
+                if seq.finished:  # in the step that also reached max_tokens: the text ended first (as vLLM says)
+                    seq.finish_reason = "stop"
+                else:
+                    self.engine.abort(seq.seq_id, reason="stop")
+                break
         num_cached_tokens = None if self.engine.prefix_cache is None else seq.num_cached_tokens
         if request.last_token_time is None:
             self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens, num_cached_tokens)
@@ -265,20 +314,24 @@ class AsyncEngine:
             request.done = True
             self._requests.pop(seq.seq_id, None)
             self._record_finish(seq)
-        request.post(RequestOutput(
-            text=text,
-            num_new_tokens=len(new_ids),
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=num_cached_tokens,
-            spec=seq.spec.copy() if self.engine.proposer is not None else None,
-            logprobs=new_logprobs,
-        ))
+        spec = seq.spec.copy() if self.engine.proposer is not None else None
+        for i, (piece, text) in enumerate(zip(pieces, texts)):
+            last = i == len(texts) - 1
+            request.post(RequestOutput(
+                text=text,
+                num_new_tokens=piece.stop - piece.start,
+                finished=seq.finished and last,
+                finish_reason=seq.finish_reason if last else None,
+                stop_reason=request.text.stop_reason if last else None,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=num_sent + piece.stop,
+                num_cached_tokens=num_cached_tokens,
+                spec=spec,
+                logprobs=tuple(seq.logprobs[num_sent:][piece]),
+            ))
 
     def _record_finish(self, seq: EngineSequence) -> None:
+        self._finish_times.append(time.perf_counter())
         self.metrics.finished(seq.finish_reason or "abort", seq.timings()["e2e_s"],
                               seq.num_prompt_tokens, seq.num_output_tokens)
 

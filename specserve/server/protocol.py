@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specserve.errors import SpecserveError
 from specserve.sampling import InvalidSamplingValue, SamplingParams
@@ -21,16 +21,50 @@ class APIError(SpecserveError):
     """An error answered as {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type, code
+        self.headers = headers  # of the HTTP response (Retry-After, ...)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Bounds on the stop conditions, whose cost every step of the request pays: OpenAI takes
+# 4 stop strings; we take more, as vLLM users send them, but not without end.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _first_lone_surrogate(value: Any) -> int | None:
+    """Where a string (in value, however nested) holds a lone UTF-16 surrogate, which no
+    UTF-8 text can: its index in that string; None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return e.start
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((i for i in map(_first_lone_surrogate, value) if i is not None), None)
+    if isinstance(value, dict):
+        return _first_lone_surrogate(list(value.values()))
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        index = _first_lone_surrogate(value)
+        if index is not None:
+            raise ValueError(f"the text holds a lone UTF-16 surrogate at character {index}, which is not valid "
+                             "Unicode; send UTF-8 text (in JSON, escape surrogates only in pairs)")
+        return value
 
 
 class StreamOptions(_Body):
@@ -61,6 +95,15 @@ class _Sampling(_Body):
     def refuse_unsupported(self) -> None:
         if self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
+        stop = self.stop_strings()
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(f"{len(stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}", param="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise APIError(f"a stop string is longer than the limit of {MAX_STOP_STRING_CHARS} characters",
+                           param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(f"{len(self.stop_token_ids)} stop token ids, more than the limit of {MAX_STOP_TOKEN_IDS}",
+                           param="stop_token_ids")
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -188,8 +231,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """Pydantic's first error as an APIError naming the parameter, e.g. messages[0].role."""
-    error = errors[0]
+    """Pydantic's first error as an APIError naming the parameter, e.g. messages[0].role;
+    our own checks' errors (value_error) first, since a union's other members report
+    only that the value is not of their type."""
+    error = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     location = [str(p) for p in error.get("loc", ()) if p != "body"]
     param = ""
     for part in location:
@@ -201,7 +246,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             param += ("." if param else "") + part
         else:
             break
-    message = error.get("msg", "invalid request")
+    message = error.get("msg", "invalid request").removeprefix("Value error, ")
     if error.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}")
     if error.get("type") == "missing" and not param:

@@ -1,8 +1,10 @@
 """`specserve serve`: load the models, start the engine thread, serve HTTP with uvicorn.
 
-Shutdown on SIGTERM or Ctrl-C: new requests get 503 at once, requests in flight may
-finish for `shutdown_grace_s`, then whatever is left ends with a clear error (HTTP
-503, or an error event in a stream) and the process exits; nothing hangs.
+Shutdown on SIGTERM or Ctrl-C (draining): the server keeps accepting connections, and
+new requests get 503 (with `Connection: close`, and /health says 503 too), while the
+requests in flight finish, for at most `shutdown_grace_s`; then whatever is left ends
+with a clear error (HTTP 503, or an error event in a stream) and the process exits;
+nothing hangs. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
+from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, TimedH11Protocol, raise_open_file_limit
 from specserve.spec.draft_model import DraftModelProposer
 
 log = logging.getLogger("specserve")
@@ -48,25 +52,36 @@ class ServerConfig:
     max_queue_len: int = 64
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
     log_stats_interval_s: float = 10.0
+    stream_mode: str = "step"  # see ApiSettings.stream_mode
+    header_timeout_s: float = HEADER_TIMEOUT_S  # see server/transport.py
+    body_timeout_s: float = BODY_TIMEOUT_S
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: on a stop signal, refuse new requests and bound the grace time."""
+    """uvicorn, plus draining on the first stop signal (see the module docstring)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float):
         super().__init__(config)
         self._engine, self._grace_s = engine, grace_s
+        self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            log.info("shutting down: finishing requests in flight (at most %.0f s)", self._grace_s)
-            self._engine.refuse_new_requests()
-            timer = threading.Timer(self._grace_s, self._engine.stop)
-            timer.daemon = True
-            timer.start()
-        super().handle_exit(sig, frame)
+        if self._draining:  # a second signal: uvicorn's own shutdown, now
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        log.info("shutting down: refusing new requests, finishing those in flight (at most %.0f s)", self._grace_s)
+        self._engine.refuse_new_requests()
+        threading.Thread(target=self._drain, name="specserve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self._grace_s
+        while self._engine.num_unfinished > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._engine.stop()  # ends what is left with a clear error
+        self.should_exit = True  # uvicorn's loop sees it within 0.1 s and closes the sockets
 
 
 def serve(config: ServerConfig) -> None:
@@ -86,16 +101,18 @@ def serve(config: ServerConfig) -> None:
         yield
         async_engine.stop()
 
-    settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key)
-    app = build_app(async_engine, tokenizer, settings, lifespan=lifespan)
+    settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key,
+                           stream_mode=config.stream_mode)
+    app = build_app(async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s)
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
     if isinstance(engine.proposer, DraftModelProposer):
         spec += f"; {engine.proposer.describe()}"
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
     log.info("serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",
              config.model, name, spec, config.max_num_seqs, engine.max_model_len, prefix)
+    raise_open_file_limit()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
+                               http=TimedH11Protocol.with_head_timeout(config.header_timeout_s), timeout_graceful_shutdown=config.shutdown_grace_s + 5)
     server = _Server(uv_config, async_engine, config.shutdown_grace_s)
     # HTTP on a second thread, the engine on the main one (see async_engine); uvicorn
     # installs no signal handlers off the main thread, so stop signals come here.

@@ -26,6 +26,7 @@ no sequence's drafts depend on its neighbours.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -38,6 +39,8 @@ from specserve.model.prefix_cache import PrefixCache, read_elsewhere
 from specserve.penalties import apply_penalties
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.proposer import Draft, SequenceView
+
+log = logging.getLogger("specserve")
 
 # A sequence drafts over the common ids while at most this share of its last
 # COMMON_WINDOW tokens (special tokens aside) lie past them. Such a token is a guess the
@@ -184,22 +187,17 @@ class DraftModelProposer:
             argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
             unsure: set[int] = set()
             for row, i in enumerate(order):
-                params = seqs[i].params
-                row_logits = logits[row : row + 1]  # [1, width]
-                if params.penalized:  # guess as the penalised target will choose: more accepted
-                    row_logits = self._penalised(seqs[i], row_logits, drafted[i])  # [1, V]
-                if params.greedy and not params.penalized:
-                    token, confidence = argmax[row], confidences[row]
-                elif params.greedy:
-                    (token,), (confidence,) = self._greedy_guesses(row_logits)
-                else:
-                    # [1, V]: a head limited to the first ids gives the rest no mass.
-                    row_probs = logits_to_probs(row_logits, params)
-                    row_probs = F.pad(row_probs, (0, self.draft.config.vocab_size - row_probs.shape[-1]))
-                    token = int(sample(row_probs, seqs[i].generator))
-                    confidence = float(row_probs[0, token])
-                    draft_probs[i].append(row_probs[0])
+                try:
+                    token, confidence, row_probs = self._guess(seqs[i], logits[row : row + 1], drafted[i],
+                                                               argmax[row], confidences[row])
+                except Exception:  # this request's own arithmetic: it drafts nothing, the rest go on
+                    log.exception("drafting for request %d failed", seqs[i].seq_id)
+                    drafted[i], draft_probs[i] = [], []
+                    unsure.add(i)
+                    continue
                 drafted[i].append(token)
+                if row_probs is not None:
+                    draft_probs[i].append(row_probs)
                 if confidence < self.confidence_threshold:
                     unsure.add(i)
             # The newest guess is fed only if another one is wanted after it.
@@ -212,6 +210,25 @@ class DraftModelProposer:
             else Draft.empty()
             for i in range(len(seqs))
         ]
+
+    def _guess(self, seq: SequenceView, row_logits: torch.Tensor, drafted: list[int], argmax: int,
+               confidence: float) -> tuple[int, float, torch.Tensor | None]:
+        """One draft position of one sequence from its row of logits [1, width] (and its
+        argmax and confidence, computed for the batch): the token, the draft's
+        probability of it, and the distribution [V] it was sampled from (None: greedy)."""
+        params = seq.params
+        if params.penalized:  # guess as the penalised target will choose: more accepted
+            row_logits = self._penalised(seq, row_logits, drafted)  # [1, V]
+        if params.greedy and not params.penalized:
+            return argmax, confidence, None
+        if params.greedy:
+            (token,), (confidence,) = self._greedy_guesses(row_logits)
+            return token, confidence, None
+        # [1, V]: a head limited to the first ids gives the rest no mass.
+        row_probs = logits_to_probs(row_logits, params)
+        row_probs = F.pad(row_probs, (0, self.draft.config.vocab_size - row_probs.shape[-1]))
+        token = int(sample(row_probs, seq.generator))
+        return token, float(row_probs[0, token]), row_probs[0]
 
     def _penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
         """A guess's logits [1, width] -> [1, V] with the request's penalties, the

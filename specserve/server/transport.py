@@ -1,0 +1,141 @@
+"""What the HTTP layer does before a request reaches a handler, so that no client can
+hold the server's sockets, memory or file descriptors.
+
+Invariants:
+- A request's body is read whole, before the app sees it, within `timeout_s`
+  (else 408) and up to `max_bytes` (else 413), however it is sent: with a
+  Content-Length or chunked. The app then reads it from memory, and a later `receive`
+  waits for the client's disconnect as uvicorn's does.
+- A connection that sends no complete request head within `head_timeout_s` of
+  opening or of its last response is closed (uvicorn's keep-alive timeout closes idle
+  ones sooner; neither covers a head sent a byte at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 60.0
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    # The rest of the body is left unread: the connection cannot carry another request.
+    return JSONResponse(body, status_code=status, headers={"Connection": "close"})
+
+
+class WholeBody:
+    """ASGI middleware: reads each HTTP request's body within the limits, then runs
+    the app with it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(int(declared))(scope, receive, send)
+            return
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client left before its request was whole
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        await self._too_large(size)(scope, receive, send)
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _error(408, f"the request body did not arrive within {self.timeout_s:.0f} s")(scope, receive, send)
+            return
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _too_large(self, size: int) -> JSONResponse:
+        return _error(413, f"the request body is {size:,} bytes or more, more than the limit of {self.max_bytes:,}")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives the whole body once, then what the client sends next
+    (its disconnect)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head."""
+
+    head_timeout_s = HEADER_TIMEOUT_S
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_head_timeout(cls, seconds: float) -> type[TimedH11Protocol]:
+        """The protocol class to give uvicorn (it makes one instance per connection)."""
+        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._await_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
+            self._cancel_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._cancel_head_deadline()
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_too_late)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_late(self) -> None:
+        self._head_deadline = None
+        between_requests = self.cycle is None or self.cycle.response_complete
+        if between_requests and not self.transport.is_closing():
+            self.transport.close()
+
+
+def raise_open_file_limit() -> None:
+    """Let this process hold as many sockets as the system allows it (the soft limit up
+    to the hard one, as vLLM does): a default of 1024, or 128 in some containers, is a
+    few hundred slow clients."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # not allowed here: keep what we have
+            pass

@@ -1,0 +1,258 @@
+"""`specserve serve` against hostile and careless clients: no request, however bad,
+harms another, leaks internals, or holds the server's sockets, memory or event loop.
+
+One server runs for the module, as a probe would meet it: smollm2-135m drafting for
+itself (k=3), an API key, --max-num-seqs 4, --max-queue-len 8, and short header and
+body timeouts so that the timeout tests take seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve.bench.local_server import ServerProcess
+from specserve.server.app import _as_api_error
+from specserve.server.protocol import MAX_STOP_STRINGS
+
+MODEL = "smollm2-135m"
+KEY = "guard-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SPEC = json.dumps({"model": MODEL, "num_speculative_tokens": 3, "adaptive": False})
+
+
+@pytest.fixture(scope="module")
+def server(prepared_cache):
+    server = ServerProcess(MODEL, "--speculative-config", SPEC, "--max-num-seqs", "4", "--max-queue-len", "8",
+                           "--max-model-len", "1024", "--header-timeout", "1", "--body-timeout", "2",
+                           env={"SPECSERVE_API_KEY": KEY})
+    yield server
+    server.stop()
+
+
+def post(server: ServerProcess, body: dict | bytes, route: str = "completions", **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}/v1/{route}", content=content, timeout=60,
+                      headers={**AUTH, "Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+
+
+def counter(server: ServerProcess, name: str, labels: dict[str, str] | None = None) -> float:
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until(condition, what: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def greedy(prompt: str, max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+# ----- one request never fails its neighbours -----
+
+EXTREME_SAMPLING = [
+    {"temperature": 1e-40},
+    {"temperature": 1.0, "top_p": 1e-300},
+    {"temperature": 0.8, "top_p": 1e-300, "repetition_penalty": 1e-37},
+    {"temperature": 1e-20, "repetition_penalty": 3e38, "frequency_penalty": 2},
+]
+
+
+def test_extreme_sampling_values_are_served_and_harm_no_neighbour(server):
+    solo = post(server, greedy("Write a long story.", 120)).json()["choices"][0]["text"]
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=120,
+                      json=greedy("Write a long story.", 120, stream=True)) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        for extra in EXTREME_SAMPLING:
+            response = post(server, {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+            assert response.status_code == 200, (extra, response.text)
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert all("error" not in event for event in rest)
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    again = post(server, greedy("Write a long story.", 120)).json()["choices"][0]["text"]
+    assert again == solo
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [2**70]}, "prompt"),
+    ({"prompt": [[1, 2], [3, -5]]}, "prompt"),
+    ({"prompt": [1, 2], "echo": True, "max_tokens": 600_000}, None),
+    ({"prompt": "hi", "stop_token_ids": [2**70]}, None),
+    ({"prompt": "hi", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    ({"prompt": "hi", "stop": ["a" * 2000]}, "stop"),
+    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+])
+def test_bad_ids_and_stop_conditions_get_400(server, body, param):
+    response = post(server, {"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("route, raw", [
+    ("completions", b'{"model": "smollm2-135m", "prompt": "Hi \\ud800", "max_tokens": 2}'),
+    ("completions", b'{"model": "smollm2-135m", "prompt": "Hi", "stop": ["\\udc00"], "max_tokens": 2}'),
+    ("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud83d"}]}'),
+    ("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": '
+                         b'[{"type": "text", "text": "ok \\udfff"}]}]}'),
+])
+def test_lone_surrogates_get_400_naming_the_field(server, route, raw):
+    response = post(server, raw, route)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "surrogate" in error["message"] and error["param"] in ("prompt", "stop", "messages[0].content")
+    paired = raw.replace(b"\\ud800", b"\\ud83d\\ude00")  # a surrogate pair is a real character
+    if paired != raw:
+        assert post(server, paired, route).status_code == 200
+
+
+@pytest.mark.parametrize("header", ["Bearer s\u00e9cret".encode("latin-1"), "Bearer \u00e9".encode("utf-8"),
+                                    b"Bearer \xff\xfe"])
+def test_non_ascii_keys_get_401(server, header):
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_an_internal_error_answers_500_without_its_text():
+    error = _as_api_error(RuntimeError("shape mismatch in /srv/models/secret.py line 12"))
+    assert error.status == 500
+    assert "secret" not in str(error) and "shape" not in str(error) and "id " in str(error)
+
+
+# ----- bodies, sockets, the event loop -----
+
+def test_a_chunked_body_past_the_limit_gets_413_and_the_server_goes_on(server):
+    def chunks():
+        yield b'{"model": "smollm2-135m", "prompt": "'
+        for _ in range(40):  # 40 MB, no Content-Length: sent chunked
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert post(server, greedy("Hi", 2)).status_code == 200
+
+
+def test_tokenizing_a_huge_prompt_leaves_other_routes_answering(server):
+    """Several MB of text take seconds to tokenize: /health answers meanwhile, and the
+    prompt is then refused as too long."""
+    outcome: dict = {}
+
+    def send_huge() -> None:
+        outcome["response"] = post(server, {"model": MODEL, "prompt": "the quick brown fox " * 300_000})
+        outcome["done"] = time.monotonic()
+
+    sender = threading.Thread(target=send_huge)
+    sender.start()
+    time.sleep(0.5)  # the body is in; tokenizing
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    answered = time.monotonic()
+    sender.join(120)
+    assert outcome["response"].status_code == 400 and "maximum model length" in outcome["response"].text
+    assert answered < outcome["done"], "/health waited for the tokenizer"
+
+
+def test_a_disconnected_non_streamed_request_is_aborted(server):
+    aborted = {"finished_reason": "abort"}
+    before = counter(server, "specserve:request_success_total", aborted)
+    body = json.dumps(greedy("Once upon a time", 1000)).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_until(lambda: counter(server, "specserve:num_requests_running") == 1, "the request did not start")
+    wait_until(lambda: counter(server, "specserve:request_success_total", aborted) == before + 1,
+               "the abandoned request was not aborted")
+    assert counter(server, "specserve:num_requests_running") == 0
+
+
+def test_silent_and_slow_connections_are_closed(server):
+    """--header-timeout 1: a socket that sends nothing, or half a head, is closed; one
+    whose body stalls gets 408 after --body-timeout 2."""
+    def closed_within(conn: socket.socket, seconds: float) -> bytes:
+        conn.settimeout(seconds)
+        data = b""
+        while chunk := conn.recv(4096):
+            data += chunk
+        return data  # the server closed it
+
+    with socket.create_connection(("127.0.0.1", server.port)) as idle:
+        assert closed_within(idle, 10) == b""
+    with socket.create_connection(("127.0.0.1", server.port)) as partial:
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert closed_within(partial, 10) == b""
+    with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                        + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        reply = closed_within(stalled, 15).decode()
+        assert reply.startswith("HTTP/1.1 408"), reply
+    assert post(server, greedy("Hi", 2)).status_code == 200
+
+
+def test_queue_full_answers_429_with_retry_after(server):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=greedy("Once upon", 40))
+                                          for _ in range(20)))
+
+    responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and all(r.status_code in (200, 429) for r in responses)
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+
+
+# ----- streaming one event per token -----
+
+def test_token_stream_mode_sends_one_event_per_token(prepared_cache):
+    server = ServerProcess(MODEL, "--speculative-config", SPEC, "--stream-mode", "token")
+    try:
+        body = greedy("1, 2, 3, 4, 5, 6,", 40, stream=True, stream_options={"include_usage": True})
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        usage = events[-1]["usage"]
+        tokens = [e for e in events if e["choices"]]
+        assert len(tokens) == usage["completion_tokens"] == 40
+        assert events[-1 - 1]["choices"][0]["finish_reason"] == "length"
+        whole = httpx.post(server.url + "/v1/completions", json=greedy("1, 2, 3, 4, 5, 6,", 40), timeout=120).json()
+        assert "".join(e["choices"][0]["text"] for e in tokens) == whole["choices"][0]["text"]
+        assert whole["spec_decode"]["num_accepted_tokens"] > 0  # several tokens a step, still one event each
+    finally:
+        server.stop()
+
+
+# ----- draining -----
+
+def test_draining_answers_503_while_requests_in_flight_finish(prepared_cache):
+    server = ServerProcess(MODEL, "--shutdown-grace", "30")
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=greedy("Once", 150, stream=True),
+                          timeout=120) as running:
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.terminate()
+            time.sleep(0.5)
+            refused = httpx.post(server.url + "/v1/completions", json=greedy("Hi", 2), timeout=30)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert rest[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+        assert server.process.wait(30) in (0, -15)
+    finally:
+        server.stop()
