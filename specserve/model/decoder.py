@@ -214,6 +214,17 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     raise ConfigError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
+def rope_rows(
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32 (rope_inverse_frequencies)
+    positions: torch.Tensor,  # [T] int64
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, rotated_sin: [T, head_dim] in dtype
+    """The cos and rotated_sin rows (see apply_rope) of these positions."""
+    angles = positions.unsqueeze(1).float() * inv_freq  # [T, head_dim // 2]
+    sin = angles.sin()
+    return angles.cos().repeat(1, 2).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
 def apply_rope(
     x: torch.Tensor,  # [T, heads, head_dim]
     cos: torch.Tensor,  # [T, 1, head_dim]
@@ -567,13 +578,8 @@ class Decoder(nn.Module):
         table = self._rope
         if table is None or table[0] is not self.inv_freq or table[1].shape[0] < length:
             size = max(length, 256, 2 * table[1].shape[0] if table is not None and table[0] is self.inv_freq else 0)
-            angles = torch.arange(size, device=self.inv_freq.device).unsqueeze(1).float() * self.inv_freq  # [size, head_dim // 2]
-            sin = angles.sin()
-            self._rope = table = (
-                self.inv_freq,
-                angles.cos().repeat(1, 2).to(self.dtype),  # [size, head_dim]
-                torch.cat((-sin, sin), dim=-1).to(self.dtype),  # [size, head_dim]
-            )
+            positions = torch.arange(size, device=self.inv_freq.device)  # [size]
+            self._rope = table = (self.inv_freq, *rope_rows(self.inv_freq, positions, self.dtype))
         return table[1], table[2]
 
     def in_c(self, common: bool = False) -> native.ModelInC | None:
