@@ -1,0 +1,188 @@
+"""The EAGLE head: one decoder layer that drafts from the target's features (EAGLE-1/2, EAGLE-3).
+
+A head step reads pairs (feature of position p, token at position p + 1) and returns, for
+each, a new feature (before any final norm) from which the head's logits guess the token
+at p + 2; that feature, with the guessed token, is the next draft step's pair.
+
+- EAGLE-1/2 (EAGLE-2 drafts a dynamic tree with the same heads): the target's feature is
+  its last hidden state after its final norm, what its LM head reads. `fc` (2H -> H)
+  mixes [embedding ; feature]; a Llama layer without input norm follows; the target's LM
+  head scores the output as it is (no norm).
+- EAGLE-3: the target's feature is the residual stream entering target layers
+  `feature_layers` (vLLM's default: 2, N//2, N-3), concatenated [3H], which `fc` (3H -> H,
+  no bias) projects once (`project_target_features`); the layer's q/k/v read
+  [input_layernorm(embedding) ; hidden_norm(feature)] (2H) and its residual is the
+  feature; then the head's own `norm` and `lm_head` over `draft_vocab_size` ids, row i
+  being target id `target_ids[i]` (the checkpoint's d2t offsets added to i).
+
+The token embedding (and EAGLE-1's LM head) are the target's, lent by `share_target` and
+never part of the head's weights. Attention numerics are the decoder's (model/decoder.py:
+its Block, rotate-half RoPE, grouped-query attention, float32 RMSNorm).
+
+Invariant: the head's `KVCache` (one layer) holds positions [0, length) of the pairs fed so
+far. Rolling back is `cache.truncate`: drafted positions were computed from the head's own
+features, so after verification they are truncated away and the accepted positions fed
+again with the target's features (catch-up), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.errors import ConfigError
+from specserve.model.decoder import Block, RMSNorm, Segment, attention_backends, rope_inverse_frequencies, rope_rows
+from specserve.model.kv_cache import KVCache
+from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
+
+EAGLE_VERSIONS = (1, 3)
+
+
+def feature_layers_for(target: ModelConfig, named: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The target layers whose input an EAGLE-3 head reads: those its checkpoint names, else
+    vLLM's choice (2, N//2, N-3). Refused where the target has no such layer."""
+    layers = tuple(named or (2, target.num_layers // 2, target.num_layers - 3))
+    if not all(0 <= i < target.num_layers for i in layers):
+        reads = f"the head reads the inputs of target layers {list(layers)}" if named else (
+            "EAGLE-3 reads the inputs of target layers 2, N//2 and N-3")
+        raise ConfigError(f"{reads}; the target has {target.num_layers} layers")
+    return layers
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    version: int  # 1 (EAGLE-1/2) or 3
+    layer: ModelConfig  # the head's one decoder layer: llama, num_layers 1, the target's vocab_size
+    draft_vocab_size: int  # ids its logits cover: its own LM head's rows (EAGLE-3), the target's vocabulary (EAGLE-1)
+    feature_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose input it reads; EAGLE-1: none
+    fc_bias: bool = False  # EAGLE-1's fc carries a bias (SafeAILab's checkpoints do)
+    norm_before_residual: bool = False  # EAGLE-3 variant: the residual is hidden_norm(feature)
+
+    def __post_init__(self) -> None:
+        if self.version not in EAGLE_VERSIONS:
+            raise ConfigError(f"EAGLE version must be one of {EAGLE_VERSIONS}, got {self.version}")
+        if self.layer.num_layers != 1:
+            raise ConfigError(f"an EAGLE head has one decoder layer here, got {self.layer.num_layers}")
+        if bool(self.feature_layers) != (self.version == 3):
+            raise ConfigError(f"EAGLE-3 heads, and they alone, read target layers; got {self.feature_layers}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def target_feature_size(self) -> int:
+        """Width of the target features the head reads: [3H] for EAGLE-3, [H] for EAGLE-1."""
+        return len(self.feature_layers) * self.hidden_size if self.version == 3 else self.hidden_size
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, version: int, draft_vocab_size: int | None = None) -> EagleConfig:
+        """A new head's config: the target's attention and MLP shapes, in a Llama layer."""
+        layer = dataclasses.replace(target, arch="llama", num_layers=1, tie_word_embeddings=False)
+        if version == 1:  # no fc bias: vLLM's EAGLE-1 layer has none (and drops a checkpoint's)
+            return cls(1, layer, target.vocab_size)
+        return cls(version, layer, draft_vocab_size or target.vocab_size, feature_layers_for(target))
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    """The target's modules a head reads without owning them."""
+
+    embed_tokens: nn.Module  # ids [T] -> [T, H]
+    lm_head: nn.Module  # [R, H] -> [R, vocab]
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        hidden, eps = config.hidden_size, config.layer.rms_norm_eps
+        self.layer = Block(config.layer)
+        attention = self.layer.self_attn
+        if config.version == 3:
+            self.fc = nn.Linear(config.target_feature_size, hidden, bias=False)
+            attention.qkv_proj = nn.Linear(2 * hidden, sum(attention.qkv_sizes), bias=False)
+            self.hidden_norm = RMSNorm(hidden, eps)
+            self.norm = RMSNorm(hidden, eps)
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            self.register_buffer("target_ids", torch.arange(config.draft_vocab_size))  # [draft_vocab] int64
+        else:
+            self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+            self.layer.input_layernorm = nn.Identity()  # fc's output enters attention as it is
+            self.register_buffer("target_ids", None)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config.layer), persistent=False)
+        self.target: TargetWeights | None = None  # see share_target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def share_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        """Read tokens through the target's embedding and (EAGLE-1) score with its LM head."""
+        self.target = TargetWeights(embed_tokens, lm_head)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.layer, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def project_target_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The target's features [T, target_feature_size] -> the head's [T, H]: EAGLE-3's
+        fc over the concatenated layer inputs; EAGLE-1 reads the target's feature as it is."""
+        if self.config.version == 3:
+            return self.fc(target_features.to(self.dtype))
+        return target_features.to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64: the token at position p + 1 of each pair
+        features: torch.Tensor,  # [T, H]: the feature of position p (project_target_features, or a head output)
+        cache: KVCache,  # positions [0, cache.length) fed before; the pairs go at cache.length + i
+    ) -> torch.Tensor:  # [T, H]: each pair's output feature (before the final norm)
+        if self.target is None:
+            raise RuntimeError("an EAGLE head needs the target's embedding first (share_target)")
+        num_pairs, start = token_ids.shape[0], cache.length
+        assert features.shape == (num_pairs, self.config.hidden_size), features.shape
+        cache.reserve(start + num_pairs)
+        positions = torch.arange(start, start + num_pairs, device=self.device)  # [T]
+        cos, rotated_sin = rope_rows(self.inv_freq, positions, self.dtype)  # [T, head_dim]
+        embeddings = self.target.embed_tokens(token_ids).to(self.dtype)  # [T, H]
+        layer = self.layer
+        if self.config.version == 3:
+            normed = self.hidden_norm(features)  # [T, H]
+            both = torch.cat([layer.input_layernorm(embeddings), normed], dim=-1)  # [T, 2H]
+            qkv = layer.self_attn.qkv_proj(both)  # [T, q_size + 2 kv_size]
+            residual = normed if self.config.norm_before_residual else features  # [T, H]
+        else:
+            residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [T, H]
+            qkv = layer.project_qkv(residual)  # [T, q_size + 2 kv_size]
+        with attention_backends(self.device):
+            attended = layer.self_attn(qkv, cos, rotated_sin, 0, [Segment(cache, num_pairs)])  # [T, q_size]
+        cache.length += num_pairs
+        return layer.finish(residual, attended)  # [T, H]
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, draft_vocab_size] float32
+        """Scores of the head's rows; `to_target_ids` names their target ids."""
+        if self.config.version == 3:
+            return self.lm_head(self.norm(hidden)).float()
+        if self.target is None:
+            raise RuntimeError("an EAGLE-1 head needs the target's LM head first (share_target)")
+        return self.target.lm_head(hidden.to(self.target.embed_tokens.weight.dtype)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of `draft_logits` [...] -> target token ids [...]."""
+        return to_target_ids(draft_ids, self.target_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, vocab] float32
+        """Scores over the target's vocabulary, -inf at ids the head never guesses."""
+        return widen_to_target_vocab(self.draft_logits(hidden), self.target_ids, self.config.layer.vocab_size)
