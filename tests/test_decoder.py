@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.model import native
-from specserve.model.decoder import Decoder, FloatLinear, PackedLinear, Segment
+from specserve.model.decoder import Capture, Decoder, FloatLinear, PackedLinear, Segment
 from tests.conftest import tiny_config
 
 
@@ -48,6 +48,20 @@ def test_logits_match_transformers(arch, overrides):
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]  # [T, V]
     torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_captured_features_are_the_references_hidden_states(arch):
+    """Capture.layers: the residual stream entering those layers (transformers'
+    hidden_states[i]); Capture.final: the last one after the final norm."""
+    config = tiny_config(arch, num_layers=3)
+    reference, ours = reference_and_ours(config)
+    with torch.no_grad():
+        hidden = reference(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states  # N + 1 of [1, T, H]
+    capture = Capture(layers=(2, 0), final=True)
+    ours(torch.tensor(PROMPT), [Segment(ours.new_cache(), len(PROMPT))], capture=capture)
+    expected = torch.cat([hidden[2][0], hidden[0][0]], dim=-1)  # [T, 2H], in the asked order
+    torch.testing.assert_close(capture.layer_inputs, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(capture.final_hidden, hidden[3][0], rtol=1e-4, atol=1e-4)
 
 
 def test_incremental_decode_equals_prefill(arch):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from specserve.model import native
-from specserve.model.decoder import Decoder, RMSNorm, Segment
+from specserve.model.decoder import Capture, Decoder, RMSNorm, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.model.quant import (
     QuantizedLinear, load_quantized_state, quantize_int4, quantize_int8, quantized_state, silu_and_mul,
@@ -346,7 +346,8 @@ def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, mo
 
     calls = []
     run = native.ModelInC.run_blocks
-    monkeypatch.setattr(native.ModelInC, "run_blocks", lambda self, *args: calls.append(1) or run(self, *args))
+    monkeypatch.setattr(native.ModelInC, "run_blocks",
+                        lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs))
     ours = decode()
     assert len(calls) == 2  # the two decoding steps went through C
     monkeypatch.setattr(model, "in_c", lambda: None)
@@ -359,3 +360,27 @@ def test_decode_attention_takes_head_sizes_in_steps_of_16():
     keys = torch.empty(2, 80, 24)
     assert not native.supports_decode_attention(torch.empty(1, 12 * 24), keys)
     assert not native.supports_decode_attention(torch.empty(1, 12 * 32, dtype=torch.float16), torch.empty(2, 80, 32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["int4", "bfloat16"])
+def test_features_captured_between_c_calls_are_bitwise_the_python_loops(quantization, monkeypatch):
+    """A verification step whose features a draft head reads: the C path runs the blocks
+    in runs split at the captured layers; features, logits and caches are the loop's."""
+    model = (on_bfloat16_kernel(tiny_float_model("qwen2")) if quantization == "bfloat16"
+             else quantized_tiny_model("qwen2", quantization))
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(5))
+
+    def verify_with_capture() -> list[torch.Tensor]:
+        cache = model.new_cache()
+        model(ids[:20], [Segment(cache, 20)])
+        capture = Capture(layers=(1, 0), final=True)
+        logits = model(ids[20:24], [Segment(cache, 4, one_query_at_a_time=True)], capture=capture)
+        return [logits, capture.layer_inputs, capture.final_hidden, cache.keys[:, :, :24]]
+
+    ours = verify_with_capture()
+    monkeypatch.setattr(model, "in_c", lambda: None)
+    theirs = verify_with_capture()
+    assert ours[1].shape == (4, 2 * model.config.hidden_size)
+    for got, expected in zip(ours, theirs):
+        assert torch.equal(got, expected)

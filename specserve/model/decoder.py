@@ -35,6 +35,19 @@ if TYPE_CHECKING:
     from specserve.model.graphs import StaticDecode
 
 
+@dataclass
+class Capture:
+    """Asks a forward for the features heads draft from (EAGLE, Medusa), and receives
+    them for every row of its stream: the residual stream entering each of `layers`
+    (EAGLE-3 reads three), and the last hidden state after the final norm (what the LM
+    head reads: EAGLE-1's feature and Medusa's input)."""
+
+    layers: tuple[int, ...] = ()
+    final: bool = False
+    layer_inputs: torch.Tensor | None = None  # out: [T, len(layers) * hidden], in `layers` order
+    final_hidden: torch.Tensor | None = None  # out: [T, hidden]
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence's share of a batch: `num_tokens` new tokens appended to `cache`.
@@ -405,6 +418,13 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _layer_runs(num_layers: int, capture: Capture | None) -> list[tuple[int, int]]:
+    """[first, end) runs of layers that together cover them all, split where a
+    captured layer begins."""
+    starts = sorted({0, *(capture.layers if capture is not None else ())})
+    return list(zip(starts, [*starts[1:], num_layers]))
+
+
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -444,6 +464,7 @@ class Decoder(nn.Module):
         segments: list[Segment],
         logits_rows: torch.Tensor | None = None,  # [R] on self.device: rows of the stream to score; None = all
         common: list[bool] | None = None,  # [R]: rows that may score the common ids only (see `score`)
+        capture: Capture | None = None,  # features to keep for draft heads, filled in place
     ) -> torch.Tensor:  # [R, width] float32 on self.device: logits of token ids [0, width)
         """Append the segments' tokens to their caches and return logits for chosen rows."""
         assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
@@ -456,7 +477,7 @@ class Decoder(nn.Module):
             segments = [dataclasses.replace(s, one_query_at_a_time=False) for s in segments]
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
-        if self.static is not None and self.static.handles(segments):
+        if self.static is not None and capture is None and self.static.handles(segments):
             with attention_backends(self.device):
                 logits = self.static.run(input_ids, segments)  # [T, head_size]: every row
             for seg in segments:
@@ -468,18 +489,32 @@ class Decoder(nn.Module):
         in_c = self.in_c()
         if in_c is not None and all(
             (s.num_tokens == 1 or s.one_query_at_a_time) and s.cache.keys.is_contiguous() for s in segments
-        ):  # every block in one C call: the same kernels and bits as the loop below
-            in_c.run_blocks(h, rope, [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments])
+        ):  # the blocks in C calls (one, or one between captured layers): the same kernels and bits as below
+            caches = [(s.cache.keys, s.cache.values, s.num_tokens, s.cache.length) for s in segments]
+            captured = []
+            for first, end in _layer_runs(self.config.num_layers, capture):
+                if capture is not None and first in capture.layers:
+                    captured.append(h.clone())
+                in_c.run_blocks(h, rope, caches, layers=range(first, end))
         else:
             positions = torch.cat(
                 [torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments]
             )  # [T]
             cos, rotated_sin = rope[0][positions], rope[1][positions]  # [T, head_dim]
+            captured = []
             with attention_backends(self.device):
                 for i, layer in enumerate(self.layers):
+                    if capture is not None and i in capture.layers:
+                        captured.append(h)
                     h = layer(h, cos, rotated_sin, i, segments)
         for seg in segments:
             seg.cache.length += seg.num_tokens
+        if capture is not None:
+            order = sorted(capture.layers)  # captured in layer order; handed out in the asked order
+            if captured:
+                capture.layer_inputs = torch.cat([captured[order.index(i)] for i in capture.layers], dim=-1)
+            if capture.final:
+                capture.final_hidden = self.norm(h)
         if logits_rows is not None:
             if logits_rows.numel() == 0:  # cache-filling only (a prompt chunk)
                 return h.new_empty(0, self.head_size, dtype=torch.float32)

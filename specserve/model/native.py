@@ -447,17 +447,25 @@ class ModelInC:
         )
 
     def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+                   segments: list[tuple[torch.Tensor, torch.Tensor, int, int]], layers: range | None = None) -> None:
         """h [T, hidden] bfloat16, updated in place; rope: the (cos, rotated_sin) tables
         [positions, head_dim] (`Decoder.rope_table`); segments: (keys, values, new tokens,
         start) per sequence, covering h's rows in order, keys and values [layers,
-        kv_heads, capacity, head_dim] with room for them."""
+        kv_heads, capacity, head_dim] with room for them; `layers`: the blocks to run
+        (all by default), as the C code sees a model of those blocks alone."""
         lib = library()
         assert lib is not None and h.is_contiguous() and h.dtype == torch.bfloat16
+        layers = layers if layers is not None else range(self.described.num_layers)
+        model = self.described
+        if len(layers) != model.num_layers:
+            model = _Model(*[getattr(self.described, name) for name, _ in _Model._fields_])
+            model.blocks += layers.start * ctypes.sizeof(_Block)
+            model.num_layers = len(layers)
         described = (_Segment * len(segments))(*[
-            _Segment(keys.data_ptr(), values.data_ptr(), n, keys.shape[2], start) for keys, values, n, start in segments
+            _Segment(keys[layers.start].data_ptr(), values[layers.start].data_ptr(), n, keys.shape[2], start)
+            for keys, values, n, start in segments
         ])
-        status = lib.decode_blocks(ctypes.byref(self.described), rope[0].data_ptr(), rope[1].data_ptr(), h.data_ptr(),
+        status = lib.decode_blocks(ctypes.byref(model), rope[0].data_ptr(), rope[1].data_ptr(), h.data_ptr(),
                                    h.shape[0], described, len(segments))
         if status != 0:
             raise MemoryError("decode_blocks could not allocate its buffers")
