@@ -402,3 +402,29 @@ def test_a_request_whose_verification_fails_ends_alone(target, monkeypatch, prop
     assert failing in returned and failing.num_output_tokens == 0
     assert neighbour.finish_reason == "length" and neighbour.output_ids == plain_tokens(target, PROMPTS[1])
     assert not engine.running and (proposer is None or not proposer.caches)
+
+
+def test_steps_that_read_a_prompt_decode_the_others_plainly(target):
+    """While a new prompt is read in chunks, the proposer is not called (no drafting, no
+    draft reading the prompt) and each decoding sequence gets one token a step; a seeded
+    sampling request keeps drafting (its k must not depend on its company)."""
+    proposer = DraftModelProposer(copy.deepcopy(target))  # always right: 4 tokens a drafting step
+    calls = []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: calls.append([s.seq_id for s in seqs]) or propose(seqs, ks)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefill_chunk_size=8)
+    greedy = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    seeded = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=60, temperature=0.8, seed=3, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert greedy.prefilled and seeded.prefilled
+    late = engine.add_request(list(range(10, 40)), GREEDY)  # 30 tokens: 4 steps of 8
+    calls.clear()
+    while not late.prefilled:
+        before = greedy.num_output_tokens
+        engine.step()
+        assert greedy.num_output_tokens == before + 1
+    assert calls and all(ids == [seeded.seq_id] for ids in calls)
+    calls.clear()
+    engine.step()
+    assert calls and greedy.seq_id in calls[0]

@@ -12,8 +12,10 @@ rolled back past rejected drafts, and the proposer is told what was accepted.
 Prompts are prefilled in chunks: at most `prefill_chunk_size` prompt tokens (over all
 sequences) go into one step, so a long new prompt delays the running sequences by one
 chunk per step rather than by its whole prefill. A sequence's first token comes from
-the step that feeds its prompt's last chunk, and that step drafts nothing, so time to
-first token is what it would be without speculation.
+the step that feeds its prompt's last chunk. A step that feeds any prompt chunk drafts
+nothing (the proposer is not called: neither drafting nor a draft model's reading of a
+new prompt lengthens it), except for seeded sampling requests, whose k must not depend
+on their company; so time to first token is what it would be without speculation.
 
 With a `FusedDraftProposer` that verifies (a quantized draft and target, spec/fused.py),
 greedy decoding sequences skip that forward: their drafting and verification run in one
@@ -290,15 +292,20 @@ class Engine:
     def _schedule(self) -> tuple[list[_Work], list[Sequence], list[int], set[int]]:
         """Admit waiting requests, then choose what each running sequence feeds this
         step: the work of the target's forward, the sequences (with their k) whose
-        whole step runs in one fused call, and the ids of those drafted by lookup."""
+        whole step runs in one fused call, and the ids of those the proposer chose no
+        k for (drafted by lookup, or decoded plainly beside a prompt)."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if self.prefix_cache is not None:
                 self.prefix_cache.count_query(seq.num_prompt_tokens)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
-        looked_up = self._look_up(decoding)
-        drafting = [s for i, s in enumerate(decoding) if i not in looked_up]
+        # A step that reads a prompt decodes the others plainly: a prompt's first token
+        # waits for its step, so that step costs what it would without speculation.
+        prefilling = len(decoding) < len(self.running)
+        speculating = decoding if not prefilling else [s for s in decoding if not may_adapt(s)]
+        looked_up = self._look_up(speculating)
+        drafting = [s for i, s in enumerate(speculating) if i not in looked_up]
         wanted = self._num_draft_tokens(drafting)
         fused = isinstance(self.proposer, FusedDraftProposer) and self.proposer.verifies
         in_one_call = [i for i, s in enumerate(drafting) if fused and fusable(s)]
@@ -311,7 +318,9 @@ class Engine:
         rest = sorted(set(range(len(drafting))) - set(in_one_call))
         proposed = [drafting[i] for i in rest]
         drafts = self._propose(proposed, [wanted[i] for i in rest])
-        drafted = [*zip(proposed, drafts), *((decoding[i], d) for i, d in looked_up.items())]
+        plain = [s for s in decoding if s not in speculating]
+        drafted = [*zip(proposed, drafts), *((speculating[i], d) for i, d in looked_up.items()),
+                   *((s, Draft.empty()) for s in plain)]
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
         budget = self.prefill_chunk_size
@@ -330,13 +339,13 @@ class Engine:
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (work, [drafting[i] for i in in_one_call], [wanted[i] for i in in_one_call],
-                {decoding[i].seq_id for i in looked_up})
+                {speculating[i].seq_id for i in looked_up} | {s.seq_id for s in plain})
 
     def step(self) -> list[Sequence]:
         """Advance the batch by one step; return the sequences that got new tokens, and
         those whose own verification failed (`failure` set, finished with "error"):
         check `finished` on each, finished ones have left the batch."""
-        work, fused, fused_wanted, looked_up = self._schedule()
+        work, fused, fused_wanted, not_proposed = self._schedule()
         outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]
         failed = [w.seq for w in work if w.seq.failure is not None]
@@ -346,8 +355,9 @@ class Engine:
             if num_drafted:
                 seq.spec.record(num_drafted, verdict.num_accepted)
                 self.spec_stats.record(num_drafted, verdict.num_accepted)
-            # A lookup's draft tells nothing about the proposer's (see _compare_lookups).
-            if seq.seq_id not in looked_up and self.adaptive is not None:
+            # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
+            # and a step that read a prompt chose no k for the others.
+            if seq.seq_id not in not_proposed and self.adaptive is not None:
                 self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted)
         self._compare_lookups(advanced)
         if self.proposer is not None:
