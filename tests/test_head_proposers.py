@@ -23,6 +23,7 @@ from specserve.spec.heads.checkpoint import save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaHeads
 from specserve.spec.medusa import MedusaProposer
+from tests.conftest import DEVICES
 from tests.head_models import METHODS, NUM_MEDUSA_HEADS, permutation_target, random_head, right_head, target_config
 
 EOS = 95
@@ -93,10 +94,13 @@ def test_random_heads_keep_the_output_the_targets(method):
     assert engine.spec_stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", METHODS)
-def test_heads_that_guess_right_make_multi_token_steps(method):
+def test_heads_that_guess_right_make_multi_token_steps(method, device):
     target, perm = permutation_target()
-    proposer = proposer_of(right_head(method, target, perm), target)
+    head = right_head(method, target, perm).to(device)
+    target = target.to(device)
+    proposer = proposer_of(head, target)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=5)
     seq = engine.add_request(PROMPTS[3], GREEDY)
     steps = 0

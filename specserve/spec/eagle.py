@@ -84,20 +84,21 @@ class EagleProposer:
         self.last_catch_up, self.last_tokens_read = max(catch_ups, default=0), sum(reads.values())
         if not reads:
             return [Draft.empty()] * len(seqs)
-        newest = self._catch_up(seqs, reads)  # [len(reads), H]: each sequence's last output
+        last_outputs = self._catch_up(seqs, reads)
         read_ends = {i: self.caches[seqs[i].seq_id].length for i in reads}
 
         chains = DraftChains(seqs, wanted, self.guesser)
         order = chains.active()
-        hidden = newest[[list(reads).index(i) for i in order]]  # [len(order), H]
+        hidden = torch.stack([last_outputs[i] for i in order]) if order else None  # [len(order), H]
         while order:
             chains.add(order, self.head.logits(hidden))  # [len(order), V]
             going_on = chains.active()
             if not going_on:
                 break
+            row = {i: r for r, i in enumerate(order)}
             hidden = self.head(
                 torch.tensor([chains.newest(i) for i in going_on], device=self.head.device),
-                hidden[[order.index(i) for i in going_on]],
+                hidden[[row[i] for i in going_on]],
                 [Segment(self.caches[seqs[i].seq_id], 1) for i in going_on],
             )  # [len(going_on), H]
             order = going_on
@@ -107,9 +108,9 @@ class EagleProposer:
         self.last_guesses = {seqs[i].seq_id: drafts[i].num_tokens for i in reads if drafts[i].num_tokens}
         return drafts
 
-    def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> torch.Tensor:
+    def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> dict[int, torch.Tensor]:
         """Read each sequence's next reads[i] pairs into its head cache, in one head forward;
-        returns each one's last output [len(reads), H]."""
+        returns each one's last output [H]."""
         segments, tokens, rows = [], [], []
         for i, n in reads.items():
             seq = seqs[i]
@@ -125,7 +126,7 @@ class EagleProposer:
         features = self.head.project_target_features(torch.cat(rows))  # [T, H]
         out = self.head(torch.tensor(tokens, device=self.head.device), features, segments)  # [T, H]
         last_rows = torch.tensor(list(reads.values()), device=out.device).cumsum(0) - 1
-        return out[last_rows]
+        return dict(zip(reads, out[last_rows]))
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq, accepted in zip(seqs, num_accepted):
