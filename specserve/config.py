@@ -212,7 +212,8 @@ class SpecConfig:
         return dataclasses.replace(self, num_speculative_tokens=k, max_speculative_tokens=most)
 
     def describe_k(self) -> str:
-        k = f"adaptive k in 0..{self.max_speculative_tokens}" if self.adaptive else f"k={self.num_speculative_tokens}"
+        most = self.max_speculative_tokens or "(the Medusa head count)"  # None until for_medusa_heads
+        k = f"adaptive k in 0..{most}" if self.adaptive else f"k={self.num_speculative_tokens or most}"
         if self.prompt_lookup_first:
             k += f", looking up the last {self.prompt_lookup_first} tokens first"
         return k
