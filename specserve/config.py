@@ -8,6 +8,7 @@ ordinary checkpoint folder. `SpecConfig` parses vLLM's `--speculative-config` JS
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -139,7 +140,9 @@ DEFAULT_PREFILL_CHUNK_SIZE = 512
 # Weight formats of the linear layers (model/quant.py): --quantization, and a draft's own.
 QUANTIZATIONS = ("none", "int8", "int4")
 
-SPEC_METHODS = ("draft_model", "ngram")
+SPEC_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa")
+# Heads that draft from the target's features (spec/heads/): "model" is the head's folder.
+HEAD_METHODS = ("eagle", "eagle3", "medusa")
 # A match this long was right 68-95% of the time on the suites' prompts (int4 target);
 # shorter ones (2-3 tokens) 6-60%, where a wrong lookup of 7 tokens costs ~1.6 plain steps.
 DEFAULT_PROMPT_LOOKUP_FIRST = 4
@@ -147,7 +150,7 @@ DEFAULT_PROMPT_LOOKUP_FIRST = 4
 # step with this head took 0.78x the time of one with the whole head (151936 ids), and
 # its guesses matched the target's as often on English and code (0-2.4 points fewer).
 DEFAULT_DRAFT_VOCAB_SIZE = 65536
-FUTURE_SPEC_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
+FUTURE_SPEC_METHODS = ("mlp_speculator",)
 
 
 @dataclass(frozen=True)
@@ -155,21 +158,24 @@ class SpecConfig:
     """vLLM's `--speculative-config`: which proposer drafts, and how many tokens."""
 
     method: str
-    num_speculative_tokens: int
-    model: str | None = None  # the draft: catalogue name or path (draft_model only)
+    # None for "medusa" until its heads are counted (`for_medusa_heads`): k defaults to them.
+    num_speculative_tokens: int | None
+    model: str | None = None  # the draft (catalogue name or path), or the head's folder (HEAD_METHODS)
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first (ngram only)
     prompt_lookup_max: int = 4
-    # Our addition to vLLM's keys (draft_model only): a draft stops early after a guess
-    # it gives less probability than this, so num_speculative_tokens is a maximum.
+    # Our addition to vLLM's keys (draft_model and heads): a draft stops early after a
+    # guess it gives less probability than this, so num_speculative_tokens is a maximum.
     # Measured on the default pair it keeps open-ended text near plain speed while
-    # leaving structured prompts untouched; 0 drafts exactly k tokens, as vLLM does.
+    # leaving structured prompts untouched; 0 drafts exactly k tokens, as vLLM does. A
+    # head's confidence predicts acceptance too (EAGLE-2 grows its tree by it).
     draft_confidence_threshold: float = 0.5
     # Our addition: choose each request's k per step from its acceptance and the
     # measured costs (spec/adaptive.py), from 0 (plain decoding) up to
     # max_speculative_tokens; a seeded sampling request keeps num_speculative_tokens so
     # its output repeats. False drafts num_speculative_tokens every step, as vLLM.
     adaptive: bool = True
-    max_speculative_tokens: int = 15  # adaptive only; parse() makes it >= num_speculative_tokens
+    # Adaptive only; parse() makes it >= num_speculative_tokens (None for "medusa": its heads).
+    max_speculative_tokens: int | None = 15
     # vLLM's key: the draft's weight format ("none", "int8", "int4"); None = the target's
     # --quantization. A draft need not match the target's numbers (its guesses are
     # verified), so an int4 draft in front of a float32 target costs a third as much.
@@ -186,14 +192,28 @@ class SpecConfig:
     # rows; at or past the vocabulary's size, or null, every id always. parse() gives a
     # draft model DEFAULT_DRAFT_VOCAB_SIZE.
     draft_vocab_size: int | None = None
-    # Our addition (draft_model only): where a sequence's last this-many tokens occurred
-    # earlier in it, the tokens that followed them are its draft (a prompt lookup, free)
-    # and the draft model does not run for it that step (engine/engine.py); None = always
-    # the model. parse() gives a draft model DEFAULT_PROMPT_LOOKUP_FIRST; null turns it off.
+    # Our addition (draft_model and heads): where a sequence's last this-many tokens
+    # occurred earlier in it, the tokens that followed them are its draft (a prompt
+    # lookup, free) and the proposer does not run for it that step (engine/engine.py);
+    # None = always the proposer. parse() gives DEFAULT_PROMPT_LOOKUP_FIRST to all but
+    # "ngram"; null turns it off.
     prompt_lookup_first: int | None = None
 
+    def for_medusa_heads(self, num_heads: int) -> SpecConfig:
+        """This config settled by a Medusa checkpoint of `num_heads` heads (head i guesses
+        draft position i): num_speculative_tokens defaults to the head count (as in
+        vLLM), max_speculative_tokens too where adaptive, and neither may pass it."""
+        k = self.num_speculative_tokens or num_heads
+        most = self.max_speculative_tokens or (num_heads if self.adaptive else k)
+        for key, value in (("num_speculative_tokens", k), ("max_speculative_tokens", most)):
+            if value > num_heads:
+                raise ConfigError(f"{key} is {value}, but the Medusa checkpoint has {num_heads} heads, one per "
+                                  f"draft position: give at most {num_heads}")
+        return dataclasses.replace(self, num_speculative_tokens=k, max_speculative_tokens=most)
+
     def describe_k(self) -> str:
-        k = f"adaptive k in 0..{self.max_speculative_tokens}" if self.adaptive else f"k={self.num_speculative_tokens}"
+        most = self.max_speculative_tokens or "(the Medusa head count)"  # None until for_medusa_heads
+        k = f"adaptive k in 0..{most}" if self.adaptive else f"k={self.num_speculative_tokens or most}"
         if self.prompt_lookup_first:
             k += f", looking up the last {self.prompt_lookup_first} tokens first"
         return k
@@ -222,7 +242,7 @@ class SpecConfig:
         method = raw.get("method") or ("draft_model" if raw.get("model") else None)
         if method is None:
             raise ConfigError(
-                '--speculative-config needs "method" ("draft_model" or "ngram") or a draft "model"'
+                f'--speculative-config needs "method" (one of {list(SPEC_METHODS)}) or a draft "model"'
             )
         if method in FUTURE_SPEC_METHODS:
             raise ConfigError(
@@ -234,13 +254,14 @@ class SpecConfig:
                 f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}"
             )
         k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if (k is not None or method != "medusa") and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(
                 f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}"
             )
         model = raw.get("model")
-        if method == "draft_model" and not model:
-            raise ConfigError('method "draft_model" needs "model": a catalogue name or a path')
+        if method != "ngram" and not model:
+            what = "a catalogue name or a path" if method == "draft_model" else "the folder of the head's checkpoint"
+            raise ConfigError(f'method "{method}" needs "model": {what}')
         if method == "ngram" and model:
             raise ConfigError('method "ngram" takes no "model"; drop it or use "draft_model"')
         if method == "ngram" and "draft_confidence_threshold" in raw:
@@ -261,10 +282,10 @@ class SpecConfig:
         adaptive = raw.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
-        max_k = raw.get("max_speculative_tokens", max(15, k) if adaptive else k)
-        if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < k:
+        max_k = raw.get("max_speculative_tokens", None if k is None else max(15, k) if adaptive else k)
+        if max_k is not None and (not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < (k or 1)):
             raise ConfigError(
-                f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k}), got {max_k!r}"
+                f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), got {max_k!r}"
             )
         quantization = raw.get("quantization")
         if quantization is not None:
@@ -278,17 +299,17 @@ class SpecConfig:
         if fused is not None and not isinstance(fused, bool):
             raise ConfigError(f"fused must be true or false, got {fused!r}")
         if fused and method != "draft_model":
-            raise ConfigError('fused applies to "draft_model" only: an n-gram lookup has no steps to fuse')
+            raise ConfigError(f'fused applies to "draft_model" only: method "{method}" has no steps to fuse in C')
         if method != "draft_model" and raw.get("draft_vocab_size") is not None:
-            raise ConfigError('draft_vocab_size applies to "draft_model" only')
+            raise ConfigError('draft_vocab_size applies to "draft_model" only (an EAGLE-3 head brings its own)')
         draft_vocab_size = raw.get("draft_vocab_size", DEFAULT_DRAFT_VOCAB_SIZE if method == "draft_model" else None)
         if draft_vocab_size is not None:
             if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1:
                 raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
-        lookup_first = raw.get("prompt_lookup_first", DEFAULT_PROMPT_LOOKUP_FIRST if method == "draft_model" else None)
+        lookup_first = raw.get("prompt_lookup_first", DEFAULT_PROMPT_LOOKUP_FIRST if method != "ngram" else None)
         if lookup_first is not None:
-            if method != "draft_model":
-                raise ConfigError('prompt_lookup_first applies to "draft_model" only (method "ngram" always looks up)')
+            if method == "ngram":
+                raise ConfigError('prompt_lookup_first does not apply to "ngram", which always looks up')
             if not isinstance(lookup_first, int) or isinstance(lookup_first, bool) or lookup_first < 1:
                 raise ConfigError(f"prompt_lookup_first must be an integer >= 1, got {lookup_first!r}")
         if not adaptive and "max_speculative_tokens" in raw:

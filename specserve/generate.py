@@ -54,7 +54,9 @@ def build_engine(
             f"for {model!r}, got {max_model_len}"
         )
     chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
-    proposer = None if spec is None else make_proposer(spec, target, dtype, chunk, quantization, compile)
+    proposer = None
+    if spec is not None:
+        proposer, spec = make_proposer(spec, target, dtype, chunk, quantization, compile)
     decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
     if cuda_graphs:
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)

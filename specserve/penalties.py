@@ -13,8 +13,8 @@ occurs in the prompt or the output; then the frequency penalty is subtracted onc
 occurrence in the output, and the presence penalty once for any occurrence there
 (OpenAI's definitions). Logprobs stay the raw ones (specserve/logprobs.py).
 
-A draft model penalises its guesses the same way (spec/draft_model.py, with the step's
-earlier guesses counted), so it guesses what the penalised target will choose; any
+Proposers penalise their guesses the same way (spec/guesses.py, with the step's
+earlier guesses counted), so they guess what the penalised target will choose; any
 draft distribution would be lossless, this one is accepted more often (int4 pair,
 `code`, repetition 1.15 and frequency 0.2, k = 7: acceptance 0.705 -> 0.87).
 """

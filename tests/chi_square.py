@@ -42,3 +42,21 @@ def seeded_outputs(engine, prompt: list[int], fields: dict, batches: int = 10, p
             engine.step()
         samples += [s.output_ids for s in seqs]
     return torch.tensor(samples)
+
+
+def target_continuation_probs(target, prompt: list[int], params) -> torch.Tensor:
+    """[V] * max_tokens float64: the target's probability of every continuation of prompt
+    under params (temperature > 0), one prefix at a time."""
+    import itertools
+
+    from specserve.model.decoder import Segment
+    from specserve.sampling import logits_to_probs
+
+    vocab, length = target.config.vocab_size, params.max_tokens
+    expected = torch.ones([vocab] * length, dtype=torch.float64)
+    for cont in itertools.product(range(vocab), repeat=length):
+        ids = prompt + list(cont)
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])
+        probs = logits_to_probs(logits[len(prompt) - 1 : -1], params)  # [length, V]
+        expected[cont] = probs[torch.arange(length), torch.tensor(cont)].prod()
+    return expected

@@ -72,7 +72,8 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 3}'], "not implemented yet"),
+    (["--speculative-config", '{"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 3}'],
+     "head checkpoint /no/such/head: no such folder"),
     (["--speculative-config", "{oops"], "not valid JSON"),
     (["--model", "no-such-model"], "neither a catalogue model"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
@@ -114,7 +115,7 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'], "not implemented yet"),
+    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'], 'method "medusa" needs "model"'),
     (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),

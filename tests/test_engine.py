@@ -188,11 +188,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     where lookups draft in place of the model (one-hot drafts beside the model's), and
     where only the first token of each lookup is verified, as adaptive speculation cuts
     them under load (the rest still compared with what follows)."""
-    import itertools
-
-    from specserve.model.decoder import Segment
-    from specserve.sampling import logits_to_probs
-    from tests.chi_square import chi_square_p_value, seeded_outputs
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
 
     vocab, length, prompt = 4, 4, [0, 1, 2]
     torch.manual_seed(3)
@@ -201,14 +197,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     draft.add_common_head(draft_head)  # 3: while a sequence has no 3, a 3 only comes from the target's residual
     draft = on(draft, device)
     params = dict(max_tokens=length, temperature=0.9, top_p=0.95, ignore_eos=True)
-
-    # Exact target probabilities of every continuation, one prefix at a time.
-    expected = torch.ones([vocab] * length, dtype=torch.float64)
-    for cont in itertools.product(range(vocab), repeat=length):
-        ids = prompt + list(cont)
-        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])
-        probs = logits_to_probs(logits[len(prompt) - 1 : -1], SamplingParams(**params))  # [length, V]
-        expected[cont] = probs[torch.arange(length), torch.tensor(cont)].prod()
+    expected = target_continuation_probs(target, prompt, SamplingParams(**params))
 
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
     engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3,

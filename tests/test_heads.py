@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.errors import ConfigError, ModelLoadError
+from specserve.model.decoder import Segment
 from specserve.spec.heads.checkpoint import load_head, save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads
@@ -156,10 +157,10 @@ def run(head, seed: int = 2) -> list[torch.Tensor]:
     cache = head.new_cache()
     target_features = torch.randn(5, head.config.target_feature_size, generator=generator)
     tokens = torch.randint(0, V, (5,), generator=generator)
-    outputs = [head(tokens, head.project_target_features(target_features), cache)]
+    outputs = [head(tokens, head.project_target_features(target_features), [Segment(cache, 5)])]
     for _ in range(3):  # a chain: each step feeds the head's own feature and guess
         guess = head.to_target_ids(head.draft_logits(outputs[-1][-1:]).argmax(-1))
-        outputs.append(head(guess, outputs[-1][-1:], cache))
+        outputs.append(head(guess, outputs[-1][-1:], [Segment(cache, 1)]))
     return outputs + [head.logits(torch.cat(outputs))]
 
 
@@ -293,7 +294,7 @@ def test_chain_drafting_with_rollback_matches_reference(tmp_path, variant):
     tokens, reference_history = [], []  # what the head's cache holds
 
     def feed(new_tokens: list[int], ours: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = head(torch.tensor(new_tokens), ours, cache)
+        out = head(torch.tensor(new_tokens), ours, [Segment(cache, len(new_tokens))])
         tokens.extend(new_tokens)
         reference_history.append(reference)
         with torch.no_grad():

@@ -96,7 +96,7 @@ def test_greedy_equivalence_on_real_weights(smollm, plain_outputs, k, proposer_k
 def test_catalogue_draft_through_the_factory(smollm, plain_outputs):
     """The path `--speculative-config '{"model": "smollm2-135m", ...}'` takes."""
     spec = SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 5})
-    proposer = make_proposer(spec, smollm, torch.float32)
+    proposer, _ = make_proposer(spec, smollm, torch.float32)
     engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, proposer, num_speculative_tokens=5)
     prompt = PROMPTS[0]
     seq = engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY)
@@ -128,7 +128,8 @@ def test_the_factory_fuses_a_draft_that_runs_in_our_kernels_unless_told_not_to(s
     """Fused drafting is the default wherever the draft runs in C (a quantized draft on
     our kernels); a float draft, or "fused": false, drafts through PyTorch."""
     def proposer(**keys):
-        return make_proposer(SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 3, **keys}), smollm, torch.float32)
+        return make_proposer(SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 3, **keys}), smollm,
+                             torch.float32)[0]
 
     fused = proposer(quantization="int8")
     assert isinstance(fused, FusedDraftProposer)

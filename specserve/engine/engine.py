@@ -41,6 +41,10 @@ verified row is dear (8 requests on the int4 pair: a repeated line's lookup of 7
 a 38 ms step 67 ms), and lookups verified in full there had adaptive serving at
 0.95x plain decoding's throughput.
 
+A head proposer (EAGLE, Medusa) drafts from the target's features: every target forward
+captures what its `features` name and hands them over, the rows of each sequence
+(spec/features.py).
+
 With a `prefix_cache` (model/prefix_cache.py), a request joining the batch starts from
 the keys and values of the longest stored prefix of its prompt (all but its last
 token at most: the first token comes from a forward), stored or in the cache of a
@@ -70,6 +74,7 @@ from specserve.model.prefix_cache import PrefixCache, read_elsewhere
 from specserve.penalties import apply_penalties
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
+from specserve.spec.features import FedRows
 from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft, Proposer
@@ -393,13 +398,19 @@ class Engine:
                 rows.extend(range(end - w.draft.num_tokens - 1, end))
         device = self.target.device
         flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64, device=device)
+        features = None if self.proposer is None else self.proposer.features
+        capture = None if features is None else features.new_capture()
+        fed = [FedRows(w.seq.seq_id, w.seq.cache.length, len(w.tokens)) for w in work]  # before the caches move
         started = time.perf_counter()
-        logits = self.target(flat, segments, torch.tensor(rows, dtype=torch.int64, device=device))  # [R, V]
+        logits = self.target(flat, segments, torch.tensor(rows, dtype=torch.int64, device=device),
+                             capture=capture)  # [R, V]
         # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
         # also where the step's work is waited for, so the timing below includes it.
         argmax = logits.argmax(dim=-1).tolist()  # [R]
         if self.adaptive is not None and len(flat) == len(rows):  # a pure decode step
             self.adaptive.observe_target(len(flat), time.perf_counter() - started)
+        if features is not None:  # a head reads every row the target computed (its observe drops the rejected)
+            features.read(capture, fed)
         outcomes, row = [], 0
         for w in work:
             if not w.scored:

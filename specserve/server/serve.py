@@ -27,7 +27,6 @@ from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, TimedH11Protocol, raise_open_file_limit
-from specserve.spec.draft_model import DraftModelProposer
 
 log = logging.getLogger("specserve")
 
@@ -105,7 +104,7 @@ def serve(config: ServerConfig) -> None:
                            stream_mode=config.stream_mode)
     app = build_app(async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s)
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
-    if isinstance(engine.proposer, DraftModelProposer):
+    if hasattr(engine.proposer, "describe"):  # a draft model or a head
         spec += f"; {engine.proposer.describe()}"
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
     log.info("serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",

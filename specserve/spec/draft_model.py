@@ -26,21 +26,16 @@ no sequence's drafts depend on its neighbours.
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.model.prefix_cache import PrefixCache, read_elsewhere
-from specserve.penalties import apply_penalties
-from specserve.sampling import logits_to_probs, sample
+from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.proposer import Draft, SequenceView
-
-log = logging.getLogger("specserve")
 
 # A sequence drafts over the common ids while at most this share of its last
 # COMMON_WINDOW tokens (special tokens aside) lie past them. Such a token is a guess the
@@ -52,6 +47,7 @@ COMMON_WINDOW, COMMON_MAX_SHARE = 64, 0.1
 
 
 class DraftModelProposer:
+    features = None  # reads tokens only
     fuses = False  # FusedDraftProposer drafts greedy requests in C
 
     def __init__(self, draft: Decoder, confidence_threshold: float = 0.0,
@@ -59,16 +55,19 @@ class DraftModelProposer:
         self.draft = draft
         self.special_ids = special_ids  # not counted by keeps_to_common: chat markup is in every prompt
         self.catch_up_chunk_size = catch_up_chunk_size
-        # Stop drafting a sequence after a guess the draft itself gives less than this
-        # probability: later guesses would build on it and rarely survive, and on
-        # open-ended text they cost more than they save. The choice depends only on the
-        # draft's own outputs, so verification stays lossless.
-        self.confidence_threshold = confidence_threshold
+        # Stop drafting a sequence after a guess the draft itself gives less than
+        # confidence_threshold (guesses.py): on open-ended text later guesses cost more
+        # than they save.
+        self.guesser = Guesser(draft.config.vocab_size, confidence_threshold)
         self.caches: dict[int, KVCache] = {}
         self.prefix_cache: PrefixCache | None = None  # the draft's own, if any (see above)
         self._token_ids: dict[int, list[int]] = {}  # each cache's sequence's tokens (the live list), to store it
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.in_c() is not None
+
+    @property
+    def confidence_threshold(self) -> float:
+        return self.guesser.confidence_threshold
 
     def _cache(self, seq: SequenceView) -> KVCache:
         if seq.seq_id not in self.caches:
@@ -168,11 +167,10 @@ class DraftModelProposer:
 
     def _draft(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         """Draft through PyTorch (after `catch_up_prompts`)."""
-        drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
-        draft_probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafted}
+        chains = DraftChains(seqs, num_tokens, self.guesser)
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
-        inputs = {i: self.unseen(seqs[i]) for i in drafted}
-        common = {i: self.keeps_to_common(seqs[i]) for i in drafted}
+        inputs = {i: self.unseen(seqs[i]) for i in chains.active()}
+        common = {i: self.keeps_to_common(seqs[i]) for i in inputs}
         self._count_read([len(tokens) for tokens in inputs.values()])
         while inputs:
             order = list(inputs)
@@ -182,60 +180,10 @@ class DraftModelProposer:
             device = self.draft.device
             flat = torch.tensor([t for i in order for t in inputs[i]], dtype=torch.int64, device=device)
             last_rows = torch.tensor([len(inputs[i]) for i in order], device=device).cumsum(0) - 1
-            logits = self.draft(flat, segments, last_rows, [common[i] for i in order])  # [len(order), width]
-            # Every greedy guess of this position from one read-back (one sync on a GPU).
-            argmax, confidences = self._greedy_guesses(logits)  # [len(order)] each
-            unsure: set[int] = set()
-            for row, i in enumerate(order):
-                try:
-                    token, confidence, row_probs = self._guess(seqs[i], logits[row : row + 1], drafted[i],
-                                                               argmax[row], confidences[row])
-                except Exception:  # this request's own arithmetic: it drafts nothing, the rest go on
-                    log.exception("drafting for request %d failed", seqs[i].seq_id)
-                    drafted[i], draft_probs[i] = [], []
-                    unsure.add(i)
-                    continue
-                drafted[i].append(token)
-                if row_probs is not None:
-                    draft_probs[i].append(row_probs)
-                if confidence < self.confidence_threshold:
-                    unsure.add(i)
+            chains.add(order, self.draft(flat, segments, last_rows, [common[i] for i in order]))  # [len(order), width]
             # The newest guess is fed only if another one is wanted after it.
-            inputs = {
-                i: drafted[i][-1:] for i in order if len(drafted[i]) < num_tokens[i] and i not in unsure
-            }
-        return [
-            Draft.of(drafted[i], torch.stack(draft_probs[i]) if draft_probs[i] else None)  # probs [k, V]
-            if i in drafted
-            else Draft.empty()
-            for i in range(len(seqs))
-        ]
-
-    def _guess(self, seq: SequenceView, row_logits: torch.Tensor, drafted: list[int], argmax: int,
-               confidence: float) -> tuple[int, float, torch.Tensor | None]:
-        """One draft position of one sequence from its row of logits [1, width] (and its
-        argmax and confidence, computed for the batch): the token, the draft's
-        probability of it, and the distribution [V] it was sampled from (None: greedy)."""
-        params = seq.params
-        if params.penalized:  # guess as the penalised target will choose: more accepted
-            row_logits = self._penalised(seq, row_logits, drafted)  # [1, V]
-        if params.greedy and not params.penalized:
-            return argmax, confidence, None
-        if params.greedy:
-            (token,), (confidence,) = self._greedy_guesses(row_logits)
-            return token, confidence, None
-        # [1, V]: a head limited to the first ids gives the rest no mass.
-        row_probs = logits_to_probs(row_logits, params)
-        row_probs = F.pad(row_probs, (0, self.draft.config.vocab_size - row_probs.shape[-1]))
-        token = int(sample(row_probs, seq.generator))
-        return token, float(row_probs[0, token]), row_probs[0]
-
-    def _penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
-        """A guess's logits [1, width] -> [1, V] with the request's penalties, the
-        sequence's output and this step's earlier guesses counted (specserve/penalties.py)."""
-        logits = F.pad(logits, (0, self.draft.config.vocab_size - logits.shape[-1]), value=float("-inf"))
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        return apply_penalties(logits, seq.params, prompt, [*seq.token_ids[seq.num_prompt_tokens :], *drafted], [])
+            inputs = {i: [chains.newest(i)] for i in chains.active()}
+        return chains.drafts()
 
     def _catch_up(self, chunks: dict[int, list[int]], seqs: Sequence[SequenceView]) -> None:
         """Feed each sequence's chunk of unseen tokens into its draft cache."""
@@ -243,14 +191,6 @@ class DraftModelProposer:
         device = self.draft.device
         flat = torch.tensor([t for chunk in chunks.values() for t in chunk], dtype=torch.int64, device=device)
         self.draft(flat, segments, torch.empty(0, dtype=torch.int64, device=device))  # no logits wanted
-
-    def _greedy_guesses(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Each row's argmax and the draft's probability of it (logits [R, V]); the
-        probabilities are skipped (1.0) when no confidence threshold uses them."""
-        argmax = logits.argmax(dim=-1).tolist()
-        if self.confidence_threshold <= 0:
-            return argmax, [1.0] * len(argmax)
-        return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq in seqs:

@@ -2,21 +2,29 @@
 
 A draft model must speak the target's vocabulary token for token, or its drafts and
 probabilities would be about other tokens: that is checked here, at load, with a
-message that says what differs.
+message that says what differs. A head (EAGLE, Medusa) is checked against the target's
+shapes by `load_head`, and runs in the target's dtype on its device.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, HEAD_METHODS, SpecConfig
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
 from specserve.models import LoadedModel, load_model
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.eagle import EagleProposer
 from specserve.spec.fused import FusedDraftProposer
+from specserve.spec.guesses import Guesser
+from specserve.spec.heads.checkpoint import load_head
+from specserve.spec.heads.medusa import MedusaHeads
+from specserve.spec.medusa import MedusaProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer
 
@@ -47,13 +55,34 @@ def draft_format(draft_quantization: str | None, dtype: torch.dtype,
 
 def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                  quantization: str = "none", compile: bool = False) -> Proposer:
+                  quantization: str = "none", compile: bool = False) -> tuple[Proposer, SpecConfig]:
+    """The proposer `spec` asks for, and `spec` as loading it settled it (a Medusa
+    checkpoint's head count bounds k)."""
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), spec
+    if spec.method in HEAD_METHODS:
+        return head_proposer(spec, target.decoder, prefill_chunk_size)
     draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
                        device=target.decoder.device)
     check_same_vocabulary(target, draft)
-    return draft_proposer(spec, draft.decoder, target, prefill_chunk_size)
+    return draft_proposer(spec, draft.decoder, target, prefill_chunk_size), spec
+
+
+def head_folder(name: str) -> Path:
+    """Where the head `spec.model` names lies: a folder path (resolved here alone, so that
+    a catalogue of heads can join later)."""
+    return Path(name).expanduser()
+
+
+def head_proposer(spec: SpecConfig, target: Decoder,
+                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> tuple[Proposer, SpecConfig]:
+    """The EAGLE or Medusa proposer of the head in spec.model's folder, for `target`."""
+    head = load_head(head_folder(spec.model), target.config, spec.method, target.dtype).to(target.device)
+    guesser = Guesser(target.config.vocab_size, spec.draft_confidence_threshold)
+    if isinstance(head, MedusaHeads):
+        return MedusaProposer(head, guesser), spec.for_medusa_heads(head.config.num_heads)
+    head.share_target(target.embed_tokens, target.lm_head)
+    return EagleProposer(head, guesser, prefill_chunk_size), spec
 
 
 def draft_proposer(spec: SpecConfig, draft: Decoder, target: LoadedModel,
@@ -85,11 +114,18 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     steps are bound by kernel launches, a fixed number per layer (an H100 ran the 1.5B
     target at 6% of its memory roofline, and the 0.5B draft's position cost about 0.8 of
     a target step where its bytes say 0.3): the larger of that and the ratio of layers.
-    With CUDA graphs (`Decoder.use_cuda_graphs`) a step launches once: the bytes again."""
-    if not isinstance(proposer, DraftModelProposer):
+    With CUDA graphs (`Decoder.use_cuda_graphs`) a step launches once: the bytes again.
+    A head's position reads its own weights (one layer and an LM head), launched eagerly:
+    a target that captures features runs without graphs."""
+    if isinstance(proposer, DraftModelProposer):
+        draft = proposer.draft
+        position_bytes, layers, graphed = draft_bytes_per_position(draft), draft.config.num_layers, (
+            target.static is not None and draft.static is not None)
+    elif isinstance(proposer, (EagleProposer, MedusaProposer)):
+        position_bytes, layers, graphed = proposer.bytes_per_position(), 1, False
+    else:
         return 0.0
-    draft = proposer.draft
-    by_bytes = draft_bytes_per_position(draft) / weight_bytes_per_token(target)
-    if target.device.type == "cpu" or (target.static is not None and draft.static is not None):
+    by_bytes = position_bytes / weight_bytes_per_token(target)
+    if target.device.type == "cpu" or graphed:
         return by_bytes
-    return max(by_bytes, draft.config.num_layers / target.config.num_layers)
+    return max(by_bytes, layers / target.config.num_layers)

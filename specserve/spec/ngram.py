@@ -21,6 +21,8 @@ from specserve.spec.proposer import Draft, SequenceView
 
 
 class NgramProposer:
+    features = None  # reads tokens only
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if prompt_lookup_min < 1 or prompt_lookup_max < prompt_lookup_min:
             raise ConfigError(

@@ -1,9 +1,11 @@
 """What a proposer is: the `Draft` it returns and the `Proposer` protocol.
 
 A proposer sees sequences only through `SequenceView` (an id and every token so far),
-so n-gram lookup, a draft model, and later heads on the target's hidden states are
+so n-gram lookup, a draft model, and heads on the target's hidden states are
 interchangeable. k is ragged: each sequence asks for its own number of tokens, and a
-proposer may return fewer (an n-gram lookup that finds nothing returns none).
+proposer may return fewer (an n-gram lookup that finds nothing returns none). A head
+also reads the target's features: its `features` (spec/features.py) names them, and the
+engine hands over those of every target forward.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol, Sequence
 import torch
 
 from specserve.sampling import SamplingParams
+from specserve.spec.features import TargetFeatures
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class SequenceView(Protocol):
 
 
 class Proposer(Protocol):
+    # The target's features it drafts from, which every target forward captures and
+    # hands over (spec/features.py); None for a proposer that reads tokens only.
+    features: TargetFeatures | None
     # How many tokens of its sequences the last `propose` call had to read before it
     # could draft (the most over the sequences; 0 for a proposer with no state): a draft
     # model catches up 1-2 after a drafting step, and every token decoded since after

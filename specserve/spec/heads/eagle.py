@@ -144,16 +144,19 @@ class EagleHead(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        token_ids: torch.Tensor,  # [T] int64: the token at position p + 1 of each pair
+        token_ids: torch.Tensor,  # [T] int64: the token at position p + 1 of each pair, every segment's in order
         features: torch.Tensor,  # [T, H]: the feature of position p (project_target_features, or a head output)
-        cache: KVCache,  # positions [0, cache.length) fed before; the pairs go at cache.length + i
+        segments: list[Segment],  # per sequence: its pairs go at cache.length + i of its head cache
     ) -> torch.Tensor:  # [T, H]: each pair's output feature (before the final norm)
         if self.target is None:
             raise RuntimeError("an EAGLE head needs the target's embedding first (share_target)")
-        num_pairs, start = token_ids.shape[0], cache.length
-        assert features.shape == (num_pairs, self.config.hidden_size), features.shape
-        cache.reserve(start + num_pairs)
-        positions = torch.arange(start, start + num_pairs, device=self.device)  # [T]
+        assert features.shape == (token_ids.shape[0], self.config.hidden_size), features.shape
+        assert token_ids.shape[0] == sum(s.num_tokens for s in segments)
+        for seg in segments:
+            seg.cache.reserve(seg.cache.length + seg.num_tokens)
+        positions = torch.cat([
+            torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments
+        ])  # [T]
         cos, rotated_sin = rope_rows(self.inv_freq, positions, self.dtype)  # [T, head_dim]
         embeddings = self.target.embed_tokens(token_ids).to(self.dtype)  # [T, H]
         layer = self.layer
@@ -166,8 +169,9 @@ class EagleHead(nn.Module):
             residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [T, H]
             qkv = layer.project_qkv(residual)  # [T, q_size + 2 kv_size]
         with attention_backends(self.device):
-            attended = layer.self_attn(qkv, cos, rotated_sin, 0, [Segment(cache, num_pairs)])  # [T, q_size]
-        cache.length += num_pairs
+            attended = layer.self_attn(qkv, cos, rotated_sin, 0, segments)  # [T, q_size]
+        for seg in segments:
+            seg.cache.length += seg.num_tokens
         return layer.finish(residual, attended)  # [T, H]
 
     @torch.inference_mode()

@@ -68,11 +68,13 @@ class MedusaHeads(nn.Module):
         return self.lm_heads[0 if self.config.shared_lm_head else i]
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [num_heads, R, head_width] float32
-        """Each head's scores of its LM head's rows; `to_target_ids` names their target ids."""
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Scores of the first `num_heads` heads (all by default) over their LM heads'
+        rows, [R, H] -> [num_heads, R, head_width] float32; `to_target_ids` names their
+        target ids."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         per_head = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks[:num_heads]):
             x = hidden  # [R, H]
             for linear in block:
                 x = x + F.silu(linear(x))
@@ -83,6 +85,7 @@ class MedusaHeads(nn.Module):
         """Rows of the LM heads [...] -> target token ids [...]."""
         return to_target_ids(draft_ids, self.target_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [num_heads, R, vocab] float32
-        """Scores over the target's vocabulary, -inf at ids the heads never guess."""
-        return widen_to_target_vocab(self(hidden), self.target_ids, self.config.vocab_size)
+    def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Scores of the first `num_heads` heads over the target's vocabulary, -inf at ids
+        they never guess: [R, H] -> [num_heads, R, vocab] float32."""
+        return widen_to_target_vocab(self(hidden, num_heads), self.target_ids, self.config.vocab_size)

@@ -1,0 +1,117 @@
+"""A proposer's guesses, one draft position at a time: its scores turned into draft tokens
+as each request asks. Shared by every proposer that scores (a draft model, EAGLE and
+Medusa heads).
+
+A greedy request's guess is the argmax. A sampling request's is drawn with the request's
+own generator from `logits_to_probs` under its params, and those probabilities go to the
+verifier with the draft (`Draft.probs`), so rejection sampling stays lossless. A
+penalised request's scores are penalised as the target's rows will be
+(specserve/penalties.py), this step's earlier guesses counted, so the guesses are what
+the penalised target will choose. Scores may cover fewer ids than the vocabulary (a
+draft's common head: the first ids) or be -inf at ids a head never guesses: those ids get
+no mass.
+
+A sequence stops drafting after a guess the proposer itself gives less than
+`confidence_threshold`: later guesses would build on it and rarely survive. The choice
+depends on the proposer's outputs alone, so verification stays lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specserve.penalties import apply_penalties
+from specserve.sampling import logits_to_probs, sample
+from specserve.spec.proposer import Draft, SequenceView
+
+log = logging.getLogger("specserve")
+
+
+@dataclass(frozen=True)
+class Guesser:
+    vocab_size: int  # the target's: narrower scores are padded to it
+    confidence_threshold: float = 0.0
+
+    def greedy_guesses(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Each row's argmax and the proposer's probability of it (logits [R, width]); the
+        probabilities are skipped (1.0) when no confidence threshold uses them."""
+        argmax = logits.argmax(dim=-1).tolist()
+        if self.confidence_threshold <= 0:
+            return argmax, [1.0] * len(argmax)
+        return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
+
+    def guess(self, seq: SequenceView, row_logits: torch.Tensor, drafted: list[int], argmax: int,
+              confidence: float) -> tuple[int, float, torch.Tensor | None]:
+        """One draft position of one sequence from its row of scores [1, width] (and its
+        argmax and confidence, computed for the batch): the token, the proposer's
+        probability of it, and the distribution [V] it was sampled from (None: greedy)."""
+        params = seq.params
+        if params.penalized:  # guess as the penalised target will choose: more accepted
+            row_logits = self.penalised(seq, row_logits, drafted)  # [1, V]
+        if params.greedy and not params.penalized:
+            return argmax, confidence, None
+        if params.greedy:
+            (token,), (confidence,) = self.greedy_guesses(row_logits)
+            return token, confidence, None
+        row_probs = logits_to_probs(row_logits, params)  # [1, width]
+        row_probs = F.pad(row_probs, (0, self.vocab_size - row_probs.shape[-1]))  # [1, V]
+        token = int(sample(row_probs, seq.generator))
+        return token, float(row_probs[0, token]), row_probs[0]
+
+    def penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+        """A guess's scores [1, width] -> [1, V] with the request's penalties, the
+        sequence's output and this step's earlier guesses counted."""
+        logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        return apply_penalties(logits, seq.params, prompt, [*seq.token_ids[seq.num_prompt_tokens :], *drafted], [])
+
+
+class DraftChains:
+    """Each sequence's guesses in one proposing call, grown a position at a time for the
+    sequences that still want one (`active`), then handed out as `Draft`s. Indices are
+    into the call's `seqs`."""
+
+    def __init__(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], guesser: Guesser):
+        self.seqs, self.num_tokens, self.guesser = seqs, num_tokens, guesser
+        self.drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
+        self.probs: dict[int, list[torch.Tensor]] = {i: [] for i in self.drafted}  # each [V]
+        self.stopped: set[int] = set()  # unsure of its last guess, or its arithmetic failed
+
+    def active(self) -> list[int]:
+        """The sequences that want another guess."""
+        return [i for i, d in self.drafted.items() if len(d) < self.num_tokens[i] and i not in self.stopped]
+
+    def newest(self, i: int) -> int:
+        return self.drafted[i][-1]
+
+    def add(self, order: list[int], logits: torch.Tensor) -> None:
+        """Guess the next position of each sequence in `order` from its row of `logits`
+        [len(order), width]."""
+        argmax, confidences = self.guesser.greedy_guesses(logits)  # one read-back for the batch
+        for row, i in enumerate(order):
+            try:
+                token, confidence, row_probs = self.guesser.guess(self.seqs[i], logits[row : row + 1],
+                                                                  self.drafted[i], argmax[row], confidences[row])
+            except Exception:  # this request's own arithmetic: it drafts nothing, the rest go on
+                log.exception("drafting for request %d failed", self.seqs[i].seq_id)
+                self.drafted[i], self.probs[i] = [], []
+                self.stopped.add(i)
+                continue
+            self.drafted[i].append(token)
+            if row_probs is not None:
+                self.probs[i].append(row_probs)
+            if confidence < self.guesser.confidence_threshold:
+                self.stopped.add(i)
+
+    def drafts(self) -> list[Draft]:
+        return [
+            Draft.of(self.drafted[i], torch.stack(self.probs[i]) if self.probs[i] else None)  # probs [k, V]
+            if i in self.drafted
+            else Draft.empty()
+            for i in range(len(self.seqs))
+        ]

@@ -1,0 +1,278 @@
+"""EAGLE-1, EAGLE-3 and Medusa proposers in the engine, on tiny targets: greedy output equal
+to plain decoding (k 1..7, ragged batches, prompts in chunks, adaptive k, lookups first,
+penalties, logprobs, prefix caching), heads that guess right making multi-token steps, the
+head's state after rejections, the factory's refusals, and the target's distribution at
+temperature > 0 (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import SpecConfig
+from specserve.engine.engine import Engine
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.model.decoder import Capture, Decoder, Segment
+from specserve.model.prefix_cache import PrefixCache
+from specserve.sampling import SamplingParams
+from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.eagle import EagleProposer
+from specserve.spec.factory import head_proposer, prior_cost_ratio
+from specserve.spec.guesses import Guesser
+from specserve.spec.heads.checkpoint import save_head
+from specserve.spec.heads.eagle import EagleConfig, EagleHead
+from specserve.spec.heads.medusa import MedusaHeads
+from specserve.spec.medusa import MedusaProposer
+from tests.conftest import DEVICES
+from tests.head_models import METHODS, NUM_MEDUSA_HEADS, permutation_target, random_head, right_head, target_config
+
+EOS = 95
+PROMPTS = [[5, 9, 13, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def proposer_of(head: EagleHead | MedusaHeads, target: Decoder, confidence_threshold: float = 0.0,
+                catch_up_chunk_size: int = 512) -> EagleProposer | MedusaProposer:
+    guesser = Guesser(target.config.vocab_size, confidence_threshold)
+    if isinstance(head, MedusaHeads):
+        return MedusaProposer(head, guesser)
+    head.share_target(target.embed_tokens, target.lm_head)
+    return EagleProposer(head, guesser, catch_up_chunk_size)
+
+
+def plain_tokens(target: Decoder, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    return Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
+
+
+def run_batch(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list:
+    """Every request at once (a ragged batch), one more joining after 3 steps."""
+    seqs = [engine.add_request(prompt, params) for prompt, params in requests[:-1]]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            seqs.append(engine.add_request(*requests[-1]))
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def noisy() -> tuple[Decoder, torch.Tensor]:
+    """A permutation target with noise: right heads are right often, not always."""
+    return permutation_target(noise=0.18)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_output_is_the_targets_in_ragged_batches_of_chunked_prompts(noisy, method, k):
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k, prefill_chunk_size=4)
+    lengths = [5, 24, 11, 17, 24]
+    prompts = PROMPTS + [[8, 8, 8, 8, 8, 8, 8]]
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+        assert seq.output_ids == plain_tokens(target, prompt, params)
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # right and wrong guesses: rollback ran
+    assert not engine.running and not proposer.features.runs
+    if method != "medusa":
+        assert not proposer.caches
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_heads_keep_the_output_the_targets(method):
+    torch.manual_seed(5)
+    target = Decoder(target_config()).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    proposer = proposer_of(random_head(method, target.config, seed=6, draft_vocab=40), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4, prefill_chunk_size=7)
+    requests = [(p, GREEDY) for p in PROMPTS]
+    for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+        assert seq.output_ids == plain_tokens(target, prompt, params)
+    assert engine.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_that_guess_right_make_multi_token_steps(method, device):
+    target, perm = permutation_target()
+    head = right_head(method, target, perm).to(device)
+    target = target.to(device)
+    proposer = proposer_of(head, target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=5)
+    seq = engine.add_request(PROMPTS[3], GREEDY)
+    steps = 0
+    while not seq.finished:
+        engine.step()
+        steps += 1
+    assert seq.output_ids == plain_tokens(target, PROMPTS[3])
+    assert seq.output_ids[1:] == perm[torch.tensor(seq.output_ids[:-1])].tolist()  # the target as built
+    assert seq.spec.acceptance_rate == 1.0 and steps == 1 + 4  # the prompt's step, then 6 tokens a step
+
+
+def target_features(target: Decoder, tokens: list[int], capture: Capture) -> torch.Tensor:  # [len(tokens), F]
+    target(torch.tensor(tokens), [Segment(target.new_cache(), len(tokens))], capture=capture)
+    return capture.layer_inputs if capture.layers else capture.final_hidden
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_after_rejections_the_head_holds_the_verified_positions_alone(noisy, method):
+    """After every step: the feature run ends at the last verified position; Medusa keeps
+    that row alone, the target's own; an EAGLE head's cache holds every read position,
+    each as a fresh head reading the target's features of the whole text computes it."""
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    seq = engine.add_request(PROMPTS[1], GREEDY)
+    rejected = 0
+    while not seq.finished:
+        engine.step()
+        rejected += seq.spec.num_draft_tokens - seq.spec.num_accepted_tokens
+        if seq.finished:
+            break
+        run = proposer.features.runs[seq.seq_id]
+        verified = len(seq.token_ids) - 1
+        assert run.end == verified
+        features = target_features(target, seq.token_ids[:verified], proposer.features.new_capture())
+        if method == "medusa":
+            assert len(run) == 1
+            torch.testing.assert_close(run.newest(), features[-1])
+            continue
+        cache = proposer.caches.get(seq.seq_id)
+        if cache is None:
+            continue
+        assert run.origin == 0 and cache.length == run.start
+        fresh = proposer.head.new_cache()
+        head = proposer.head
+        head(torch.tensor(seq.token_ids[1 : run.start + 1]), head.project_target_features(features[: run.start]),
+             [Segment(fresh, run.start)])
+        torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
+        torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
+    assert rejected > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_adaptive_k_lookups_penalties_and_logprobs_keep_the_targets_output(noisy, method):
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target, confidence_threshold=0.3)
+    adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
+    timed, observe_draft = [], adaptive.observe_draft
+    adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, seconds))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
+                    lookup_first=2, prefill_chunk_size=6)
+    penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.2)
+    with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [(PROMPTS[0], penalised), (PROMPTS[1], with_logprobs), (PROMPTS[3], GREEDY), (PROMPTS[2], penalised)]
+    for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+        plain = Engine(target, eos_token_ids=[EOS]).generate(prompt, params)
+        assert seq.output_ids == plain.output_ids
+        if params.logprobs is not None:
+            for ours, theirs in zip(seq.logprobs, plain.logprobs, strict=True):
+                assert ours.token_id == theirs.token_id and ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert timed  # steps with a catch-up of 1-2 were timed as drafting
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_prefix_from_the_prefix_cache_is_not_read_and_the_output_stays_the_targets(noisy, method):
+    """The target computes no features for a prompt prefix it loads: the head's run starts
+    after it."""
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
+                    prefix_cache=PrefixCache(4096))
+    shared = list(range(10, 60))  # longer than a prefix-cache block
+    first = engine.generate(shared + [3], GREEDY)
+    second = engine.add_request(shared + [4, 5], GREEDY)
+    engine.step()
+    assert second.num_cached_tokens > 0
+    assert proposer.features.runs[second.seq_id].origin == second.num_cached_tokens
+    while not second.finished:
+        engine.step()
+    assert first.output_ids == plain_tokens(target, shared + [3])
+    assert second.output_ids == plain_tokens(target, shared + [4, 5])
+    assert second.spec.num_accepted_tokens > 0
+
+
+def test_eagle_counts_what_the_chain_guessed_right_as_read_already(noisy):
+    """After a drafting step a head catches up 1 token (a rejection) or 2 (all accepted),
+    as a draft model does, though it reads again every accepted position."""
+    target, perm = noisy
+    proposer = proposer_of(right_head("eagle3", target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    seq = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.step()
+    catch_ups = []  # (backlog before, catch-up, pairs read) of each drafting step
+    while not seq.finished:
+        backlog, drafts = proposer.backlog(seq), seq.spec.num_drafts
+        engine.step()
+        if seq.spec.num_drafts > drafts:
+            catch_ups.append((backlog, proposer.last_catch_up, proposer.last_tokens_read))
+    first, *rest = catch_ups
+    assert first[:2] == (len(PROMPTS[3]), len(PROMPTS[3]))  # the prompt's pairs
+    assert all(backlog == catch_up in (1, 2) for backlog, catch_up, _ in rest)
+    assert any(read > 2 for _, _, read in rest)  # accepted positions were read again
+
+
+def test_the_factory_loads_heads_and_refuses_what_does_not_fit(tmp_path):
+    target = Decoder(target_config()).eval()
+    for method in METHODS:
+        save_head(random_head(method, target.config, seed=1), tmp_path / method)
+    spec = SpecConfig.parse({"method": "medusa", "model": str(tmp_path / "medusa")})
+    proposer, settled = head_proposer(spec, target)
+    assert isinstance(proposer, MedusaProposer)
+    assert settled.num_speculative_tokens == settled.max_speculative_tokens == NUM_MEDUSA_HEADS
+    spec = SpecConfig.parse({"method": "medusa", "model": str(tmp_path / "medusa"), "num_speculative_tokens": 8})
+    with pytest.raises(ConfigError, match="num_speculative_tokens is 8, but the Medusa checkpoint has 7 heads"):
+        head_proposer(spec, target)
+    spec = SpecConfig.parse({"method": "medusa", "model": str(tmp_path / "medusa"), "max_speculative_tokens": 9})
+    with pytest.raises(ConfigError, match="max_speculative_tokens is 9"):
+        head_proposer(spec, target)
+    proposer, settled = head_proposer(SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"),
+                                                        "num_speculative_tokens": 7}), target)
+    assert isinstance(proposer, EagleProposer) and proposer.head.config.version == 3
+    assert settled.num_speculative_tokens == 7 and settled.prompt_lookup_first == 4  # lookups first, as drafts
+    assert 0 < prior_cost_ratio(proposer, target) < 1
+    with pytest.raises(ConfigError, match='use "method": "eagle3"'):
+        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle3"),
+                                        "num_speculative_tokens": 3}), target)
+    with pytest.raises(ModelLoadError, match="no such folder"):
+        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "absent"),
+                                        "num_speculative_tokens": 3}), target)
+    (tmp_path / "eagle" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle"),
+                                        "num_speculative_tokens": 3}), target)
+    wider = Decoder(target_config(hidden_size=32, intermediate_size=64, head_dim=8)).eval()
+    with pytest.raises(ConfigError, match="hidden size 64, the target has 32"):
+        head_proposer(SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"),
+                                        "num_speculative_tokens": 3}), wider)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_speculative_engine_samples_the_target_distribution(method):
+    """At temperature > 0 a batch of seeded requests drafted by random heads (EAGLE-3 over 3
+    of the 4 ids; early stops on unsure guesses) gives 4-token outputs distributed as the
+    target's own sampling (chi-square over all 4^4)."""
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
+
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    config = target_config(vocab_size=vocab, num_layers=4)  # EAGLE-3 reads layers 2, 2 and 1
+    target = Decoder(config).eval()
+    if method == "eagle3":
+        head = EagleHead(EagleConfig.for_target(config, 3, draft_vocab_size=3)).eval()
+        head.target_ids = torch.tensor([3, 0, 1])  # id 2 only ever comes from the target's residual
+    else:
+        head = random_head(method, config, seed=4)
+    params = dict(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    expected = target_continuation_probs(target, prompt, SamplingParams(**params))
+    proposer = proposer_of(head, target, confidence_threshold=0.3)
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    samples = seeded_outputs(engine, prompt, params, batches=5)
+    stats = engine.spec_stats
+    assert 0.1 < stats.acceptance_rate < 0.95
+    assert chi_square_p_value(samples, expected) > 1e-4
