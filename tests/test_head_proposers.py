@@ -158,8 +158,11 @@ def test_adaptive_k_lookups_penalties_and_logprobs_keep_the_targets_output(noisy
     target, perm = noisy
     proposer = proposer_of(right_head(method, target, perm), target, confidence_threshold=0.3)
     adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
-    timed, observe_draft = [], adaptive.observe_draft
-    adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, seconds))
+    # Costs as a quiet machine measures them (a draft position a tenth of a target row),
+    # so that what adaptive chooses does not depend on how busy this one is.
+    timed, observe_draft, observe_target = [], adaptive.observe_draft, adaptive.observe_target
+    adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, 1e-3 * positions))
+    adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
                     lookup_first=2, prefill_chunk_size=6)
     penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
