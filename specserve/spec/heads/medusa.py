@@ -70,13 +70,17 @@ class MedusaHeads(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [num_heads, R, head_width] float32
         """Each head's scores of its LM head's rows; `to_target_ids` names their target ids."""
+        return self.scores(hidden)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [num_heads, ..., head_width] float32
+        """`forward` outside inference mode, for training."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         per_head = []
         for i, block in enumerate(self.blocks):
-            x = hidden  # [R, H]
+            x = hidden  # [..., H]
             for linear in block:
                 x = x + F.silu(linear(x))
-            per_head.append(self.lm_head(i)(x).float())  # [R, head_width]
+            per_head.append(self.lm_head(i)(x).float())  # [..., head_width]
         return torch.stack(per_head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
