@@ -212,7 +212,8 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("model", metavar="TARGET", help="a catalogue name, a .gguf file or a checkpoint folder")
     train.add_argument("--method", choices=METHODS, default=defaults.method, help="the head (default eagle3)")
     train.add_argument("--name", default=None,
-                       help="the head's name in the cache, what --speculative-config's \"model\" names (default TARGET-METHOD)")
+                       help="the head's name in the cache, what --speculative-config's \"model\" names "
+                       "(default TARGET-METHOD)")
     train.add_argument("--max-minutes", type=float, default=defaults.max_minutes,
                        help="the whole run: loading, answers, features, training and measurement (default 30)")
     train.add_argument("--seed", type=int, default=defaults.seed, help="answers, data order and initial weights")
@@ -235,8 +236,8 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     head.add_argument("--ttt-length", type=int, default=defaults.ttt_length,
                       help="EAGLE: steps the head is unrolled on its own features in training")
     head.add_argument("--num-heads", type=int, default=defaults.num_heads, help="Medusa: heads, one per token ahead")
-    head.add_argument("--head-intermediate-size", type=int, default=None,
-                      help="EAGLE: the head's MLP width (default the target's)")
+    head.add_argument("--head-intermediate-size", type=int, default=defaults.head_intermediate_size,
+                      help="EAGLE: the head's MLP width (default 2048, cheap on a CPU; EAGLE's own is the target's)")
     head.add_argument("--steps", type=int, default=None, help="training steps (default: as many as the budget allows)")
     head.add_argument("--batch-tokens", type=int, default=defaults.loop.batch_tokens, help="positions per step")
     head.add_argument("--lr", type=float, default=defaults.loop.lr, help="peak learning rate (AdamW)")

@@ -44,7 +44,8 @@ def sharp_target() -> Decoder:
 def trainer_on_one_text(method_name: str, folder, steps: int, **loop) -> Trainer:
     target, method = sharp_target(), METHODS[method_name]()
     text = torch.randint(0, TARGET.vocab_size, (96,), generator=torch.Generator().manual_seed(1)).tolist()
-    keys = compute_features(target, {"text": Sample(text, 0)}, method.feature_spec(TARGET), 8, folder, time.monotonic() + 600)
+    spec = method.feature_spec(TARGET)
+    keys = compute_features(target, {"text": Sample(text, 0)}, spec, 8, folder, time.monotonic() + 600)
     data = FeatureSet.load(folder, keys)
     vocab = DraftVocab.most_frequent(data.token_counts(TARGET.vocab_size), TARGET.vocab_size)
     torch.manual_seed(2)

@@ -9,8 +9,11 @@ optimizer's state, the step, the planned number of steps, the data position, the
 RNG state and the seconds trained, written under a temporary name and renamed: resuming
 from it continues the run that wrote it, step for step.
 
-With no step count given, the plan is made after `PLAN_AFTER_STEPS` steps: as many as the
-time left allows at the measured pace (the cosine decay needs to know where it ends).
+With no step count given, the plan (where the cosine decay ends) is as many steps as the
+time left allows at the pace measured so far, made after `PLAN_AFTER_STEPS` steps and made
+again after every step: one step's time misleads (batches differ in length, and other
+work on a shared machine comes and goes), so a plan from the second step alone once
+promised 442 steps where 60 fitted.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from specserve.errors import ConfigError
 from specserve.train.features import FeatureSet, FeatureSpec
 from specserve.train.objective import Batch, DraftVocab, Figures
 
-PLAN_AFTER_STEPS = 2  # the first step pays for warming up; the second shows the pace
+PLAN_AFTER_STEPS = 2  # the first step pays for warming up: the pace is measured from the second on
 FINAL_LR_FRACTION = 0.1
 
 
@@ -50,10 +53,10 @@ class HeadMethod(Protocol):
 @dataclass(frozen=True)
 class LoopSettings:
     steps: int | None  # None: as many as the time allows
-    batch_tokens: int = 2048  # positions per step (whole windows; at least one)
+    batch_tokens: int = 1024  # positions per step (whole windows; at least one)
     window: int = 512  # longest run of positions a row of the batch holds
     lr: float = 5e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     checkpoint_seconds: float = 120.0
@@ -121,9 +124,9 @@ class Trainer:
 
     def learning_rate(self, step: int) -> float:
         settings, total = self.settings, self.position.total_steps
-        warmup = min(1.0, (step + 1) / settings.warmup_steps)
         if total is None:
-            return settings.lr * warmup
+            return settings.lr * min(1.0, (step + 1) / settings.warmup_steps)
+        warmup = min(1.0, (step + 1) / min(settings.warmup_steps, max(1, total // 10)))  # short runs warm up less
         progress = min(1.0, step / max(total - 1, 1))
         decay = FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
         return settings.lr * warmup * decay
@@ -147,6 +150,7 @@ class Trainer:
         passes, checkpointing every `checkpoint_seconds` and when stopped."""
         position = self.position
         last_checkpoint = time.monotonic()
+        paced = []  # seconds of this run's steps after its first
         try:
             while position.total_steps is None or position.step < position.total_steps:
                 started = time.monotonic()
@@ -155,8 +159,10 @@ class Trainer:
                 on_step(self.train_step())
                 now = time.monotonic()
                 position.seconds += now - started
-                if position.total_steps is None and position.step >= PLAN_AFTER_STEPS:
-                    position.total_steps = position.step + int((deadline - now) / (now - started))
+                paced.append(now - started)
+                if self.settings.steps is None and len(paced) >= PLAN_AFTER_STEPS:
+                    pace = sum(paced[1:]) / len(paced[1:])
+                    position.total_steps = position.step + int((deadline - now) / pace)
                 if now - last_checkpoint >= self.settings.checkpoint_seconds:
                     self.save()
                     last_checkpoint = now
