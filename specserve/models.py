@@ -5,6 +5,9 @@ name resolves to those packages, the GGUF they hold is checked by sha256, and it
 prepared once into `$SPECSERVE_CACHE` (default `~/.cache/specserve`) as a Hugging Face
 checkpoint folder of float32 weights plus tokenizer, so later loads take seconds.
 A GGUF path is prepared the same way; a checkpoint folder is read where it lies.
+Catalogue heads (`HEADS`) are not downloaded but trained on this machine from their
+target (specserve/train), into `$SPECSERVE_CACHE/heads/NAME`, where `resolve_head`
+finds them and any head `specserve train-head` wrote.
 
 Invariant: a folder under the cache is complete if and only if it holds
 `specserve.json` (it is written last, after an atomic rename of the whole folder).
@@ -133,6 +136,33 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 
+@dataclass(frozen=True)
+class HeadEntry:
+    """A draft head the catalogue trains on this machine (`specserve train-head`) rather
+    than downloads: no hub serves one for our targets, and the target's own answers are
+    the data its recipe asks for."""
+
+    name: str
+    description: str
+    target: str  # a CATALOGUE name
+    method: str  # vLLM's: eagle3, eagle, medusa
+    max_minutes: float  # the training's budget, data included
+
+
+HEADS: dict[str, HeadEntry] = {
+    e.name: e
+    for e in [
+        HeadEntry(
+            name="qwen2.5-coder-1.5b-eagle3",
+            description="EAGLE-3 head for qwen2.5-coder-1.5b, trained here on its int4 answers",
+            target="qwen2.5-coder-1.5b",
+            method="eagle3",
+            max_minutes=30.0,
+        ),
+    ]
+}
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
 
@@ -228,7 +258,9 @@ def _prepare_gguf(gguf_path: Path, folder: Path, provenance: dict) -> None:
 
 
 def prepare(name: str, force: bool = False) -> Path:
-    """The prepared folder of a catalogue model, preparing it first if needed."""
+    """The prepared folder of a catalogue model or head, preparing it first if needed."""
+    if name in HEADS:
+        return prepare_head(name, force)
     entry = catalogue_entry(name)
     folder = prepared_dir(name)
     with locked(name):
@@ -243,6 +275,43 @@ def prepare(name: str, force: bool = False) -> Path:
         finally:
             joined.unlink(missing_ok=True)
     return folder
+
+
+def heads_root() -> Path:
+    return cache_root() / "heads"
+
+
+def is_head(folder: Path) -> bool:
+    """A finished head: train-head renames a head's folder into place only complete."""
+    return (folder / "config.json").is_file()
+
+
+def prepare_head(name: str, force: bool = False) -> Path:
+    """A catalogue head's folder, trained first (its catalogue budget) if needed."""
+    from specserve.train.run import TrainHeadSettings, train_head  # training builds on this module
+
+    entry = HEADS[name]
+    return train_head(TrainHeadSettings(entry.target, entry.method, name, entry.max_minutes, force=force))
+
+
+def resolve_head(name_or_path: str) -> Path:
+    """The folder of a draft head (EAGLE, Medusa): a folder as it is, else a head trained
+    into the cache under that name (`specserve train-head --name`, or a catalogue head)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    folder = heads_root() / name_or_path
+    if "/" not in name_or_path and is_head(folder):
+        return folder
+    if name_or_path in HEADS:
+        raise ModelLoadError(
+            f"head {name_or_path!r} is not trained yet: `specserve models prepare {name_or_path}` trains it "
+            f"(about {HEADS[name_or_path].max_minutes:.0f} minutes on a CPU)")
+    trained = sorted(f.name for f in heads_root().glob("*") if is_head(f)) if heads_root().is_dir() else []
+    raise ModelLoadError(
+        f"{name_or_path!r} is neither a head folder nor a head trained into {heads_root()} "
+        f"(there: {', '.join(trained) or 'none'}; catalogue: {', '.join(HEADS)}); "
+        "train one with `specserve train-head TARGET --name NAME`")
 
 
 def export_gguf(name: str, folder: Path) -> Path:

@@ -73,7 +73,7 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
 
 @pytest.mark.parametrize("args, words", [
     (["--speculative-config", '{"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 3}'],
-     "head checkpoint /no/such/head: no such folder"),
+     "is neither a head folder nor a head trained into"),
     (["--speculative-config", "{oops"], "not valid JSON"),
     (["--model", "no-such-model"], "neither a catalogue model"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),

@@ -242,7 +242,7 @@ def test_the_factory_loads_heads_and_refuses_what_does_not_fit(tmp_path):
     with pytest.raises(ConfigError, match='use "method": "eagle3"'):
         head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle3"),
                                         "num_speculative_tokens": 3}), target)
-    with pytest.raises(ModelLoadError, match="no such folder"):
+    with pytest.raises(ModelLoadError, match="neither a head folder nor a head trained"):
         head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "absent"),
                                         "num_speculative_tokens": 3}), target)
     (tmp_path / "eagle" / "model.safetensors").write_bytes(b"not safetensors")

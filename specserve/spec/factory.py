@@ -8,8 +8,6 @@ shapes by `load_head`, and runs in the target's dtype on its device.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, HEAD_METHODS, SpecConfig
@@ -17,7 +15,7 @@ from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
-from specserve.models import LoadedModel, load_model
+from specserve.models import LoadedModel, load_model, resolve_head
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.fused import FusedDraftProposer
@@ -68,16 +66,10 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     return draft_proposer(spec, draft.decoder, target, prefill_chunk_size), spec
 
 
-def head_folder(name: str) -> Path:
-    """Where the head `spec.model` names lies: a folder path (resolved here alone, so that
-    a catalogue of heads can join later)."""
-    return Path(name).expanduser()
-
-
 def head_proposer(spec: SpecConfig, target: Decoder,
                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> tuple[Proposer, SpecConfig]:
     """The EAGLE or Medusa proposer of the head in spec.model's folder, for `target`."""
-    head = load_head(head_folder(spec.model), target.config, spec.method, target.dtype).to(target.device)
+    head = load_head(resolve_head(spec.model), target.config, spec.method, target.dtype).to(target.device)
     guesser = Guesser(target.config.vocab_size, spec.draft_confidence_threshold)
     if isinstance(head, MedusaHeads):
         return MedusaProposer(head, guesser), spec.for_medusa_heads(head.config.num_heads)

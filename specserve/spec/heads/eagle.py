@@ -159,20 +159,26 @@ class EagleHead(nn.Module):
         ])  # [T]
         cos, rotated_sin = rope_rows(self.inv_freq, positions, self.dtype)  # [T, head_dim]
         embeddings = self.target.embed_tokens(token_ids).to(self.dtype)  # [T, H]
-        layer = self.layer
-        if self.config.version == 3:
-            normed = self.hidden_norm(features)  # [T, H]
-            both = torch.cat([layer.input_layernorm(embeddings), normed], dim=-1)  # [T, 2H]
-            qkv = layer.self_attn.qkv_proj(both)  # [T, q_size + 2 kv_size]
-            residual = normed if self.config.norm_before_residual else features  # [T, H]
-        else:
-            residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [T, H]
-            qkv = layer.project_qkv(residual)  # [T, q_size + 2 kv_size]
+        qkv, residual = self.attention_inputs(embeddings, features)
         with attention_backends(self.device):
-            attended = layer.self_attn(qkv, cos, rotated_sin, 0, segments)  # [T, q_size]
+            attended = self.layer.self_attn(qkv, cos, rotated_sin, 0, segments)  # [T, q_size]
         for seg in segments:
             seg.cache.length += seg.num_tokens
-        return layer.finish(residual, attended)  # [T, H]
+        return self.layer.finish(residual, attended)  # [T, H]
+
+    def attention_inputs(
+        self,
+        embeddings: torch.Tensor,  # [..., H]: the pairs' tokens, embedded
+        features: torch.Tensor,  # [..., H]: the pairs' features
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # qkv [..., q_size + 2 kv_size], the residual [..., H]
+        """The layer's work before attention (outside inference mode: training runs it too)."""
+        layer = self.layer
+        if self.config.version == 3:
+            normed = self.hidden_norm(features)  # [..., H]
+            qkv = layer.self_attn.qkv_proj(torch.cat([layer.input_layernorm(embeddings), normed], dim=-1))
+            return qkv, normed if self.config.norm_before_residual else features
+        residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [..., H]
+        return layer.project_qkv(residual), residual
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, draft_vocab_size] float32

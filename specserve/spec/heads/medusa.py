@@ -72,13 +72,17 @@ class MedusaHeads(nn.Module):
         """Scores of the first `num_heads` heads (all by default) over their LM heads'
         rows, [R, H] -> [num_heads, R, head_width] float32; `to_target_ids` names their
         target ids."""
+        return self.scores(hidden, num_heads)
+
+    def scores(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """`forward` outside inference mode, for training: [..., H] -> [num_heads, ..., head_width]."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         per_head = []
         for i, block in enumerate(self.blocks[:num_heads]):
-            x = hidden  # [R, H]
+            x = hidden  # [..., H]
             for linear in block:
                 x = x + F.silu(linear(x))
-            per_head.append(self.lm_head(i)(x).float())  # [R, head_width]
+            per_head.append(self.lm_head(i)(x).float())  # [..., head_width]
         return torch.stack(per_head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""Training text for heads, self-distilled: the target's own answers to bundled instructions,
+and teacher-forced standard-library source.
+
+- `instructions.jsonl` (beside this file): {"kind", "prompt"} lines written for training
+  heads; none is a benchmark prompt (bench/suites.py), which a test keeps true.
+- Answers: the target answers the instructions in a seeded order through its chat
+  template at a sampling temperature (SpecForge regenerates its data at 0.8), batched by
+  the Engine. Instruction i is seeded `seed + i`, so its answer is the same whatever ran
+  beside it and whenever it ran. Each finished answer is appended to a JSON-lines file
+  at once: a run stopped by its budget or interrupted resumes with the answers it has.
+- Standard-library text: the running Python's standard-library .py files, cut into
+  pieces; free to read, and code is what the default target writes.
+
+A `Sample` is token ids and the first position whose token is trained: the answer's
+first token (the prompt is context only), 0 for plain text. Every `HOLDOUT_EVERY`-th
+answer (in the seeded order) is held out to measure the head, never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.model.decoder import Decoder
+from specserve.sampling import SamplingParams
+from specserve.tokenizer import Tokenizer
+
+INSTRUCTIONS_PATH = Path(__file__).with_name("instructions.jsonl")
+HOLDOUT_EVERY = 10  # answers 0, 10, 20, ... of the seeded order
+
+
+@dataclass(frozen=True)
+class Instruction:
+    kind: str  # code, structured, explanation, chat, math, rewriting
+    prompt: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]
+    first_trained: int  # tokens before this position are context only
+    held_out: bool = False
+
+
+@dataclass
+class AnswerStats:
+    indices: list[int] = field(default_factory=list)  # the instruction of each answer returned
+    steps: int = 0  # engine steps this run
+    seconds: float = 0.0
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+
+@dataclass(frozen=True)
+class AnswerSettings:
+    max_answers: int | None  # None: every instruction
+    max_tokens: int  # per answer
+    temperature: float
+    max_num_seqs: int
+    seed: int
+
+
+def load_instructions() -> list[Instruction]:
+    lines = INSTRUCTIONS_PATH.read_text(encoding="utf-8").splitlines()
+    return [Instruction(**json.loads(line)) for line in lines if line.strip()]
+
+
+def seeded_order(count: int, seed: int) -> list[int]:
+    """A permutation of range(count): a budget that stops early still covers every kind."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def read_answers(answers_file: Path) -> dict[int, dict]:
+    """Answers written so far, by instruction index; a line cut short by a kill is dropped."""
+    answers = {}
+    if answers_file.is_file():
+        for line in answers_file.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            answers[record["index"]] = record
+    return answers
+
+
+def answer_instructions(
+    target: Decoder,
+    tokenizer: Tokenizer,
+    settings: AnswerSettings,
+    answers_file: Path,
+    deadline: float,  # time.monotonic() by which to stop asking
+    on_answer: Callable[[int], None] = lambda num_tokens: None,
+) -> tuple[list[Sample], AnswerStats]:
+    """The target's answers (in the seeded order), generating those not yet in
+    `answers_file` until every one wanted is there or the deadline passes."""
+    instructions = load_instructions()
+    order = seeded_order(len(instructions), settings.seed)[: settings.max_answers]
+    answers = read_answers(answers_file)
+    engine = Engine(target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs)
+    index_of = {}  # seq_id -> instruction index
+    for i in order:
+        if i not in answers:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
+            params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
+                                    seed=settings.seed + i)
+            index_of[engine.add_request(prompt_ids, params).seq_id] = i
+    answers_file.parent.mkdir(parents=True, exist_ok=True)
+    stats = AnswerStats()
+    started = time.monotonic()
+    with open(answers_file, "a", encoding="utf-8") as out:
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            stats.steps += 1
+            for seq in engine.step():
+                if seq.finished and seq.finish_reason in ("stop", "length"):
+                    record = {"index": index_of[seq.seq_id], "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
+                              "answer_ids": seq.output_ids}
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    answers[record["index"]] = record
+                    on_answer(seq.num_output_tokens)
+    stats.seconds = time.monotonic() - started
+    for seq_id in list(engine.running) + [s.seq_id for s in engine.waiting]:
+        engine.abort(seq_id)  # unfinished at the deadline: asked again by a resumed run
+    stats.indices = [i for i in order if i in answers]
+    samples = [
+        Sample(answers[i]["prompt_ids"] + answers[i]["answer_ids"], len(answers[i]["prompt_ids"]),
+               held_out=position % HOLDOUT_EVERY == 0)
+        for position, i in enumerate(stats.indices)
+    ]
+    return samples, stats
+
+
+def stdlib_samples(tokenizer: Tokenizer, num_tokens: int, sample_tokens: int, seed: int) -> list[Sample]:
+    """About `num_tokens` tokens of standard-library source, in pieces of `sample_tokens`,
+    from files in a seeded order (the same on every run of one Python)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    samples: list[Sample] = []
+    total = 0
+    for i in seeded_order(len(files), seed):
+        if total >= num_tokens:
+            break
+        try:
+            text = files[i].read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)[: num_tokens - total]
+        for start in range(0, len(ids) - 1, sample_tokens):
+            piece = ids[start : start + sample_tokens]
+            if len(piece) > 1:
+                samples.append(Sample(piece, 0))
+                total += len(piece)
+    return samples

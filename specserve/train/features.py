@@ -1,0 +1,149 @@
+"""What a head learns from: the target's features and next-token distributions, read off a
+teacher-forced forward over each sample (`Decoder.forward` with a `Capture`).
+
+Per position p of a sample: the token, the feature the head reads (EAGLE-3: the residual
+stream entering three target layers [3H]; EAGLE-1 and Medusa: the last hidden state
+after the final norm [H]), and the target's distribution of the token at p + 1 at
+temperature 1, kept as its `top_k` likeliest ids and their probabilities (the rest of
+the mass is dropped: a soft target over 150k ids per position would not fit in memory).
+
+Each sample's tensors go to one safetensors file named by the sample's key, written
+under a temporary name and renamed: a stopped run resumes with the files it has.
+Features are kept in bfloat16, the target's own activation format under int4.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.model.decoder import Capture, Decoder, Segment
+from specserve.train.data import Sample
+from specserve.train.objective import Batch
+
+FORWARD_CHUNK = 128  # positions per forward: bounds the [chunk, vocab] logits
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which features a method's head reads."""
+
+    layers: tuple[int, ...] = ()  # residual streams entering these target layers, concatenated
+    final: bool = False  # the last hidden state after the final norm
+
+    def capture(self) -> Capture:
+        return Capture(layers=self.layers, final=self.final)
+
+
+def sample_features(target: Decoder, sample: Sample, spec: FeatureSpec, top_k: int) -> dict[str, torch.Tensor]:
+    """One sample's teacher-forced forward: token_ids [T], features [T, F] bfloat16,
+    top_ids [T, k] int64 and top_probs [T, k] float32 (the distribution of token p + 1)."""
+    ids = torch.tensor(sample.token_ids, dtype=torch.int64, device=target.device)  # [T]
+    cache = target.new_cache()
+    features, top_ids, top_probs = [], [], []
+    for chunk in ids.split(FORWARD_CHUNK):
+        capture = spec.capture()
+        logits = target(chunk, [Segment(cache, len(chunk))], capture=capture)  # [n, vocab]
+        features.append((capture.layer_inputs if spec.layers else capture.final_hidden).to(torch.bfloat16).cpu())
+        probs, top = logits.float().softmax(dim=-1).topk(top_k, dim=-1)  # [n, k]
+        top_ids.append(top.cpu())
+        top_probs.append(probs.cpu())
+    cache.release()
+    return {
+        "token_ids": ids.cpu(),
+        "features": torch.cat(features),
+        "top_ids": torch.cat(top_ids),
+        "top_probs": torch.cat(top_probs),
+        "first_trained": torch.tensor([sample.first_trained]),
+        "held_out": torch.tensor([sample.held_out]),
+    }
+
+
+def compute_features(
+    target: Decoder,
+    samples: dict[str, Sample],  # by key
+    spec: FeatureSpec,
+    top_k: int,
+    folder: Path,
+    deadline: float,
+    on_sample: Callable[[int], None] = lambda num_tokens: None,
+) -> list[str]:
+    """The keys whose features are in `folder`, computing the missing ones in order until
+    the deadline (`time.monotonic()`) passes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = []
+    for key, sample in samples.items():
+        path = folder / f"{key}.safetensors"
+        if not path.is_file():
+            if time.monotonic() >= deadline:
+                break
+            partial = path.with_suffix(".partial")
+            save_file(sample_features(target, sample, spec, top_k), str(partial))
+            partial.rename(path)
+            on_sample(len(sample.token_ids))
+        done.append(key)
+    return done
+
+
+@dataclass
+class FeatureSet:
+    """Every position of the samples, flattened; windows cut them into training rows."""
+
+    token_ids: torch.Tensor  # [N] int64
+    features: torch.Tensor  # [N, F] bfloat16
+    top_ids: torch.Tensor  # [N, k] int64: the target's likeliest ids for the next token
+    top_probs: torch.Tensor  # [N, k] float32
+    trained: torch.Tensor  # [N] bool: the token after p is trained (p + 1 in the sample's answer, not past its end)
+    samples: list[tuple[int, int, bool]]  # (start, end, held_out) of each sample in the flat rows
+
+    @classmethod
+    def load(cls, folder: Path, keys: list[str]) -> FeatureSet:
+        parts = [load_file(str(folder / f"{key}.safetensors")) for key in keys]
+        samples, trained, start = [], [], 0
+        for part in parts:
+            length = len(part["token_ids"])
+            positions = torch.arange(length)
+            trained.append((positions + 1 >= int(part["first_trained"])) & (positions + 1 < length))
+            samples.append((start, start + length, bool(part["held_out"])))
+            start += length
+        return cls(
+            token_ids=torch.cat([p["token_ids"] for p in parts]),
+            features=torch.cat([p["features"] for p in parts]),
+            top_ids=torch.cat([p["top_ids"] for p in parts]),
+            top_probs=torch.cat([p["top_probs"] for p in parts]),
+            trained=torch.cat(trained),
+            samples=samples,
+        )
+
+    def windows(self, held_out: bool, length: int) -> list[tuple[int, int]]:
+        """[start, end) row ranges of at most `length` positions covering the samples of
+        one split, each inside one sample."""
+        return [(s, min(s + length, end)) for start, end, out in self.samples if out == held_out
+                for s in range(start, end, length) if min(s + length, end) - s > 1]
+
+    def num_trained(self, held_out: bool) -> int:
+        return sum(int(self.trained[start:end].sum()) for start, end, out in self.samples if out == held_out)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:  # [vocab] int64
+        """How often each id is a trained training token: what a draft vocabulary keeps."""
+        rows = torch.cat([torch.arange(start, end) for start, end, out in self.samples if not out])
+        next_tokens = self.token_ids[rows[self.trained[rows]] + 1]
+        return torch.bincount(next_tokens, minlength=vocab_size)
+
+    def batch(self, windows: list[tuple[int, int]]) -> Batch:
+        """Windows [start, end) as one batch, padded on the right."""
+        length = max(end - start for start, end in windows)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [B, length, ...]
+            out = x.new_zeros(len(windows), length, *x.shape[1:])
+            for row, (start, end) in enumerate(windows):
+                out[row, : end - start] = x[start:end]
+            return out
+
+        return Batch(padded(self.token_ids), padded(self.features), padded(self.top_ids), padded(self.top_probs),
+                     padded(self.trained))

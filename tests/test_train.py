@@ -1,0 +1,205 @@
+"""`specserve train-head`: heads learn the target (overfitting one text), training resumes step for
+step, the command writes a head `load_head` reads and resumes after an interruption, refusals
+name their fix, and the bundled instructions are not the benchmark's prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from specserve import models
+from specserve.bench.suites import SUITES
+from specserve.cli import main
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.model import checkpoint, native
+from specserve.model.decoder import Decoder
+from specserve.spec.heads.checkpoint import load_head, save_head
+from specserve.train.data import Sample, load_instructions
+from specserve.train.eagle import EagleMethod
+from specserve.train.features import FeatureSet, compute_features
+from specserve.train.loop import LoopSettings, Trainer
+from specserve.train.medusa import MedusaMethod
+from specserve.train.objective import DraftVocab, estimated_acceptance_length
+from specserve.train.run import TrainHeadSettings, train_head
+from tests.conftest import tiny_config
+
+# Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
+TARGET = tiny_config("qwen2", num_layers=8)
+METHODS = {"eagle3": lambda: EagleMethod(3, 3), "eagle": lambda: EagleMethod(1, 3), "medusa": lambda: MedusaMethod(3)}
+
+
+def sharp_target() -> Decoder:
+    """Random weights with a peaked next-token distribution, so the target's top-1 is well defined."""
+    torch.manual_seed(0)
+    target = Decoder(TARGET).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    return target
+
+
+def trainer_on_one_text(method_name: str, folder, steps: int, **loop) -> Trainer:
+    target, method = sharp_target(), METHODS[method_name]()
+    text = torch.randint(0, TARGET.vocab_size, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    spec = method.feature_spec(TARGET)
+    keys = compute_features(target, {"text": Sample(text, 0)}, spec, 8, folder, time.monotonic() + 600)
+    data = FeatureSet.load(folder, keys)
+    vocab = DraftVocab.most_frequent(data.token_counts(TARGET.vocab_size), TARGET.vocab_size)
+    torch.manual_seed(2)
+    head = method.new_head(TARGET, target.embed_tokens, vocab, target.lm_head.weight.detach()[vocab.target_ids])
+    settings = LoopSettings(steps=steps, lr=1e-2, warmup_steps=5, window=64, batch_tokens=128, **loop)
+    return Trainer(method, head, data, vocab, settings, folder / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("method_name", METHODS)
+def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name):
+    trainer = trainer_on_one_text(method_name, tmp_path, steps=60)
+    before = trainer.evaluate(held_out=False)
+    losses = []
+    trainer.run(time.monotonic() + 600, lambda figures: losses.append(figures.loss.item()))
+    after = trainer.evaluate(held_out=False)
+    assert losses[-1] < losses[0] / 2
+    assert max(before.rates) < 0.1 and min(after.rates) > 0.8, (before.rates, after.rates)
+    # The trained head's public layout loads, and scores as it did.
+    save_head(trainer.head, tmp_path / "head")
+    loaded = load_head(tmp_path / "head", TARGET, method_name)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.head.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_resumed_training_matches_an_uninterrupted_run(tmp_path):
+    whole = trainer_on_one_text("eagle3", tmp_path / "whole", steps=12)
+    whole.run(time.monotonic() + 600)
+
+    def interrupt_at_step_7(figures) -> None:
+        if interrupted.position.step == 7:
+            raise KeyboardInterrupt
+
+    interrupted = trainer_on_one_text("eagle3", tmp_path / "stopped", steps=12, checkpoint_seconds=3600)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run(time.monotonic() + 600, interrupt_at_step_7)
+    resumed = trainer_on_one_text("eagle3", tmp_path / "stopped", steps=12)  # finds the checkpoint
+    assert resumed.position.step == 7
+    resumed.run(time.monotonic() + 600)
+    assert resumed.position.step == 12
+    for name, tensor in whole.head.state_dict().items():
+        assert torch.equal(tensor, resumed.head.state_dict()[name]), name
+
+
+def test_estimated_acceptance_length_chains_the_steps():
+    assert estimated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert estimated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_the_draft_vocabulary_keeps_the_most_frequent_ids():
+    vocab = DraftVocab.most_frequent(torch.tensor([0, 5, 1, 5, 0, 2]), 3)
+    assert vocab.target_ids.tolist() == [1, 3, 5]  # the 2 (once) beats the unseen ids
+    assert vocab.row_of.tolist() == [-1, 0, -1, 1, -1, 2]
+
+
+def normalised(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+def test_instructions_are_varied_and_share_no_prompt_with_the_benchmark_suites():
+    instructions = load_instructions()
+    assert len(instructions) >= 250
+    assert {"code", "structured", "explanation", "chat", "math", "rewriting"} <= {i.kind for i in instructions}
+    prompts = [normalised(i.prompt) for i in instructions]
+    assert len(set(prompts)) == len(prompts)
+    for suite in SUITES.values():
+        for benchmark_prompt in map(normalised, suite.values()):
+            assert not [p for p in prompts if benchmark_prompt in p or p in benchmark_prompt], benchmark_prompt
+
+
+# ---- the command, end to end on SmolLM2-135M ----
+
+TINY_RUN = ["--quantization", "none", "--max-answers", "3", "--answer-tokens", "12", "--stdlib-tokens", "48",
+            "--draft-vocab-size", "256", "--ttt-length", "2", "--steps", "4", "--batch-tokens", "128",
+            "--max-minutes", "10"]
+
+
+@pytest.fixture
+def smollm2(prepared_cache, tmp_path, monkeypatch):
+    """The prepared SmolLM2 folder, with the cache moved to tmp_path (heads are written there)."""
+    folder = models.prepare("smollm2-135m")
+    native.library()  # compiled once into the shared cache, before the cache moves
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    return folder
+
+
+def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tmp_path, capsys, monkeypatch):
+    command = ["train-head", str(smollm2), "--name", "tiny", *TINY_RUN]
+    steps_run = []
+    original_step = Trainer.train_step
+
+    def interrupted_step(trainer):
+        if trainer.position.step == 2 and not steps_run:
+            steps_run.append(trainer.position.step)
+            raise KeyboardInterrupt
+        return original_step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_step)
+    assert main(command) == 130
+    work = tmp_path / "heads" / "tiny.work"
+    assert {"answers.jsonl", "data.json", "features", "checkpoint.pt"} <= {p.name for p in work.iterdir()}
+    assert torch.load(work / "checkpoint.pt", weights_only=True)["position"]["step"] == 2
+
+    answers = (work / "answers.jsonl").read_text()
+    assert main(command) == 0  # the same command resumes: no answer asked again, training goes on
+    folder = models.resolve_head("tiny")
+    assert folder == tmp_path / "heads" / "tiny" and not work.exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
+    report = json.loads((folder / "training.json").read_text())
+    assert report["training"]["steps"] == 4 and report["data"]["answers"] == 3 == len(answers.splitlines())
+    assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
+    head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
+    assert head.config.draft_vocab_size == 256 and head.config.feature_layers == (2, 15, 27)
+
+    assert main(command) == 0  # trained already: reported, not trained again
+    assert "trained already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["no-such-model"], "neither a catalogue model"),
+    (["smollm2-135m", "--max-minutes", "0"], "--max-minutes must be > 0"),
+    (["smollm2-135m", "--max-answers", "1"], "--max-answers must be >= 2"),
+    (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
+])
+def test_refusals_name_the_fix(prepared_cache, capsys, monkeypatch, args, words):
+    monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
+    assert main(["train-head", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("specserve: error: ") and words in err and "Traceback" not in err
+
+
+def test_an_unknown_method_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["train-head", "smollm2-135m", "--method", "lookahead"])
+    assert "invalid choice: 'lookahead'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown head method 'lookahead'"):
+        train_head(TrainHeadSettings("smollm2-135m", method="lookahead"))
+
+
+def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):
+    assert main(["train-head", str(smollm2), "--quantization", "none", "--max-minutes", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-minutes 0.001 is too small" in err and re.search(r"give it at least about [0-9.]+ minutes", err)
+
+
+def test_a_run_resumed_with_other_settings_is_refused(smollm2):
+    settings = TrainHeadSettings(str(smollm2), name="tiny", quantization="none", max_minutes=0.001)
+    with pytest.raises(ConfigError, match="too small"):
+        train_head(settings)
+    with pytest.raises(ConfigError, match="other settings \\(seed\\).*--force"):
+        train_head(TrainHeadSettings(str(smollm2), name="tiny", quantization="none", seed=1))
+
+
+def test_heads_resolve_by_folder_or_name(smollm2, tmp_path):
+    with pytest.raises(ModelLoadError, match="`specserve models prepare qwen2.5-coder-1.5b-eagle3` trains it"):
+        models.resolve_head("qwen2.5-coder-1.5b-eagle3")
+    with pytest.raises(ModelLoadError, match="train one with `specserve train-head"):
+        models.resolve_head("nothing-here")
+    assert models.resolve_head(str(tmp_path)) == tmp_path
