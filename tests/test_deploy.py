@@ -581,10 +581,9 @@ def test_dockerfile_runs_specserve_serve_as_a_non_root_user_with_the_cache_on_a_
     baked = re.search(r'ARG MODELS="([^"]+)"', text).group(1).split()
     assert set(baked) <= set(models.CATALOGUE)
     assert json.loads(last("CMD"))[0] in baked
-    settings = dict(line.split("=", 1) for line in (DEPLOY / "base" / "settings.env").read_text().splitlines()
-                    if line and not line.startswith("#"))
-    spec = SpecConfig.parse(settings["SPECULATIVE_CONFIG"])
-    assert {settings["MODEL"], spec.model} <= set(baked), "the deployed models must be baked into the image"
+    served = settings()
+    spec = SpecConfig.parse(served["SPECULATIVE_CONFIG"])
+    assert {served["MODEL"], spec.model} <= set(baked), "the deployed models must be baked into the image"
 
 
 # ----- against a live server: routes and the dashboard's metrics -----
