@@ -199,8 +199,16 @@ def catalogue_entry(name: str) -> CatalogueEntry:
 def locked(name: str) -> Iterator[None]:
     """Serialise preparation of one artifact across processes."""
     lock_dir = cache_root() / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as lock:
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_dir / f"{name}.lock", "w")
+    except OSError as error:
+        raise ModelLoadError(
+            f"{name} is not prepared in {cache_root()}, which cannot be written ({error.strerror}); "
+            f"prepare it where the cache is writable (`specserve models prepare {name}`) and copy it there, "
+            "or point SPECSERVE_CACHE at a writable folder"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -263,6 +271,10 @@ def prepare(name: str, force: bool = False) -> Path:
         return prepare_head(name, force)
     entry = catalogue_entry(name)
     folder = prepared_dir(name)
+    # A complete folder is read without the lock, so a read-only cache (a prepared copy
+    # mounted from object storage) serves: its marker is written last.
+    if is_prepared(folder) and not force:
+        return folder
     with locked(name):
         if is_prepared(folder) and not force:
             return folder
@@ -434,6 +446,8 @@ def _quantized_weights(folder: Path, config: ModelConfig, quantization: str) -> 
     from safetensors.torch import save_file
 
     path = _quantized_file(folder, quantization)
+    if path.is_file():  # complete (renamed into place), and read without the lock as in prepare()
+        return path
     with locked(path.stem):
         if not path.is_file():
             started = time.monotonic()
