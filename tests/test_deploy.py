@@ -811,9 +811,11 @@ def test_cloudwatch_dashboard_reads_only_metrics_and_dimensions_that_bench_emf_w
         assert dimensions["Variant"] in benched and dimensions["TestCase"] in test_cases, where
         assert statistic and STATISTIC.match(statistic), where
     assert {d["Variant"] for _, _, d, _ in read} == benched
+    assert {d["Variant"] for _, name, d, _ in read if name == "AcceptanceRate"} == benched - {"baseline"}
     assert {d["TestCase"] for _, _, d, _ in read} == test_cases
     latencies = {"TimeToFirstToken", "InterTokenLatency", "EndToEndLatency"}
-    assert latencies | {"OutputThroughput", "Errors"} <= {name for _, name, _, _ in read}
+    assert latencies | {"OutputThroughput", "Errors", "AcceptanceRate", "MeanAcceptanceLength"} <= {
+        name for _, name, _, _ in read}
     for latency in latencies:  # percentiles, as LLMPerf reports them
         assert {"p50", "p99"} <= {stat for _, name, _, stat in read if name == latency}
 

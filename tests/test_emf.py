@@ -90,6 +90,17 @@ def test_a_successful_and_a_failed_record():
     assert (root["error_code"], root["error_msg"]) == (429, "HTTP 429: busy")  # properties, not metrics
 
 
+def test_a_speculating_test_case_adds_one_line_of_its_acceptance():
+    summary = {"model": "m", "results_spec_acceptance_rate": 0.75, "results_spec_mean_acceptance_length": 3.1}
+    root = check_emf(json.dumps(emf.speculation_line(summary, namespace="specserve", variant="eagle",
+                                                     test_case="structured", timestamp_ms=1_700_000_000_000)))
+    assert declared(root) == {"AcceptanceRate": "None", "MeanAcceptanceLength": "Count"}
+    assert (root["AcceptanceRate"], root["MeanAcceptanceLength"], root["Variant"]) == (0.75, 3.1, "eagle")
+    plain = {"model": "m", "results_spec_acceptance_rate": None, "results_spec_mean_acceptance_length": None}
+    assert emf.speculation_line(plain, namespace="specserve", variant="baseline", test_case="structured",
+                                timestamp_ms=0) is None
+
+
 def emf_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("{") and '"_aws"' in line]
 

@@ -12,6 +12,12 @@ One JSON object per request, on one line:
      "TimeToFirstToken": 41.2, ..., "Errors": 0,
      "model": ..., "request_index": ..., "prompt_name": ..., "error_code": ..., "error_msg": ...}
 
+Against a speculative server, each test case also writes one line of its speculation
+figures, read from the server's /metrics over the run (the summary's
+`results_spec_acceptance_rate` and `results_spec_mean_acceptance_length`): metrics
+`AcceptanceRate` and `MeanAcceptanceLength`, the same dimensions, stamped at the run's
+start.
+
 Invariants (the format's rules): every declared metric has a number at the root, every
 dimension a non-empty string; a failed request declares only `Errors` (1), since it
 has no latencies. The dimension values are `--metadata variant=...` and the test case,
@@ -43,6 +49,11 @@ METRICS = (
     ("OutputThroughput", "Count/Second", "request_output_throughput_token_per_s", 1.0),
 )
 ERRORS = ("Errors", "Count")
+# (EMF name, unit, the summary's key): one line per test case, where the server speculates
+SPEC_METRICS = (
+    ("AcceptanceRate", "None", "results_spec_acceptance_rate"),
+    ("MeanAcceptanceLength", "Count", "results_spec_mean_acceptance_length"),
+)
 PROPERTIES = ("request_index", "prompt_name", "error_code", "error_msg")
 # CloudWatch: 1-255 characters of these, at least one not a space, not under AWS/.
 _NAMESPACE = re.compile(r"[0-9A-Za-z.\-_/#: ]{1,255}")
@@ -86,14 +97,9 @@ def _dimension_value(key: str, value: str, fix: str) -> str:
     return value
 
 
-def request_line(record: dict[str, Any], *, namespace: str, variant: str, test_case: str, model: str,
-                 timestamp_ms: int) -> dict[str, Any]:
-    """One request record of `specserve bench` as an EMF object."""
-    failed = bool(record["error_msg"])
-    values = {} if failed else {
-        name: (unit, record[key] * scale) for name, unit, key, scale in METRICS if record[key] is not None
-    }
-    values[ERRORS[0]] = (ERRORS[1], int(failed))
+def _line(values: dict[str, tuple[str, float]], *, namespace: str, variant: str, test_case: str,
+          timestamp_ms: int) -> dict[str, Any]:
+    """An EMF object declaring `values` (name: (unit, value)) under the two dimensions."""
     return {
         "_aws": {
             "Timestamp": timestamp_ms,
@@ -106,9 +112,30 @@ def request_line(record: dict[str, Any], *, namespace: str, variant: str, test_c
         "Variant": variant,
         "TestCase": test_case,
         **{name: value for name, (_, value) in values.items()},
-        "model": model,
-        **{key: record[key] for key in PROPERTIES},
     }
+
+
+def request_line(record: dict[str, Any], *, namespace: str, variant: str, test_case: str, model: str,
+                 timestamp_ms: int) -> dict[str, Any]:
+    """One request record of `specserve bench` as an EMF object."""
+    failed = bool(record["error_msg"])
+    values = {} if failed else {
+        name: (unit, record[key] * scale) for name, unit, key, scale in METRICS if record[key] is not None
+    }
+    values[ERRORS[0]] = (ERRORS[1], int(failed))
+    line = _line(values, namespace=namespace, variant=variant, test_case=test_case, timestamp_ms=timestamp_ms)
+    return {**line, "model": model, **{key: record[key] for key in PROPERTIES}}
+
+
+def speculation_line(summary: dict[str, Any], *, namespace: str, variant: str, test_case: str,
+                     timestamp_ms: int) -> dict[str, Any] | None:
+    """A test case's acceptance figures as an EMF object; None where the server did not
+    speculate (or drafted nothing)."""
+    values = {name: (unit, summary[key]) for name, unit, key in SPEC_METRICS if summary.get(key) is not None}
+    if not values:
+        return None
+    line = _line(values, namespace=namespace, variant=variant, test_case=test_case, timestamp_ms=timestamp_ms)
+    return {**line, "model": summary["model"]}
 
 
 def emit(settings: EmfSettings, records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -120,6 +147,10 @@ def emit(settings: EmfSettings, records: list[dict[str, Any]], summary: dict[str
         record, namespace=settings.namespace, variant=variant, test_case=test_case, model=summary["model"],
         timestamp_ms=round((summary["timestamp"] + record["start_time_s"]) * 1000),
     )) + "\n" for record in records]
+    speculation = speculation_line(summary, namespace=settings.namespace, variant=variant, test_case=test_case,
+                                   timestamp_ms=round(summary["timestamp"] * 1000))
+    if speculation is not None:
+        lines.append(json.dumps(speculation) + "\n")
     if settings.path is None:
         sys.stdout.writelines(lines)
         sys.stdout.flush()
