@@ -39,11 +39,15 @@ DEFAULT_KS = "1,3,5,7,9,11,15"
 def print_table(rows: list[dict], target: float) -> None:
     plain = rows[0]["step_s"]
     print(f"plain step {plain * 1e3:.1f} ms\n")
-    print("| k | step ms | drafting ms | verifying ms | at full acceptance, x plain | break-even tokens a step |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| k | step ms | drafting ms | verifying ms | a draft position, x plain step "
+          "| at full acceptance, x plain | break-even tokens a step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows[1:]:
         low, high = row["speedup_range"]
-        parts = (f"{row['drafting_s'] * 1e3:.1f} | {row['verifying_s'] * 1e3:.1f}" if "drafting_s" in row else "- | -")
+        parts = "- | - | -"
+        if "drafting_s" in row:
+            per_position = row["drafting_s"] / row["k"] / plain
+            parts = f"{row['drafting_s'] * 1e3:.1f} | {row['verifying_s'] * 1e3:.1f} | {per_position:.3f}"
         print(f"| {row['k']} | {row['step_s'] * 1e3:.1f} | {parts} | "
               f"{row['full_acceptance_speedup']:.2f} ({low:.2f}-{high:.2f}) | {row['break_even_tokens']:.2f} |")
     top = best(rows)
@@ -57,7 +61,9 @@ def print_table(rows: list[dict], target: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalogue name or folder")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="catalogue name or folder")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="catalogue name or folder (a head's, with --method)")
+    parser.add_argument("--method", default="draft_model", choices=("draft_model", "eagle", "eagle3", "medusa"),
+                        help="what --draft is: a draft model (default) or an EAGLE or Medusa head")
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--ks", default=DEFAULT_KS, help=f"drafts per step, comma-separated (default {DEFAULT_KS})")
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
-        engine, tokenizer = build_engine(args.target, always_drafting(args.draft, max(ks)), getattr(torch, args.dtype),
+        spec = always_drafting(args.draft, max(ks), args.method)
+        engine, tokenizer = build_engine(args.target, spec, getattr(torch, args.dtype),
                                          quantization=args.quantization, max_num_seqs=1)
         rows = measure(engine, encode_prompt(tokenizer, chat=prompts[args.prompt]), ks, args.rounds, args.max_tokens)
     except SpecserveError as e:
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"{args.target} with {args.draft}, {args.quantization}/{args.dtype}, {torch.get_num_threads()} threads, "
+        print(f"{args.target} with {args.draft} ({args.method}), {args.quantization}/{args.dtype}, {torch.get_num_threads()} threads, "
               f"prompt {args.prompt!r}, medians of {args.rounds} rounds taking turns")
         print_table(rows, args.target_speedup)
     return 0

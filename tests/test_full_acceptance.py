@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import full_acceptance
 
@@ -31,7 +32,7 @@ def test_the_table_says_whether_the_target_speedup_is_in_reach(prepared_cache, c
     args = [*TEST_PAIR, "--quantization", "none", "--dtype", "float32", "--ks", "2", "--rounds", "2"]
     assert full_acceptance.main([*args, "--target-speedup", "50"]) == 0
     out = capsys.readouterr().out
-    assert "| 2 |" in out and "| - | - |" in out  # unfused: no split of the step
+    assert "| 2 |" in out and "| - | - |" not in out  # unfused: the proposer's call against the rest
     assert "50x would need a step of k = 2" in out and "out of reach at any acceptance" in out
     assert full_acceptance.main([*args, "--target-speedup", "0.01"]) == 0
     assert "out of reach" not in capsys.readouterr().out
@@ -54,3 +55,22 @@ def test_too_few_tokens_for_a_whole_step_is_an_error_not_a_crash(prepared_cache,
             "--max-tokens", "9"]
     assert full_acceptance.main(args) == 1
     assert "9 tokens leave no whole step of k = 8; decode more (--max-tokens)" in capsys.readouterr().err
+
+
+def test_a_heads_draft_position_is_priced_in_plain_steps(prepared_cache, tmp_path, capsys):
+    """--method eagle3 with a (random) head: every step drafts k whatever it guesses, and
+    the table gives a draft position's cost in plain steps."""
+    from specserve.models import load_model
+    from specserve.spec.heads.checkpoint import save_head
+    from specserve.spec.heads.eagle import EagleConfig, EagleHead
+
+    target = load_model("smollm2-135m").config
+    torch.manual_seed(0)
+    save_head(EagleHead(EagleConfig.for_target(target, version=3, draft_vocab_size=512)), tmp_path / "head")
+    args = ["--target", "smollm2-135m", "--draft", str(tmp_path / "head"), "--method", "eagle3",
+            "--quantization", "none", "--dtype", "float32", "--ks", "3", "--rounds", "1", "--max-tokens", "20"]
+    assert full_acceptance.main([*args, "--json"]) == 0
+    plain, k3 = rows_of(capsys.readouterr().out)
+    assert 0 < k3["drafting_s"] < k3["step_s"] and k3["full_acceptance_speedup"] > 0
+    assert full_acceptance.main(args) == 0
+    assert "eagle3" in capsys.readouterr().out

@@ -27,30 +27,47 @@ from specserve.sampling import SamplingParams
 from specserve.spec.fused import FusedDraftProposer
 
 
-def always_drafting(draft: str, k: int) -> SpecConfig:
-    """The speculative config whose draft drafts k every step: fixed k, its confidence
-    stop off, no lookups first (an engine measured here runs at most k; `step_costs`
-    sets how many it drafts)."""
-    return SpecConfig.parse({"model": draft, "num_speculative_tokens": k, "adaptive": False,
+def always_drafting(draft: str, k: int, method: str = "draft_model") -> SpecConfig:
+    """The speculative config whose draft (a draft model, or an EAGLE or Medusa head)
+    drafts k every step: fixed k, its confidence stop off, no lookups first (an engine
+    measured here runs at most k; `step_costs` sets how many it drafts)."""
+    return SpecConfig.parse({"method": method, "model": draft, "num_speculative_tokens": k, "adaptive": False,
                              "draft_confidence_threshold": 0.0, "prompt_lookup_first": None})
 
 
 def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -> dict[str, float]:
     """Median seconds of a decode step drafting exactly k (0: plain), and of its
-    drafting and verifying parts where the step runs fused."""
+    drafting and verifying parts (the fused call's own timing, else the proposer's
+    call against the rest of the step)."""
     engine.num_speculative_tokens = k
     seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     steps, parts = [], []
     fused = isinstance(engine.proposer, FusedDraftProposer)
-    while not seq.finished:
-        prefilled, full_draft = seq.prefilled, seq.remaining_tokens > k + 1
+    proposing: list[float] = []  # seconds of the step's proposer calls (unfused)
+    propose = engine.proposer.propose
+
+    def timed_propose(seqs, num_tokens):
         started = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - started
-        if prefilled and full_draft:
-            steps.append(seconds)
-            if fused and k:
-                parts.append(engine.proposer.last_seconds)
+        drafts = propose(seqs, num_tokens)
+        proposing.append(time.perf_counter() - started)
+        return drafts
+
+    engine.proposer.propose = timed_propose
+    try:
+        while not seq.finished:
+            prefilled, full_draft = seq.prefilled, seq.remaining_tokens > k + 1
+            proposing.clear()
+            started = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - started
+            if prefilled and full_draft:
+                steps.append(seconds)
+                if fused and k:
+                    parts.append(engine.proposer.last_seconds)
+                elif k:
+                    parts.append((sum(proposing), seconds - sum(proposing)))
+    finally:
+        del engine.proposer.propose  # the class's own again
     steps, parts = steps[1:], parts[1:]  # the first decode step also reads the prompt into the draft
     if not steps:
         raise SpecserveError(f"{max_tokens} tokens leave no whole step of k = {k}; decode more (--max-tokens)")
