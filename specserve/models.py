@@ -159,6 +159,13 @@ HEADS: dict[str, HeadEntry] = {
             method="eagle3",
             max_minutes=30.0,
         ),
+        HeadEntry(
+            name="qwen2.5-coder-1.5b-medusa",
+            description="Medusa heads for qwen2.5-coder-1.5b, trained here on its int4 answers",
+            target="qwen2.5-coder-1.5b",
+            method="medusa",
+            max_minutes=30.0,
+        ),
     ]
 }
 
