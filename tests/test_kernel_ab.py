@@ -92,7 +92,8 @@ def test_whole_forwards_run_through_decode_blocks_on_the_given_build(tmp_path, m
     model = quantized_tiny_model("qwen2", "int4")
     calls = []
     run = native.ModelInC.run_blocks
-    monkeypatch.setattr(native.ModelInC, "run_blocks", lambda self, *args: calls.append(1) or run(self, *args))
+    monkeypatch.setattr(native.ModelInC, "run_blocks",
+                        lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs))
     library = native.library
     results = [kernel_ab.measure_forwards(native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{n}.so")),
                                           model, rows=[1, 3], passes=2) for n in "ab"]
