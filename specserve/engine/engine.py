@@ -59,6 +59,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 from typing import Sequence as Seq
@@ -169,8 +170,12 @@ class Engine:
                 f"is {total} tokens, more than the maximum model length {self.max_model_len}; "
                 "shorten the prompt or lower max_tokens"
             )
+        self.check_token_ids(itertools.chain(prompt_ids, params.stop_token_ids))
+
+    def check_token_ids(self, ids: Iterable[int]) -> None:
+        """Raise ConfigError naming the first ids outside the target's vocabulary."""
         vocab = self.target.config.vocab_size
-        bad = [t for t in itertools.chain(prompt_ids, params.stop_token_ids) if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
 

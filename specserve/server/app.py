@@ -261,9 +261,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
     per_token = settings.stream_mode == "token"
 
     def check_ids(ids: list[int], param: str) -> list[int]:
-        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise APIError(f"token ids {bad[:3]} are outside the vocabulary [0, {engine.vocab_size})", param=param)
+        try:
+            engine.check_token_ids(ids)
+        except SpecserveError as e:
+            raise APIError(str(e), param=param) from None
         return ids
 
     @app.post("/v1/completions")

@@ -199,10 +199,10 @@ class AsyncEngine:
     def accepting(self) -> bool:
         return self.alive and not self._stopping
 
-    @property
-    def vocab_size(self) -> int:
-        """Token ids a prompt may hold: [0, vocab_size)."""
-        return self.engine.target.config.vocab_size
+    def check_token_ids(self, ids: list[int]) -> None:
+        """Raise ConfigError for ids outside the vocabulary (safe off the engine thread:
+        it reads the model's config alone)."""
+        self.engine.check_token_ids(ids)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fail what is left and end the engine loop (at shutdown, after the grace time)."""
@@ -280,10 +280,7 @@ class AsyncEngine:
     def _emit(self, request: _Request, now: float) -> None:
         seq = request.seq
         if seq.failure is not None:  # its own step failed (Engine.step logged why)
-            self._requests.pop(seq.seq_id, None)
-            self._record_finish(seq)
-            request.done = True
-            request.post(EngineStepError())
+            self._fail([request], EngineStepError())
             return
         num_sent = request.num_sent_tokens
         new_ids = seq.output_ids[num_sent:]

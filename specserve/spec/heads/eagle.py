@@ -15,7 +15,7 @@ at p + 2; that feature, with the guessed token, is the next draft step's pair.
   feature; then the head's own `norm` and `lm_head` over `draft_vocab_size` ids, row i
   being target id `target_ids[i]` (the checkpoint's d2t offsets added to i).
 
-The token embedding (and EAGLE-1's LM head) are the target's, lent by `share_target` and
+The token embedding (and EAGLE-1's LM head) are the target's, handed over by `share_target` and
 never part of the head's weights. Attention numerics are the decoder's (model/decoder.py:
 its Block, rotate-half RoPE, grouped-query attention, float32 RMSNorm).
 
