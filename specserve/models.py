@@ -454,6 +454,7 @@ def _quantized_weights(folder: Path, config: ModelConfig, quantization: str) -> 
 
     path = _quantized_file(folder, quantization)
     if path.is_file():  # complete (renamed into place), and read without the lock as in prepare()
+        _remove_older_formats(path)
         return path
     with locked(path.stem):
         if not path.is_file():
@@ -468,12 +469,19 @@ def _quantized_weights(folder: Path, config: ModelConfig, quantization: str) -> 
             save_file(state, str(partial))
             partial.rename(path)
             print(f"quantized in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        # The same weights in an older format are never loaded again: free their disk
-        # (1.5 GB for the 1.5B target in int4).
-        for stale in path.parent.glob(f"{path.name.rsplit('-v', 1)[0]}-v*.safetensors"):
-            if stale != path:
-                stale.unlink(missing_ok=True)
+        _remove_older_formats(path)
     return path
+
+
+def _remove_older_formats(path: Path) -> None:
+    """The same weights in an older format are never loaded again: free their disk (1.5 GB
+    for the 1.5B target in int4), where the cache can be written (not a read-only mount)."""
+    for stale in path.parent.glob(f"{path.name.rsplit('-v', 1)[0]}-v*.safetensors"):
+        if stale != path:
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError:
+                return
 
 
 def _load_quantized(folder: Path, config: ModelConfig, quantization: str) -> Decoder:
