@@ -228,7 +228,8 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
     data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
     data.add_argument("--stdlib-tokens", type=int, default=defaults.stdlib_tokens,
-                      help="tokens of the Python standard library's source read as extra text (0: none)")
+                      help="most tokens of the Python standard library's source read as extra text, after the "
+                           "answers, until the features phase's share of the budget ends (0: none)")
     data.add_argument("--top-k", type=int, default=defaults.top_k, help="target probabilities kept per position")
     head = train.add_argument_group("head and training")
     head.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,

@@ -139,10 +139,21 @@ def answer_instructions(
     return samples, stats
 
 
+STDLIB_SKIPPED = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
+STDLIB_PIECES_PER_FILE = 4  # pieces of one file at most: the text spans many modules
+
+
+def stdlib_files() -> list[Path]:
+    """The running Python's standard-library modules, tests and bundled apps left out, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(f for f in root.rglob("*.py") if not STDLIB_SKIPPED & set(f.relative_to(root).parts[:-1]))
+
+
 def stdlib_samples(tokenizer: Tokenizer, num_tokens: int, sample_tokens: int, seed: int) -> list[Sample]:
-    """About `num_tokens` tokens of standard-library source, in pieces of `sample_tokens`,
-    from files in a seeded order (the same on every run of one Python)."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    """About `num_tokens` tokens of standard-library source, in pieces of `sample_tokens`
+    (at most `STDLIB_PIECES_PER_FILE` from the start of each file), from files in a seeded
+    order (the same on every run of one Python)."""
+    files = stdlib_files()
     samples: list[Sample] = []
     total = 0
     for i in seeded_order(len(files), seed):
@@ -152,7 +163,8 @@ def stdlib_samples(tokenizer: Tokenizer, num_tokens: int, sample_tokens: int, se
             text = files[i].read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        ids = tokenizer.encode(text, add_special_tokens=False)[: num_tokens - total]
+        kept = min(num_tokens - total, STDLIB_PIECES_PER_FILE * sample_tokens)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:kept]
         for start in range(0, len(ids) - 1, sample_tokens):
             piece = ids[start : start + sample_tokens]
             if len(piece) > 1:
