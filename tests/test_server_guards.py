@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.bench.local_server import ServerProcess
 from specserve.server.app import _as_api_error
 from specserve.server.protocol import MAX_STOP_STRINGS
+from specserve.server.transport import WholeBody
 
 MODEL = "smollm2-135m"
 KEY = "guard-key"
@@ -148,6 +149,52 @@ def test_a_chunked_body_past_the_limit_gets_413_and_the_server_goes_on(server):
                           headers={**AUTH, "Content-Type": "application/json"})
     assert response.status_code == 413, response.text
     assert post(server, greedy("Hi", 2)).status_code == 200
+
+
+def test_bodies_past_the_shared_budget_get_503_until_room_returns():
+    """Many large uploads at once: the one that would pass the bytes held in total is
+    refused with 503 and Retry-After, and a later one is served once room returns."""
+    answered = asyncio.Event()
+
+    async def app(scope, receive, send):  # holds each request until `answered` is set
+        await receive()
+        await answered.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    middleware = WholeBody(app, max_bytes=1000, max_total_bytes=1000)
+
+    async def request(body: bytes) -> list[dict]:
+        sent, chunks = [], [body[:300], body[300:]]
+
+        async def receive():
+            chunk = chunks.pop(0) if chunks else None
+            if chunk is None:
+                await asyncio.sleep(3600)  # the client waits for its answer
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware({"type": "http", "headers": []}, receive, send)
+        return sent
+
+    async def scenario():
+        first = asyncio.create_task(request(b"a" * 600))
+        await asyncio.sleep(0.05)
+        assert middleware.held_bytes == 600
+        refused = await request(b"b" * 600)
+        answered.set()
+        assert (await first)[0]["status"] == 200
+        later = await request(b"c" * 600)
+        return refused, later
+
+    refused, later = asyncio.run(scenario())
+    assert refused[0]["status"] == 503
+    headers = dict(refused[0]["headers"])
+    assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
+    assert json.loads(refused[1]["body"])["error"]["type"] == "server_error"
+    assert later[0]["status"] == 200 and middleware.held_bytes == 0
 
 
 def test_tokenizing_a_huge_prompt_leaves_other_routes_answering(server):

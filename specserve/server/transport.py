@@ -6,6 +6,9 @@ Invariants:
   (else 408) and up to `max_bytes` (else 413), however it is sent: with a
   Content-Length or chunked. The app then reads it from memory, and a later `receive`
   waits for the client's disconnect as uvicorn's does.
+- The bodies held at once, from their first byte until the app has answered them, come
+  to at most `max_total_bytes`: past it a request gets 503 with Retry-After, so many
+  large uploads together cannot take the server's memory.
 - A connection that sends no complete request head within `head_timeout_s` of
   opening or of its last response is closed (uvicorn's keep-alive timeout closes idle
   ones sooner; neither covers a head sent a byte at a time).
@@ -23,20 +26,26 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 60.0
+BODIES_HELD_AT_ONCE = 8  # largest bodies: max_total_bytes' default in units of max_bytes
+RETRY_AFTER_S = 1
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     # The rest of the body is left unread: the connection cannot carry another request.
-    return JSONResponse(body, status_code=status, headers={"Connection": "close"})
+    return JSONResponse(body, status_code=status, headers={"Connection": "close", **(headers or {})})
 
 
 class WholeBody:
     """ASGI middleware: reads each HTTP request's body within the limits, then runs
     the app with it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
+                 max_total_bytes: int | None = None):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.max_total_bytes = BODIES_HELD_AT_ONCE * max_bytes if max_total_bytes is None else max_total_bytes
+        self.held_bytes = 0  # of every body read or being read whose request the app has not answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,25 +55,41 @@ class WholeBody:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(int(declared))(scope, receive, send)
             return
+        held = [0]  # this request's share of held_bytes
+        try:
+            body = await self._read(receive, held)
+            if isinstance(body, JSONResponse):
+                await body(scope, receive, send)
+            elif body is not None:
+                await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.held_bytes -= held[0]
+
+    async def _read(self, receive: Receive, held: list[int]) -> bytes | JSONResponse | None:
+        """The whole body, an error response, or None where the client left first;
+        `held[0]` counts the bytes it added to `held_bytes`."""
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        return  # the client left before its request was whole
+                        return None
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_bytes:
-                        await self._too_large(size)(scope, receive, send)
-                        return
+                        return self._too_large(size)
+                    if self.held_bytes + len(chunk) > self.max_total_bytes:
+                        return _error(503, f"the server holds {self.max_total_bytes:,} bytes of request bodies "
+                                           "at once and has no room for this one now; retry shortly",
+                                      {"Retry-After": str(RETRY_AFTER_S)})
+                    self.held_bytes += len(chunk)
+                    held[0] += len(chunk)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
-                        break
+                        return b"".join(chunks)
         except TimeoutError:
-            await _error(408, f"the request body did not arrive within {self.timeout_s:.0f} s")(scope, receive, send)
-            return
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+            return _error(408, f"the request body did not arrive within {self.timeout_s:.0f} s")
 
     def _too_large(self, size: int) -> JSONResponse:
         return _error(413, f"the request body is {size:,} bytes or more, more than the limit of {self.max_bytes:,}")
