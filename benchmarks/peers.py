@@ -74,8 +74,9 @@ from specserve.spec.factory import draft_bytes_per_position, draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
+HEAD_MODES = ("eagle3", "adaptive-eagle3", "medusa", "adaptive-medusa")  # a head on the target's features
 OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused", "draft-unfused",
-             "adaptive-unfused", "plain-compiled")
+             "adaptive-unfused", "plain-compiled", *HEAD_MODES)
 # Asked for by name: draft and adaptive run as served, fused wherever the draft runs in
 # our C kernels; the -fused modes insist on it (they need a quantized draft:
 # --quantization or --draft-quantization), the -unfused ones turn it off; and
@@ -178,6 +179,13 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     if mode in ("plain", "plain-compiled", FLOAT32_PLAIN):
         return None
     raw: dict[str, Any] = {"num_speculative_tokens": args.k}
+    if mode in HEAD_MODES:
+        method = mode.removeprefix("adaptive-")
+        raw.update(method=method, model=args.eagle_head if method == "eagle3" else args.medusa_head,
+                   adaptive=mode.startswith("adaptive"))
+        if method == "medusa":
+            del raw["num_speculative_tokens"]  # one per head
+        return SpecConfig.parse(raw)
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:
         raw["quantization"] = args.draft_quantization
@@ -580,6 +588,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--target", default=models.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
     parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
     parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
+    parser.add_argument("--eagle-head", default=f"{models.DEFAULT_TARGET}-eagle3",
+                        help="the eagle3 rows' head: a trained head's name or a checkpoint folder")
+    parser.add_argument("--medusa-head", default=f"{models.DEFAULT_TARGET}-medusa",
+                        help="the medusa rows' heads: a trained head's name or a checkpoint folder")
     parser.add_argument("--max-tokens", type=positive_int, default=256)
     parser.add_argument("--device", default="auto",
                         help="where every system runs: auto (a CUDA GPU where PyTorch sees one), cpu, cuda, cuda:N")

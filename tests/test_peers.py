@@ -30,7 +30,9 @@ from specserve.errors import ModelLoadError
 from specserve.model.decoder import Decoder, Segment
 from specserve.model import native
 from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
+from specserve.spec.heads.checkpoint import save_head
 from tests.conftest import tiny_config
+from tests.head_models import random_head
 
 PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
 SMALL = ["--target", "smollm2-135m", "--draft", "smollm2-135m", "--max-tokens", "8"]
@@ -75,6 +77,23 @@ def test_speculation_gives_our_plain_tokens(rows):
     assert all(r["same_tokens_as_plain"] for r in rows if r["system"] == "specserve")
     # transformers runs the same float32 weights: its greedy tokens match over 8 tokens.
     assert all(r["agreement_with_plain"] == 1.0 for r in rows if r["system"] == "transformers")
+
+
+def test_head_rows_run_a_head_folder_and_keep_our_plain_tokens(prepared_cache, tmp_path):
+    """eagle3 and medusa rows, with random heads of the target's shape: the tokens are
+    plain decoding's whatever the head guesses."""
+    config = models.load_model("smollm2-135m", torch.float32, "none").config
+    for method in ("eagle3", "medusa"):
+        save_head(random_head(method, config, seed=0), tmp_path / method)
+    result = run_peers(*SMALL, "--prompts", "count", "--modes", "plain,eagle3,adaptive-medusa", "--peers", "",
+                       "--no-quality", "--eagle-head", str(tmp_path / "eagle3"), "--medusa-head",
+                       str(tmp_path / "medusa"), "--json", cache=prepared_cache)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    ours = {r["mode"]: r for r in rows if r["system"] == "specserve" and "mode" in r}
+    assert {"plain", "eagle3", "adaptive-medusa"} <= set(ours)
+    assert ours["eagle3"]["k"] == 7 and ours["eagle3"]["same_tokens_as_plain"]
+    assert ours["adaptive-medusa"]["same_tokens_as_plain"]
 
 
 def test_roofline_rows_put_each_plain_decode_under_its_limit(rows):
