@@ -22,11 +22,10 @@ the draft stops may differ.
     .venv/bin/python benchmarks/adaptive_replay.py --score   # every trace set and scale: one figure
 
 The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
-tests/test_adaptive_replay.py). Traces recorded since the sixteenth session also keep
-the target's forward time for each row count (`Costs.target_by_rows`), which the
-replay charges instead of the line: on our CPU kernels 9-16 rows cost a second pass.
-Since the seventeenth those times are measured on their own (`forward_seconds`), not
-taken from the policy's estimates.
+tests/test_adaptive_replay.py; benchmarks/README.md lists them). A trace set may keep
+the target's forward time for each row count (`Costs.target_by_rows`), which the replay
+charges instead of the line: on our CPU kernels 9-16 rows cost a second pass. `--record`
+measures those times itself (`forward_seconds`).
 """
 
 from __future__ import annotations
@@ -59,10 +58,10 @@ class Costs:
     draft_fixed: float
     draft_per_position: float
     read_per_token: float
-    # Seconds of a target forward by its row count ("1", "2", ...: JSON's keys): measured
-    # (`forward_seconds`) since the seventeenth session, the policy's own estimates
-    # (`target_seconds`) before. On our CPU kernels 9-16 rows cost a second pass of
-    # arithmetic, which the line above misses. None: the line.
+    # Seconds of a target forward by its row count ("1", "2", ...: JSON's keys), as
+    # `forward_seconds` measures them (the older zen5_tiles set keeps the policy's own
+    # estimates). On our CPU kernels 9-16 rows cost a second pass of arithmetic, which
+    # the line above misses. None: the line.
     target_by_rows: dict[str, float] | None = None
 
     def forward(self, rows: int) -> float:
@@ -237,7 +236,7 @@ def score(paths: list[Path], scales: tuple[float, ...] = SCORE_SCALES) -> tuple[
     """The policy judged over every trace set and draft-cost scale at once: the geometric
     mean of its cells' ratios (1.0: as good as the best choice made in hindsight), and the
     cells, worst first. A change to the policy that helps one trace set often costs
-    another; this is the figure to compare (benchmarks/README.md, seventeenth session)."""
+    another; this is the figure to compare (benchmarks/EXPERIMENTS.md, "Adaptive k")."""
     cells = []
     for path in paths:
         recorded, traces = load_traces(path)
@@ -260,8 +259,7 @@ def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100)
     verification does, after `context` cached tokens): the median of `passes`, the row
     counts taking turns (up, then down), so that a phase of the machine's memory weighs
     on all of them alike. Measured, not the policy's belief: the policy's own estimates
-    (what traces before the seventeenth session kept) carried its noise, 7 rows priced
-    above 8."""
+    carry its noise (they have priced 7 rows above 8)."""
     import torch
 
     from specserve.model.decoder import Segment
@@ -315,7 +313,7 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
     forwards = forward_seconds(engine.target, fits.max_k + 1)
     # The line, for row counts past those measured: least squares through the measured ones
-    # (the policy prices each count as measured since the nineteenth session: no line of its own).
+    # (the policy prices each count as measured, so it has no line of its own to record).
     per_row, target_fixed = statistics.linear_regression(list(forwards), list(forwards.values()))
     draft_fixed, per_position = fits.draft_costs()
     by_rows = {str(rows): seconds for rows, seconds in forwards.items()}

@@ -8,15 +8,14 @@ quote. A round runs each build in a fresh process that loads the model, runs eve
 linear layer in a forward's order (so that each layer's weights come from memory, as
 in a decode step) `--passes` times per row count, and reports the median. Two builds
 loaded into one process are not a fair comparison: the same sources built twice and
-taking turns in one process measured 1.08-1.15x apart at 8 rows (one row 1.0x), and
-the kernel figures of the sixteenth session had to be taken again this way.
+taking turns in one process measure several percent apart at 8 rows
+(benchmarks/EXPERIMENTS.md, "kernel_ab.py: each build in processes of its own").
 
 With `--forward` a process times whole forwards instead, as a verification runs them
 (every block in one `decode_blocks` call where the model is on our kernels, then the
 head, after 100 cached tokens): the path that serves, with its own buffers. The two
-can disagree: in the eighteenth session a change measured 1.02x at 8 rows layer by
-layer while `decode_blocks` took 1.6x the time in its down projections, because the
-speed of those depended on where their buffers sat.
+can disagree, because a layer's speed can depend on where its buffers sit
+(benchmarks/EXPERIMENTS.md, "kernel_ab.py --forward: where the buffers sit").
 
 The outputs must be identical bit for bit (a kernel change that moves a result is not
 a speed change): each process reports a digest of its outputs, and the script says so

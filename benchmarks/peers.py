@@ -9,9 +9,9 @@ each peer runs in a fresh process of its own, one after the other (this script s
 them and gathers their rows). Every system is timed the same way: TTFT is the time
 to the first output token, the median of `--ttft-samples` requests for the prompt
 (the timed one, and the same request stopped at its first token the other times: one
-prefill of a short prompt varies by up to 30% on a shared machine, which made a
-single sample useless against a 5% target); the decode rate counts the tokens after
-the first over the time after the first. With `--rounds N` all of it runs N times in
+prefill of a short prompt varies by up to 30% on a shared machine, far more than the
+few percent a TTFT comparison must tell); the decode rate counts the tokens after the
+first over the time after the first. With `--rounds N` all of it runs N times in
 turn, every other round in the reverse order, and each row gives its median round: on
 a shared machine whose speed drifts over minutes, one system's rows are then not all
 measured in a slow phase, nor always at the same point of a round.
@@ -209,9 +209,8 @@ def our_run(mode: str, args) -> OurRun:
 def units(args, peers: list[str], round_index: int) -> list[str]:
     """What a round runs, in order, each in a process of its own: our modes, then the
     peers; every other round the other way round, so that no mode always runs at the
-    same point of a round (the memory's speed drifts over minutes: in the twenty-second
-    session adaptive, always third, trailed k = 7 by 5-10% on most prompts, and by 0-8%
-    with the two taking turns)."""
+    same point of a round, where the memory's speed drifts over minutes
+    (benchmarks/EXPERIMENTS.md, "Rounds alternate their order")."""
     modes = list(args.modes)
     if quality_wanted(args) and round_index == 0:  # float32's tokens, for the quality section: once is enough
         modes.append(FLOAT32_PLAIN)
@@ -624,7 +623,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                         help="run everything this many times in turn; each row gives its median round")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
     parser.add_argument("--no-quality", action="store_true",
-                        help="skip the quality section and the float32 run it needs (for short device leases)")
+                        help="skip the quality section and the float32 run it needs (a shorter run)")
     # What main() passes to the process it starts for each unit (see run_unit).
     parser.add_argument("--unit", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--first-round", action="store_true", help=argparse.SUPPRESS)
@@ -674,8 +673,8 @@ def run_unit(args, prompts: dict[str, str]) -> dict[str, Any]:
 def run_in_child(argv: list[str], unit: str, first_round: bool, report: Report) -> None:
     """Run a unit in a fresh process and add what it measured to the report. Each
     unit starting from a fresh process keeps one unit's leftovers (freed models, the
-    allocator's pools, a GPU's cache) out of the next one's figures: in one process,
-    rows run late in a round had measured up to 1.3x slower TTFT."""
+    allocator's pools, a GPU's cache) out of the next one's figures
+    (benchmarks/EXPERIMENTS.md, "Each peers.py unit in a process of its own")."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--unit", unit]
     result = subprocess.run(command + ["--first-round"] * first_round, stdout=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)  # its stderr (progress, skips, errors) goes to ours

@@ -89,7 +89,7 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
     parser.add_argument("--compile", action="store_true",
                         help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
                         "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
-                        "~6%% slower on a 2-core CPU in float32: see benchmarks/README.md")
+                        "~6%% slower on a 2-core CPU in float32: see benchmarks/EXPERIMENTS.md")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="on a CUDA GPU, replay each decode step and verification of the target and the "
                         "draft as a CUDA graph (one launch instead of hundreds); preallocates the KV caches of "
@@ -456,7 +456,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def default_ab_draft(device: torch.device) -> dict[str, Any]:
-    """The reference experiment's speculative config: the default draft at k = 7, on
+    """`specserve ab`'s default speculative config: the default draft at k = 7, on
     int4 weights on the CPU (a draft's guesses are verified, so a cheap one loses nothing;
     our int4 kernels are CPU kernels), in the target's dtype on a GPU."""
     draft: dict[str, Any] = {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7}

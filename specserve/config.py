@@ -146,9 +146,10 @@ HEAD_METHODS = ("eagle", "eagle3", "medusa")
 # A match this long was right 68-95% of the time on the suites' prompts (int4 target);
 # shorter ones (2-3 tokens) 6-60%, where a wrong lookup of 7 tokens costs ~1.6 plain steps.
 DEFAULT_PROMPT_LOOKUP_FIRST = 4
-# The draft's common ids (SpecConfig.draft_vocab_size): on the default 0.5B draft a
-# step with this head took 0.78x the time of one with the whole head (151936 ids), and
-# its guesses matched the target's as often on English and code (0-2.4 points fewer).
+# The draft's common ids (SpecConfig.draft_vocab_size): on the default 0.5B draft a step
+# with this head is cheaper than with the whole head (151936 ids), and its guesses match
+# the target's about as often on English and code (benchmarks/EXPERIMENTS.md, "The draft
+# guesses over its common ids while the text keeps to them").
 DEFAULT_DRAFT_VOCAB_SIZE = 65536
 FUTURE_SPEC_METHODS = ("mlp_speculator",)
 

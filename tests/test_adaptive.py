@@ -43,8 +43,8 @@ def test_linear_fit_finds_the_line_and_forgets_the_prior():
 
 def test_a_step_no_k_was_chosen_for_is_not_counted():
     """The engine records every sequence's step, the prefill that gives a new sequence
-    its first token included; counted, it made the sequence not fresh before its first
-    choice, and no new sequence probed at once."""
+    its first token included. That step is not counted: counted, it would leave the
+    sequence not fresh at its first choice, and it would not probe at once."""
     ctl = controller(per_position=0.9)  # drafting does not pay at the prior
     ctl.record(5, 0, 0)  # its prefill step
     assert 5 not in ctl.sequences
@@ -52,9 +52,9 @@ def test_a_step_no_k_was_chosen_for_is_not_counted():
 
 
 def test_the_first_measured_step_sets_the_unit_by_the_prior_line_not_per_row():
-    """A new engine's first step is often a probe verifying 3 rows. Taking its seconds
-    over 3 as a one-row forward's once made the prior line a third too cheap, and the
-    verified rows nearly free, for the first dozens of steps (drafting that lost)."""
+    """A new engine's first step is often a probe verifying 3 rows. Its seconds over 3
+    taken as a one-row forward's would make the prior a third too cheap, and verified
+    rows nearly free, for the first dozens of steps (drafting that loses)."""
     ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.5)
     ctl.observe_target(3, 0.110)  # the prior line says 3 rows cost 1.1 one-row forwards
     assert ctl.plain_step(1) == pytest.approx(0.100, rel=0.02)
@@ -118,11 +118,11 @@ def test_a_lookup_is_verified_as_far_as_its_rows_pay():
 
 def test_a_row_count_never_measured_is_priced_low_until_it_is():
     """What a new engine sees on a predictable prompt: a probe (4 rows), a longer draft
-    (7 rows), then 16 rows. Priced on the chord from 7 to 16 rows (the nineteenth
-    session's engine: factors against a line that went stale as the line moved), 8 rows
-    looked dear, k = 7 was never tried, and the policy drafted 15 a step where 7 was
-    faster. Priced below the chord, the counts it might gain by are tried, then priced
-    as measured, and the policy settles on 7 within a few steps."""
+    (7 rows), then 16 rows. Priced on the chord from 7 to 16 rows, 8 rows would look
+    dear, k = 7 would never be tried, and the policy would draft 15 a step where 7 is
+    faster (benchmarks/EXPERIMENTS.md, "ForwardCosts: each row count priced as
+    measured"). Priced below the chord, the counts it might gain by are tried, then
+    priced as measured, and the policy settles on 7 within a few steps."""
     ctl = AdaptiveSpecLength(15, prior_draft_cost_ratio=0.27)
     for rows in (1, 4, 7, 16):
         ctl.observe_target(rows, tiled_forward(rows))
@@ -159,8 +159,8 @@ def test_a_change_in_the_machines_speed_reprices_every_row_count():
 def test_a_slow_phase_in_the_drafts_fit_fades_with_the_targets():
     """The machine slows to a third for a while, the draft timed meanwhile; then it is
     fast again, and the policy drafts nothing, so only the target is timed. Fitted in
-    seconds, the draft stayed 3x dear for good and drafting never resumed; as a share
-    of the target's step, it is cheap again as soon as the target is fast."""
+    seconds, the draft would stay 3x dear for good and drafting would never resume; as
+    a share of the target's step, it is cheap again as soon as the target is fast."""
     fixed, per_row, draft_fixed, per_position = 0.026, 0.0074, 0.0026, 0.0129  # the int4 pair
     ctl = controller(fixed, per_row, draft_fixed, per_position)
     three_positions = draft_fixed + 3 * per_position
@@ -475,8 +475,8 @@ def test_drafting_costs_are_measured_on_steps_that_only_draft():
             return drafts
 
     engine = Engine(target, eos_token_ids=[0], proposer=Proposer(draft), adaptive=Watched(15, 0.5))
-    # Greedy, so the run repeats: an unseeded sampled request sometimes fell to a plain
-    # step, whose catch-up afterwards is rightly a read (about 1 run in 7 failed).
+    # Greedy, so the run repeats: an unseeded sampled request may fall to a plain step,
+    # whose catch-up afterwards is rightly a read.
     engine.generate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert catch_ups[0] == 11 and max(catch_ups[1:]) <= 2  # the prompt and first token, then 1-2
     assert len(measured) == len(catch_ups) - 1 and max(measured) <= 2
@@ -527,9 +527,9 @@ def int4_pair_costs(per_position: float = 0.0184) -> AdaptiveSpecLength:
 def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
     """A sequence that stopped drafting reads every token decoded since at its next
     probe, so the backlog only grows. Probes are valued by what drafting would gain
-    after a fully accepted probe, not by the least gain worth drafting for: under the
-    int4 pair's costs that once skipped every probe after ~25 plain tokens, and the
-    sequence never drafted again."""
+    after a fully accepted probe, not by the least gain worth drafting for: valued so,
+    under the int4 pair's costs every probe would be skipped after ~25 plain tokens,
+    and the sequence would never draft again."""
     ctl = int4_pair_costs()
     # Drafting does not pay: only probes draft, each fully accepted with chance 0.6^3.
     ctl.sequences[1] = steady(0.6)
@@ -547,7 +547,7 @@ def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
 def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
     """A new code prompt under costs where the prior's 0.8 acceptance falls short: its
     first probe must read the prompt and, after 16 plain steps, those too; valued by the
-    prior's own speedup that was never worth it (zero drafts in 128 tokens at 0.99
+    prior's own speedup it would never be worth it (no drafts at all at 0.99
     acceptance). After a fully accepted probe drafting would pay, and there is a fair
     chance of one."""
     ctl = int4_pair_costs(per_position=0.024)

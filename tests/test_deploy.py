@@ -50,7 +50,7 @@ KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob(
 # What an operator applies: the two services (base, overlays/*); the Job goes beside one.
 STACKS = ["base", *sorted(str(p.relative_to(DEPLOY)) for p in (DEPLOY / "overlays").iterdir() if p.is_dir())]
 VARIANTS = ("baseline", "speculative")
-FOUR_WAY = (*VARIANTS, "eagle", "medusa")  # the reference's four modes: plain, draft model, EAGLE, Medusa
+FOUR_WAY = (*VARIANTS, "eagle", "medusa")  # four variants: plain, draft model, EAGLE, Medusa
 VARIANT_LABEL = "specserve/variant"
 DASHBOARD = DEPLOY / "grafana" / "specserve.json"
 CLOUDWATCH_DASHBOARD = DEPLOY / "cloudwatch" / "dashboard.json"

@@ -157,8 +157,8 @@ def test_a_unit_that_fails_fails_the_run_with_its_own_error(prepared_cache):
 
 
 def test_no_quality_skips_the_float32_run(prepared_cache):
-    """bfloat16 asks for the quality section, whose float32 run costs a unit; a short
-    GPU lease can do without it."""
+    """bfloat16 asks for the quality section, whose float32 run costs a unit;
+    --no-quality leaves it out."""
     flags = [*SMALL, "--prompts", "count", "--modes", "plain", "--peers", "", "--dtype", "bfloat16"]
     with_quality = run_peers(*flags, cache=prepared_cache)
     without = run_peers(*flags, "--no-quality", cache=prepared_cache)

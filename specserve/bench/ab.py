@@ -1,6 +1,6 @@
-"""`specserve ab`: the reference system's experiment on one machine. Serve the target
-plainly, then with speculation, one after the other on the same hardware and flags,
-run the same benchmark workload against each, and compare.
+"""`specserve ab`: a plain and a speculative deployment compared on one machine. Serve
+the target plainly, then with speculation, one after the other on the same hardware and
+flags, run the same benchmark workload against each, and compare.
 
 Layout of `--results-dir` (default results/ab): `baseline/` and `speculative/` hold
 `specserve bench` result files; `comparison/` holds comparison.md and the plots.

@@ -1,5 +1,4 @@
-"""The built-in prompt suites, after the reference deployment's test cases, and the
-names `specserve bench --test-case` accepts.
+"""The built-in prompt suites, and the names `specserve bench --test-case` accepts.
 
 `structured` prompts have predictable output (counting, repeating a line, numeric
 continuations, simple code) where speculation pays most; `open-ended` ones have not.

@@ -1,56 +1,18 @@
 """The engine: continuous batching, and one `step()` that advances every running
 sequence by one verified step.
 
-Requests wait in a FIFO queue and join the running batch between steps while fewer
-than `max_num_seqs` run; finished ones leave at the end of the step that finished
-them. A step asks the proposer for each decoding sequence's drafts (ragged k), then
-feeds the target, in ONE forward pass over the whole batch, each sequence's unseen
-tokens followed by its drafts, and scores the last k+1 positions of each. The
-verifier turns those logits into 1..k+1 tokens per sequence, the target cache is
-rolled back past rejected drafts, and the proposer is told what was accepted.
-
-Prompts are prefilled in chunks: at most `prefill_chunk_size` prompt tokens (over all
-sequences) go into one step, so a long new prompt delays the running sequences by one
-chunk per step rather than by its whole prefill. A sequence's first token comes from
-the step that feeds its prompt's last chunk. A step that feeds any prompt chunk drafts
-nothing (the proposer is not called: neither drafting nor a draft model's reading of a
-new prompt lengthens it), except for seeded sampling requests, whose k must not depend
-on their company; so time to first token is what it would be without speculation.
-
-With a `FusedDraftProposer` that verifies (a quantized draft and target, spec/fused.py),
-greedy decoding sequences skip that forward: their drafting and verification run in one
-C call, and the forward carries the rest.
-
-Lookup first (`lookup_first` = n): where a decoding sequence's last n tokens occurred
-earlier in it, the tokens that followed them (up to num_speculative_tokens) are its
-draft for the step, and the proposer does not run for it. On repeated text (a line to
-say again, code that restates its prompt) a draft model is right too, but it costs
-~0.4 of a target step a position on the int4 pair on 2 CPU cores, where a lookup costs
-nothing; a match of 4 tokens or more was right 68-95% of the time on the suites'
-prompts. The choice looks at the sequence's tokens only, so verification stays
-lossless (a lookup's draft is one-hot) and seeded requests repeat. Those steps are not
-the proposer's: adaptive k learns nothing from them, and the lookup's k is its own: up
-to num_speculative_tokens, and 1 + 2a after a lookup that had a tokens accepted (where
-the text stops repeating, the next match is often a wrong one; a rejected lookup of 7
-costs ~1.6 plain steps on the int4 pair, and this cut those losses from 2-4% to ~0 on
-the open-ended prompts, replayed in front of plain decoding). With adaptive
-speculation, only as much of a lookup is verified as pays for its rows
-(`AdaptiveSpecLength.lookup_ks`), and every lookup, verified or not, is compared with
-the tokens that follow it to learn what lookups earn (`_compare_lookups`): under load a
-verified row is dear (8 requests on the int4 pair: a repeated line's lookup of 7 made
-a 38 ms step 67 ms), and lookups verified in full there had adaptive serving at
-0.95x plain decoding's throughput.
-
-A head proposer (EAGLE, Medusa) drafts from the target's features: every target forward
-captures what its `features` name and hands them over, the rows of each sequence
-(spec/features.py).
-
-With a `prefix_cache` (model/prefix_cache.py), a request joining the batch starts from
-the keys and values of the longest stored prefix of its prompt (all but its last
-token at most: the first token comes from a forward), stored or in the cache of a
-running sequence, looked up again before each of its prompt chunks (so requests that
-share a system prompt and arrive together read it once); a finished sequence's keys
-and values are stored (for the next turn of its conversation).
+- Requests join in FIFO order between steps while fewer than `max_num_seqs` run, and
+  leave at the end of the step that finished them.
+- A step runs ONE target forward over the batch (each sequence's unseen tokens, then its
+  drafts, ragged k), keeps 1..k+1 tokens a sequence and rolls the target cache back past
+  rejected drafts; greedy sequences of a verifying `FusedDraftProposer` do so in one C call.
+- A step that feeds a prompt chunk (at most `prefill_chunk_size` tokens) drafts nothing,
+  so TTFT is what it is without speculation; a seeded sampling request's k never depends
+  on what shares its steps (`may_adapt`), so its output repeats.
+- Lookup first (`lookup_first`) drafts from a sequence's own earlier tokens, and no k is
+  chosen from the current step's outputs: the output stays the target's.
+- A joining request starts from the longest prefix of its prompt, all but its last token,
+  stored in the `prefix_cache` or held by a running sequence.
 """
 
 from __future__ import annotations
@@ -137,8 +99,8 @@ class Engine:
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
         except a seeded sampling request's, which stays num_speculative_tokens so that
-        it repeats; without, every step drafts num_speculative_tokens. lookup_first and
-        prefix_cache (the target's): see the module's docstring."""
+        it repeats; without, every step drafts num_speculative_tokens. lookup_first
+        (see `_look_up`) and prefix_cache (the target's): see the module's docstring."""
         if max_num_seqs < 1 or prefill_chunk_size < 1:
             raise ConfigError(
                 f"max_num_seqs and prefill_chunk_size must be >= 1, got {max_num_seqs} and {prefill_chunk_size}"
@@ -248,15 +210,19 @@ class Engine:
             return
         # What drafting costs is measured on the steps that only draft. Where a draft
         # first reads a prompt, or the tokens of plain steps, that reading is measured
-        # on its own (a probe after 64 plain steps paid ~0.1 s, which once taught the
-        # drafting fit that a draft costs 50-100 ms whatever its length).
+        # on its own: a probe after many plain steps reads them all, and would price
+        # every draft as dear whatever its length.
         if self.proposer.last_catch_up <= MAX_CATCH_UP:
             self.adaptive.observe_draft(max(drafted), seconds)
         else:
             self.adaptive.observe_read(self.proposer.last_tokens_read, max(drafted), seconds)
 
     def _look_up(self, decoding: list[Sequence]) -> dict[int, Draft]:
-        """The lookup-first drafts, by index into decoding (none without lookup_first)."""
+        """The lookup-first drafts, by index into decoding (none without lookup_first).
+        A lookup's k is up to num_speculative_tokens, and 1 + 2a after a lookup that had
+        a tokens accepted: where the text stops repeating, the next match is often wrong
+        (benchmarks/EXPERIMENTS.md, "Lookup first"). The proposer does not run for a
+        sequence a lookup drafts, and adaptive k learns nothing of the proposer from it."""
         if self.lookup is None:
             return {}
         found = {}

@@ -100,12 +100,11 @@ class FloatLinear(nn.Module):
     """A float32 or bfloat16 CPU linear layer on our kernel (`native.float_matmul`),
     where it runs.
 
-    float32, on the 1.5B target's layers: one row takes 0.58-0.78x oneDNN's time and 2-8
-    rows (verifying k drafts) 0.40-0.68x, so verifying 7 drafts costs 1.03-1.14x a plain
-    step instead of 1.7x; a 200-token prompt about 1.1x (benchmarks/linear_kernels.py).
-    bfloat16: one row and 8 rows about 0.5x the time of PyTorch's `F.linear`, a long
-    prompt 1.1-1.3x. Its rows are batch invariant, and it reads the layer's own weight,
-    so a head tied to the embedding shares the table's memory (oneDNN's format is a copy).
+    Faster than oneDNN (float32) and PyTorch's `F.linear` (bfloat16) for a decode step
+    and a verification's few rows, slower for long prompts (benchmarks/README.md,
+    "linear_kernels.py"). Its rows are batch invariant, and it reads the layer's own
+    weight, so a head tied to the embedding shares the table's memory (oneDNN's format
+    is a copy).
     """
 
     def __init__(self, linear: nn.Linear):

@@ -1,10 +1,9 @@
 """CUDA graphs of the decode step (`--cuda-graphs`, `Decoder.use_cuda_graphs`).
 
 Why: eager PyTorch launches each of a step's ~400 kernels (28 layers of ~15) from
-Python. On an H100 the 1.5B target kept the GPU busy 6% of the time (benchmarks/README.md,
-"The first GPU run"), and a draft model's step cost nearly what the target's did, so
-speculation lost to plain decoding there. A CUDA graph replays a whole step's kernels
-with one launch.
+Python, so at small batch a GPU step is bound by launches, not by the GPU
+(benchmarks/EXPERIMENTS.md, "The first GPU run"). A CUDA graph replays a whole step's
+kernels with one launch.
 
 A graph replays the same kernels on the same addresses with the same shapes, so the
 step it captures (`static_forward`) is not Decoder.forward's ragged one:
@@ -20,8 +19,8 @@ A graph is captured for each (batch, rows, bucket) the first time a step needs i
 prompt's prefill of more than MAX_GRAPH_ROWS rows runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
-tests check it against Decoder.forward. Captured on CUDA, it has not been measured on a
-GPU yet (no session with one since it was written): see benchmarks/README.md.
+tests check it against Decoder.forward. Its speed on a GPU is not measured yet
+(benchmarks/README.md, "Current results: GPU").
 """
 
 from __future__ import annotations

@@ -2,138 +2,106 @@
 
 Leviathan et al.: if each drafted token is accepted with probability a (independently),
 a step that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average.
-What a step costs is measured on the spot from the engine's own timings (recent steps
-weigh more): the target's forward by its row count (rows = tokens verified), as each
-count has measured (`ForwardCosts`: our CPU kernels make 9-16 rows cost a second pass of
-arithmetic, a step no line follows), and drafting as a straight line,
+Drafts are not independent (the draft goes on exactly when it is confident, and may stop
+before k), so E(k) and D(k), the positions a step drafts, come from each sequence's own
+history, position by position (`Acceptance`).
 
-    drafting (seconds) = draft_fixed + per_position * k
-
-(drafting is timed only on proposer calls with at most 2 tokens to catch up: after plain
-steps a draft first reads every token decoded since, which is not what k positions cost).
-Those reads (and a new request's prompt) are fitted as a second line, cost per token
-read, and a sequence with a backlog to read is charged it when it drafts, spread over
-the tokens it has left (`read_cost`).
-
-The draft's lines are fitted in units of a one-row target forward as measured at the
-time (`_unit`), not in seconds. A machine's speed moves (a busy neighbour, a clock that
-drops), and it moves both models alike; but the target is timed every step and the
-draft only while it drafts. In seconds, a slow phase caught by the draft's fit stayed
-there for as long as the policy, believing it, drafted nothing, which could be for
-good (on the int4 pair, engines that had run through a phase slowed by another job
-drafted nothing on later prompts where drafting paid 1.3-1.5x). As a share of the
-target's step, it fades as soon as the target is fast again.
+Costs are measured from the engine's own timings, recent ones weighing more:
+- the target's forward by its row count, each count as measured (`ForwardCosts`): on our
+  CPU kernels 9-16 rows take a second pass of arithmetic, a cost no line follows;
+- drafting as a line, draft_fixed + per_position * k, timed only on proposer calls with
+  at most MAX_CATCH_UP tokens to catch up;
+- reading a backlog into the draft (a new prompt, the tokens of plain steps) as a line
+  per token read, charged to a sequence that drafts, spread over the tokens it has left
+  (`read_cost`).
+The draft's lines are kept in units of a one-row target forward as measured at the time
+(`_unit`), not in seconds: the target is timed every step and the draft only while it
+drafts, so a slow phase of the machine leaves the draft's price as soon as the target is
+fast again.
 
 For a batch of B decoding sequences a plain step costs T(B), the target's forward of B
-rows; drafting k tokens each costs draft_fixed + k * per_position and makes the forward
-one of B * (1 + k) rows. So the speed relative to plain decoding is
+rows, and drafting k tokens each makes the forward one of B * (1 + D(k)) rows:
 
     speedup(k) = E(k) * T(B) / (T(B * (1 + D(k))) + draft_fixed + D(k) * per_position)
 
-with D(k) the positions drafted. Sequences draft together, so the batch's ks are chosen
-together (`batch_ks`): the draft's cost follows the longest draft, and a sequence that
-drafts alone under load would make the others wait through its draft steps. A proposer may draft fewer than k (the draft stops after a guess it is
-unsure of, an n-gram lookup runs out), and its guesses are not independent: the draft
-goes on exactly when it is confident, and then its guesses are accepted more often.
-So E(k) and D(k) come from each sequence's own history, position by position (see
-`Acceptance`): measured with the default pair and an int4 target on open-ended text, a
-single acceptance rate valued k=7 at 2.1 tokens a step where it gave 3.3, and adaptive
-drafted k = 1-3 at plain speed where fixed k=7 was 1.15x faster. When no
-k beats plain decoding by a margin (MIN_SPEEDUP; a run of drafting goes on down to a
-little below plain speed, CONTINUE_SPEEDUP, so that one unlucky streak does not end it)
-the sequence decodes plainly (k = 0) and probes with
-a short draft now and then, so a prompt that turns predictable is noticed (a fully
-accepted probe restarts the estimate from that probe alone). A new sequence probes at
-once; any probe is skipped while reading its backlog into the draft would cost more
-than it can be expected to gain (`_affordable_read`). A probe, or any run of
-drafting steps, that ends before PROBE_INTERVAL steps doubles the wait for the next
-probe (up to MAX_PROBE_INTERVAL), so an open-ended prompt, or a batch under which
-drafting does not pay, costs next to nothing; a run that lasts resets it. In a batch
-of B the waits are B times longer, since a probe holds up the whole batch. As the
-batch grows, the verified rows' cost grows against the draft's fixed costs and k falls:
-under load the weights are already shared by many rows and verification is no longer
-free.
+The draft runs for the whole batch at once, so the batch's ks are chosen together
+(`batch_ks`). Where no k beats plain decoding by MIN_SPEEDUP (a run of drafting goes on
+down to CONTINUE_SPEEDUP) a sequence decodes plainly (k = 0) and probes with a short
+draft: at once when new, then after PROBE_INTERVAL plain steps, the wait doubling after
+each drafting run shorter than that (up to MAX_PROBE_INTERVAL) and B times longer in a
+batch of B, since a probe holds up the whole batch. A probe is skipped while reading its
+backlog would cost more than it can be expected to gain (`_affordable_read`); a fully
+accepted one restarts the estimate from that probe. As the batch grows, verified rows
+cost more against the draft's fixed costs, and k falls.
 
-Lookup-first drafts (engine.py) cost no drafting, only their verified rows, and
-`lookup_ks` prices those rows alike: each sequence's lookups have an `Acceptance` of
-their own, learnt from every lookup compared with the tokens that followed it
-(`record_lookup`; verified or not, so a lookup not verified is still measured), and a
-lookup is verified as far as its expected extra tokens outweigh its rows' cost, valued
-at plain decoding's tokens per second. Alone, a row costs ~6% of a step and a lookup
-of 7 pays at almost any acceptance; under load the rows are dear (8 requests on the
-int4 pair: a step of 8 rows 38 ms, of 15 rows 67 ms) and a lookup must be nearly sure.
+Lookup-first drafts (engine.py) cost only their verified rows: each sequence's lookups
+have an `Acceptance` of their own, learnt from every lookup compared with the tokens that
+followed it (`record_lookup`), and a lookup is verified as far as its expected extra
+tokens outweigh its rows' cost at plain decoding's tokens per second (`lookup_ks`).
 
-k is chosen from the target's and the draft's past outputs only, never from the
-current step's, so verification stays lossless whatever k is.
+Invariant: k is chosen from the target's and the draft's past outputs only, never from
+the current step's, so verification stays lossless whatever k is.
+
+The measurements behind the constants below: benchmarks/EXPERIMENTS.md, "Adaptive k".
 """
 
 from __future__ import annotations
 
 import bisect
 
-# A draft's catch-up after a drafting step: the recovered or bonus token, and the last
-# accepted draft when all were accepted. Proposer calls that read more are measured as
-# reading, not drafting.
+# Proposer calls that catch up at most this many tokens (the recovered or bonus token, and
+# the last accepted draft after a full acceptance) are timed as drafting, longer ones as
+# reading ("Drafting timed only on calls that catch up at most 2 tokens").
 MAX_CATCH_UP = 2
-# Speedup a draft must promise over plain decoding to start drafting; below it, decode
-# plainly. A run of drafting goes on while the best k promises CONTINUE_SPEEDUP: the
-# estimate is noisy and plain steps bring no news of it, so one threshold for both let
-# a short unlucky streak stop a run that paid, for as long as the probes took to come
-# back (a run shorter than PROBE_INTERVAL doubles their wait). Replayed on the int4 pair
-# (benchmarks/adaptive_replay.py, an engine that has served the structured prompts
-# first): open-ended text 0.98x -> 1.02x plain with the Zen 5 kernels' costs (best
-# fixed k 1.10x), 1.04x -> 1.06x with the Zen 4's; every other case replayed (a new
-# engine per prompt, drafts 1.3-3x dearer) within -0.7% and +0.5%.
+# Predicted speedup over plain decoding needed to start a run of drafting, and to go on
+# with one: the estimate is noisy and plain steps bring no news of it, so a lower bar to
+# go on keeps one unlucky streak from ending a run that pays ("A run of drafting goes on
+# at 0.97x").
 MIN_SPEEDUP = 1.03
-# How far past the deepest position a sequence has lately asked for its k may go in one
-# step. After a few fully accepted steps the estimate values positions never tried like
-# the deepest one tried, so k jumped from 7 to 15 on a streak, just before it broke (16
-# verified rows cost twice 8 on our CPU kernels): on `code`, 19 of 38 steps at 14-15 and
-# 1.73x plain where k = 7 gave 1.99x. Walking k up 4 at a time, replayed on every trace
-# set and draft cost (benchmarks/adaptive_replay.py --score): 0.9719 -> 0.9757; growth
-# 2: 0.974, 6: 0.972. An `asked` weight decays by ACCEPTANCE_DECAY a step: below
-# DEEPEST_ASKED_WEIGHT (~14 steps without reaching that deep) it no longer counts.
+CONTINUE_SPEEDUP = 0.97
+# Target steps measured before CONTINUE_SPEEDUP applies: until then the costs are still
+# much the prior's, and a losing run is as likely priced wrong as unlucky (same entry).
+COSTS_KNOWN_STEPS = 64
+# k goes at most K_GROWTH past the deepest position a sequence has lately asked for (its
+# `asked` weight above DEEPEST_ASKED_WEIGHT, ~14 steps at ACCEPTANCE_DECAY): after a
+# streak the estimate values untried depths like the deepest tried, and 16 verified rows
+# cost twice 8 on our CPU kernels ("k walks up at most K_GROWTH past the depths tried").
 K_GROWTH = 4
 DEEPEST_ASKED_WEIGHT = 0.1
-CONTINUE_SPEEDUP = 0.97
-# Target steps measured before that lower bar applies: until then the costs are still
-# much the prior's guess (TIMING_DECAY 0.97: after 64 steps it weighs 14%), and a run
-# that loses is as likely priced wrong as unlucky. (Replayed with a new engine per
-# prompt and a draft 1.5x dearer, where drafting loses, the bar from the first step
-# gave 0.948x plain against 0.954x before the change.)
-COSTS_KNOWN_STEPS = 64
-# Weight of older observations after each new one: a memory of ~7 steps, where a ~0.8
-# rate has a standard deviation of ~0.15. (0.9 replayed better on open-ended text with
-# the Zen 5 costs, 1.07x, but a new engine under a dearer draft lost 0.941x against
-# 0.954x.)
+# Weight of older observations after each new one. Acceptance: a memory of ~7 steps,
+# short enough to follow the text ("A run of drafting goes on at 0.97x": a longer one
+# lost under dearer drafts). Timings: a memory of ~30 forwards.
 ACCEPTANCE_DECAY = 0.85
 TIMING_DECAY = 0.97
-# Weight of a row count's past costs (see `ForwardCosts`) at each new forward of that
-# many rows, and of the machine's past pace at each forward of a count measured before:
-# a change in the machine's speed moves the pace within a few steps, and each count's
-# own cost, noisy from one forward to the next, is a mean of many.
+# Weight of a row count's past costs at each new forward of that many rows, and of the
+# machine's past pace at each forward of a count measured before: the pace follows a
+# change in the machine's speed within a few steps, while each count's own cost, noisy
+# from one forward to the next, is a mean of many ("ForwardCosts: each row count priced
+# as measured").
 SHAPE_DECAY = 0.95
 PACE_DECAY = 0.5
 # The target's prior, in units of a one-row forward: 5% more per verified row. It prices
 # the first forwards, and row counts not yet measured where no two measured ones say
-# better (see `ForwardCosts.shape_at`): a dear prior would stop the drafting that
-# measures them.
+# better (`ForwardCosts.shape_at`); cheap on purpose, since a dear prior stops the
+# drafting that would measure the real cost ("k for the batch, reading fitted apart,
+# probes that cannot pay skipped").
 PRIOR_ROW_SHARE = 0.05
 # Between two row counts measured, a count not measured is priced on a curve below their
-# chord (cost = low + (high - low) * along ** INTERIOR_BEND): the cost of our CPU
-# kernels bends up past 8 rows, and the chord from 4 to 16 priced 8 rows 25% dear.
+# chord (cost = low + (high - low) * along ** INTERIOR_BEND): our CPU kernels' cost bends
+# up past 8 rows, and a count priced dear is never tried ("ForwardCosts: each row count
+# priced as measured").
 INTERIOR_BEND = 2.0
 # A new sequence's prior: each position earned with 0.8 given the one before, with the
-# weight of one step; a position never reached leans on the one before it likewise.
+# weight of one step; a position never reached leans on the one before it likewise
+# ("PRIOR_RATE and MIN_SPEEDUP near break-even").
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 1.0
 # Plain steps before a probe; the gap doubles after each drafting run shorter than
-# PROBE_INTERVAL steps, up to the max.
+# PROBE_INTERVAL steps, up to the max. A probe drafts 3 tokens: 2 of 2 accepted is
+# a coin flip on open-ended text ("Replayed on recorded traces: the prior's unit,
+# 3-token probes").
 PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS = 16, 128, 3
 # The prior's weight once a fully accepted probe has restarted the estimate: the probe
-# mostly decides (3 of 3 accepted -> about 0.94 a position). Replayed on the int4 pair
-# (benchmarks/adaptive_replay.py), 2-token probes at weight 0.2 (-> 0.97) sent
-# open-ended text, where 2 of 2 is a coin flip, into runs of k = 15 that lost: 0.96x
-# plain where drafting is near break-even, against 0.99x with these.
+# mostly decides (3 of 3 accepted -> about 0.94 a position; same entry).
 PROBE_DOUBT = 0.5
 
 
@@ -168,22 +136,18 @@ class ForwardCosts:
     machine's pace when measured; pace is how fast the machine runs now against that,
     moved by every forward of a measured count (PACE_DECAY). A machine's speed moves (a
     busy neighbour, a clock that drops) and moves every count alike, so a count measured
-    in a slow phase is not priced slow for good. Why not a line through the forwards:
-    our CPU kernels multiply up to 8 rows by each weight row they read, so 9-16 rows take
-    a second pass of arithmetic (the 1.5B int4 target on a Zen 5: 8 rows 2.0x a plain
-    step, 16 rows 4.3x). Until the nineteenth session the policy priced a forward by a
-    line times a factor per count, and the factors, measured against the line of their
-    time, went stale as the line moved from its prior: with 3, 4, 7 and 16 rows measured
-    it priced 8 rows at 2.8 plain steps, and drafted 15 a step where 7 was faster.
+    in a slow phase is not priced slow for good. Not a line through the forwards, nor a
+    line times a factor per count: our CPU kernels multiply up to 8 rows by each weight
+    row they read, so 9-16 rows take a second pass of arithmetic.
 
     A count never measured is priced from those that were (`shape_at`), and between
     two of them on the low side: a count priced too dear is never chosen, so never
-    measured and never corrected (the chord from 4 to 16 rows priced 8 rows 25% above
-    their cost, and k = 7 was never tried); one priced too cheap is chosen once, and
-    then it is measured. Between two counts measured, on a curve below their chord
+    measured and never corrected; one priced too cheap is chosen once, and then it is
+    measured. Between two counts measured, on a curve below their chord
     (INTERIOR_BEND); past the largest, along the slope of the two largest (a batch's
     rows), at least the prior's; below the smallest, or with one count measured, by
-    the prior's shape."""
+    the prior's shape. (benchmarks/EXPERIMENTS.md, "ForwardCosts: each row count priced
+    as measured".)"""
 
     def __init__(self, prior_row_share: float = PRIOR_ROW_SHARE):
         self.prior_row_share = prior_row_share
@@ -316,10 +280,11 @@ class AdaptiveSpecLength:
         self.max_k = max_k
         # Prior, in units of a one-row target forward: PRIOR_ROW_SHARE more per verified
         # row (see ForwardCosts), a draft position the draft/target size ratio, and a
-        # token read into the draft before drafting (a prompt: 3-5 ms a token on the
-        # int4 0.5B draft) half a draft position. Measurements take over within a few
-        # dozen steps. The target's costs are in seconds once its first step is
-        # measured; the draft's fits stay in units.
+        # token read into the draft before drafting half a draft position (a fifth, nearer
+        # what reading measures, probes more and loses where drafting does not pay:
+        # benchmarks/EXPERIMENTS.md, "Replayed on recorded traces"). Measurements take
+        # over within a few dozen steps. The target's costs are in seconds once its first
+        # step is measured; the draft's fits stay in units.
         self.target = ForwardCosts()
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
@@ -485,11 +450,11 @@ class AdaptiveSpecLength:
     def _affordable_read(self, state: Acceptance, hopeful: float, batch: int) -> float:
         """The most a probe may spend per remaining token reading its backlog: what
         drafting saves per token after a fully accepted probe (`hopeful`), times the
-        chance of one by the sequence's own estimate. Two ways of valuing it failed on
-        the int4 pair, whose drafting is near break-even at the prior's acceptance: by
-        the least gain worth drafting for, every probe was skipped once ~25 plain tokens
-        waited to be read; by a new sequence's prior, so was a new code prompt's first
-        probe (zero drafts in 128 tokens at 0.99 acceptance)."""
+        chance of one by the sequence's own estimate. Valued by the least gain worth
+        drafting for, or by a new sequence's prior, a sequence near break-even skips
+        every probe once its backlog grows, and never drafts again
+        (benchmarks/EXPERIMENTS.md, "Probes valued by what follows a fully accepted
+        one")."""
         tokens, _ = state.curves()
         chance = tokens[PROBE_TOKENS] - tokens[PROBE_TOKENS - 1]  # all PROBE_TOKENS accepted
         return chance * (1 - 1 / hopeful) * self.plain_step(batch) / batch
@@ -497,8 +462,8 @@ class AdaptiveSpecLength:
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence's step: what it drafted (maybe fewer than chosen) and kept.
         A step no k was chosen for is not counted: the prefill step that gives a new
-        sequence its first token (counted as a plain step, it once cleared `fresh`
-        before the first choice, so no new sequence probed at once), or a seeded
+        sequence its first token (counted as a plain step, it would clear `fresh`
+        before the first choice, and the sequence would not probe at once), or a seeded
         request's fixed k."""
         state = self.sequences.get(seq_id)
         if state is None:

@@ -40,9 +40,9 @@ from specserve.spec.proposer import Draft, SequenceView
 # A sequence drafts over the common ids while at most this share of its last
 # COMMON_WINDOW tokens (special tokens aside) lie past them. Such a token is a guess the
 # draft cannot make, so it costs about what an unaccepted guess does, while the common
-# head makes every position cheaper: on the 0.5B draft its step took 0.78x the time of
-# the whole head's, so the cut pays while fewer than ~1 in 5 tokens lie past it; the
-# suites' English and code have 0-3%, a Chinese answer ~78%.
+# head makes every position cheaper: the cut pays while fewer than ~1 in 5 tokens lie
+# past it (benchmarks/EXPERIMENTS.md, "The draft guesses over its common ids while the
+# text keeps to them"); the suites' English and code have 0-3%, a Chinese answer ~78%.
 COMMON_WINDOW, COMMON_MAX_SHARE = 64, 0.1
 
 
