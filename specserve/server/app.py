@@ -55,7 +55,7 @@ class ApiSettings:
     max_model_len: int
     api_key: str | None = None
     # A stream's events: one per engine step ("step"), or one per token ("token"), for
-    # clients that count events as tokens (LLMPerf): see docs in README, "Streaming".
+    # clients that count events as tokens (LLMPerf): see docs/serving.md, "Streaming".
     stream_mode: str = "step"
 
 
