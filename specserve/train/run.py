@@ -43,7 +43,7 @@ METHODS = ("eagle3", "eagle", "medusa")
 # Where each phase must end, as shares of the budget. A generated token costs ~10x a
 # teacher-forced one, so answers get a fifth (enough to measure on and to anchor the chat
 # format) and standard-library text fills the features phase.
-DATA_END, FEATURES_END, TRAIN_END = 0.2, 0.5, 0.95
+DATA_END, FEATURES_END, TRAIN_END = 0.2, 0.55, 0.95
 MIN_ANSWERS = 2  # one held out to measure, at least one to train on
 
 
@@ -66,11 +66,9 @@ class TrainHeadSettings:
     max_num_seqs: int = 8
     stdlib_tokens: int = 400_000  # at most: read after the answers until the features phase ends
     top_k: int = 32  # target probabilities kept per position
-    # Sized for a CPU budget: on the 1.5B target in 15 minutes on 2 busy cores, a head of MLP
-    # 2048, 8192 ids and 3 unrolled steps at lr 1.5e-3 ran 70 steps (held-out top-1 0.12);
-    # the target's MLP (8960), 16384 ids, 4 steps at 5e-4 ran 15 (0.09).
+    # Sized for a CPU budget: benchmarks/EXPERIMENTS.md, "EAGLE-3 heads in 30 CPU minutes".
     draft_vocab_size: int = 8192
-    ttt_length: int = 3  # EAGLE: unrolled steps
+    ttt_length: int = 2  # EAGLE: unrolled steps
     num_heads: int = 3  # Medusa
     head_intermediate_size: int | None = 2048  # EAGLE: the head's MLP; None: the target's
     loop: LoopSettings = LoopSettings(steps=None, lr=1.5e-3)
