@@ -40,9 +40,9 @@ from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 
 METHODS = ("eagle3", "eagle", "medusa")
-# Where each phase must end, as shares of the budget. A generated token costs ~10x a
-# teacher-forced one, so answers get a fifth (enough to measure on and to anchor the chat
-# format) and standard-library text fills the features phase.
+# Where each phase must end, as shares of the budget. An answer's token costs a generated
+# and then a teacher-forced forward, twice a text token: answers get a fifth (the chat
+# format, and the held-out measure), standard-library text fills the features phase.
 DATA_END, FEATURES_END, TRAIN_END = 0.2, 0.55, 0.95
 MIN_ANSWERS = 2  # one held out to measure, at least one to train on
 
