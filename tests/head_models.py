@@ -10,15 +10,19 @@ target's blocks makes them wrong now and then, so rejections and rollback happen
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specserve.config import ModelConfig
 from specserve.model.decoder import Decoder
+from specserve.model.quant import load_quantized_state, quantized_state
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads
 from tests.conftest import tiny_config
 
 METHODS = ("eagle", "eagle3", "medusa")
+QUANTIZATIONS = ("none", "int4")  # the target's, and so its head's
 NUM_MEDUSA_HEADS = 7
 CONSTANT = 4.0  # the embeddings' first coordinate
 GATE_SCALE = 200.0  # sharpens the EAGLE-3 head's lookup table (see right_head)
@@ -108,3 +112,19 @@ def right_head(method: str, target: Decoder, perm: torch.Tensor) -> EagleHead | 
         inverse = torch.argsort(perm)
         head.lm_head.weight.copy_(table[inverse[head.target_ids]])
     return head
+
+
+def quantized(module: Decoder | EagleHead | MedusaHeads, quantization: str) -> Decoder | EagleHead | MedusaHeads:
+    """A copy of a float target or head with its linear layers quantized ("none": itself),
+    as a quantized target is loaded and its head quantized with it (models.quantize_head)."""
+    if quantization == "none":
+        return module
+    state = quantized_state(module, quantization)
+    if isinstance(module, Decoder):  # a new one: the float one's RoPE tables are float32
+        with torch.device("meta"):
+            copied = Decoder(module.config)
+        copied.inv_freq = module.inv_freq
+    else:
+        copied = copy.deepcopy(module)
+    load_quantized_state(copied, state)
+    return copied.eval()

@@ -1,8 +1,9 @@
 """EAGLE-1, EAGLE-3 and Medusa proposers in the engine, on tiny targets: greedy output equal
 to plain decoding (k 1..7, ragged batches, prompts in chunks, adaptive k, lookups first,
 penalties, logprobs, prefix caching), heads that guess right making multi-token steps, the
-head's state after rejections, the factory's refusals, and the target's distribution at
-temperature > 0 (chi-square)."""
+head's state after rejections, the factory's refusals and its quantized heads, and the
+target's distribution at temperature > 0 (chi-square); greedy equivalence and the
+distribution on float and int4 targets alike (a quantized target's head quantized too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from specserve.engine.engine import Engine
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model.decoder import Capture, Decoder, Segment
 from specserve.model.prefix_cache import PrefixCache
+from specserve.model.quant import QuantizedLinear
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.eagle import EagleProposer
@@ -24,7 +26,9 @@ from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaHeads
 from specserve.spec.medusa import MedusaProposer
 from tests.conftest import DEVICES
-from tests.head_models import METHODS, NUM_MEDUSA_HEADS, permutation_target, random_head, right_head, target_config
+from tests.head_models import (
+    METHODS, NUM_MEDUSA_HEADS, QUANTIZATIONS, permutation_target, quantized, random_head, right_head, target_config,
+)
 
 EOS = 95
 PROMPTS = [[5, 9, 13, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
@@ -62,11 +66,14 @@ def noisy() -> tuple[Decoder, torch.Tensor]:
     return permutation_target(noise=0.18)
 
 
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_output_is_the_targets_in_ragged_batches_of_chunked_prompts(noisy, method, k):
+def test_greedy_output_is_the_targets_in_ragged_batches_of_chunked_prompts(noisy, method, k, quantization):
     target, perm = noisy
-    proposer = proposer_of(right_head(method, target, perm), target)
+    head = quantized(right_head(method, target, perm), quantization)
+    target = quantized(target, quantization)
+    proposer = proposer_of(head, target)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k, prefill_chunk_size=4)
     lengths = [5, 24, 11, 17, 24]
     prompts = PROMPTS + [[8, 8, 8, 8, 8, 8, 8]]
@@ -255,8 +262,41 @@ def test_the_factory_loads_heads_and_refuses_what_does_not_fit(tmp_path):
                                         "num_speculative_tokens": 3}), wider)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_factory_quantizes_a_head_as_its_target_once(tmp_path, monkeypatch, capsys, quantization):
+    """A quantized target's head runs on the same kernels: its linear layers quantized as
+    the target's (int4 keeps q/k/v and the LM heads in int8), into the cache once."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    float_target = Decoder(target_config()).eval()
+    target = quantized(float_target, quantization)
+    for method in METHODS:
+        head = random_head(method, float_target.config, seed=1)
+        save_head(head, tmp_path / method)
+        spec = SpecConfig.parse({"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3,
+                                 "max_speculative_tokens": 3})
+        first, again = (head_proposer(spec, target, quantization=quantization)[0] for _ in range(2))
+        assert capsys.readouterr().err.count(f"quantizing {method} to {quantization}") == 1
+        expected = quantized(head, quantization)
+        for loaded in (first, again):
+            loaded_head = loaded.heads if method == "medusa" else loaded.head
+            assert not any(isinstance(m, torch.nn.Linear) for m in loaded_head.modules())
+            state, expected_state = dict(loaded_head.named_buffers()), dict(expected.named_buffers())
+            assert state.keys() == expected_state.keys()
+            for name, tensor in expected_state.items():
+                assert torch.equal(state[name], tensor), name
+        bits = {name: layer.bits for name, layer in loaded_head.named_modules() if isinstance(layer, QuantizedLinear)}
+        if method == "eagle3":
+            low = 4 if quantization == "int4" else 8
+            assert bits == {"fc": low, "layer.self_attn.qkv_proj": 8, "layer.self_attn.o_proj": low,
+                            "layer.mlp.gate_up_proj": low, "layer.mlp.down_proj": low, "lm_head": 8}
+        if method == "medusa":
+            assert {bits[f"lm_heads.{i}"] for i in range(NUM_MEDUSA_HEADS)} == {8}
+    assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == len(METHODS)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("method", METHODS)
-def test_speculative_engine_samples_the_target_distribution(method):
+def test_speculative_engine_samples_the_target_distribution(method, quantization):
     """At temperature > 0 a batch of seeded requests drafted by random heads (EAGLE-3 over 3
     of the 4 ids; early stops on unsure guesses) gives 4-token outputs distributed as the
     target's own sampling (chi-square over all 4^4)."""
@@ -271,6 +311,7 @@ def test_speculative_engine_samples_the_target_distribution(method):
         head.target_ids = torch.tensor([3, 0, 1])  # id 2 only ever comes from the target's residual
     else:
         head = random_head(method, config, seed=4)
+    target, head = quantized(target, quantization), quantized(head, quantization)
     params = dict(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
     expected = target_continuation_probs(target, prompt, SamplingParams(**params))
     proposer = proposer_of(head, target, confidence_threshold=0.3)

@@ -154,6 +154,12 @@ class QuantizedLinear(nn.Module):
         return silu_and_mul(self(x))
 
 
+def input_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a linear layer takes its inputs in: bfloat16 for a `QuantizedLinear`,
+    else its weight's."""
+    return QUANTIZED_ACTIVATION_DTYPE if isinstance(layer, QuantizedLinear) else layer.weight.dtype
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] gate then up -> [T, I] silu(gate) * up: a SwiGLU MLP's activation."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -170,22 +176,30 @@ def _linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     return found
 
 
+def keeps_int8(name: str) -> bool:
+    """Whether int4 keeps the linear layer of this dotted name in int8: a head that
+    scores tokens (a model's `lm_head`, a Medusa head's `lm_heads.i`) and a fused q/k/v
+    projection, in a model and in a draft head alike.
+
+    Measured on the default target (perplexity on the sonnets against float32 weights):
+    the head, which Q4_K_M keeps at 6 bits (an int4 head: +6.4% -> +8.3%); and q/k/v, as
+    Q4_K_M keeps the value projection at 6 bits in half the layers (+6.6% -> +4.1% for
+    3% more bytes a token; the down projections Q4_K_M keeps at 6 bits took +6.8% of the
+    bytes for 3 points more)."""
+    return name == "lm_head" or name.startswith("lm_heads.") or name.endswith("qkv_proj")
+
+
 def quantized_state(model: nn.Module, quantization: str) -> dict[str, torch.Tensor]:
-    """A float model -> flat tensors to save: each linear layer's quantized weight and
-    scales (and bias), every other tensor in bfloat16. A tied head is quantized on its
-    own; the embedding it shares weights with stays bfloat16 (a lookup reads one row)."""
+    """A float model (or draft head) -> flat tensors to save: each linear layer's
+    quantized weight and scales (and bias), every other floating tensor in bfloat16,
+    integer buffers as they are. A tied head is quantized on its own; the embedding it
+    shares weights with stays bfloat16 (a lookup reads one row). A layer whose inputs do
+    not split into groups of 32 stays int8 under int4, as `keeps_int8` layers do."""
     state: dict[str, torch.Tensor] = {}
     linear_names = set()
     for parent, attribute, name in _linear_layers(model):
         linear = getattr(parent, attribute)
-        # Layers int4 keeps in int8, measured on the default target (perplexity on the
-        # sonnets against float32 weights): the head, which Q4_K_M keeps at 6 bits (an
-        # int4 head: +6.4% -> +8.3%); and q/k/v, as Q4_K_M keeps the value projection at
-        # 6 bits in half the layers (+6.6% -> +4.1% for 3% more bytes a token; the down
-        # projections Q4_K_M keeps at 6 bits took +6.8% of the bytes for 3 points more).
-        # A layer whose inputs do not split into groups of 32 stays int8 too.
-        bits4 = (quantization == "int4" and linear.in_features % INT4_GROUP_SIZE == 0
-                 and name != "lm_head" and not name.endswith("qkv_proj"))
+        bits4 = quantization == "int4" and linear.in_features % INT4_GROUP_SIZE == 0 and not keeps_int8(name)
         for key, tensor in (quantize_int4 if bits4 else quantize_int8)(linear.weight.detach()).items():
             state[f"{name}.{key}"] = tensor
         if linear.bias is not None:
@@ -193,7 +207,7 @@ def quantized_state(model: nn.Module, quantization: str) -> dict[str, torch.Tens
         linear_names.add(name)
     for name, tensor in model.state_dict().items():
         if name.rsplit(".", 1)[0] not in linear_names:
-            state[name] = tensor.to(QUANTIZED_ACTIVATION_DTYPE)
+            state[name] = tensor.to(QUANTIZED_ACTIVATION_DTYPE) if tensor.is_floating_point() else tensor
     return state
 
 

@@ -91,7 +91,7 @@ class EagleProposer:
         order = chains.active()
         hidden = torch.stack([last_outputs[i] for i in order]) if order else None  # [len(order), H]
         while order:
-            chains.add(order, self.head.logits(hidden))  # [len(order), V]
+            chains.add(order, self.head.draft_logits(hidden), self.head.target_ids)  # [len(order), draft_vocab]
             going_on = chains.active()
             if not going_on:
                 break

@@ -3,7 +3,8 @@
 A draft model must speak the target's vocabulary token for token, or its drafts and
 probabilities would be about other tokens: that is checked here, at load, with a
 message that says what differs. A head (EAGLE, Medusa) is checked against the target's
-shapes by `load_head`, and runs in the target's dtype on its device.
+shapes by `load_head`, and runs in the target's dtype on its device, its linear layers
+quantized as the target's are where the target is quantized.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.quant import QUANTIZED_ACTIVATION_DTYPE
-from specserve.models import LoadedModel, load_model, resolve_head
+from specserve.models import LoadedModel, load_model, quantize_head, resolve_head
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.fused import FusedDraftProposer
@@ -59,17 +60,24 @@ def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), spec
     if spec.method in HEAD_METHODS:
-        return head_proposer(spec, target.decoder, prefill_chunk_size)
+        return head_proposer(spec, target.decoder, prefill_chunk_size, quantization)
     draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
                        device=target.decoder.device)
     check_same_vocabulary(target, draft)
     return draft_proposer(spec, draft.decoder, target, prefill_chunk_size), spec
 
 
-def head_proposer(spec: SpecConfig, target: Decoder,
-                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> tuple[Proposer, SpecConfig]:
-    """The EAGLE or Medusa proposer of the head in spec.model's folder, for `target`."""
-    head = load_head(resolve_head(spec.model), target.config, spec.method, target.dtype).to(target.device)
+def head_proposer(spec: SpecConfig, target: Decoder, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+                  quantization: str = "none") -> tuple[Proposer, SpecConfig]:
+    """The EAGLE or Medusa proposer of the head in spec.model's folder, for `target`;
+    with the target's `quantization` (int8, int4) the head's linear layers run
+    quantized on the same kernels (`quantize_head`), else in the target's dtype."""
+    folder = resolve_head(spec.model)
+    if quantization == "none":
+        head = load_head(folder, target.config, spec.method, target.dtype).to(target.device)
+    else:  # quantized from the checkpoint's own precision
+        head = load_head(folder, target.config, spec.method, torch.float32)
+        quantize_head(head, folder, quantization)
     guesser = Guesser(target.config.vocab_size, spec.draft_confidence_threshold)
     if isinstance(head, MedusaHeads):
         return MedusaProposer(head, guesser), spec.for_medusa_heads(head.config.num_heads)

@@ -9,7 +9,9 @@ penalised request's scores are penalised as the target's rows will be
 (specserve/penalties.py), this step's earlier guesses counted, so the guesses are what
 the penalised target will choose. Scores may cover fewer ids than the vocabulary (a
 draft's common head: the first ids) or be -inf at ids a head never guesses: those ids get
-no mass.
+no mass. A head's scores may also cover a subset of ids in its own order (`target_ids`
+names each column's id): greedy guesses take the argmax there, and only a sampled or
+penalised guess widens its row to the whole vocabulary.
 
 A sequence stops drafting after a guess the proposer itself gives less than
 `confidence_threshold`: later guesses would build on it and rarely survive. The choice
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from specserve.penalties import apply_penalties
 from specserve.sampling import logits_to_probs, sample
+from specserve.spec.heads.vocab import widen_to_target_vocab
 from specserve.spec.proposer import Draft, SequenceView
 
 log = logging.getLogger("specserve")
@@ -46,15 +49,18 @@ class Guesser:
         return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
 
     def guess(self, seq: SequenceView, row_logits: torch.Tensor, drafted: list[int], argmax: int,
-              confidence: float) -> tuple[int, float, torch.Tensor | None]:
+              confidence: float, target_ids: torch.Tensor | None = None) -> tuple[int, float, torch.Tensor | None]:
         """One draft position of one sequence from its row of scores [1, width] (and its
-        argmax and confidence, computed for the batch): the token, the proposer's
-        probability of it, and the distribution [V] it was sampled from (None: greedy)."""
+        argmax as a token id and confidence, computed for the batch): the token, the
+        proposer's probability of it, and the distribution [V] it was sampled from (None:
+        greedy). target_ids [width]: the token id of each column; None: ids [0, width)."""
         params = seq.params
-        if params.penalized:  # guess as the penalised target will choose: more accepted
-            row_logits = self.penalised(seq, row_logits, drafted)  # [1, V]
         if params.greedy and not params.penalized:
             return argmax, confidence, None
+        if target_ids is not None:
+            row_logits = widen_to_target_vocab(row_logits, target_ids, self.vocab_size)  # [1, V]
+        if params.penalized:  # guess as the penalised target will choose: more accepted
+            row_logits = self.penalised(seq, row_logits, drafted)  # [1, V]
         if params.greedy:
             (token,), (confidence,) = self.greedy_guesses(row_logits)
             return token, confidence, None
@@ -89,14 +95,16 @@ class DraftChains:
     def newest(self, i: int) -> int:
         return self.drafted[i][-1]
 
-    def add(self, order: list[int], logits: torch.Tensor) -> None:
+    def add(self, order: list[int], logits: torch.Tensor, target_ids: torch.Tensor | None = None) -> None:
         """Guess the next position of each sequence in `order` from its row of `logits`
-        [len(order), width]."""
+        [len(order), width], whose columns are token ids [0, width) or, given, target_ids [width]."""
         argmax, confidences = self.guesser.greedy_guesses(logits)  # one read-back for the batch
+        if target_ids is not None:
+            argmax = target_ids[argmax].tolist()
         for row, i in enumerate(order):
             try:
-                token, confidence, row_probs = self.guesser.guess(self.seqs[i], logits[row : row + 1],
-                                                                  self.drafted[i], argmax[row], confidences[row])
+                token, confidence, row_probs = self.guesser.guess(
+                    self.seqs[i], logits[row : row + 1], self.drafted[i], argmax[row], confidences[row], target_ids)
             except Exception:  # this request's own arithmetic: it drafts nothing, the rest go on
                 log.exception("drafting for request %d failed", self.seqs[i].seq_id)
                 self.drafted[i], self.probs[i] = [], []

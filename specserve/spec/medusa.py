@@ -51,12 +51,12 @@ class MedusaProposer:
         if not order:
             return chains.drafts()
         newest = torch.stack([self.features.runs[seqs[i].seq_id].newest() for i in order])  # [B, H]
-        logits = self.heads.logits(newest, max(num_tokens[i] for i in order))  # [max k, B, V]
+        logits = self.heads(newest, max(num_tokens[i] for i in order))  # [max k, B, head_width]
         for position in range(logits.shape[0]):
             going_on = chains.active()
             if not going_on:
                 break
-            chains.add(going_on, logits[position, [order.index(i) for i in going_on]])
+            chains.add(going_on, logits[position, [order.index(i) for i in going_on]], self.heads.target_ids)
         return chains.drafts()
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:

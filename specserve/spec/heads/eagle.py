@@ -38,6 +38,7 @@ from specserve.config import ModelConfig
 from specserve.errors import ConfigError
 from specserve.model.decoder import Block, RMSNorm, Segment, attention_backends, rope_inverse_frequencies, rope_rows
 from specserve.model.kv_cache import KVCache
+from specserve.model.quant import input_dtype
 from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
 
 EAGLE_VERSIONS = (1, 3)
@@ -120,7 +121,8 @@ class EagleHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        """Of its activations and cache (bfloat16 where its layers are quantized)."""
+        return input_dtype(self.fc)
 
     @property
     def device(self) -> torch.device:

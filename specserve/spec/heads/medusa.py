@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import ConfigError
+from specserve.model.quant import input_dtype
 from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
 
 
@@ -76,7 +77,7 @@ class MedusaHeads(nn.Module):
 
     def scores(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """`forward` outside inference mode, for training: [..., H] -> [num_heads, ..., head_width]."""
-        hidden = hidden.to(self.lm_heads[0].weight.dtype)
+        hidden = hidden.to(input_dtype(self.lm_heads[0]))
         per_head = []
         for i, block in enumerate(self.blocks[:num_heads]):
             x = hidden  # [..., H]
