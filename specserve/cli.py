@@ -21,6 +21,7 @@ from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.errors import ConfigError, SpecserveError
+from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
@@ -230,7 +231,7 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--stdlib-tokens", type=int, default=defaults.stdlib_tokens,
                       help="most tokens of the Python standard library's source read as extra text, after the "
                            "answers, until the features phase's share of the budget ends (0: none)")
-    data.add_argument("--top-k", type=int, default=defaults.top_k, help="target probabilities kept per position")
+    data.add_argument("--top-k", type=int, default=defaults.top_k, help=f"target probabilities kept per position (at most {MAX_LOGPROBS}: an answer's logprobs)")
     head = train.add_argument_group("head and training")
     head.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
                       help="ids the head scores: the data's most frequent (EAGLE-3 and Medusa)")

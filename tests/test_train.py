@@ -1,6 +1,7 @@
 """`specserve train-head`: heads learn the target (overfitting one text), training resumes step for
-step, the command writes a head `load_head` reads and resumes after an interruption, refusals
-name their fix, and the bundled instructions are not the benchmark's prompts."""
+step, answers' features recorded as they are generated equal a teacher-forced read, the command
+writes a head `load_head` reads and resumes after an interruption, refusals name their fix, and
+the bundled instructions are not the benchmark's prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specserve import models
 from specserve.bench.suites import SUITES
@@ -18,9 +20,9 @@ from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import checkpoint, native
 from specserve.model.decoder import Decoder
 from specserve.spec.heads.checkpoint import load_head, save_head
-from specserve.train.data import Sample, load_instructions
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, answer_key, load_instructions
 from specserve.train.eagle import EagleMethod
-from specserve.train.features import FeatureSet, compute_features
+from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -181,6 +183,31 @@ def test_an_unknown_method_is_refused(capsys):
     assert "invalid choice: 'lookahead'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown head method 'lookahead'"):
         train_head(TrainHeadSettings("smollm2-135m", method="lookahead"))
+
+
+@pytest.mark.parametrize("method_name", ["eagle3", "medusa"])
+def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_path, method_name):
+    target = models.load_model(str(smollm2), torch.float32)
+    spec = METHODS[method_name]().feature_spec(target.config)
+    settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0)
+    answers, stats = answer_instructions(target.decoder, target.tokenizer, settings, tmp_path / "answers.jsonl",
+                                         time.monotonic() + 600, recorder=AnswerRecorder(spec, top_k=8),
+                                         features_folder=tmp_path / "recorded")
+    samples = {answer_key(i): sample for i, sample in zip(stats.indices, answers)}
+    assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 3
+    assert [s.held_out for s in samples.values()] == [True, False, False]  # the first of the seeded order
+    compute_features(target.decoder, samples, spec, 8, tmp_path / "read", time.monotonic() + 600)
+    for key in samples:
+        recorded, read = (load_file(str(tmp_path / folder / f"{key}.safetensors")) for folder in ("recorded", "read"))
+        for name in ("token_ids", "first_trained", "held_out"):
+            assert torch.equal(recorded[name], read[name]), name
+        trained = FeatureSet.load(tmp_path / "read", [key]).trained
+        # The last token is never fed while generating: its row is zeros, and no trained row
+        # reads it. Prompt chunks and decode steps take different float32 kernels: a rounding apart.
+        assert torch.allclose(recorded["features"][:-1].float(), read["features"][:-1].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(recorded["top_ids"][trained], read["top_ids"][trained])
+        assert torch.allclose(recorded["top_probs"][trained], read["top_probs"][trained], atol=1e-4)
+        assert not recorded["top_probs"][~trained].any()
 
 
 def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):

@@ -13,7 +13,7 @@ and teacher-forced standard-library source.
 
 A `Sample` is token ids and the first position whose token is trained: the answer's
 first token (the prompt is context only), 0 for plain text. Every `HOLDOUT_EVERY`-th
-answer (in the seeded order) is held out to measure the head, never trained on.
+instruction of the seeded order is held out to measure the head, never trained on.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -32,8 +32,11 @@ from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from specserve.train.features import AnswerRecorder
+
 INSTRUCTIONS_PATH = Path(__file__).with_name("instructions.jsonl")
-HOLDOUT_EVERY = 10  # answers 0, 10, 20, ... of the seeded order
+HOLDOUT_EVERY = 10  # instructions 0, 10, 20, ... of the seeded order
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ def seeded_order(count: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def answer_key(index: int) -> str:
+    """The sample key (and features file name) of instruction `index`'s answer."""
+    return f"answer-{index:04d}"
+
+
 def read_answers(answers_file: Path) -> dict[int, dict]:
     """Answers written so far, by instruction index; a line cut short by a kill is dropped."""
     answers = {}
@@ -99,20 +107,28 @@ def answer_instructions(
     answers_file: Path,
     deadline: float,  # time.monotonic() by which to stop asking
     on_answer: Callable[[int], None] = lambda num_tokens: None,
+    recorder: AnswerRecorder | None = None,
+    features_folder: Path | None = None,
 ) -> tuple[list[Sample], AnswerStats]:
     """The target's answers (in the seeded order), generating those not yet in
-    `answers_file` until every one wanted is there or the deadline passes."""
+    `answers_file` until every one wanted is there or the deadline passes. With a
+    `recorder`, each new answer's features go to `features_folder` (as `answer_key`)
+    as it is written."""
     instructions = load_instructions()
     order = seeded_order(len(instructions), settings.seed)[: settings.max_answers]
+    held_out = {i: position % HOLDOUT_EVERY == 0 for position, i in enumerate(order)}
     answers = read_answers(answers_file)
-    engine = Engine(target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs)
+    engine = Engine(target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs,
+                    proposer=recorder)
     index_of = {}  # seq_id -> instruction index
     for i in order:
         if i not in answers:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
             params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                    seed=settings.seed + i)
+                                    seed=settings.seed + i, logprobs=None if recorder is None else recorder.top_k)
             index_of[engine.add_request(prompt_ids, params).seq_id] = i
+    if recorder is not None:
+        features_folder.mkdir(parents=True, exist_ok=True)
     answers_file.parent.mkdir(parents=True, exist_ok=True)
     stats = AnswerStats()
     started = time.monotonic()
@@ -121,7 +137,10 @@ def answer_instructions(
             stats.steps += 1
             for seq in engine.step():
                 if seq.finished and seq.finish_reason in ("stop", "length"):
-                    record = {"index": index_of[seq.seq_id], "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
+                    i = index_of[seq.seq_id]
+                    if recorder is not None:  # before the answer's line: a resumed run reads it again if need be
+                        recorder.save(seq, held_out[i], features_folder / f"{answer_key(i)}.safetensors")
+                    record = {"index": i, "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
                               "answer_ids": seq.output_ids}
                     out.write(json.dumps(record) + "\n")
                     out.flush()
@@ -131,11 +150,8 @@ def answer_instructions(
     for seq_id in list(engine.running) + [s.seq_id for s in engine.waiting]:
         engine.abort(seq_id)  # unfinished at the deadline: asked again by a resumed run
     stats.indices = [i for i in order if i in answers]
-    samples = [
-        Sample(answers[i]["prompt_ids"] + answers[i]["answer_ids"], len(answers[i]["prompt_ids"]),
-               held_out=position % HOLDOUT_EVERY == 0)
-        for position, i in enumerate(stats.indices)
-    ]
+    samples = [Sample(answers[i]["prompt_ids"] + answers[i]["answer_ids"], len(answers[i]["prompt_ids"]), held_out[i])
+               for i in stats.indices]
     return samples, stats
 
 

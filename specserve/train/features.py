@@ -7,6 +7,12 @@ after the final norm [H]), and the target's distribution of the token at p + 1 a
 temperature 1, kept as its `top_k` likeliest ids and their probabilities (the rest of
 the mass is dropped: a soft target over 150k ids per position would not fit in memory).
 
+An answer's are recorded while the target generates it (`AnswerRecorder`): the engine
+captures every forward's features for a proposer that drafts nothing, and the request's
+logprobs are the same top-k distributions. These are a teacher-forced forward's numbers
+up to the rounding of the kernels a decode step takes, so an answer costs its generation
+alone, not a second forward.
+
 Each sample's tensors go to one safetensors file named by the sample's key, written
 under a temporary name and renamed: a stopped run resumes with the files it has.
 Features are kept in bfloat16, the target's own activation format under int4.
@@ -22,7 +28,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from specserve.engine.sequence import Sequence
 from specserve.model.decoder import Capture, Decoder, Segment
+from specserve.spec.features import FeatureRun, TargetFeatures
+from specserve.spec.proposer import Draft, SequenceView
 from specserve.train.data import Sample
 from specserve.train.objective import Batch
 
@@ -64,6 +73,68 @@ def sample_features(target: Decoder, sample: Sample, spec: FeatureSpec, top_k: i
     }
 
 
+def save_sample(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Written under a temporary name and renamed: `path` exists only complete."""
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.rename(path)
+
+
+class AnswerRecorder:
+    """A proposer that drafts nothing (Proposer protocol, in an Engine with k = 0): it
+    keeps each sequence's features as the target computes them, so that a finished answer
+    with its logprobs (`top_k` of them a token) is a sample's tensors (`save`)."""
+
+    def __init__(self, spec: FeatureSpec, top_k: int):
+        assert not (spec.layers and spec.final), "TargetFeatures reads one kind of feature"
+        self.top_k = top_k
+        self.features = TargetFeatures(spec.layers)
+        self.last_catch_up = self.last_tokens_read = 0
+        self.finished: dict[int, FeatureRun] = {}  # runs of sequences the engine freed, until saved
+
+    def backlog(self, seq: SequenceView) -> int:
+        return 0
+
+    def propose(self, seqs: list[SequenceView], num_tokens: list[int]) -> list[Draft]:
+        return [Draft.of([]) for _ in seqs]
+
+    def observe(self, seqs: list[SequenceView], num_accepted: list[int]) -> None:
+        pass
+
+    def free(self, seq_id: int) -> None:
+        run = self.features.runs.pop(seq_id, None)
+        if run is not None:
+            self.finished[seq_id] = run
+
+    def save(self, seq: Sequence, held_out: bool, path: Path) -> bool:
+        """Write a finished answer's sample (as `sample_features` would) to `path`; False
+        where its features do not cover every fed position (nothing written)."""
+        run = self.finished.pop(seq.seq_id, None)
+        fed = len(seq.token_ids) - 1  # the last token was never fed
+        whole = run is not None and run.origin == run.start == 0 and run.end == fed
+        if not whole or len(seq.logprobs) != seq.num_output_tokens:
+            return False
+        features = run.take(fed)  # [T - 1, F]
+        top_ids = torch.zeros(len(seq.token_ids), self.top_k, dtype=torch.int64)  # [T, k]
+        top_probs = torch.zeros(len(seq.token_ids), self.top_k)  # [T, k]
+        # Output token j is predicted at position P - 1 + j; the prompt's other positions and
+        # the last one are never trained (FeatureSet.trained), so they stay zero.
+        first = seq.num_prompt_tokens - 1
+        for j, logprob in enumerate(seq.logprobs):
+            ids, values = zip(*logprob.top)
+            top_ids[first + j] = torch.tensor(ids)
+            top_probs[first + j] = torch.tensor(values).exp()
+        save_sample({
+            "token_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
+            "features": torch.cat([features, features.new_zeros(1, features.shape[1])]).to(torch.bfloat16).cpu(),
+            "top_ids": top_ids,
+            "top_probs": top_probs,
+            "first_trained": torch.tensor([seq.num_prompt_tokens]),
+            "held_out": torch.tensor([held_out]),
+        }, path)
+        return True
+
+
 def compute_features(
     target: Decoder,
     samples: dict[str, Sample],  # by key
@@ -82,9 +153,7 @@ def compute_features(
         if not path.is_file():
             if time.monotonic() >= deadline:
                 break
-            partial = path.with_suffix(".partial")
-            save_file(sample_features(target, sample, spec, top_k), str(partial))
-            partial.rename(path)
+            save_sample(sample_features(target, sample, spec, top_k), path)
             on_sample(len(sample.token_ids))
         done.append(key)
     return done

@@ -1,9 +1,10 @@
 """`specserve train-head`: from a target to a trained head in the cache, within a time budget.
 
 Phases, each ending at a share of `max_minutes` counted from the start of the command:
-loading the target; data (the target answers instructions, until `DATA_END`); features
-(teacher-forced forwards over the answers and standard-library text, until
-`FEATURES_END`); training (until `TRAIN_END`); then the held-out measurement and saving.
+loading the target; data (the target answers instructions, its features recorded as it
+generates, until `DATA_END`); features (teacher-forced forwards over standard-library
+text, and any answer not recorded, until `FEATURES_END`); training (until `TRAIN_END`);
+then the held-out measurement and saving.
 
 Where things live: `heads/NAME/` in the cache holds a finished head (config.json and
 model.safetensors in the public layout, and training.json with its figures);
@@ -32,18 +33,19 @@ from specserve import models
 from specserve.errors import ConfigError
 from specserve.model.device import CPU, default_dtype
 from specserve.spec.heads.checkpoint import save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, stdlib_samples
+from specserve.logprobs import MAX_LOGPROBS
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, answer_key, stdlib_samples
 from specserve.train.eagle import EagleMethod
-from specserve.train.features import FeatureSet, compute_features
+from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 
 METHODS = ("eagle3", "eagle", "medusa")
-# Where each phase must end, as shares of the budget. An answer's token costs a generated
-# and then a teacher-forced forward, twice a text token: answers get a fifth (the chat
-# format, and the held-out measure), standard-library text fills the features phase.
-DATA_END, FEATURES_END, TRAIN_END = 0.2, 0.55, 0.95
+# Where each phase must end, as shares of the budget. Answers (recorded as they are
+# generated) are the text the head is measured on and drafts for; standard-library text
+# fills what is left of the features phase.
+DATA_END, FEATURES_END, TRAIN_END = 0.45, 0.55, 0.95
 MIN_ANSWERS = 2  # one held out to measure, at least one to train on
 
 
@@ -65,7 +67,7 @@ class TrainHeadSettings:
     temperature: float = 0.8
     max_num_seqs: int = 8
     stdlib_tokens: int = 400_000  # at most: read after the answers until the features phase ends
-    top_k: int = 32  # target probabilities kept per position
+    top_k: int = MAX_LOGPROBS  # target probabilities kept per position (an answer's are its logprobs)
     # Sized for a CPU budget: benchmarks/EXPERIMENTS.md, "EAGLE-3 heads in 30 CPU minutes".
     draft_vocab_size: int = 8192
     ttt_length: int = 2  # EAGLE: unrolled steps
@@ -90,6 +92,9 @@ class TrainHeadSettings:
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.top_k > MAX_LOGPROBS:
+            raise ConfigError(f"--top-k must be <= {MAX_LOGPROBS} (the logprobs an answer is recorded with), "
+                              f"got {self.top_k}")
         if not 0 < self.temperature <= 2:
             raise ConfigError(f"--temperature must be in (0, 2], got {self.temperature}")
 
@@ -233,14 +238,16 @@ class Run:
                 bar.set_postfix(tokens=sum(answered_tokens))
                 bar.update()
 
+            recorder = AnswerRecorder(self.method.feature_spec(target.config), settings.top_k)
             answers, stats = answer_instructions(target.decoder, target.tokenizer, answer_settings,
-                                                 self.work / "answers.jsonl", self.clock.at(DATA_END), on_answer)
+                                                 self.work / "answers.jsonl", self.clock.at(DATA_END), on_answer,
+                                                 recorder, self.work / "features")
         if len(answers) < MIN_ANSWERS:
             seconds_per_answer = stats.seconds_per_step * settings.answer_tokens if stats.steps else None
             missing = (f"the target answered {len(answers)} of the {MIN_ANSWERS} instructions a run needs "
                        f"in the {DATA_END:.0%} of it given to answers")
             raise self.clock.too_small(missing, DATA_END, (seconds_per_answer or 60) / 60)
-        samples = {f"answer-{i:04d}": sample for i, sample in zip(stats.indices, answers)}
+        samples = {answer_key(i): sample for i, sample in zip(stats.indices, answers)}
         stdlib = stdlib_samples(target.tokenizer, settings.stdlib_tokens, settings.loop.window, settings.seed)
         samples |= {f"stdlib-{i:04d}": sample for i, sample in enumerate(stdlib)}
         data_file.write_text(json.dumps({key: dataclasses.asdict(sample) for key, sample in samples.items()}))
