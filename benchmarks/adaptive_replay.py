@@ -22,7 +22,7 @@ the draft stops may differ.
     .venv/bin/python benchmarks/adaptive_replay.py --score   # every trace set and scale: one figure
 
 The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
-tests/test_adaptive_replay.py; benchmarks/README.md lists them). A trace set may keep
+tests/benchmarks/test_adaptive_replay.py; benchmarks/README.md lists them). A trace set may keep
 the target's forward time for each row count (`Costs.target_by_rows`), which the replay
 charges instead of the line: on our CPU kernels 9-16 rows cost a second pass. `--record`
 measures those times itself (`forward_seconds`).
@@ -282,7 +282,7 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
     import torch
 
     from specserve.bench.suites import SUITES
-    from specserve.generate import build_engine, encode_prompt, run_one
+    from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.model.decoder import Segment
     from specserve.sampling import SamplingParams
 

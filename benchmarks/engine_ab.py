@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from specserve.bench.suites import prompts_of
     from specserve.config import SpecConfig
-    from specserve.generate import build_engine, encode_prompt, run_one
+    from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.model import native
     from specserve.sampling import SamplingParams
 

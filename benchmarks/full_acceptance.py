@@ -2,7 +2,7 @@
 
 The roofline's ceiling (`peers.py`, specserve/bench/roofline.py) prices a step from the
 memory bandwidth and the arithmetic peak; this measures the steps themselves
-(specserve/bench/full_acceptance.py): one engine whose draft always drafts k, its
+(specserve/bench/measured_ceiling.py): one engine whose draft always drafts k, its
 confidence stop off and no lookups, against its own plain step, the settings taking
 turns. For each k: the step's time, its drafting and verifying parts (where it runs
 fused), its speed were every draft accepted ((k + 1) plain steps over the step), and
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from specserve.bench.full_acceptance import always_drafting, best, measure  # noqa: E402
+from specserve.bench.measured_ceiling import always_drafting, best, measure  # noqa: E402
 from specserve.bench.suites import prompts_of  # noqa: E402
+from specserve.engine.build import build_engine, encode_prompt  # noqa: E402
 from specserve.errors import SpecserveError  # noqa: E402
-from specserve.generate import build_engine, encode_prompt  # noqa: E402
 
 DEFAULT_KS = "1,3,5,7,9,11,15"
 

@@ -50,11 +50,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specserve.catalogue import load_model  # noqa: E402
 from specserve.model import native  # noqa: E402
 from specserve.model.decoder import FloatLinear, Segment  # noqa: E402
 from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
 from specserve.model.quant import QuantizedLinear  # noqa: E402
-from specserve.models import load_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS_IN_REPO = "specserve/model/kernels"

@@ -29,9 +29,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specserve.catalogue import load_model  # noqa: E402
 from specserve.model import native  # noqa: E402
 from specserve.model.decoder import FloatLinear, PackedLinear, Segment, linear_of  # noqa: E402
-from specserve.models import load_model  # noqa: E402
 
 
 def median_seconds(call, reps: int) -> float:
@@ -67,7 +67,7 @@ def bench_layers(decoder, rows_list: list[int], rounds: int) -> None:
             with torch.inference_mode():
                 for _ in range(rounds):
                     a = median_seconds(lambda: ours(x), reps)
-                    b = median_seconds(lambda: theirs(x), reps)
+                    b = median_seconds(lambda: theirs(x), reps)  # noqa: F821 (deleted after the rows)
                     ours_s.append(a), theirs_s.append(b), ratios.append(a / b)
             print(f"{str(list(shape)):>18} {rows:>5} {nbytes / statistics.median(ours_s) / 1e9:>10.1f} "
                   f"{nbytes / statistics.median(theirs_s) / 1e9:>13.1f} {statistics.median(ratios):>12.2f} "

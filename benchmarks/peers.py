@@ -53,24 +53,29 @@ from typing import Any, Callable, Iterator
 import torch
 from gguf import GGUFReader
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
 from specserve.bench.roofline import (
-    arithmetic_of, ceiling, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth,
+    arithmetic_of,
+    ceiling,
+    gguf_weight_bytes_per_token,
+    measure_dot_peaks,
+    measure_read_bandwidth,
 )
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
+from specserve.engine.build import build_engine, encode_prompt, run_one
 from specserve.errors import SpecserveError
-from specserve.generate import build_engine, encode_prompt, run_one
 from specserve.model import huge_pages
 from specserve.model.decoder import Decoder
-from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.model.device import check_device_format
+from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.model.quant import QUANTIZATIONS, check_quantization
 from specserve.sampling import SamplingParams
-from specserve.spec.factory import draft_bytes_per_position, draft_format
+from specserve.spec.cost import draft_bytes_per_position
+from specserve.spec.factory import draft_format
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
@@ -243,7 +248,7 @@ def our_first_token_s(engine, ids: list[int], params: SamplingParams) -> float:
     seq = engine.add_request(ids, params)
     while not seq.output_ids:
         engine.step()
-    engine.abort(seq.seq_id)
+    engine.finish(seq.seq_id)
     return seq.timings()["ttft_s"]
 
 
@@ -300,7 +305,7 @@ def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int],
     # float32 on a CPU (its fastest path there); on a GPU the dtype ours runs in.
     dtype = torch.float32 if device.type == "cpu" else dtype_of(args)
     fmt = format_of(dtype, "none")
-    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(models.resolve(name), dtype=dtype)
+    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(catalogue.resolve(name), dtype=dtype)
                      .to(device).eval() for name in (args.target, args.draft))
     report.add_model("target", args.target, "transformers", fmt, weight_bytes_per_token(target), "plain")
     for mode, assistant in (("plain", None), ("assisted", draft)):
@@ -584,12 +589,12 @@ positive_int = int_at_least(1)
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=models.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
-    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
+    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
-    parser.add_argument("--eagle-head", default=f"{models.DEFAULT_TARGET}-eagle3",
+    parser.add_argument("--eagle-head", default=f"{catalogue.DEFAULT_TARGET}-eagle3",
                         help="the eagle3 rows' head: a trained head's name or a checkpoint folder")
-    parser.add_argument("--medusa-head", default=f"{models.DEFAULT_TARGET}-medusa",
+    parser.add_argument("--medusa-head", default=f"{catalogue.DEFAULT_TARGET}-medusa",
                         help="the medusa rows' heads: a trained head's name or a checkpoint folder")
     parser.add_argument("--max-tokens", type=positive_int, default=256)
     parser.add_argument("--device", default="auto",
@@ -655,7 +660,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 def run_unit(args, prompts: dict[str, str]) -> dict[str, Any]:
     """One unit (`specserve:MODE`, `transformers` or `llama.cpp`) in this process:
     its rows, roofline models and perplexities."""
-    tokenizer = Tokenizer.from_dir(models.resolve(args.target))
+    tokenizer = Tokenizer.from_dir(catalogue.resolve(args.target))
     prompt_ids = {name: encode_prompt(tokenizer, chat=text) for name, text in prompts.items()}
     eos_ids = list(tokenizer.eos_token_ids)
     report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
@@ -724,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         # Measured before any model is loaded, while the memory is quiet.
         bandwidth, method = measure_read_bandwidth(device=device_of(args))
         peaks = measure_dot_peaks(device_of(args))
-        tokenizer = Tokenizer.from_dir(models.resolve(args.target))
+        tokenizer = Tokenizer.from_dir(catalogue.resolve(args.target))
         report = Report(fixed_text_ids(tokenizer) if quality_wanted(args) else [])
         for round_index in range(args.rounds):
             for unit in units(args, peers, round_index):

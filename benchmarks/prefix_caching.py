@@ -20,10 +20,10 @@ import json
 import statistics
 import sys
 
-from specserve import models
+from specserve import catalogue
 from specserve.cli import add_format_flags, device_of, dtype_of
 from specserve.config import SpecConfig
-from specserve.generate import build_engine, run_one
+from specserve.engine.build import build_engine, run_one
 from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
@@ -39,7 +39,7 @@ MESSAGES = [
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=models.DEFAULT_TARGET)
+    parser.add_argument("--model", default=catalogue.DEFAULT_TARGET)
     parser.add_argument("--speculative-config", default=None, metavar="JSON")
     add_format_flags(parser)
     parser.add_argument("--turns", type=int, default=len(MESSAGES), help=f"at most {len(MESSAGES)}")

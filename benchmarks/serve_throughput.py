@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.client import ENDPOINTS, open_session, stream_request
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.spec_metrics import spec_figures
@@ -88,8 +88,8 @@ def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=models.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per concurrent slot")

@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 
-from specserve import cli, models
+from specserve import catalogue, cli
 from specserve.bench import benchmark
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.options import options_from_args
@@ -58,7 +58,7 @@ def bench_once(args, caching: bool, results_dir: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=models.DEFAULT_TARGET)
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--device", default="auto", help="the servers' --device: auto, cpu, cuda or cuda:N")
     parser.add_argument("--speculative-config", default=None, metavar="JSON", help="serve with speculation (both variants)")

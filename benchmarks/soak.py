@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.client import stream_request
 from specserve.bench.local_server import ServerProcess
 
@@ -206,8 +206,8 @@ def report(tally: Tally, args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=models.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--phases", type=int, default=6)

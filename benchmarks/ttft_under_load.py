@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench import benchmark
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.options import add_bench_flags, options_from_args
@@ -56,8 +56,8 @@ def bench(server: ServerProcess, rate: float, input_tokens: int, args, seed: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=models.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--rates", default="0.1,0.2", help="requests/s, comma-separated")

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
@@ -74,11 +75,11 @@ def dtype_of(args: argparse.Namespace) -> torch.dtype:
 
 
 def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -> None:
-    help = f"target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})"
+    help = f"target: a catalogue name, a .gguf file or a checkpoint folder (default {catalogue.DEFAULT_TARGET})"
     if positional:  # `vllm serve MODEL`
-        parser.add_argument("model", nargs="?", default=models.DEFAULT_TARGET, help=help)
+        parser.add_argument("model", nargs="?", default=catalogue.DEFAULT_TARGET, help=help)
     else:
-        parser.add_argument("--model", default=models.DEFAULT_TARGET, help=help)
+        parser.add_argument("--model", default=catalogue.DEFAULT_TARGET, help=help)
     parser.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='e.g. \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}\' or '
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     srv.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECSERVE_API_KEY)")
-    srv.add_argument("--max-num-seqs", type=int, default=8, help="most sequences in the running batch")
+    srv.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="most sequences in the running batch")
     srv.add_argument("--max-queue-len", type=int, default=64,
                      help="most requests waiting to join the batch; more get HTTP 429")
     srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
@@ -168,17 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ab = sub.add_parser("ab", help="serve the target plainly, then with speculation; bench both; compare")
     add_model_flags(ab, positional=True)
-    ab.add_argument("--max-num-seqs", type=int, default=8, help="passed to both servers")
+    ab.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="passed to both servers")
     add_prefix_caching_flags(ab, "; passed to both servers")
     add_bench_flags(ab, own_servers=True)
     ab.set_defaults(run=run_ab, results_dir="results/ab")
 
     tune = sub.add_parser("tune", help="measure which draft and k pay per test case; recommend one")
-    tune.add_argument("model", nargs="?", default=models.DEFAULT_TARGET,
-                      help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {models.DEFAULT_TARGET})")
+    tune.add_argument("model", nargs="?", default=catalogue.DEFAULT_TARGET,
+                      help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {catalogue.DEFAULT_TARGET})")
     add_format_flags(tune)
-    tune.add_argument("--drafts", default=models.DEFAULT_DRAFT,
-                      help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {models.DEFAULT_DRAFT})")
+    tune.add_argument("--drafts", default=catalogue.DEFAULT_DRAFT,
+                      help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})")
     tune.add_argument("--k", default="1,3,5,7,9,11,15",
                       help="comma-separated num_speculative_tokens to try; adaptive rows draft up to the largest")
     tune.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
@@ -225,6 +226,9 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     data = train.add_argument_group("data")
     data.add_argument("--max-answers", type=int, default=None,
                       help="instructions to answer at most (default: all that the budget allows)")
+    data.add_argument("--answer-rounds", type=int, default=defaults.answer_rounds,
+                      help="answers per instruction at most, each from its own seed, round by round as far as the "
+                           "budget goes")
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
     data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
@@ -261,7 +265,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     folder = train_head(dataclasses.replace(
         defaults, method=args.method, name=args.name, max_minutes=args.max_minutes, seed=args.seed,
         quantization=args.quantization, dtype=args.dtype, max_answers=args.max_answers,
-        answer_tokens=args.answer_tokens, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
+        answer_rounds=args.answer_rounds, answer_tokens=args.answer_tokens, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         stdlib_tokens=args.stdlib_tokens, top_k=args.top_k, draft_vocab_size=args.draft_vocab_size,
         ttt_length=args.ttt_length, num_heads=args.num_heads, head_intermediate_size=args.head_intermediate_size,
         loop=loop, force=args.force))
@@ -270,7 +274,7 @@ def run_train_head(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specserve.generate import build_engine, encode_prompt, run_one
+    from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.sampling import SamplingParams
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
@@ -350,15 +354,15 @@ def run_models(args: argparse.Namespace) -> int:
         if args.names:
             raise ConfigError("`specserve models` lists everything; give names to install or prepare")
         print(f"{'name':<22}{'params':>7}  {'installed':<10}{'prepared':<9}description")
-        for entry in models.CATALOGUE.values():
+        for entry in catalogue.CATALOGUE.values():
             installed = "no" if entry.missing_packages() else "yes"
-            prepared = "yes" if models.is_prepared(models.prepared_dir(entry.name)) else "no"
+            prepared = "yes" if catalogue.is_prepared(catalogue.prepared_dir(entry.name)) else "no"
             print(f"{entry.name:<22}{entry.params:>7}  {installed:<10}{prepared:<9}{entry.description}")
-        for head in models.HEADS.values():
-            installed = "no" if models.catalogue_entry(head.target).missing_packages() else "yes"
-            prepared = "yes" if models.is_head(models.heads_root() / head.name) else "no"
+        for head in catalogue.HEADS.values():
+            installed = "no" if catalogue.catalogue_entry(head.target).missing_packages() else "yes"
+            prepared = "yes" if catalogue.is_head(catalogue.heads_root() / head.name) else "no"
             print(f"{head.name:<22}{'head':>7}  {installed:<10}{prepared:<9}{head.description}")
-        print(f"\nartifacts cache: {models.cache_root()}  (set SPECSERVE_CACHE to move it)")
+        print(f"\nartifacts cache: {catalogue.cache_root()}  (set SPECSERVE_CACHE to move it)")
         return 0
     if not args.names:
         example = f"specserve models {args.action} smollm2-135m" + (" --to DIR" if args.action == "export" else "")
@@ -368,24 +372,24 @@ def run_models(args: argparse.Namespace) -> int:
     if (args.action == "export") != (args.to is not None):
         raise ConfigError("export writes GGUF files into a folder: `specserve models export NAME ... --to DIR`")
     for name in args.names:
-        if name in models.HEADS and args.action == "export":
+        if name in catalogue.HEADS and args.action == "export":
             raise ConfigError(f"{name!r} is a head trained on this machine: there is no GGUF file to export")
-        if name not in models.HEADS:
-            models.catalogue_entry(name)  # every name is checked before any work starts
+        if name not in catalogue.HEADS:
+            catalogue.catalogue_entry(name)  # every name is checked before any work starts
     for name in args.names:
-        if name in models.HEADS and args.action == "install":  # a head's packages are its target's
-            models.install(models.HEADS[name].target, force=args.force)
+        if name in catalogue.HEADS and args.action == "install":  # a head's packages are its target's
+            catalogue.install(catalogue.HEADS[name].target, force=args.force)
         elif args.action == "install":
-            models.install(name, force=args.force)
+            catalogue.install(name, force=args.force)
         elif args.action == "export":
-            print(models.export_gguf(name, Path(args.to)))
+            print(catalogue.export_gguf(name, Path(args.to)))
         else:
             if args.from_gguf is not None:
-                print(models.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
+                print(catalogue.prepare_from_gguf(name, Path(args.from_gguf), force=args.force))
             else:
-                print(models.prepare(name, force=args.force))
-            if args.quantization != "none" and name not in models.HEADS:
-                print(models.prepare_quantized(name, args.quantization))
+                print(catalogue.prepare(name, force=args.force))
+            if args.quantization != "none" and name not in catalogue.HEADS:
+                print(catalogue.prepare_quantized(name, args.quantization))
     return 0
 
 
@@ -460,7 +464,7 @@ def default_ab_draft(device: torch.device) -> dict[str, Any]:
     """`specserve ab`'s default speculative config: the default draft at k = 7, on
     int4 weights on the CPU (a draft's guesses are verified, so a cheap one loses nothing;
     our int4 kernels are CPU kernels), in the target's dtype on a GPU."""
-    draft: dict[str, Any] = {"model": models.DEFAULT_DRAFT, "num_speculative_tokens": 7}
+    draft: dict[str, Any] = {"model": catalogue.DEFAULT_DRAFT, "num_speculative_tokens": 7}
     if device.type == "cpu":
         draft["quantization"] = "int4"
     return draft

@@ -154,6 +154,12 @@ DEFAULT_DRAFT_VOCAB_SIZE = 65536
 FUTURE_SPEC_METHODS = ("mlp_speculator",)
 
 
+def check_int(value: Any, message: str, at_least: int = 1) -> None:
+    """Raise ConfigError(message) unless `value` is an int (not a bool) >= at_least."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < at_least:
+        raise ConfigError(message)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """vLLM's `--speculative-config`: which proposer drafts, and how many tokens."""
@@ -255,10 +261,8 @@ class SpecConfig:
                 f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}"
             )
         k = raw.get("num_speculative_tokens")
-        if (k is not None or method != "medusa") and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ConfigError(
-                f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}"
-            )
+        if k is not None or method != "medusa":
+            check_int(k, f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}")
         model = raw.get("model")
         if method != "ngram" and not model:
             what = "a catalogue name or a path" if method == "draft_model" else "the folder of the head's checkpoint"
@@ -273,8 +277,7 @@ class SpecConfig:
             lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(value, f"{name} must be an integer >= 1, got {value!r}")
         if lo > hi:
             raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
         threshold = raw.get("draft_confidence_threshold", cls.draft_confidence_threshold)
@@ -284,10 +287,9 @@ class SpecConfig:
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
         max_k = raw.get("max_speculative_tokens", None if k is None else max(15, k) if adaptive else k)
-        if max_k is not None and (not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < (k or 1)):
-            raise ConfigError(
-                f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), got {max_k!r}"
-            )
+        if max_k is not None:
+            check_int(max_k, f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), "
+                             f"got {max_k!r}", at_least=k or 1)
         quantization = raw.get("quantization")
         if quantization is not None:
             if method != "draft_model":
@@ -305,14 +307,12 @@ class SpecConfig:
             raise ConfigError('draft_vocab_size applies to "draft_model" only (an EAGLE-3 head brings its own)')
         draft_vocab_size = raw.get("draft_vocab_size", DEFAULT_DRAFT_VOCAB_SIZE if method == "draft_model" else None)
         if draft_vocab_size is not None:
-            if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1:
-                raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
+            check_int(draft_vocab_size, f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
         lookup_first = raw.get("prompt_lookup_first", DEFAULT_PROMPT_LOOKUP_FIRST if method != "ngram" else None)
         if lookup_first is not None:
             if method == "ngram":
                 raise ConfigError('prompt_lookup_first does not apply to "ngram", which always looks up')
-            if not isinstance(lookup_first, int) or isinstance(lookup_first, bool) or lookup_first < 1:
-                raise ConfigError(f"prompt_lookup_first must be an integer >= 1, got {lookup_first!r}")
+            check_int(lookup_first, f"prompt_lookup_first must be an integer >= 1, got {lookup_first!r}")
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(

@@ -21,7 +21,6 @@ import torch
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 
-
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 # The penalties' arithmetic runs in float32: a repetition penalty must stay positive and

@@ -116,7 +116,7 @@ def right_head(method: str, target: Decoder, perm: torch.Tensor) -> EagleHead | 
 
 def quantized(module: Decoder | EagleHead | MedusaHeads, quantization: str) -> Decoder | EagleHead | MedusaHeads:
     """A copy of a float target or head with its linear layers quantized ("none": itself),
-    as a quantized target is loaded and its head quantized with it (models.quantize_head)."""
+    as a quantized target is loaded and its head quantized with it (catalogue.quantize_head)."""
     if quantization == "none":
         return module
     state = quantized_state(module, quantization)

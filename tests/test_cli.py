@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,11 +129,11 @@ def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args
 def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp_path):
     import shutil
 
-    from specserve import models
+    from specserve import catalogue
 
     os.environ["SPECSERVE_CACHE"] = prepared_cache
     folder = tmp_path / "other-vocab"
-    shutil.copytree(models.prepare("smollm2-135m"), folder)
+    shutil.copytree(catalogue.prepare("smollm2-135m"), folder)
     tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer_json["model"]["vocab"]
     first = next(t for t, i in vocab.items() if i == 1000)

@@ -34,7 +34,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve import cli, models
+from specserve import catalogue, cli
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.options import options_from_args
 from specserve.config import SpecConfig
@@ -249,7 +249,7 @@ def test_server_args_are_real_serve_flags_with_a_speculative_config_for_all_but_
         args = expand(container(deployment)["args"], env)
         assert not any("$(" in arg for arg in args), f"unresolved variable in {args}"
         parsed = parser.parse_args(["serve", *args])
-        assert parsed.model in models.CATALOGUE and parsed.host == "0.0.0.0" and parsed.port == 8000
+        assert parsed.model in catalogue.CATALOGUE and parsed.host == "0.0.0.0" and parsed.port == 8000
         assert env["SPECSERVE_CACHE"] == "/cache"
         if variant == "baseline":
             assert SpecConfig.parse(parsed.speculative_config) is None
@@ -426,7 +426,7 @@ def test_prepare_job_prepares_the_served_models_into_the_servers_cache(tmp_path)
     assert len(prepares) == 1
     parsed = cli.build_parser().parse_args(prepares[0])
     draft = json.loads(served["SPECULATIVE_CONFIG"])["model"]
-    assert {served["MODEL"], draft} <= set(parsed.names) <= set(models.CATALOGUE)
+    assert {served["MODEL"], draft} <= set(parsed.names) <= set(catalogue.CATALOGUE)
     pod = job("prepare")["spec"]["template"]["spec"]
     assert {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]} == {"specserve-cache"}
     assert {"name": "SPECSERVE_CACHE", "value": "/cache"} in prepare_container("prepare")["env"]
@@ -563,7 +563,7 @@ def test_dockerfile_runs_specserve_serve_as_a_non_root_user_with_the_cache_on_a_
     assert "/health" in last("HEALTHCHECK") and "--start-period" in last("HEALTHCHECK")
     assert re.search(r"ARG TORCH_INDEX_URL=\S+/cpu\b", text)  # a CPU torch unless told otherwise
     baked = re.search(r'ARG MODELS="([^"]+)"', text).group(1).split()
-    assert set(baked) <= set(models.CATALOGUE)
+    assert set(baked) <= set(catalogue.CATALOGUE)
     assert json.loads(last("CMD"))[0] in baked
     served = settings()
     spec = SpecConfig.parse(served["SPECULATIVE_CONFIG"])
@@ -809,12 +809,12 @@ def test_cloudwatch_dashboard_reads_only_metrics_and_dimensions_that_bench_emf_w
 def test_a_prepared_model_loads_from_a_cache_that_cannot_be_written(prepared_cache, tmp_path, monkeypatch):
     """A cache mounted read-only (prepared elsewhere, served from S3) resolves what it
     holds without taking a lock, and says what to do about what it lacks."""
-    prepared = models.prepare(MODEL)
+    prepared = catalogue.prepare(MODEL)
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
     (cache / "models" / MODEL).symlink_to(prepared)
     (cache / "locks").write_text("")  # nothing can be made under it, as on a read-only mount
     monkeypatch.setenv("SPECSERVE_CACHE", str(cache))
-    assert models.resolve(MODEL) == cache / "models" / MODEL
+    assert catalogue.resolve(MODEL) == cache / "models" / MODEL
     with pytest.raises(ModelLoadError, match="cannot be written"):
-        models.resolve(models.DEFAULT_DRAFT)
+        catalogue.resolve(catalogue.DEFAULT_DRAFT)

@@ -13,7 +13,7 @@ from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
+from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
 NUM_TOP = 3
 

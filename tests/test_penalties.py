@@ -18,7 +18,7 @@ from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from tests.chi_square import chi_square_p_value, seeded_outputs
 from tests.conftest import tiny_config
-from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
+from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.3)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve import models
+from specserve import catalogue
 from specserve.config import SpecConfig
+from specserve.engine.build import build_engine, encode_prompt
 from specserve.engine.engine import Engine
-from specserve.generate import build_engine, encode_prompt
 from specserve.model import checkpoint
 from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
@@ -18,20 +18,20 @@ from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.factory import make_proposer
 from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
-from tests.test_native import needs_kernel
+from tests.model.test_native import needs_kernel
 
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
 def smollm(prepared_cache):
-    return models.load_model(MODEL)
+    return catalogue.load_model(MODEL)
 
 
 def test_prepared_folder_is_a_checkpoint_and_reloads(smollm, prepared_cache):
-    folder = models.prepared_dir(MODEL)
-    assert models.is_prepared(folder) and checkpoint.is_checkpoint_dir(folder)
-    assert models.resolve(MODEL) == folder  # prepared once: resolving again reuses it
+    folder = catalogue.prepared_dir(MODEL)
+    assert catalogue.is_prepared(folder) and checkpoint.is_checkpoint_dir(folder)
+    assert catalogue.resolve(MODEL) == folder  # prepared once: resolving again reuses it
     assert smollm.config.arch == "llama" and smollm.config.tie_word_embeddings
     assert smollm.config.num_layers == 30 and smollm.config.vocab_size == 49152
 
@@ -40,7 +40,7 @@ def test_logits_match_transformers_reading_the_gguf_itself(smollm):
     """transformers un-permutes llama.cpp's q/k rows with its own code: an independent check."""
     from transformers import AutoModelForCausalLM
 
-    gguf = models.CATALOGUE[MODEL].gguf_sources()[0]
+    gguf = catalogue.CATALOGUE[MODEL].gguf_sources()[0]
     reference = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()
@@ -53,7 +53,7 @@ def test_logits_match_transformers_reading_the_gguf_itself(smollm):
 
 def first_layers(num_layers: int) -> Decoder:
     """A self-speculative draft: the target's first layers and its own head."""
-    folder = models.prepared_dir(MODEL)
+    folder = catalogue.prepared_dir(MODEL)
     config = checkpoint.read_config(folder)
     config = config.__class__(**{**config.__dict__, "num_layers": num_layers})
     weights = {k: v for k, v in checkpoint.read_weights(folder).items()
@@ -113,7 +113,7 @@ def test_greedy_answer_makes_sense(prepared_cache):
 
 def test_bfloat16_speculation_matches_bfloat16_plain(prepared_cache):
     """--dtype bfloat16: speculation stays lossless with respect to the target as served."""
-    target = models.load_model(MODEL, torch.bfloat16)
+    target = catalogue.load_model(MODEL, torch.bfloat16)
     assert target.decoder.dtype == torch.bfloat16
     ids = encode_prompt(target.tokenizer, chat=PROMPTS[0])
     params = SamplingParams(max_tokens=24, temperature=0.0)

@@ -98,19 +98,19 @@ def _served_models(reply: httpx.Response) -> list[str]:
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
-    """A folder holding tokenizer.json, else whatever `specserve.models.resolve` accepts."""
-    from specserve import models
+    """A folder holding tokenizer.json, else whatever `specserve.catalogue.resolve` accepts."""
+    from specserve import catalogue
 
     folder = Path(name_or_path).expanduser()
     if not (folder / "tokenizer.json").is_file():
-        folder = models.resolve(name_or_path)
+        folder = catalogue.resolve(name_or_path)
     return Tokenizer.from_dir(folder)
 
 
 def _is_catalogue_name(name: str) -> bool:
-    from specserve import models
+    from specserve import catalogue
 
-    return name in models.CATALOGUE
+    return name in catalogue.CATALOGUE
 
 
 def run_test_case(options: BenchOptions, workload: Workload, requests: list[BenchRequest], model: str,

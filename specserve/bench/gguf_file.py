@@ -15,7 +15,7 @@ from pathlib import Path
 
 import gguf
 
-from specserve import models
+from specserve import catalogue
 from specserve.errors import ModelLoadError
 
 
@@ -24,19 +24,19 @@ def gguf_file(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path  # the user's file, used as it is
-    if name_or_path not in models.CATALOGUE:
+    if name_or_path not in catalogue.CATALOGUE:
         raise ModelLoadError(f"{name_or_path!r} is not a GGUF file or a catalogue model")
-    entry = models.catalogue_entry(name_or_path)
+    entry = catalogue.catalogue_entry(name_or_path)
     sources = entry.gguf_sources()
     if len(sources) == 1:
         return sources[0]  # already one file inside its package
-    joined = models.cache_root() / "gguf-files" / f"{name_or_path}.gguf"
-    with models.locked(f"gguf-file-{name_or_path}"):
+    joined = catalogue.cache_root() / "gguf-files" / f"{name_or_path}.gguf"
+    with catalogue.locked(f"gguf-file-{name_or_path}"):
         if not joined.is_file():
             joined.parent.mkdir(parents=True, exist_ok=True)
             partial = joined.with_name(joined.name + ".partial")
             try:
-                models.join_and_check(entry, partial)
+                catalogue.join_and_check(entry, partial)
                 partial.rename(joined)
             finally:
                 partial.unlink(missing_ok=True)

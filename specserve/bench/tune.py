@@ -34,19 +34,19 @@ from typing import Any
 
 import torch
 
-from specserve.bench import full_acceptance
+from specserve.bench import measured_ceiling
 from specserve.bench.roofline import arithmetic_of, ceiling, measure_dot_peaks, measure_read_bandwidth
 from specserve.bench.suites import SUITES
+from specserve.catalogue import LoadedModel, load_model
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, SpecConfig
+from specserve.engine.build import encode_prompt, run_one
 from specserve.engine.engine import Engine
-from specserve.generate import encode_prompt, run_one
 from specserve.model.device import CPU
 from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
-from specserve.models import LoadedModel, load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
-from specserve.spec.factory import (
-    check_same_vocabulary, draft_bytes_per_position, draft_format, draft_proposer, prior_cost_ratio)
+from specserve.spec.cost import draft_bytes_per_position, prior_cost_ratio
+from specserve.spec.factory import check_same_vocabulary, draft_format, draft_proposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.stats import SpecStats
 
@@ -172,7 +172,7 @@ class Tuner:
 
     def full_acceptance(self) -> dict[str, dict[str, Any]]:
         """Per draft model: each k's speed were every draft accepted, from the engine's
-        own steps with the draft always drafting k (`specserve.bench.full_acceptance`):
+        own steps with the draft always drafting k (`specserve.bench.measured_ceiling`):
         the bound the serving code reaches on this machine at any acceptance. The
         n-gram proposer is left out: it drafts nothing where its lookup finds nothing."""
         ids = next(iter(self.prompts.values()))[0]
@@ -182,10 +182,10 @@ class Tuner:
         for name, draft in self.drafts.items():
             if draft is None:
                 continue
-            proposer = draft_proposer(full_acceptance.always_drafting(name, most), draft.decoder, self.target)
+            proposer = draft_proposer(measured_ceiling.always_drafting(name, most), draft.decoder, self.target)
             engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, most)
-            rows = full_acceptance.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
-            top = full_acceptance.best(rows)
+            rows = measured_ceiling.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
+            top = measured_ceiling.best(rows)
             found[name] = {"max_speedup": top["full_acceptance_speedup"], "best_k": top["k"],
                            "plain_step_s": rows[0]["step_s"], "step_s": top["step_s"], "rows": rows}
         return found

@@ -29,11 +29,11 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
-from specserve.errors import ConfigError
 from specserve.engine.sequence import Sequence
+from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
-from specserve.model.prefix_cache import PrefixCache, read_elsewhere
+from specserve.model.prefix_cache import ChunkReads, PrefixCache
 from specserve.penalties import apply_penalties
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
@@ -44,7 +44,7 @@ from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
 from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify
 
-DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for every row
 
 log = logging.getLogger("specserve")
 
@@ -165,8 +165,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def abort(self, seq_id: int, reason: str = "abort") -> None:
-        """Remove a sequence wherever it is; it keeps an earlier finish reason if it had one."""
+    def finish(self, seq_id: int, reason: str = "abort") -> None:
+        """End a sequence wherever it is (done, stopped by a stop string, or aborted by its
+        client) and free its caches; it keeps an earlier finish reason if it had one."""
         seq = self.running.pop(seq_id, None)
         if seq is None:
             seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
@@ -300,7 +301,7 @@ class Engine:
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
         budget = self.prefill_chunk_size
-        reading: list[tuple[list[int], int]] = []  # (tokens, end) of each prompt chunk this step
+        reads = ChunkReads()
         for seq in self.running.values():
             if seq.prefilled or budget == 0:
                 continue
@@ -309,9 +310,8 @@ class Engine:
                 seq.num_cached_tokens += self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
             start = seq.cache.length
             chunk = seq.token_ids[start : start + budget]
-            if self.prefix_cache is not None and read_elsewhere(seq.token_ids, start, start + len(chunk), reading):
+            if not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
                 continue
-            reading.append((seq.token_ids, start + len(chunk)))
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (work, [drafting[i] for i in in_one_call], [wanted[i] for i in in_one_call],
@@ -341,7 +341,7 @@ class Engine:
 
         for seq in advanced + failed:
             if seq.finished:
-                self.abort(seq.seq_id)
+                self.finish(seq.seq_id)
         return advanced + failed
 
     def _speculate_fused(self, seqs: list[Sequence], wanted: list[int]) -> list[_Outcome]:

@@ -485,7 +485,7 @@ class Decoder(nn.Module):
 
         rope = self.rope_table(max((s.cache.length + s.num_tokens for s in segments), default=0))
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        in_c = self.in_c()
+        in_c = self.model_in_c()
         if in_c is not None and all(
             (s.num_tokens == 1 or s.one_query_at_a_time) and s.cache.keys.is_contiguous() for s in segments
         ):  # the blocks in C calls (one, or one between captured layers): the same kernels and bits as below
@@ -616,7 +616,7 @@ class Decoder(nn.Module):
             self._rope = table = (self.inv_freq, *rope_rows(self.inv_freq, positions, self.dtype))
         return table[1], table[2]
 
-    def in_c(self, common: bool = False) -> native.ModelInC | None:
+    def model_in_c(self, common: bool = False) -> native.ModelInC | None:
         """This model described for `native.decode_blocks` and `native.speculate_greedy`
         where all of it can run there (bfloat16, every projection and the head on our
         int4/int8 or bfloat16 kernels, a head size it takes), else None; decided once,

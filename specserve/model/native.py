@@ -84,7 +84,7 @@ def _compiler() -> str | None:
 
 
 def _library_path(compiler: str) -> Path:
-    from specserve.models import cache_root  # models imports this package
+    from specserve.catalogue import cache_root  # models imports this package
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]"))))

@@ -82,6 +82,24 @@ def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable
     return False
 
 
+class ChunkReads:
+    """The chunks of tokens one forward reads, so that a sequence whose chunk another
+    reads in the same forward waits a step and copies it (`read_elsewhere`): the
+    engine's prompt chunks, and a draft model's catch-up chunks."""
+
+    def __init__(self) -> None:
+        self.reading: list[tuple[list[int], int]] = []  # (tokens, end) of each chunk read
+
+    def claim(self, token_ids: list[int], start: int, end: int, shares: bool = True) -> bool:
+        """Whether a sequence reads token_ids[start:end] in this forward: False where it
+        shares with others and another reads most of it (it waits); else it is counted
+        as read."""
+        if shares and read_elsewhere(token_ids, start, end, self.reading):
+            return False
+        self.reading.append((token_ids, end))
+        return True
+
+
 def shared_blocks(a: list[int], b: list[int]) -> int:
     """How many tokens of whole BLOCKs `a` and `b` start with alike."""
     end = min(len(a), len(b)) // BLOCK * BLOCK

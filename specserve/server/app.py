@@ -38,9 +38,9 @@ from specserve.server.async_engine import (
     ShuttingDownError,
 )
 from specserve.server.fanout import ChoiceResult, Fanout, sample_params
-from specserve.server.logprobs import chat_logprobs, completion_logprobs
-from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
+from specserve.server.logprob_fields import chat_logprobs, completion_logprobs
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 

@@ -255,7 +255,7 @@ class AsyncEngine:
 
     def _abort(self, request: _Request) -> None:
         if request.seq is not None and self._requests.pop(request.seq.seq_id, None) is not None:
-            self.engine.abort(request.seq.seq_id)
+            self.engine.finish(request.seq.seq_id)
             self._record_finish(request.seq)
 
     def _step(self) -> None:
@@ -295,7 +295,7 @@ class AsyncEngine:
                 if seq.finished:  # in the step that also reached max_tokens: the text ended first (as vLLM says)
                     seq.finish_reason = "stop"
                 else:
-                    self.engine.abort(seq.seq_id, reason="stop")
+                    self.engine.finish(seq.seq_id, reason="stop")
                 break
         num_cached_tokens = None if self.engine.prefix_cache is None else seq.num_cached_tokens
         if request.last_token_time is None:
@@ -336,7 +336,7 @@ class AsyncEngine:
         """End these requests in the engine and answer each with `error`."""
         for request in requests:
             self._requests.pop(request.seq.seq_id, None)
-            self.engine.abort(request.seq.seq_id)
+            self.engine.finish(request.seq.seq_id)
             self._record_finish(request.seq)
             request.done = True
             request.post(error)

@@ -20,8 +20,9 @@ import torch
 import uvicorn
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.engine.build import build_engine
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError
-from specserve.generate import build_engine
 from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
@@ -46,7 +47,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
-    max_num_seqs: int = 8
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None
     max_queue_len: int = 64
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE

@@ -33,7 +33,7 @@ import torch
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
-from specserve.model.prefix_cache import PrefixCache, read_elsewhere
+from specserve.model.prefix_cache import ChunkReads, PrefixCache
 from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -63,7 +63,7 @@ class DraftModelProposer:
         self.prefix_cache: PrefixCache | None = None  # the draft's own, if any (see above)
         self._token_ids: dict[int, list[int]] = {}  # each cache's sequence's tokens (the live list), to store it
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
-        self._in_c = draft.in_c() is not None
+        self._in_c = draft.model_in_c() is not None
 
     @property
     def confidence_threshold(self) -> float:
@@ -116,7 +116,7 @@ class DraftModelProposer:
         read (last_catch_up, last_tokens_read), which the drafting after it adds to."""
         long: dict[int, list[int]] = {}  # the chunk each sequence catching up reads now
         waiting: set[int] = set()  # catching up, but its chunk is read by another one now
-        reading: list[tuple[list[int], int]] = []  # (tokens, end) of each chunk in `long`
+        reads = ChunkReads()
         for i, seq in enumerate(seqs):
             if num_tokens[i] == 0:
                 continue
@@ -129,11 +129,10 @@ class DraftModelProposer:
                     continue
             start = self._cache(seq).length
             end = start + self.catch_up_chunk_size
-            if self._shares(seq) and read_elsewhere(seq.token_ids, start, end, reading):
+            if not reads.claim(seq.token_ids, start, end, self._shares(seq)):
                 waiting.add(i)
                 continue
             long[i] = seq.token_ids[start:end]
-            reading.append((seq.token_ids, end))
         if long:
             self._catch_up(long, seqs)
         self.last_catch_up = self.last_tokens_read = 0

@@ -38,7 +38,7 @@ class FusedDraftProposer(DraftModelProposer):
     def __init__(self, draft: Decoder, target: Decoder, confidence_threshold: float = 0.0,
                  catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
         super().__init__(draft, confidence_threshold, catch_up_chunk_size, special_ids)
-        if draft.in_c() is None:
+        if draft.model_in_c() is None:
             reason = native.unavailable_reason() or "the draft is not quantized"
             raise ConfigError(
                 '"fused": true runs the draft in our C kernels, which take a quantized draft '
@@ -46,7 +46,7 @@ class FusedDraftProposer(DraftModelProposer):
                 f"compiler; here {reason}. Drop \"fused\" or quantize the draft"
             )
         self.target = target
-        self.target_in_c = target.in_c()
+        self.target_in_c = target.model_in_c()
         self.last_seconds = (0.0, 0.0)  # the last call's drafting and verifying time
 
     @property
@@ -105,7 +105,7 @@ class FusedDraftProposer(DraftModelProposer):
         by_head: dict[bool, list[native.GreedySpeculation]] = {}
         for seq, job in zip(seqs, jobs):
             by_head.setdefault(self.keeps_to_common(seq), []).append(job)
-        seconds = [native.speculate_greedy(self.draft.in_c(common), self.draft.rope_table(draft_end), target,
+        seconds = [native.speculate_greedy(self.draft.model_in_c(common), self.draft.rope_table(draft_end), target,
                                            group, self.confidence_threshold) for common, group in by_head.items()]
         self.last_seconds = (sum(s[0] for s in seconds), sum(s[1] for s in seconds))  # drafting, verifying
         for i, (seq, job) in enumerate(zip(seqs, jobs)):

@@ -5,15 +5,18 @@ and teacher-forced standard-library source.
   heads; none is a benchmark prompt (bench/suites.py), which a test keeps true.
 - Answers: the target answers the instructions in a seeded order through its chat
   template at a sampling temperature (SpecForge regenerates its data at 0.8), batched by
-  the Engine. Instruction i is seeded `seed + i`, so its answer is the same whatever ran
-  beside it and whenever it ran. Each finished answer is appended to a JSON-lines file
-  at once: a run stopped by its budget or interrupted resumes with the answers it has.
+  the Engine, in rounds: every instruction once, then again with other seeds, as far as
+  the budget goes. Round r of instruction i is seeded `seed + r * len(instructions) + i`,
+  so its answer is the same whatever ran beside it and whenever it ran. Each finished
+  answer is appended to a JSON-lines file at once: a run stopped by its budget or
+  interrupted resumes with the answers it has.
 - Standard-library text: the running Python's standard-library .py files, cut into
   pieces; free to read, and code is what the default target writes.
 
 A `Sample` is token ids and the first position whose token is trained: the answer's
 first token (the prompt is context only), 0 for plain text. Every `HOLDOUT_EVERY`-th
-instruction of the seeded order is held out to measure the head, never trained on.
+instruction of the seeded order is held out to measure the head, every round of its
+answers, never trained on.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Sample:
 
 @dataclass
 class AnswerStats:
-    indices: list[int] = field(default_factory=list)  # the instruction of each answer returned
+    keys: list[str] = field(default_factory=list)  # the sample key of each answer returned
     steps: int = 0  # engine steps this run
     seconds: float = 0.0
 
@@ -65,11 +68,12 @@ class AnswerStats:
 
 @dataclass(frozen=True)
 class AnswerSettings:
-    max_answers: int | None  # None: every instruction
+    max_answers: int | None  # instructions; None: every one
     max_tokens: int  # per answer
     temperature: float
     max_num_seqs: int
     seed: int
+    rounds: int = 1  # answers per instruction at most, each from its own seed
 
 
 def load_instructions() -> list[Instruction]:
@@ -82,13 +86,13 @@ def seeded_order(count: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def answer_key(index: int) -> str:
-    """The sample key (and features file name) of instruction `index`'s answer."""
-    return f"answer-{index:04d}"
+def answer_key(index: int, round: int = 0) -> str:
+    """The sample key (and features file name) of instruction `index`'s answer in a round."""
+    return f"answer-{index:04d}" if round == 0 else f"answer-{index:04d}-{round}"
 
 
-def read_answers(answers_file: Path) -> dict[int, dict]:
-    """Answers written so far, by instruction index; a line cut short by a kill is dropped."""
+def read_answers(answers_file: Path) -> dict[str, dict]:
+    """Answers written so far, by sample key; a line cut short by a kill is dropped."""
     answers = {}
     if answers_file.is_file():
         for line in answers_file.read_text(encoding="utf-8").splitlines():
@@ -96,7 +100,7 @@ def read_answers(answers_file: Path) -> dict[int, dict]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            answers[record["index"]] = record
+            answers[answer_key(record["index"], record.get("round", 0))] = record
     return answers
 
 
@@ -110,23 +114,25 @@ def answer_instructions(
     recorder: AnswerRecorder | None = None,
     features_folder: Path | None = None,
 ) -> tuple[list[Sample], AnswerStats]:
-    """The target's answers (in the seeded order), generating those not yet in
-    `answers_file` until every one wanted is there or the deadline passes. With a
-    `recorder`, each new answer's features go to `features_folder` (as `answer_key`)
-    as it is written."""
+    """The target's answers (round by round, each in the seeded order), generating those
+    not yet in `answers_file` until every one wanted is there or the deadline passes.
+    With a `recorder`, each new answer's features go to `features_folder` (as
+    `answer_key`) as it is written."""
     instructions = load_instructions()
     order = seeded_order(len(instructions), settings.seed)[: settings.max_answers]
     held_out = {i: position % HOLDOUT_EVERY == 0 for position, i in enumerate(order)}
+    wanted = [(r, i) for r in range(settings.rounds) for i in order]
     answers = read_answers(answers_file)
     engine = Engine(target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs,
                     proposer=recorder)
-    index_of = {}  # seq_id -> instruction index
-    for i in order:
-        if i not in answers:
+    asked = {}  # seq_id -> (round, instruction index)
+    for r, i in wanted:
+        if answer_key(i, r) not in answers:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
             params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                    seed=settings.seed + i, logprobs=None if recorder is None else recorder.top_k)
-            index_of[engine.add_request(prompt_ids, params).seq_id] = i
+                                    seed=settings.seed + r * len(instructions) + i,
+                                    logprobs=None if recorder is None else recorder.top_k)
+            asked[engine.add_request(prompt_ids, params).seq_id] = (r, i)
     if recorder is not None:
         features_folder.mkdir(parents=True, exist_ok=True)
     answers_file.parent.mkdir(parents=True, exist_ok=True)
@@ -137,21 +143,23 @@ def answer_instructions(
             stats.steps += 1
             for seq in engine.step():
                 if seq.finished and seq.finish_reason in ("stop", "length"):
-                    i = index_of[seq.seq_id]
+                    r, i = asked[seq.seq_id]
+                    key = answer_key(i, r)
                     if recorder is not None:  # before the answer's line: a resumed run reads it again if need be
-                        recorder.save(seq, held_out[i], features_folder / f"{answer_key(i)}.safetensors")
-                    record = {"index": i, "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
+                        recorder.save(seq, held_out[i], features_folder / f"{key}.safetensors")
+                    record = {"index": i, "round": r, "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
                               "answer_ids": seq.output_ids}
                     out.write(json.dumps(record) + "\n")
                     out.flush()
-                    answers[record["index"]] = record
+                    answers[key] = record
                     on_answer(seq.num_output_tokens)
     stats.seconds = time.monotonic() - started
     for seq_id in list(engine.running) + [s.seq_id for s in engine.waiting]:
-        engine.abort(seq_id)  # unfinished at the deadline: asked again by a resumed run
-    stats.indices = [i for i in order if i in answers]
-    samples = [Sample(answers[i]["prompt_ids"] + answers[i]["answer_ids"], len(answers[i]["prompt_ids"]), held_out[i])
-               for i in stats.indices]
+        engine.finish(seq_id)  # unfinished at the deadline: asked again by a resumed run
+    stats.keys = [answer_key(i, r) for r, i in wanted if answer_key(i, r) in answers]
+    samples = [Sample(answers[key]["prompt_ids"] + answers[key]["answer_ids"], len(answers[key]["prompt_ids"]),
+                      held_out[answers[key]["index"]])
+               for key in stats.keys]
     return samples, stats
 
 

@@ -29,12 +29,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from specserve import models
+from specserve import catalogue
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError
+from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import CPU, default_dtype
 from specserve.spec.heads.checkpoint import save_head
-from specserve.logprobs import MAX_LOGPROBS
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, answer_key, stdlib_samples
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, stdlib_samples
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
@@ -62,10 +63,11 @@ class TrainHeadSettings:
     seed: int = 0
     quantization: str = "int4"  # the target's weights while it answers and is read
     dtype: str = "auto"  # auto, float32 or bfloat16
-    max_answers: int | None = None  # None: every bundled instruction, as far as the budget goes
+    max_answers: int | None = None  # instructions; None: every bundled one, as far as the budget goes
+    answer_rounds: int = 3  # answers per instruction at most, each from its own seed
     answer_tokens: int = 256
     temperature: float = 0.8
-    max_num_seqs: int = 8
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     stdlib_tokens: int = 400_000  # at most: read after the answers until the features phase ends
     top_k: int = MAX_LOGPROBS  # target probabilities kept per position (an answer's are its logprobs)
     # Sized for a CPU budget: benchmarks/EXPERIMENTS.md, "EAGLE-3 heads in 30 CPU minutes".
@@ -86,6 +88,7 @@ class TrainHeadSettings:
         if self.max_answers is not None and self.max_answers < MIN_ANSWERS:
             raise ConfigError(f"--max-answers must be >= {MIN_ANSWERS} (one held out to measure, one to train on)")
         positive = {"--answer-tokens": self.answer_tokens, "--max-num-seqs": self.max_num_seqs,
+                    "--answer-rounds": self.answer_rounds,
                     "--top-k": self.top_k, "--draft-vocab-size": self.draft_vocab_size,
                     "--ttt-length": self.ttt_length, "--num-heads": self.num_heads,
                     "--batch-tokens": self.loop.batch_tokens, "--steps": self.loop.steps or 1}
@@ -152,19 +155,19 @@ def train_head(settings: TrainHeadSettings) -> Path:
     """Train (or resume training) the head and return its folder in the cache."""
     settings.check()
     name = settings.head_name
-    folder = models.heads_root() / name
+    folder = catalogue.heads_root() / name
     work = folder.with_name(f"{name}.work")
-    with models.locked(f"head-{name}"):
+    with catalogue.locked(f"head-{name}"):
         if settings.force:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(folder, ignore_errors=True)
-        if models.is_head(folder):
+        if catalogue.is_head(folder):
             print(f"head {name!r} is trained already: {folder} (--force trains it again)", file=sys.stderr)
             return folder
         # Preparing the target (once; minutes for int4 weights) is no part of training: before the clock starts.
-        models.resolve(settings.target)
+        catalogue.resolve(settings.target)
         if settings.quantization != "none":
-            models.prepare_quantized(settings.target, settings.quantization)
+            catalogue.prepare_quantized(settings.target, settings.quantization)
         check_same_run(work, settings)
         clock = Clock(settings.max_minutes, work / "minutes.json")
         report = Run(settings, work, clock).train(folder)
@@ -196,8 +199,8 @@ class Run:
         settings, clock = self.settings, self.clock
         auto = settings.dtype == "auto"
         dtype = default_dtype(CPU, settings.quantization) if auto else getattr(torch, settings.dtype)
-        target = models.load_model(settings.target, dtype, settings.quantization)
-        target_folder = models.resolve(settings.target)
+        target = catalogue.load_model(settings.target, dtype, settings.quantization)
+        target_folder = catalogue.resolve(settings.target)
         clock.phase_done("load")
         samples = self.samples(target)
         clock.phase_done("data")
@@ -222,15 +225,16 @@ class Run:
         shutil.rmtree(self.work)
         return report
 
-    def samples(self, target: models.LoadedModel) -> dict[str, Sample]:
+    def samples(self, target: catalogue.LoadedModel) -> dict[str, Sample]:
         """The samples by key: fixed in data.json once the data phase has ended."""
         data_file = self.work / "data.json"
         if data_file.is_file():
             return {key: Sample(**sample) for key, sample in json.loads(data_file.read_text()).items()}
         settings = self.settings
         answer_settings = AnswerSettings(settings.max_answers, settings.answer_tokens, settings.temperature,
-                                         settings.max_num_seqs, settings.seed)
-        with tqdm(desc="answers", total=settings.max_answers, unit=" answers") as bar:
+                                         settings.max_num_seqs, settings.seed, settings.answer_rounds)
+        wanted = None if settings.max_answers is None else settings.max_answers * settings.answer_rounds
+        with tqdm(desc="answers", total=wanted, unit=" answers") as bar:
             answered_tokens = []
 
             def on_answer(num_tokens: int) -> None:
@@ -247,13 +251,13 @@ class Run:
             missing = (f"the target answered {len(answers)} of the {MIN_ANSWERS} instructions a run needs "
                        f"in the {DATA_END:.0%} of it given to answers")
             raise self.clock.too_small(missing, DATA_END, (seconds_per_answer or 60) / 60)
-        samples = {answer_key(i): sample for i, sample in zip(stats.indices, answers)}
+        samples = dict(zip(stats.keys, answers))
         stdlib = stdlib_samples(target.tokenizer, settings.stdlib_tokens, settings.loop.window, settings.seed)
         samples |= {f"stdlib-{i:04d}": sample for i, sample in enumerate(stdlib)}
         data_file.write_text(json.dumps({key: dataclasses.asdict(sample) for key, sample in samples.items()}))
         return samples
 
-    def features(self, target: models.LoadedModel, samples: dict[str, Sample]) -> FeatureSet:
+    def features(self, target: catalogue.LoadedModel, samples: dict[str, Sample]) -> FeatureSet:
         spec = self.method.feature_spec(target.config)
         folder = self.work / "features"
         with tqdm(desc="features", total=len(samples), unit=" samples") as bar:

@@ -57,13 +57,9 @@ static inline int padded_groups(int G) { return (G + BLOCK_GROUPS - 1) / BLOCK_G
 /* Where super-block b of activation row t sits in the buffers, in super-blocks (512
  * bytes of q, 16 floats of d and a): rows go in tiles of TILE, each tile's super-blocks
  * one after another, and within each, the tile's rows side by side. So the rows a
- * weight row is multiplied by are read as one stream, in the order they are used.
- * Row by row, 8 rows of the 1.5B target's down projection (8960 inputs) were 8 streams
- * 9 KB apart. With the two chains of rows_tile, on a Zen 5 (2 cores), every layer of
- * the 1.5B int4 target in a process of its own, builds alternating 4 times: 8 rows
- * 0.89x the time (0.80-1.01), 64 rows 0.88x (0.86-0.90), one row within the memory's
- * noise; outputs identical. (Two builds in one process, as benchmarks/kernel_ab.py
- * runs them, said 0.83-0.86x at 8 rows, but put one build against itself at 1.13x.) */
+ * weight row is multiplied by are read as one stream, in the order they are used
+ * (row by row, 8 rows of a long layer would be 8 streams far apart; the figures are in
+ * benchmarks/EXPERIMENTS.md). */
 static inline size_t slot_in_tile(int b, int nt, int t) { return (size_t)b * nt + (size_t)t; }
 
 static inline size_t block_slot(int t, int b, int T, int blocks) {

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.suites import SUITES
 from specserve.cli import main
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import checkpoint, native
 from specserve.model.decoder import Decoder
 from specserve.spec.heads.checkpoint import load_head, save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, answer_key, load_instructions
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, load_instructions
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import LoopSettings, Trainer
@@ -118,7 +118,7 @@ def test_instructions_are_varied_and_share_no_prompt_with_the_benchmark_suites()
 
 # ---- the command, end to end on SmolLM2-135M ----
 
-TINY_RUN = ["--quantization", "none", "--max-answers", "3", "--answer-tokens", "12", "--stdlib-tokens", "48",
+TINY_RUN = ["--quantization", "none", "--max-answers", "3", "--answer-rounds", "2", "--answer-tokens", "12", "--stdlib-tokens", "48",
             "--draft-vocab-size", "256", "--ttt-length", "2", "--steps", "4", "--batch-tokens", "128",
             "--max-minutes", "10"]
 
@@ -126,7 +126,7 @@ TINY_RUN = ["--quantization", "none", "--max-answers", "3", "--answer-tokens", "
 @pytest.fixture
 def smollm2(prepared_cache, tmp_path, monkeypatch):
     """The prepared SmolLM2 folder, with the cache moved to tmp_path (heads are written there)."""
-    folder = models.prepare("smollm2-135m")
+    folder = catalogue.prepare("smollm2-135m")
     native.library()  # compiled once into the shared cache, before the cache moves
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     return folder
@@ -151,11 +151,11 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
 
     answers = (work / "answers.jsonl").read_text()
     assert main(command) == 0  # the same command resumes: no answer asked again, training goes on
-    folder = models.resolve_head("tiny")
+    folder = catalogue.resolve_head("tiny")
     assert folder == tmp_path / "heads" / "tiny" and not work.exists()
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
     report = json.loads((folder / "training.json").read_text())
-    assert report["training"]["steps"] == 4 and report["data"]["answers"] == 3 == len(answers.splitlines())
+    assert report["training"]["steps"] == 4 and report["data"]["answers"] == 6 == len(answers.splitlines())
     assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
     head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
     assert head.config.draft_vocab_size == 256 and head.config.feature_layers == (2, 15, 27)
@@ -187,15 +187,17 @@ def test_an_unknown_method_is_refused(capsys):
 
 @pytest.mark.parametrize("method_name", ["eagle3", "medusa"])
 def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_path, method_name):
-    target = models.load_model(str(smollm2), torch.float32)
+    target = catalogue.load_model(str(smollm2), torch.float32)
     spec = METHODS[method_name]().feature_spec(target.config)
-    settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0)
+    settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0, rounds=2)
     answers, stats = answer_instructions(target.decoder, target.tokenizer, settings, tmp_path / "answers.jsonl",
                                          time.monotonic() + 600, recorder=AnswerRecorder(spec, top_k=8),
                                          features_folder=tmp_path / "recorded")
-    samples = {answer_key(i): sample for i, sample in zip(stats.indices, answers)}
-    assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 3
-    assert [s.held_out for s in samples.values()] == [True, False, False]  # the first of the seeded order
+    samples = dict(zip(stats.keys, answers))
+    assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 6
+    # The first instruction of the seeded order is held out, in every round; a round's seeds are its own.
+    assert [s.held_out for s in samples.values()] == [True, False, False] * 2
+    assert [s.token_ids for s in answers[:3]] != [s.token_ids for s in answers[3:]]
     compute_features(target.decoder, samples, spec, 8, tmp_path / "read", time.monotonic() + 600)
     for key in samples:
         recorded, read = (load_file(str(tmp_path / folder / f"{key}.safetensors")) for folder in ("recorded", "read"))
@@ -226,7 +228,7 @@ def test_a_run_resumed_with_other_settings_is_refused(smollm2):
 
 def test_heads_resolve_by_folder_or_name(smollm2, tmp_path):
     with pytest.raises(ModelLoadError, match="`specserve models prepare qwen2.5-coder-1.5b-eagle3` trains it"):
-        models.resolve_head("qwen2.5-coder-1.5b-eagle3")
+        catalogue.resolve_head("qwen2.5-coder-1.5b-eagle3")
     with pytest.raises(ModelLoadError, match="train one with `specserve train-head"):
-        models.resolve_head("nothing-here")
-    assert models.resolve_head(str(tmp_path)) == tmp_path
+        catalogue.resolve_head("nothing-here")
+    assert catalogue.resolve_head(str(tmp_path)) == tmp_path

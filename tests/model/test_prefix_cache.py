@@ -18,8 +18,8 @@ from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.fused import FusedDraftProposer
-from tests.test_engine import EOS, perturbed, random_decoder
-from tests.test_native import needs_kernel
+from tests.engine.test_engine import EOS, perturbed, random_decoder
+from tests.model.test_native import needs_kernel
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -290,7 +290,7 @@ def test_an_aborted_request_leaves_what_it_read(target):
     prompt = list(range(3 * BLOCK))
     seq = engine.add_request(prompt, GREEDY)
     engine.step()  # one chunk of the prompt read
-    engine.abort(seq.seq_id)
+    engine.finish(seq.seq_id)
     assert store.num_tokens == BLOCK
     again = engine.generate(prompt, GREEDY)
     assert again.num_cached_tokens == BLOCK
@@ -306,7 +306,7 @@ def test_bytes_per_position_is_what_a_cache_holds_per_position(target):
 @needs_kernel
 def test_fused_speculation_with_prefix_caching_gives_the_plain_tokens(target):
     """The fused path (C kernels, int4 draft and target) loads and stores the same way."""
-    from tests.test_fused import quantized
+    from tests.spec.test_fused import quantized
 
     q_target, q_draft = quantized(target), quantized(perturbed(target, 0.3, seed=2))
     plain = conversation(Engine(q_target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), turns=3)
@@ -324,8 +324,8 @@ def test_fused_speculation_with_prefix_caching_gives_the_plain_tokens(target):
 
 def test_the_space_is_shared_by_the_target_and_the_draft(prepared_cache, monkeypatch):
     from specserve.config import SpecConfig
+    from specserve.engine.build import build_engine
     from specserve.errors import ConfigError
-    from specserve.generate import build_engine
 
     monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
     spec = SpecConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 3})

@@ -12,11 +12,16 @@ from specserve.model import native
 from specserve.model.decoder import Capture, Decoder, RMSNorm, Segment
 from specserve.model.kv_cache import KVCache
 from specserve.model.quant import (
-    QuantizedLinear, load_quantized_state, quantize_int4, quantize_int8, quantized_state, silu_and_mul,
+    QuantizedLinear,
+    load_quantized_state,
+    quantize_int4,
+    quantize_int8,
+    quantized_state,
+    silu_and_mul,
 )
 from tests.conftest import tiny_config
-from tests.test_decoder import reference_and_ours
-from tests.test_quant import dequantize_int4, dequantize_int8
+from tests.model.test_decoder import reference_and_ours
+from tests.model.test_quant import dequantize_int4, dequantize_int8
 
 needs_kernel = pytest.mark.skipif(
     native.unavailable_reason() is not None,

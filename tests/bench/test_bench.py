@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve import cli
 from specserve.bench.benchmark import load_tokenizer
 from specserve.bench.local_server import ServerProcess, free_port
-from specserve.bench.workload import Lengths, builtin_workload, build_requests, shared_prefix, sonnet_prompt
+from specserve.bench.workload import Lengths, build_requests, builtin_workload, shared_prefix, sonnet_prompt
 
 MODEL = "smollm2-135m"
 SUMMARY_KEYS = {

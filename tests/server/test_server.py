@@ -79,7 +79,7 @@ def test_health_and_models(plain, spec):
 
 
 def test_greedy_text_is_the_same_with_and_without_speculation_and_as_generate(plain, spec, prepared_cache):
-    from specserve.generate import build_engine, run_one
+    from specserve.engine.build import build_engine, run_one
     from specserve.sampling import SamplingParams
 
     engine, tokenizer = build_engine(MODEL)
@@ -260,10 +260,10 @@ def test_a_stop_string_that_the_last_allowed_token_completes_finishes_with_stop(
 
 
 def test_stop_token_ids_ignore_eos_and_echo(plain):
+    from specserve import catalogue
     from specserve.tokenizer import Tokenizer
-    from specserve import models
 
-    tokenizer = Tokenizer.from_dir(models.prepared_dir(MODEL))
+    tokenizer = Tokenizer.from_dir(catalogue.prepared_dir(MODEL))
     reference = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"ignore_eos": True})
     ids = tokenizer.encode(PROMPTS[2] + reference.choices[0].text)[len(tokenizer.encode(PROMPTS[2])):]
     stop_id = ids[5]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specserve.bench import emf
-from tests.test_bench import bench, fake_url, results  # noqa: F401  (fake_url: the fixture)
+from tests.bench.test_bench import bench, fake_url, results  # noqa: F401  (fake_url: the fixture)
 
 # CloudWatch's StandardUnit values, the only ones a metric's "Unit" may take.
 UNITS = {

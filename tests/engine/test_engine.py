@@ -257,11 +257,11 @@ def test_abort_removes_a_sequence_wherever_it_is(target):
     engine.step()
     engine.step()
     assert first.seq_id in proposer.caches
-    engine.abort(second.seq_id)  # still waiting
-    engine.abort(first.seq_id)  # running, with a draft cache
+    engine.finish(second.seq_id)  # still waiting
+    engine.finish(first.seq_id)  # running, with a draft cache
     assert not engine.has_unfinished() and not proposer.caches
     assert first.finish_reason == second.finish_reason == "abort"
-    engine.abort(first.seq_id)  # a second abort is harmless
+    engine.finish(first.seq_id)  # a second abort is harmless
 
 
 def test_lookup_first_drafts_teach_adaptive_k_nothing(target):

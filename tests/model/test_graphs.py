@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from specserve.cli import main
+from specserve.engine.build import build_engine
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
-from specserve.generate import build_engine
 from specserve.model import graphs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
@@ -23,7 +23,7 @@ from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from tests.conftest import DEVICES, tiny_config
-from tests.test_engine import EOS, PROMPTS, on, perturbed, random_decoder
+from tests.engine.test_engine import EOS, PROMPTS, on, perturbed, random_decoder
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -140,7 +140,7 @@ def test_a_slot_is_taken_at_the_first_step_and_given_back_at_the_end():
     assert model.static.pool.num_free == 1  # given back as the first finished
     engine.step()
     assert model.static.pool.num_free == 0 and second.cache.slot == 0  # the second took it
-    engine.abort(second.seq_id)
+    engine.finish(second.seq_id)
     assert model.static.pool.num_free == 1
 
 

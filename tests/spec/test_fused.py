@@ -16,9 +16,9 @@ from specserve.model.quant import load_quantized_state, quantized_state
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.fused import FusedDraftProposer
-from tests.test_adaptive import FreeCosts
-from tests.test_engine import EOS, GREEDY, PROMPTS, log_lookups, perturbed, plain_tokens, random_decoder
-from tests.test_native import needs_kernel, on_bfloat16_kernel
+from tests.engine.test_engine import EOS, GREEDY, PROMPTS, log_lookups, perturbed, plain_tokens, random_decoder
+from tests.model.test_native import needs_kernel, on_bfloat16_kernel
+from tests.spec.test_adaptive import FreeCosts
 
 
 def quantized(model: Decoder, quantization: str = "int4") -> Decoder:

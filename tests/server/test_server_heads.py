@@ -16,7 +16,7 @@ PROMPTS = [STORY, "1, 2, 3, 4, 5,", STORY]  # the last one's prefix from the pre
 
 
 def test_an_eagle3_server_answers_with_the_targets_text(prepared_cache, tmp_path):
-    from specserve.generate import build_engine, run_one
+    from specserve.engine.build import build_engine, run_one
     from specserve.sampling import SamplingParams
     from specserve.spec.heads.checkpoint import save_head
     from specserve.spec.heads.eagle import EagleConfig, EagleHead

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adaptive_replay import (FIXED_KS, TRACES as ZEN4_FILE, Costs, Trace, geomean, load_traces, replay,
-                                        score, speedups, suite_names)
+from benchmarks.adaptive_replay import (
+    FIXED_KS,
+    Costs,
+    Trace,
+    geomean,
+    load_traces,
+    replay,
+    score,
+    speedups,
+    suite_names,
+)
+from benchmarks.adaptive_replay import TRACES as ZEN4_FILE
 
 # The pair's costs on two machines' kernels as they stood when each set was recorded
 # (benchmarks/README.md, "adaptive_replay.py", lists them): a Zen 4 whose costs are lines

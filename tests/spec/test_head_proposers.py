@@ -18,8 +18,9 @@ from specserve.model.prefix_cache import PrefixCache
 from specserve.model.quant import QuantizedLinear
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.eagle import EagleProposer
-from specserve.spec.factory import head_proposer, prior_cost_ratio
+from specserve.spec.factory import head_proposer
 from specserve.spec.guesses import Guesser
 from specserve.spec.heads.checkpoint import save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
@@ -27,7 +28,14 @@ from specserve.spec.heads.medusa import MedusaHeads
 from specserve.spec.medusa import MedusaProposer
 from tests.conftest import DEVICES
 from tests.head_models import (
-    METHODS, NUM_MEDUSA_HEADS, QUANTIZATIONS, permutation_target, quantized, random_head, right_head, target_config,
+    METHODS,
+    NUM_MEDUSA_HEADS,
+    QUANTIZATIONS,
+    permutation_target,
+    quantized,
+    random_head,
+    right_head,
+    target_config,
 )
 
 EOS = 95

@@ -22,7 +22,7 @@ from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from tests.conftest import DEVICES, tiny_config
-from tests.test_engine import EOS, PROMPTS, perturbed, random_decoder
+from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
 REQUESTS = [
     (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
@@ -162,7 +162,7 @@ def test_cuda_attention_leaves_out_cudnn_and_every_forward_asks_for_its_devices_
 def test_a_drafts_prior_cost_follows_bytes_on_the_cpu_and_layers_on_a_gpu():
     """Off the CPU our steps are bound by kernel launches, so a narrow draft of many
     layers is no cheap draft there (the meta device stands in for a GPU)."""
-    from specserve.spec.factory import prior_cost_ratio
+    from specserve.spec.cost import prior_cost_ratio
 
     target = Decoder(tiny_config("qwen2", num_layers=4, hidden_size=128, intermediate_size=256))
     draft = Decoder(tiny_config("qwen2", num_layers=3))

@@ -10,17 +10,18 @@ from typing import Any, Callable
 
 import torch
 
+from specserve.catalogue import load_model
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.device import CPU
 from specserve.model.kv_cache import bytes_per_position
 from specserve.model.prefix_cache import BLOCK, PrefixCache
-from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.draft_model import DraftModelProposer
-from specserve.spec.factory import make_proposer, prior_cost_ratio
+from specserve.spec.factory import make_proposer
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -19,8 +19,15 @@ import torch
 from specserve.penalties import apply_penalties
 from specserve.sampling import InvalidSamplingValue, SamplingParams, logits_to_probs, sample
 from specserve.spec.proposer import Draft
-from specserve.spec.verify import (PAD_TOKEN, Verdict, common_prefix_length, rejection_sample, verdict_from_argmax, verify,
-                                   verify_batch)
+from specserve.spec.verify import (
+    PAD_TOKEN,
+    Verdict,
+    common_prefix_length,
+    rejection_sample,
+    verdict_from_argmax,
+    verify,
+    verify_batch,
+)
 from tests.chi_square import chi_square_p_value
 
 VOCAB = 6

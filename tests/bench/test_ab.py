@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from specserve import models
+from specserve import catalogue
 from specserve.cli import build_parser, main
 
 
@@ -47,7 +47,7 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
 def test_ab_without_a_model_serves_the_default_target():
     """ab's bench flags once set the model name to None over the positional's default,
     and the first server was started as `specserve serve None`."""
-    assert build_parser().parse_args(["ab"]).model == models.DEFAULT_TARGET
+    assert build_parser().parse_args(["ab"]).model == catalogue.DEFAULT_TARGET
     assert build_parser().parse_args(["ab", "smollm2-135m"]).model == "smollm2-135m"
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "shared_prefix.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "shared_prefix.py"
 
 
 def test_the_cache_finds_the_shared_prefix_only_when_on(prepared_cache):

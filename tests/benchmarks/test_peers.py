@@ -20,21 +20,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve import models
+from specserve import catalogue
 from specserve.bench.gguf_file import gguf_file, gguf_format
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
 from specserve.bench.roofline import (
-    arithmetic_of, gguf_weight_bytes_per_token, measure_dot_peaks, measure_read_bandwidth, speculation_ceiling,
+    arithmetic_of,
+    gguf_weight_bytes_per_token,
+    measure_dot_peaks,
+    measure_read_bandwidth,
+    speculation_ceiling,
 )
 from specserve.errors import ModelLoadError
-from specserve.model.decoder import Decoder, Segment
 from specserve.model import native
+from specserve.model.decoder import Decoder, Segment
 from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_token
 from specserve.spec.heads.checkpoint import save_head
 from tests.conftest import tiny_config
 from tests.head_models import random_head
 
-PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 SMALL = ["--target", "smollm2-135m", "--draft", "smollm2-135m", "--max-tokens", "8"]
 ROW_KEYS = {"system", "mode", "prompt", "num_output_tokens", "ttft_s", "decode_tokens_per_s",
             "acceptance_rate", "mean_acceptance_length", "format", "suite", "same_tokens_as_plain"}
@@ -82,7 +86,7 @@ def test_speculation_gives_our_plain_tokens(rows):
 def test_head_rows_run_a_head_folder_and_keep_our_plain_tokens(prepared_cache, tmp_path):
     """eagle3 and medusa rows, with random heads of the target's shape: the tokens are
     plain decoding's whatever the head guesses."""
-    config = models.load_model("smollm2-135m", torch.float32, "none").config
+    config = catalogue.load_model("smollm2-135m", torch.float32, "none").config
     for method in ("eagle3", "medusa"):
         save_head(random_head(method, config, seed=0), tmp_path / method)
     result = run_peers(*SMALL, "--prompts", "count", "--modes", "plain,eagle3,adaptive-medusa", "--peers", "",
@@ -252,7 +256,7 @@ def test_weight_bytes_count_onednn_tensors(monkeypatch):
 
 def test_gguf_bytes_count_the_stored_quantized_sizes():
     path = gguf_file("smollm2-135m")  # one file inside its package: used where it lies
-    assert path == models.catalogue_entry("smollm2-135m").gguf_sources()[0]
+    assert path == catalogue.catalogue_entry("smollm2-135m").gguf_sources()[0]
     reader = gguf.GGUFReader(path)
     assert "output.weight" not in {t.name for t in reader.tensors}  # tied: the table counts in full
     assert gguf_weight_bytes_per_token(reader) == sum(t.n_bytes for t in reader.tensors)
@@ -286,13 +290,13 @@ def test_a_multi_part_gguf_is_joined_once_and_checked(tmp_path, monkeypatch):
     parts[1].write_bytes(b"b" * 50)
     whole = parts[0].read_bytes() + parts[1].read_bytes()
     good = PartsEntry("toy", tuple(parts), len(whole), hashlib.sha256(whole).hexdigest())
-    monkeypatch.setitem(models.CATALOGUE, "toy", good)
+    monkeypatch.setitem(catalogue.CATALOGUE, "toy", good)
     joined = gguf_file("toy")
     assert joined == tmp_path / "cache" / "gguf-files" / "toy.gguf" and joined.read_bytes() == whole
     parts[1].write_bytes(b"changed")  # a second call reuses the file, it does not join again
     assert gguf_file("toy").read_bytes() == whole
 
-    monkeypatch.setitem(models.CATALOGUE, "bad", dataclasses.replace(good, name="bad", sha256="0" * 64))
+    monkeypatch.setitem(catalogue.CATALOGUE, "bad", dataclasses.replace(good, name="bad", sha256="0" * 64))
     with pytest.raises(ModelLoadError, match="corrupt"):
         gguf_file("bad")
     assert list(joined.parent.iterdir()) == [joined]  # no partial file left behind
@@ -355,7 +359,7 @@ def test_bandwidth_is_measured_and_described():
 @pytest.fixture(scope="module")
 def smollm2(prepared_cache):
     os.environ["SPECSERVE_CACHE"] = prepared_cache  # the session fixture restores it
-    return models.load_model("smollm2-135m")
+    return catalogue.load_model("smollm2-135m")
 
 
 def greedy_continuation(decoder: Decoder, prompt: list[int], num_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ from specserve.bench.client import StreamedResponse
 from specserve.bench.runner import arrival_offsets
 from specserve.bench.spec_metrics import parse_spec_counters, spec_figures
 from specserve.bench.summary import distribution, request_record, summarise, usage_disagrees
-from specserve.bench.workload import BenchRequest, Lengths, builtin_workload, build_requests, sample_length
+from specserve.bench.workload import BenchRequest, Lengths, build_requests, builtin_workload, sample_length
 from specserve.errors import ConfigError
 from specserve.server.metrics import ServerMetrics
 from specserve.spec.stats import SpecStats

@@ -60,7 +60,7 @@ def test_too_few_tokens_for_a_whole_step_is_an_error_not_a_crash(prepared_cache,
 def test_a_heads_draft_position_is_priced_in_plain_steps(prepared_cache, tmp_path, capsys):
     """--method eagle3 with a (random) head: every step drafts k whatever it guesses, and
     the table gives a draft position's cost in plain steps."""
-    from specserve.models import load_model
+    from specserve.catalogue import load_model
     from specserve.spec.heads.checkpoint import save_head
     from specserve.spec.heads.eagle import EagleConfig, EagleHead
 

@@ -87,7 +87,7 @@ def test_a_whole_run_measures_each_build_in_its_own_processes(prepared_cache, tm
 
 @needs_kernel
 def test_whole_forwards_run_through_decode_blocks_on_the_given_build(tmp_path, monkeypatch):
-    from tests.test_native import quantized_tiny_model
+    from tests.model.test_native import quantized_tiny_model
 
     model = quantized_tiny_model("qwen2", "int4")
     calls = []

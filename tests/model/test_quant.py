@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from specserve import models
+from specserve import catalogue
 from specserve.config import SpecConfig
+from specserve.engine.build import build_engine
 from specserve.errors import ConfigError
-from specserve.generate import build_engine
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.quant import (
     INT4_GROUP_SIZE,
@@ -99,12 +99,12 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     prompt = [1, 504, 3458, 282, 4649, 314]
     float_engine, _ = build_engine("smollm2-135m")
     float_tokens = float_engine.generate(prompt, params).output_ids
-    current = models._quantized_file(models.resolve("smollm2-135m"), "int8")
+    current = catalogue._quantized_file(catalogue.resolve("smollm2-135m"), "int8")
     older = current.with_name(current.name.replace(f"-v{QUANTIZED_FORMAT_VERSION}.", f"-v{QUANTIZED_FORMAT_VERSION - 1}."))
     older.parent.mkdir(parents=True, exist_ok=True)
     older.write_bytes(b"made by older code")
     engine, _ = build_engine("smollm2-135m", dtype=torch.bfloat16, quantization="int8")
-    files = list((models.cache_root() / "quantized").glob("smollm2-135m-*-int8-v*.safetensors"))
+    files = list((catalogue.cache_root() / "quantized").glob("smollm2-135m-*-int8-v*.safetensors"))
     assert files == [current]  # and the older format's file is gone
     stamp = files[0].stat().st_mtime_ns
     tokens = engine.generate(prompt, params).output_ids

@@ -17,9 +17,9 @@ from specserve.model.decoder import FloatLinear, PackedLinear, Segment, first_ro
 from specserve.model.quant import QuantizedLinear, quantize_int4, quantize_int8
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
-from tests.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
-from tests.test_fused import View
-from tests.test_native import needs_kernel
+from tests.engine.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
+from tests.model.test_native import needs_kernel
+from tests.spec.test_fused import View
 
 
 def linear(out_features: int = 96, in_features: int = 64) -> nn.Linear:
