@@ -75,9 +75,12 @@ class Costs:
 
     def with_dearer_draft(self, scale: float) -> Costs:
         """The draft's costs, drafting and reading, times `scale`."""
-        return dataclasses.replace(self, draft_fixed=scale * self.draft_fixed,
-                                   draft_per_position=scale * self.draft_per_position,
-                                   read_per_token=scale * self.read_per_token)
+        return dataclasses.replace(
+            self,
+            draft_fixed=scale * self.draft_fixed,
+            draft_per_position=scale * self.draft_per_position,
+            read_per_token=scale * self.read_per_token,
+        )
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,14 @@ def new_policy(costs: Costs, max_k: int = 15) -> AdaptiveSpecLength:
     return AdaptiveSpecLength(max_k, costs.draft_per_position / costs.plain_step())
 
 
-def replay(trace: Trace, costs: Costs, k: int | None, adaptive: AdaptiveSpecLength | None = None,
-           seq_id: int = 0, threshold: float = SpecConfig.draft_confidence_threshold) -> Outcome:
+def replay(
+    trace: Trace,
+    costs: Costs,
+    k: int | None,
+    adaptive: AdaptiveSpecLength | None = None,
+    seq_id: int = 0,
+    threshold: float = SpecConfig.draft_confidence_threshold,
+) -> Outcome:
     """Decode the trace once: fixed `k`, or adaptive (k None) with `adaptive`, a new
     policy when None (what a fresh engine knows) or one that has served other requests."""
     if k is not None:
@@ -168,8 +177,9 @@ def load_traces(path: Path = TRACES) -> tuple[Costs, list[Trace]]:
     return Costs(**data["costs"]), [Trace(**t) for t in data["traces"]]
 
 
-def speedups(traces: list[Trace], costs: Costs, ks: list[int | None],
-             warm: bool = True) -> dict[str, dict[int | None, float]]:
+def speedups(
+    traces: list[Trace], costs: Costs, ks: list[int | None], warm: bool = True
+) -> dict[str, dict[int | None, float]]:
     """Per prompt, each k's decode speed against plain decoding (tokens after the first).
     Adaptive (k None) serves the prompts one after the other with one policy, as an
     engine does (warm), or each with a new one (what the first request meets)."""
@@ -200,12 +210,16 @@ def print_table(traces: list[Trace], costs: Costs) -> None:
     columns = {f"k={k}": {name: row[k] for name, row in serving.items()} for k in FIXED_KS}
     columns["adaptive"] = {name: row[None] for name, row in serving.items()}
     columns["adaptive, new engine"] = {name: row[None] for name, row in new_engine.items()}
-    print(f"costs (ms): target {1e3 * costs.target_fixed:.1f} + {1e3 * costs.target_per_row:.1f}/row, "
-          f"draft {1e3 * costs.draft_fixed:.1f} + {1e3 * costs.draft_per_position:.1f}/position, "
-          f"read {1e3 * costs.read_per_token:.2f}/token")
+    print(
+        f"costs (ms): target {1e3 * costs.target_fixed:.1f} + {1e3 * costs.target_per_row:.1f}/row, "
+        f"draft {1e3 * costs.draft_fixed:.1f} + {1e3 * costs.draft_per_position:.1f}/position, "
+        f"read {1e3 * costs.read_per_token:.2f}/token"
+    )
     if costs.target_by_rows is not None:
-        print("target forward by rows (ms): " + ", ".join(
-            f"{rows} {1e3 * seconds:.1f}" for rows, seconds in costs.target_by_rows.items()))
+        print(
+            "target forward by rows (ms): "
+            + ", ".join(f"{rows} {1e3 * seconds:.1f}" for rows, seconds in costs.target_by_rows.items())
+        )
     print(f"| prompt | suite | tokens | {' | '.join(columns)} |")
     print("|---|---|---:|" + "---:|" * len(columns))
     for trace in traces:
@@ -248,8 +262,9 @@ def score(paths: list[Path], scales: tuple[float, ...] = SCORE_SCALES) -> tuple[
                 for suite, names in suite_names(traces).items():
                     best = max([1.0] + [geomean([fixed[n][k] for n in names]) for k in FIXED_KS])
                     ratio = geomean([adaptive[n][None] for n in names]) / best
-                    cells.append(Cell(ratio, path.stem.removeprefix("adaptive_traces").lstrip("_") or "zen4",
-                                      scale, suite, warm))
+                    cells.append(
+                        Cell(ratio, path.stem.removeprefix("adaptive_traces").lstrip("_") or "zen4", scale, suite, warm)
+                    )
     cells.sort(key=lambda cell: cell.ratio)
     return geomean([cell.ratio for cell in cells]), cells
 
@@ -269,9 +284,11 @@ def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100)
     decoder(ids, [Segment(cache, context)], torch.tensor([context - 1]))
     times: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
     for turn in range(passes):
-        for rows in (range(1, max_rows + 1) if turn % 2 == 0 else range(max_rows, 0, -1)):
+        for rows in range(1, max_rows + 1) if turn % 2 == 0 else range(max_rows, 0, -1):
             started = time.perf_counter()
-            decoder(ids[:rows], [Segment(cache, rows, one_query_at_a_time=True)], torch.arange(rows)).argmax(-1).tolist()
+            decoder(ids[:rows], [Segment(cache, rows, one_query_at_a_time=True)], torch.arange(rows)).argmax(
+                -1
+            ).tolist()
             times[rows].append(time.perf_counter() - started)
             cache.truncate(context)
     return {rows: statistics.median(seconds) for rows, seconds in times.items()}
@@ -305,11 +322,16 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
             rows = torch.arange(len(prompt_ids) - 1, len(ids))  # the guess for each output token
             probs = draft_model(ids, [Segment(cache, len(ids))], rows).softmax(dim=-1)  # [len(output), V]
             confidence, guess = probs.max(dim=-1)
-            traces.append({
-                "name": name, "suite": suite, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
-                "match": [g == t for g, t in zip(guess.tolist(), output)],
-                "confidence": [round(c, 4) for c in confidence.tolist()],
-            })
+            traces.append(
+                {
+                    "name": name,
+                    "suite": suite,
+                    "prompt_tokens": len(prompt_ids),
+                    "max_tokens": max_tokens,
+                    "match": [g == t for g, t in zip(guess.tolist(), output)],
+                    "confidence": [round(c, 4) for c in confidence.tolist()],
+                }
+            )
             print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
     forwards = forward_seconds(engine.target, fits.max_k + 1)
     # The line, for row counts past those measured: least squares through the measured ones
@@ -318,8 +340,11 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
     draft_fixed, per_position = fits.draft_costs()
     by_rows = {str(rows): seconds for rows, seconds in forwards.items()}
     costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1], by_rows)
-    return {"pair": {"target": target, "draft": draft, "quantization": quantization},
-            "costs": costs.__dict__, "traces": traces}
+    return {
+        "pair": {"target": target, "draft": draft, "quantization": quantization},
+        "costs": costs.__dict__,
+        "traces": traces,
+    }
 
 
 def main() -> None:
@@ -330,17 +355,21 @@ def main() -> None:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--draft-cost-scale", type=float, default=1.0,
-                        help="replay with the draft's and the reading's costs times this")
-    parser.add_argument("--score", action="store_true",
-                        help="judge the policy over every recorded trace set and draft-cost scale")
+    parser.add_argument(
+        "--draft-cost-scale", type=float, default=1.0, help="replay with the draft's and the reading's costs times this"
+    )
+    parser.add_argument(
+        "--score", action="store_true", help="judge the policy over every recorded trace set and draft-cost scale"
+    )
     args = parser.parse_args()
     if args.score:
         total, cells = score(sorted(TRACES.parent.glob("adaptive_traces*.json")))
         print(f"score {total:.4f} over {len(cells)} cells (adaptive over the best of plain and fixed k); worst:")
         for cell in cells[:8]:
-            print(f"  {cell.ratio:.3f}  {cell.traces} traces, draft x{cell.scale:g}, {cell.suite}, "
-                  f"{'serving' if cell.warm else 'new engine'}")
+            print(
+                f"  {cell.ratio:.3f}  {cell.traces} traces, draft x{cell.scale:g}, {cell.suite}, "
+                f"{'serving' if cell.warm else 'new engine'}"
+            )
         return
     if args.record:
         data = record(args.target, args.draft, args.quantization, args.max_tokens)

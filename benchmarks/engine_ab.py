@@ -93,8 +93,13 @@ def worker(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     names = args.prompts.split(",") if args.prompts else list(prompts)
     for mode in args.modes.split(","):
-        engine, tokenizer = build_engine(args.target, SpecConfig.parse(spec_config(mode, args.draft)), dtype,
-                                         quantization=args.quantization, max_num_seqs=args.concurrency)
+        engine, tokenizer = build_engine(
+            args.target,
+            SpecConfig.parse(spec_config(mode, args.draft)),
+            dtype,
+            quantization=args.quantization,
+            max_num_seqs=args.concurrency,
+        )
         if args.concurrency > 1:
             serve_requests(engine, [encode_prompt(tokenizer, chat=prompts[name]) for name in names], mode, args)
             del engine
@@ -105,9 +110,18 @@ def worker(args: argparse.Namespace) -> None:
             result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             tokens = result["token_ids"]
             decode_s = result["e2e_s"] - result["ttft_s"]
-            print(json.dumps({"mode": mode, "prompt": name, "ttft_s": result["ttft_s"],
-                              "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else math.inf,
-                              "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "mode": mode,
+                        "prompt": name,
+                        "ttft_s": result["ttft_s"],
+                        "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else math.inf,
+                        "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16],
+                    }
+                ),
+                flush=True,
+            )
         del engine
 
 
@@ -128,18 +142,27 @@ def serve_requests(engine, prompt_ids: list[list[int]], mode: str, args: argpars
         engine.step()
     seconds = time.perf_counter() - started
     tokens = [seq.output_ids for seq in seqs]
-    print(json.dumps({"mode": mode, "prompt": f"{args.requests} requests, {args.concurrency} at a time",
-                      "decode_tok_s": sum(map(len, tokens)) / seconds,
-                      "ttft_s": statistics.median(seq.timings()["ttft_s"] for seq in seqs),
-                      "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "prompt": f"{args.requests} requests, {args.concurrency} at a time",
+                "decode_tok_s": sum(map(len, tokens)) / seconds,
+                "ttft_s": statistics.median(seq.timings()["ttft_s"] for seq in seqs),
+                "tokens": hashlib.sha256(repr(tokens).encode()).hexdigest()[:16],
+            }
+        ),
+        flush=True,
+    )
 
 
 Run = dict[tuple[str, str], dict]  # (mode, prompt) -> a worker's line
 
 
 def run_worker(command: list[str], tree: Path) -> Run:
-    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tree,
-                          env={**os.environ, "PYTHONPATH": str(tree)})
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}
+    )
     if done.returncode != 0:
         sys.exit(f"engine_ab: a measuring process failed:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -163,9 +186,17 @@ def summarize(a: list[Run], b: list[Run]) -> list[dict]:
     for key in a[0]:
         speed = [rb[key]["decode_tok_s"] / ra[key]["decode_tok_s"] for ra, rb in zip(a, b)]
         ttft = [rb[key]["ttft_s"] / ra[key]["ttft_s"] for ra, rb in zip(a, b)]
-        rows.append({"mode": key[0], "prompt": key[1], "a_tok_s": statistics.median(r[key]["decode_tok_s"] for r in a),
-                     "speed": statistics.median(speed), "speed_range": (min(speed), max(speed)),
-                     "ttft": statistics.median(ttft), "same_tokens": len({r[key]["tokens"] for r in a + b}) == 1})
+        rows.append(
+            {
+                "mode": key[0],
+                "prompt": key[1],
+                "a_tok_s": statistics.median(r[key]["decode_tok_s"] for r in a),
+                "speed": statistics.median(speed),
+                "speed_range": (min(speed), max(speed)),
+                "ttft": statistics.median(ttft),
+                "same_tokens": len({r[key]["tokens"] for r in a + b}) == 1,
+            }
+        )
     return rows
 
 
@@ -178,8 +209,10 @@ def print_table(rows: list[dict], suites: dict[str, list[str]]) -> None:
     print("|---|---|---:|---|---:|---|")
     for row in rows:
         low, high = row["speed_range"]
-        print(f"| {row['mode']} | {row['prompt']} | {row['a_tok_s']:.1f} | {row['speed']:.3f} ({low:.3f}-{high:.3f}) "
-              f"| {row['ttft']:.3f} | {'yes' if row['same_tokens'] else 'NO'} |")
+        print(
+            f"| {row['mode']} | {row['prompt']} | {row['a_tok_s']:.1f} | {row['speed']:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {row['ttft']:.3f} | {'yes' if row['same_tokens'] else 'NO'} |"
+        )
     for mode in dict.fromkeys(row["mode"] for row in rows):
         for suite, names in suites.items():
             speeds = [row["speed"] for row in rows if row["mode"] == mode and row["prompt"] in names]
@@ -195,13 +228,16 @@ def main() -> None:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated: plain, k=N, adaptive ({DEFAULT_MODES})")
+    parser.add_argument(
+        "--modes", default=DEFAULT_MODES, help=f"comma-separated: plain, k=N, adaptive ({DEFAULT_MODES})"
+    )
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names of the suites (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="processes per build, taking turns")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="above 1: serve --requests requests, this many at a time, per mode")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="above 1: serve --requests requests, this many at a time, per mode"
+    )
     parser.add_argument("--requests", type=int, default=28, help="with --concurrency: requests per mode")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--library", default=None, help=argparse.SUPPRESS)  # a worker's own kernels
@@ -233,10 +269,12 @@ def main() -> None:
                 library = scratch / f"{key}.so"
                 native.compile_kernels(library, [p for p in sources[key] if p.suffix == ".c"])
                 commands[key] += ["--library", str(library)]
-        print(f"a: {args.a}, b: {args.b}; {args.target} ({args.quantization}) with {args.draft}; "
-              f"{args.rounds} rounds of a process per build taking turns, {args.max_tokens} tokens"
-              + (f", {args.requests} requests {args.concurrency} at a time" if args.concurrency > 1 else "")
-              + ("; each build's own kernels" if differ else "; the same kernel sources"))
+        print(
+            f"a: {args.a}, b: {args.b}; {args.target} ({args.quantization}) with {args.draft}; "
+            f"{args.rounds} rounds of a process per build taking turns, {args.max_tokens} tokens"
+            + (f", {args.requests} requests {args.concurrency} at a time" if args.concurrency > 1 else "")
+            + ("; each build's own kernels" if differ else "; the same kernel sources")
+        )
         runs = take_turns(list(builds), args.rounds, lambda key: run_worker(commands[key], trees[key]))
         print_table(summarize(runs["a"], runs["b"]), suites)
     finally:

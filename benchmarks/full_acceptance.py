@@ -39,8 +39,10 @@ DEFAULT_KS = "1,3,5,7,9,11,15"
 def print_table(rows: list[dict], target: float) -> None:
     plain = rows[0]["step_s"]
     print(f"plain step {plain * 1e3:.1f} ms\n")
-    print("| k | step ms | drafting ms | verifying ms | a draft position, x plain step "
-          "| at full acceptance, x plain | break-even tokens a step |")
+    print(
+        "| k | step ms | drafting ms | verifying ms | a draft position, x plain step "
+        "| at full acceptance, x plain | break-even tokens a step |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows[1:]:
         low, high = row["speedup_range"]
@@ -48,27 +50,40 @@ def print_table(rows: list[dict], target: float) -> None:
         if "drafting_s" in row:
             per_position = row["drafting_s"] / row["k"] / plain
             parts = f"{row['drafting_s'] * 1e3:.1f} | {row['verifying_s'] * 1e3:.1f} | {per_position:.3f}"
-        print(f"| {row['k']} | {row['step_s'] * 1e3:.1f} | {parts} | "
-              f"{row['full_acceptance_speedup']:.2f} ({low:.2f}-{high:.2f}) | {row['break_even_tokens']:.2f} |")
+        print(
+            f"| {row['k']} | {row['step_s'] * 1e3:.1f} | {parts} | "
+            f"{row['full_acceptance_speedup']:.2f} ({low:.2f}-{high:.2f}) | {row['break_even_tokens']:.2f} |"
+        )
     top = best(rows)
     print(f"\nBest: k = {top['k']}, {top['full_acceptance_speedup']:.2f}x plain with every draft accepted.")
     if top["full_acceptance_speedup"] < target:
         needed = (top["k"] + 1) * plain / target  # the step that would give the target at that k
-        print(f"{target:g}x would need a step of k = {top['k']} to take {needed * 1e3:.1f} ms, "
-              f"not {top['step_s'] * 1e3:.1f}: out of reach at any acceptance.")
+        print(
+            f"{target:g}x would need a step of k = {top['k']} to take {needed * 1e3:.1f} ms, "
+            f"not {top['step_s'] * 1e3:.1f}: out of reach at any acceptance."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalogue name or folder")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="catalogue name or folder (a head's, with --method)")
-    parser.add_argument("--method", default="draft_model", choices=("draft_model", "eagle", "eagle3", "medusa"),
-                        help="what --draft is: a draft model (default) or an EAGLE or Medusa head")
+    parser.add_argument(
+        "--draft", default="qwen2.5-coder-0.5b", help="catalogue name or folder (a head's, with --method)"
+    )
+    parser.add_argument(
+        "--method",
+        default="draft_model",
+        choices=("draft_model", "eagle", "eagle3", "medusa"),
+        help="what --draft is: a draft model (default) or an EAGLE or Medusa head",
+    )
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--ks", default=DEFAULT_KS, help=f"drafts per step, comma-separated (default {DEFAULT_KS})")
-    parser.add_argument("--prompt", default="code", help="a suite prompt's name (what it says does not matter: "
-                        "every step drafts k whatever is accepted)")
+    parser.add_argument(
+        "--prompt",
+        default="code",
+        help="a suite prompt's name (what it says does not matter: every step drafts k whatever is accepted)",
+    )
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens each run decodes (default 96)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every setting taking turns (default 5)")
     parser.add_argument("--target-speedup", type=float, default=3.0, help="the speedup to test against (default 3)")
@@ -87,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         spec = always_drafting(args.draft, max(ks), args.method)
-        engine, tokenizer = build_engine(args.target, spec, getattr(torch, args.dtype),
-                                         quantization=args.quantization, max_num_seqs=1)
+        engine, tokenizer = build_engine(
+            args.target, spec, getattr(torch, args.dtype), quantization=args.quantization, max_num_seqs=1
+        )
         rows = measure(engine, encode_prompt(tokenizer, chat=prompts[args.prompt]), ks, args.rounds, args.max_tokens)
     except SpecserveError as e:
         print(f"full_acceptance.py: error: {e}", file=sys.stderr)
@@ -97,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"{args.target} with {args.draft} ({args.method}), {args.quantization}/{args.dtype}, {torch.get_num_threads()} threads, "
-              f"prompt {args.prompt!r}, medians of {args.rounds} rounds taking turns")
+        print(
+            f"{args.target} with {args.draft} ({args.method}), {args.quantization}/{args.dtype}, "
+            f"{torch.get_num_threads()} threads, "
+            f"prompt {args.prompt!r}, medians of {args.rounds} rounds taking turns"
+        )
         print_table(rows, args.target_speedup)
     return 0
 

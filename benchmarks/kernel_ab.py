@@ -67,11 +67,11 @@ def kernel_sources(build: str, into: Path) -> Path:
         return native.KERNELS
     if Path(build).is_dir():
         return Path(build)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", build, KERNELS_IN_REPO],
-                             capture_output=True, check=False)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", build, KERNELS_IN_REPO], capture_output=True, check=False
+    )
     if archive.returncode != 0:
-        sys.exit(f"kernel_ab: {build!r} is neither a folder nor a git revision here: "
-                 f"{archive.stderr.decode().strip()}")
+        sys.exit(f"kernel_ab: {build!r} is neither a folder nor a git revision here: {archive.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.11.4
         tar.extractall(into / build.replace("/", "_"), **safe)
@@ -88,8 +88,11 @@ def linear_layers(decoder) -> list[tuple[torch.nn.Module, bool]]:
     """Every linear layer on our kernels, in a forward's order, and whether the decoder
     calls it gated (a SwiGLU's gate and up projections in one: `silu_and_mul`)."""
     gate_up = decoder.config.intermediate_size * 2
-    return [(module, module.weight.shape[0] == gate_up) for module in decoder.modules()
-            if isinstance(module, (QuantizedLinear, FloatLinear))]
+    return [
+        (module, module.weight.shape[0] == gate_up)
+        for module in decoder.modules()
+        if isinstance(module, (QuantizedLinear, FloatLinear))
+    ]
 
 
 def in_features(layer: torch.nn.Module) -> int:
@@ -163,8 +166,20 @@ def measure_forwards(lib, decoder, rows: list[int], passes: int) -> dict[int, tu
 
 def worker_command(library: Path, args: argparse.Namespace) -> list[str]:
     """The command line of one process measuring `library` (see `worker`)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(library), "--target", args.target,
-               "--quantization", args.quantization, "--rows", args.rows, "--passes", str(args.passes)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(library),
+        "--target",
+        args.target,
+        "--quantization",
+        args.quantization,
+        "--rows",
+        args.rows,
+        "--passes",
+        str(args.passes),
+    ]
     return command + (["--dtype", args.dtype] if args.dtype else []) + (["--forward"] if args.forward else [])
 
 
@@ -172,10 +187,14 @@ def run_worker(command: list[str]) -> dict[int, tuple[float, str]]:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"kernel_ab: a measuring process failed:\n{done.stderr[-2000:]}")
-    return {int(rows): (seconds, digest) for rows, (seconds, digest) in json.loads(done.stdout.splitlines()[-1]).items()}
+    return {
+        int(rows): (seconds, digest) for rows, (seconds, digest) in json.loads(done.stdout.splitlines()[-1]).items()
+    }
 
 
-def compare(commands: dict[str, list[str]], rounds: int, run=run_worker) -> dict[int, dict[str, tuple[float, list[float]]]]:
+def compare(
+    commands: dict[str, list[str]], rounds: int, run=run_worker
+) -> dict[int, dict[str, tuple[float, list[float]]]]:
     """Per row count, per build: the median seconds over the rounds, and each round's
     ratio to the first build's. Each round runs every build's command once, in turn, the
     order reversed every other round so that neither build always follows the other."""
@@ -218,13 +237,20 @@ def main() -> None:
     parser.add_argument("--b", default="worktree", help="git revision or folder (default: the working tree's)")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalogue name or folder")
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                        help="default: bfloat16 with --quantization, else float32")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="default: bfloat16 with --quantization, else float32",
+    )
     parser.add_argument("--rows", default="1,8", help="activation rows per layer call, comma-separated")
     parser.add_argument("--rounds", type=int, default=6, help="processes per build, taking turns")
     parser.add_argument("--passes", type=int, default=5, help="runs of every layer per process (the median counts)")
-    parser.add_argument("--forward", action="store_true",
-                        help="time whole forwards as verification runs them, not the layers one by one")
+    parser.add_argument(
+        "--forward",
+        action="store_true",
+        help="time whole forwards as verification runs them, not the layers one by one",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a measuring process: its library
     args = parser.parse_args()
     if (reason := native.unavailable_reason()) is not None:
@@ -239,16 +265,22 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     try:
         builds = {f"a:{args.a}": args.a, f"b:{args.b}": args.b}
-        commands = {name: worker_command(build_library(kernel_sources(build, scratch), scratch / f"{key}.so"), args)
-                    for key, (name, build) in zip("ab", builds.items())}
-        print(f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {num_layers} layers, "
-              f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds of a process "
-              f"per build taking turns, {args.passes} passes each"
-              + (f", whole forwards after {FORWARD_CONTEXT} cached tokens" if args.forward else ", layer by layer"))
+        commands = {
+            name: worker_command(build_library(kernel_sources(build, scratch), scratch / f"{key}.so"), args)
+            for key, (name, build) in zip("ab", builds.items())
+        }
+        print(
+            f"{args.target}, {args.quantization}/{str(dtype).removeprefix('torch.')}, {num_layers} layers, "
+            f"{weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads, {args.rounds} rounds of a process "
+            f"per build taking turns, {args.passes} passes each"
+            + (f", whole forwards after {FORWARD_CONTEXT} cached tokens" if args.forward else ", layer by layer")
+        )
         for rows, result in compare(commands, args.rounds).items():
             for name, (seconds, ratios) in result.items():
-                print(f"rows {rows:>3} {name:>24}: {seconds * 1e3:7.1f} ms ({weight_bytes / seconds / 1e9:5.1f} GB/s), "
-                      f"x{min(ratios):.3f}-{max(ratios):.3f}, median x{statistics.median(ratios):.3f} the time of a")
+                print(
+                    f"rows {rows:>3} {name:>24}: {seconds * 1e3:7.1f} ms ({weight_bytes / seconds / 1e9:5.1f} GB/s), "
+                    f"x{min(ratios):.3f}-{max(ratios):.3f}, median x{statistics.median(ratios):.3f} the time of a"
+                )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -69,9 +69,12 @@ def bench_layers(decoder, rows_list: list[int], rounds: int) -> None:
                     a = median_seconds(lambda: ours(x), reps)
                     b = median_seconds(lambda: theirs(x), reps)  # noqa: F821 (deleted after the rows)
                     ours_s.append(a), theirs_s.append(b), ratios.append(a / b)
-            print(f"{str(list(shape)):>18} {rows:>5} {nbytes / statistics.median(ours_s) / 1e9:>10.1f} "
-                  f"{nbytes / statistics.median(theirs_s) / 1e9:>13.1f} {statistics.median(ratios):>12.2f} "
-                  f"({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+            print(
+                f"{str(list(shape)):>18} {rows:>5} {nbytes / statistics.median(ours_s) / 1e9:>10.1f} "
+                f"{nbytes / statistics.median(theirs_s) / 1e9:>13.1f} {statistics.median(ratios):>12.2f} "
+                f"({min(ratios):.2f}-{max(ratios):.2f})",
+                flush=True,
+            )
         del theirs
 
 
@@ -79,19 +82,23 @@ STEP_ROWS = {1: "a decode step (1 row)", 8: "verifying 7 drafts (8 rows)", 200: 
 
 
 def bench_steps(decoder, rounds: int) -> None:
-    ours = [(parent, name, child) for parent in decoder.modules() for name, child in parent.named_children()
-            if isinstance(child, FloatLinear)]
+    ours = [
+        (parent, name, child)
+        for parent in decoder.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, FloatLinear)
+    ]
     theirs = [pytorchs(child) for _, _, child in ours]
 
     def use(kind: str) -> None:
         for (parent, name, child), other in zip(ours, theirs):
             setattr(parent, name, child if kind == "ours" else other)
-        # a bfloat16 model on our kernels decodes every block in one C call (`Decoder.in_c`),
+        # a bfloat16 model on our kernels decodes every block in one C call (`Decoder.model_in_c`),
         # which holds pointers to our layers' weights: PyTorch's layers go without it
         if kind == "ours":
-            vars(decoder).pop("in_c", None)
+            vars(decoder).pop("model_in_c", None)
         else:
-            decoder.in_c = lambda: None
+            decoder.model_in_c = lambda: None
 
     prompt = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(0))
     times: dict[tuple[str, int], list[float]] = {}
@@ -105,15 +112,18 @@ def bench_steps(decoder, rounds: int) -> None:
                     new = torch.randint(0, 1000, (rows,))
                     scored = torch.arange(rows) if rows <= 8 else torch.tensor([rows - 1])  # a prompt: its last row
                     step = lambda: decoder(  # noqa: E731
-                        new, [Segment(cache, rows, one_query_at_a_time=rows <= 8)], logits_rows=scored)
+                        new, [Segment(cache, rows, one_query_at_a_time=rows <= 8)], logits_rows=scored
+                    )
                     # each call appends to the cache: 6 calls stay far from its end
                     times.setdefault((kind, rows), []).append(median_seconds(step, 5))
     use("ours")
     for rows, what in STEP_ROWS.items():
         ratios = [a / b for a, b in zip(times[("ours", rows)], times[("PyTorch", rows)])]
-        print(f"{what}: ours {statistics.median(times[('ours', rows)]) * 1e3:.1f} ms, PyTorch "
-              f"{statistics.median(times[('PyTorch', rows)]) * 1e3:.1f} ms, ours/PyTorch "
-              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f} over {rounds} rounds)")
+        print(
+            f"{what}: ours {statistics.median(times[('ours', rows)]) * 1e3:.1f} ms, PyTorch "
+            f"{statistics.median(times[('PyTorch', rows)]) * 1e3:.1f} ms, ours/PyTorch "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f} over {rounds} rounds)"
+        )
 
 
 def main() -> None:

@@ -80,8 +80,18 @@ from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
 HEAD_MODES = ("eagle3", "adaptive-eagle3", "medusa", "adaptive-medusa")  # a head on the target's features
-OUR_MODES = ("plain", "draft", "adaptive", "ngram", "draft-fused", "adaptive-fused", "draft-unfused",
-             "adaptive-unfused", "plain-compiled", *HEAD_MODES)
+OUR_MODES = (
+    "plain",
+    "draft",
+    "adaptive",
+    "ngram",
+    "draft-fused",
+    "adaptive-fused",
+    "draft-unfused",
+    "adaptive-unfused",
+    "plain-compiled",
+    *HEAD_MODES,
+)
 # Asked for by name: draft and adaptive run as served, fused wherever the draft runs in
 # our C kernels; the -fused modes insist on it (they need a quantized draft:
 # --quantization or --draft-quantization), the -unfused ones turn it off; and
@@ -96,9 +106,19 @@ SUITE_OF = {prompt: suite for suite, prompts in SUITES.items() for prompt in pro
 # ---------------------------------------------------------------- rows, timed alike
 
 
-def timed_row(system: str, mode: str, fmt: str, prompt: str, token_ids: list[int], ttft_s: float, e2e_s: float,
-              spec: SpecStats | dict | None = None, k: int | None = None, num_first_tokens: int = 1,
-              more_ttft_s: list[float] = ()) -> dict:
+def timed_row(
+    system: str,
+    mode: str,
+    fmt: str,
+    prompt: str,
+    token_ids: list[int],
+    ttft_s: float,
+    e2e_s: float,
+    spec: SpecStats | dict | None = None,
+    k: int | None = None,
+    num_first_tokens: int = 1,
+    more_ttft_s: list[float] = (),
+) -> dict:
     """One row; every system's decode rate is the tokens after the first arrival over the
     time after it. The first arrival is one token, except in transformers' assisted
     generation, whose first step already verifies drafts. The row's TTFT is the median
@@ -108,9 +128,16 @@ def timed_row(system: str, mode: str, fmt: str, prompt: str, token_ids: list[int
     spec = spec.to_dict() if isinstance(spec, SpecStats) else (spec or {})
     samples = [ttft_s, *more_ttft_s]
     return {
-        "system": system, "mode": mode, "k": k, "format": fmt, "suite": SUITE_OF.get(prompt),
-        "prompt": prompt, "num_output_tokens": len(token_ids), "ttft_s": statistics.median(samples),
-        "ttft_samples_s": samples, "e2e_s": e2e_s,
+        "system": system,
+        "mode": mode,
+        "k": k,
+        "format": fmt,
+        "suite": SUITE_OF.get(prompt),
+        "prompt": prompt,
+        "num_output_tokens": len(token_ids),
+        "ttft_s": statistics.median(samples),
+        "ttft_samples_s": samples,
+        "e2e_s": e2e_s,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else None,
         "acceptance_rate": spec.get("acceptance_rate"),
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
@@ -130,14 +157,30 @@ class Report:
     models: list[dict] = dataclasses.field(default_factory=list)  # roofline entries
     perplexities: dict[str, float] = dataclasses.field(default_factory=dict)  # format -> ppl
 
-    def add_model(self, role: str, model: str, system: str, fmt: str, bytes_per_token: int,
-                  measured_mode: str | None, macs_per_token: int | None = None) -> None:
+    def add_model(
+        self,
+        role: str,
+        model: str,
+        system: str,
+        fmt: str,
+        bytes_per_token: int,
+        measured_mode: str | None,
+        macs_per_token: int | None = None,
+    ) -> None:
         """A model and format to put on the roofline; measured_mode: the rows of `system`
         whose decode rate is this model's plain decode (None: none is); macs_per_token:
         a row's multiply-adds (ours only: the ceiling of speculation)."""
-        self.models.append({"role": role, "model": model, "of_system": system, "format": fmt,
-                            "bytes_per_token": bytes_per_token, "measured_mode": measured_mode,
-                            "macs_per_token": macs_per_token})
+        self.models.append(
+            {
+                "role": role,
+                "model": model,
+                "of_system": system,
+                "format": fmt,
+                "bytes_per_token": bytes_per_token,
+                "measured_mode": measured_mode,
+                "macs_per_token": macs_per_token,
+            }
+        )
 
     def add_perplexity(self, fmt: str, value: float) -> None:
         self.perplexities[fmt] = value
@@ -186,8 +229,11 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     if mode in HEAD_MODES:
         method = mode.removeprefix("adaptive-")
-        raw.update(method=method, model=args.eagle_head if method == "eagle3" else args.medusa_head,
-                   adaptive=mode.startswith("adaptive"))
+        raw.update(
+            method=method,
+            model=args.eagle_head if method == "eagle3" else args.medusa_head,
+            adaptive=mode.startswith("adaptive"),
+        )
         if method == "medusa":
             del raw["num_speculative_tokens"]  # one per head
         return SpecConfig.parse(raw)
@@ -228,18 +274,36 @@ def quality_wanted(args) -> bool:
 
 
 def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report) -> None:
-    engine, tokenizer = build_engine(args.target, run.spec, run.dtype, quantization=run.quantization,
-                                     batch_invariant=args.batch_invariant, compile=run.compile,
-                                     cuda_graphs=args.cuda_graphs, max_num_seqs=1,
-                                     device=device_of(args))
+    engine, tokenizer = build_engine(
+        args.target,
+        run.spec,
+        run.dtype,
+        quantization=run.quantization,
+        batch_invariant=args.batch_invariant,
+        compile=run.compile,
+        cuda_graphs=args.cuda_graphs,
+        max_num_seqs=1,
+        device=device_of(args),
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for name, ids in prompt_ids.items():  # the warm-up also compiles, with plain-compiled
         run_one(engine, tokenizer, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0))
         result = run_one(engine, tokenizer, ids, params)
         more_ttft_s = [our_first_token_s(engine, ids, params) for _ in range(args.ttft_samples - 1)]
-        report.rows.append(timed_row("specserve", run.mode, run.format, name, result["token_ids"],
-                                     result["ttft_s"], result["e2e_s"], result["spec"], run.fixed_k,
-                                     more_ttft_s=more_ttft_s))
+        report.rows.append(
+            timed_row(
+                "specserve",
+                run.mode,
+                run.format,
+                name,
+                result["token_ids"],
+                result["ttft_s"],
+                result["e2e_s"],
+                result["spec"],
+                run.fixed_k,
+                more_ttft_s=more_ttft_s,
+            )
+        )
     note_our_models(args, run, engine, report)
 
 
@@ -255,8 +319,15 @@ def our_first_token_s(engine, ids: list[int], params: SamplingParams) -> float:
 def note_our_models(args, run: OurRun, engine, report: Report) -> None:
     """Roofline entries (and, in the first round, perplexity) for the models this run has loaded."""
     if run.spec is None:
-        report.add_model("target", args.target, "specserve", run.format, weight_bytes_per_token(engine.target),
-                         run.mode, multiply_adds_per_token(engine.target.config, engine.target.head_size))
+        report.add_model(
+            "target",
+            args.target,
+            "specserve",
+            run.format,
+            weight_bytes_per_token(engine.target),
+            run.mode,
+            multiply_adds_per_token(engine.target.config, engine.target.head_size),
+        )
         if quality_wanted(args) and args.first_round:
             report.add_perplexity(run.format, perplexity(engine.target, report.fixed_text_ids))
     draft = getattr(engine.proposer, "draft", None)  # the draft proposer's decoder
@@ -305,31 +376,54 @@ def run_transformers(args, prompt_ids: dict[str, list[int]], eos_ids: list[int],
     # float32 on a CPU (its fastest path there); on a GPU the dtype ours runs in.
     dtype = torch.float32 if device.type == "cpu" else dtype_of(args)
     fmt = format_of(dtype, "none")
-    target, draft = (transformers.AutoModelForCausalLM.from_pretrained(catalogue.resolve(name), dtype=dtype)
-                     .to(device).eval() for name in (args.target, args.draft))
+    target, draft = (
+        transformers.AutoModelForCausalLM.from_pretrained(catalogue.resolve(name), dtype=dtype).to(device).eval()
+        for name in (args.target, args.draft)
+    )
     report.add_model("target", args.target, "transformers", fmt, weight_bytes_per_token(target), "plain")
     for mode, assistant in (("plain", None), ("assisted", draft)):
         for name, ids in prompt_ids.items():
             transformers_greedy(target, assistant, ids, WARM_UP_TOKENS, eos_ids)
             tokens, ttft_s, e2e_s, num_first = transformers_greedy(target, assistant, ids, args.max_tokens, eos_ids)
-            more_ttft_s = [transformers_first_token_s(target, assistant, ids, args.max_tokens, eos_ids)
-                           for _ in range(args.ttft_samples - 1)]
-            report.rows.append(timed_row("transformers", mode, fmt, name, tokens, ttft_s, e2e_s,
-                                         num_first_tokens=num_first, more_ttft_s=more_ttft_s))
+            more_ttft_s = [
+                transformers_first_token_s(target, assistant, ids, args.max_tokens, eos_ids)
+                for _ in range(args.ttft_samples - 1)
+            ]
+            report.rows.append(
+                timed_row(
+                    "transformers",
+                    mode,
+                    fmt,
+                    name,
+                    tokens,
+                    ttft_s,
+                    e2e_s,
+                    num_first_tokens=num_first,
+                    more_ttft_s=more_ttft_s,
+                )
+            )
 
 
-def transformers_greedy(target, assistant, ids: list[int], max_tokens: int, eos_ids: list[int],
-                        clock: FirstTokenClock | None = None) -> tuple[list[int], float, float, int]:
+def transformers_greedy(
+    target, assistant, ids: list[int], max_tokens: int, eos_ids: list[int], clock: FirstTokenClock | None = None
+) -> tuple[list[int], float, float, int]:
     """(tokens, ttft_s, e2e_s, tokens in the first arrival) of one greedy `generate`."""
     clock = clock or FirstTokenClock()
     extra = {} if assistant is None else {"assistant_model": assistant}
     prompt = torch.tensor([ids], device=target.device)  # [1, prompt_len]
     start = time.perf_counter()
     with torch.no_grad():
-        out = target.generate(prompt, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
-                              eos_token_id=eos_ids, pad_token_id=eos_ids[0], **extra)  # [1, prompt_len + n]
+        out = target.generate(
+            prompt,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            streamer=clock,
+            eos_token_id=eos_ids,
+            pad_token_id=eos_ids[0],
+            **extra,
+        )  # [1, prompt_len + n]
     end = time.perf_counter()
-    return out[0, len(ids):].tolist(), clock.first_token_time - start, end - start, clock.num_first_tokens
+    return out[0, len(ids) :].tolist(), clock.first_token_time - start, end - start, clock.num_first_tokens
 
 
 def transformers_first_token_s(target, assistant, ids: list[int], max_tokens: int, eos_ids: list[int]) -> float:
@@ -372,8 +466,15 @@ def run_llama_cpp(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], gg
     n_ctx = max(len(ids) for ids in prompt_ids.values()) + args.max_tokens + args.k + 16
     for mode, k in (("plain", None), ("prompt-lookup", args.k)):
         lookup = CountingPromptLookup(max_ngram_size=lookup_max, num_pred_tokens=k) if k else None
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                              n_gpu_layers=gpu_layers, draft_model=lookup, verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=gpu_layers,
+            draft_model=lookup,
+            verbose=False,
+        )
         for name, ids in prompt_ids.items():
             greedy_llama_cpp(llm, ids, WARM_UP_TOKENS, eos_ids)
             if lookup is not None:
@@ -382,8 +483,9 @@ def run_llama_cpp(args, prompt_ids: dict[str, list[int]], eos_ids: list[int], gg
             spec = lookup_stats(lookup.proposals, len(ids), tokens) if lookup is not None else None
             # its first token comes before any draft: stopping there is the same request's TTFT
             more_ttft_s = [greedy_llama_cpp(llm, ids, 1, eos_ids)[1] for _ in range(args.ttft_samples - 1)]
-            report.rows.append(timed_row("llama.cpp", mode, fmt, name, tokens, ttft_s, e2e_s, spec, k,
-                                         more_ttft_s=more_ttft_s))
+            report.rows.append(
+                timed_row("llama.cpp", mode, fmt, name, tokens, ttft_s, e2e_s, spec, k, more_ttft_s=more_ttft_s)
+            )
         llm.close()
         del llm
         gc.collect()
@@ -441,12 +543,23 @@ def roofline_rows(report: Report, bandwidth: float, method: str) -> list[dict]:
     rows = []
     for entry in report.models:
         limit = bandwidth / entry["bytes_per_token"]
-        rates = [r["decode_tokens_per_s"] for r in report.rows_of(entry["of_system"], entry["measured_mode"])
-                 if r["decode_tokens_per_s"]]
+        rates = [
+            r["decode_tokens_per_s"]
+            for r in report.rows_of(entry["of_system"], entry["measured_mode"])
+            if r["decode_tokens_per_s"]
+        ]
         measured = statistics.mean(rates) if rates else None
-        rows.append({"system": "roofline", **entry, "bandwidth_bytes_per_s": bandwidth, "bandwidth_method": method,
-                     "limit_tokens_per_s": limit, "measured_decode_tokens_per_s": measured,
-                     "fraction_of_limit": measured / limit if measured else None})
+        rows.append(
+            {
+                "system": "roofline",
+                **entry,
+                "bandwidth_bytes_per_s": bandwidth,
+                "bandwidth_method": method,
+                "limit_tokens_per_s": limit,
+                "measured_decode_tokens_per_s": measured,
+                "fraction_of_limit": measured / limit if measured else None,
+            }
+        )
     return rows
 
 
@@ -455,32 +568,60 @@ def ceiling_rows(report: Report, bandwidth: float, peaks: dict[str, float] | Non
     could gain with our draft and with free drafts (n-gram, lookup), every draft accepted."""
     if peaks is None:
         return []
-    drafts = [(f"{m['model']} {m['format']}", m["bytes_per_token"])
-              for m in report.models if m["role"] == "draft" and m["of_system"] == "specserve"]
+    drafts = [
+        (f"{m['model']} {m['format']}", m["bytes_per_token"])
+        for m in report.models
+        if m["role"] == "draft" and m["of_system"] == "specserve"
+    ]
     rows = []
     for m in report.models:
         kind = arithmetic_of(m["format"])
         if m["role"] != "target" or m["of_system"] != "specserve" or kind is None or not m["macs_per_token"]:
             continue
         for draft, draft_bytes in [*drafts, ("free (n-gram, lookup first)", 0)]:
-            rows.append({"system": "ceiling", "target_format": m["format"], "draft": draft, "arithmetic": kind,
-                         "peak_macs_per_s": peaks[kind],
-                         **ceiling(m["bytes_per_token"], m["macs_per_token"], draft_bytes, bandwidth, peaks[kind])})
+            rows.append(
+                {
+                    "system": "ceiling",
+                    "target_format": m["format"],
+                    "draft": draft,
+                    "arithmetic": kind,
+                    "peak_macs_per_s": peaks[kind],
+                    **ceiling(m["bytes_per_token"], m["macs_per_token"], draft_bytes, bandwidth, peaks[kind]),
+                }
+            )
     return rows
 
 
 def quality_rows(report: Report, fmt: str) -> list[dict]:
     float32 = report.perplexities["float32"]
-    rows = [{"system": "quality", "mode": "perplexity", "format": f, "perplexity": value,
-             "num_tokens": len(report.fixed_text_ids), "text": "sonnets.txt", "change_vs_float32": value / float32 - 1}
-            for f, value in report.perplexities.items()]
+    rows = [
+        {
+            "system": "quality",
+            "mode": "perplexity",
+            "format": f,
+            "perplexity": value,
+            "num_tokens": len(report.fixed_text_ids),
+            "text": "sonnets.txt",
+            "change_vs_float32": value / float32 - 1,
+        }
+        for f, value in report.perplexities.items()
+    ]
     reference = {r["prompt"]: r["token_ids"] for r in report.rows_of("specserve", FLOAT32_PLAIN)}
     for r in report.rows_of("specserve", "plain"):
         ref = reference[r["prompt"]]
-        rows.append({"system": "quality", "mode": "greedy agreement", "format": fmt, "suite": r["suite"],
-                     "prompt": r["prompt"], "agreement": prefix_agreement(ref, r["token_ids"]),
-                     "common_prefix": common_prefix_length(ref, r["token_ids"]), "num_float32_tokens": len(ref),
-                     "same_tokens": r["token_ids"] == ref})
+        rows.append(
+            {
+                "system": "quality",
+                "mode": "greedy agreement",
+                "format": fmt,
+                "suite": r["suite"],
+                "prompt": r["prompt"],
+                "agreement": prefix_agreement(ref, r["token_ids"]),
+                "common_prefix": common_prefix_length(ref, r["token_ids"]),
+                "num_float32_tokens": len(ref),
+                "same_tokens": r["token_ids"] == ref,
+            }
+        )
     return rows
 
 
@@ -488,19 +629,23 @@ def quality_rows(report: Report, fmt: str) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'prompt':<10}{'system':<14}{'mode':<19}{'format':<15}{'tokens':>7}{'ttft ms':>9}"
-              f"{'decode tok/s':>14}{'x ours plain':>14}{'accept':>8}{'mean len':>9}  same tokens")
+    header = (
+        f"{'prompt':<10}{'system':<14}{'mode':<19}{'format':<15}{'tokens':>7}{'ttft ms':>9}"
+        f"{'decode tok/s':>14}{'x ours plain':>14}{'accept':>8}{'mean len':>9}  same tokens"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         mode = r["mode"] + (f" k={r['k']}" if r["k"] else "")
         decode, x = r["decode_tokens_per_s"], r.get("decode_ratio_to_plain")
         rate, length = r["acceptance_rate"], r["mean_acceptance_length"]
-        print(f"{r['prompt']:<10}{r['system']:<14}{mode:<19}{r['format']:<15}{r['num_output_tokens']:>7}"
-              f"{r['ttft_s'] * 1000:>9.0f}{'' if decode is None else f'{decode:.2f}':>14}"
-              f"{'' if x is None else f'{x:.2f}x':>14}"
-              f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}"
-              f"  {same_tokens_text(r)}")
+        print(
+            f"{r['prompt']:<10}{r['system']:<14}{mode:<19}{r['format']:<15}{r['num_output_tokens']:>7}"
+            f"{r['ttft_s'] * 1000:>9.0f}{'' if decode is None else f'{decode:.2f}':>14}"
+            f"{'' if x is None else f'{x:.2f}x':>14}"
+            f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}"
+            f"  {same_tokens_text(r)}"
+        )
     print()
     for suite in SUITES:
         for system, mode in dict.fromkeys((r["system"], r["mode"]) for r in rows):
@@ -508,8 +653,10 @@ def print_table(rows: list[dict]) -> None:
             decode = [r["decode_ratio_to_plain"] for r in picked if r.get("decode_ratio_to_plain")]
             ttft = [r["ttft_ratio_to_plain"] for r in picked if r.get("ttft_ratio_to_plain")]
             if decode and ttft:
-                print(f"{suite:<11} {system:<13} {mode:<14} geometric mean: decode "
-                      f"{statistics.geometric_mean(decode):.2f}x, ttft {statistics.geometric_mean(ttft):.2f}x ours plain")
+                print(
+                    f"{suite:<11} {system:<13} {mode:<14} geometric mean: decode "
+                    f"{statistics.geometric_mean(decode):.2f}x, ttft {statistics.geometric_mean(ttft):.2f}x ours plain"
+                )
 
 
 def same_tokens_text(r: dict) -> str:
@@ -522,28 +669,40 @@ def same_tokens_text(r: dict) -> str:
 def print_roofline(rows: list[dict]) -> None:
     if not rows:
         return
-    print(f"\nRoofline: memory bandwidth {rows[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
-          f"({rows[0]['bandwidth_method']}); limit = bandwidth / weight bytes read per token")
-    print(f"{'role':<8}{'model':<22}{'system':<14}{'format':<15}{'MB/token':>10}{'limit tok/s':>13}"
-          f"{'measured':>10}{'of limit':>10}")
+    print(
+        f"\nRoofline: memory bandwidth {rows[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({rows[0]['bandwidth_method']}); limit = bandwidth / weight bytes read per token"
+    )
+    print(
+        f"{'role':<8}{'model':<22}{'system':<14}{'format':<15}{'MB/token':>10}{'limit tok/s':>13}"
+        f"{'measured':>10}{'of limit':>10}"
+    )
     for r in rows:
         measured, share = r["measured_decode_tokens_per_s"], r["fraction_of_limit"]
-        print(f"{r['role']:<8}{r['model']:<22}{r['of_system']:<14}{r['format']:<15}{r['bytes_per_token'] / 1e6:>10.1f}"
-              f"{r['limit_tokens_per_s']:>13.1f}{'' if measured is None else f'{measured:.1f}':>10}"
-              f"{'' if share is None else f'{share:.0%}':>10}")
+        print(
+            f"{r['role']:<8}{r['model']:<22}{r['of_system']:<14}{r['format']:<15}{r['bytes_per_token'] / 1e6:>10.1f}"
+            f"{r['limit_tokens_per_s']:>13.1f}{'' if measured is None else f'{measured:.1f}':>10}"
+            f"{'' if share is None else f'{share:.0%}':>10}"
+        )
 
 
 def print_ceiling(rows: list[dict], method: str) -> None:
     if not rows:
         return
-    peaks = ", ".join(f"{kind} {peak / 1e9:.0f} GMAC/s" for kind, peak in
-                      dict.fromkeys((r["arithmetic"], r["peak_macs_per_s"]) for r in rows))
-    print(f"\nCeiling of speculation: arithmetic peak {peaks} ({method}). Every draft accepted, a plain step "
-          "and a draft position at the memory limit, a verified row at the arithmetic peak:")
+    peaks = ", ".join(
+        f"{kind} {peak / 1e9:.0f} GMAC/s"
+        for kind, peak in dict.fromkeys((r["arithmetic"], r["peak_macs_per_s"]) for r in rows)
+    )
+    print(
+        f"\nCeiling of speculation: arithmetic peak {peaks} ({method}). Every draft accepted, a plain step "
+        "and a draft position at the memory limit, a verified row at the arithmetic peak:"
+    )
     print(f"{'target':<15}{'plain step':>11}{'row':>9}  {'drafts':<34}{'position':>9}{'at most':>9}{'k':>4}")
     for r in rows:
-        print(f"{r['target_format']:<15}{r['plain_step_s'] * 1e3:>8.1f} ms{r['verified_row_s'] * 1e3:>6.1f} ms  "
-              f"{r['draft']:<34}{r['draft_position_s'] * 1e3:>6.1f} ms{r['max_speedup']:>8.2f}x{r['best_k']:>4}")
+        print(
+            f"{r['target_format']:<15}{r['plain_step_s'] * 1e3:>8.1f} ms{r['verified_row_s'] * 1e3:>6.1f} ms  "
+            f"{r['draft']:<34}{r['draft_position_s'] * 1e3:>6.1f} ms{r['max_speedup']:>8.2f}x{r['best_k']:>4}"
+        )
 
 
 def print_quality(rows: list[dict], fmt: str) -> None:
@@ -552,14 +711,18 @@ def print_quality(rows: list[dict], fmt: str) -> None:
     print(f"\nQuality of {fmt} against float32")
     by_format = {r["format"]: r for r in rows if r["mode"] == "perplexity"}
     reference, chosen = by_format["float32"], by_format[fmt]
-    print(f"  perplexity on the first {chosen['num_tokens']} tokens of {chosen['text']}: float32 "
-          f"{reference['perplexity']:.3f}, {fmt} {chosen['perplexity']:.3f} ({chosen['change_vs_float32']:+.2%})")
+    print(
+        f"  perplexity on the first {chosen['num_tokens']} tokens of {chosen['text']}: float32 "
+        f"{reference['perplexity']:.3f}, {fmt} {chosen['perplexity']:.3f} ({chosen['change_vs_float32']:+.2%})"
+    )
     for suite in SUITES:
         picked = [r for r in rows if r["mode"] == "greedy agreement" and r["suite"] == suite]
         if picked:
             each = ", ".join(f"{r['prompt']} {r['common_prefix']}/{r['num_float32_tokens']}" for r in picked)
-            print(f"  greedy agreement, {suite}: mean {statistics.mean(r['agreement'] for r in picked):.0%} "
-                  f"of float32's tokens before the first difference ({each})")
+            print(
+                f"  greedy agreement, {suite}: mean {statistics.mean(r['agreement'] for r in picked):.0%} "
+                f"of float32's tokens before the first difference ({each})"
+            )
 
 
 # ---------------------------------------------------------------- flags and main
@@ -572,15 +735,18 @@ def comma_list(known: tuple[str, ...], flag: str) -> Callable[[str], list[str]]:
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {flag} {unknown}; choose from {', '.join(known)}")
         return chosen
+
     return parse
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a decimal integer >= minimum (minimum >= 0)."""
+
     def parse(value: str) -> int:
         if not value.isdigit() or int(value) < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}")
         return int(value)
+
     return parse
 
 
@@ -592,43 +758,89 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--target", default=catalogue.DEFAULT_TARGET, help="catalogue name, .gguf file or folder")
     parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
-    parser.add_argument("--eagle-head", default=f"{catalogue.DEFAULT_TARGET}-eagle3",
-                        help="the eagle3 rows' head: a trained head's name or a checkpoint folder")
-    parser.add_argument("--medusa-head", default=f"{catalogue.DEFAULT_TARGET}-medusa",
-                        help="the medusa rows' heads: a trained head's name or a checkpoint folder")
+    parser.add_argument(
+        "--eagle-head",
+        default=f"{catalogue.DEFAULT_TARGET}-eagle3",
+        help="the eagle3 rows' head: a trained head's name or a checkpoint folder",
+    )
+    parser.add_argument(
+        "--medusa-head",
+        default=f"{catalogue.DEFAULT_TARGET}-medusa",
+        help="the medusa rows' heads: a trained head's name or a checkpoint folder",
+    )
     parser.add_argument("--max-tokens", type=positive_int, default=256)
-    parser.add_argument("--device", default="auto",
-                        help="where every system runs: auto (a CUDA GPU where PyTorch sees one), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="our target and draft (auto as specserve's: float32 on the CPU, bfloat16 on a GPU "
-                        "or with --quantization)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                        help="weight-only quantization of our target and draft")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where every system runs: auto (a CUDA GPU where PyTorch sees one), cpu, cuda, cuda:N",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="our target and draft (auto as specserve's: float32 on the CPU, bfloat16 on a GPU or with --quantization)",
+    )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="none", help="weight-only quantization of our target and draft"
+    )
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)")
-    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
-                        help="our draft's own weight format (default: --quantization's)")
-    parser.add_argument("--draft-vocab-size", type=int_at_least(0), default=DEFAULT_DRAFT_VOCAB_SIZE,
-                        help="our draft guesses only token ids below this while the text keeps to them (the "
-                             "speculative config's draft_vocab_size; 0: every id always)")
-    parser.add_argument("--prompt-lookup-first", type=int, default=DEFAULT_PROMPT_LOOKUP_FIRST,
-                        help="our draft rows look the last this-many tokens up first (the speculative config's "
-                             "prompt_lookup_first; 0: always the draft model)")
-    parser.add_argument("--modes", type=comma_list(OUR_MODES, "mode(s)"), default=list(DEFAULT_MODES),
-                        help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none; "
-                             f"default {','.join(DEFAULT_MODES)})")
-    parser.add_argument("--peers", type=comma_list(PEERS, "peer(s)"), default=list(PEERS),
-                        help=f"comma-separated, from {','.join(PEERS)} ('' for none)")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="our draft's own weight format (default: --quantization's)",
+    )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int_at_least(0),
+        default=DEFAULT_DRAFT_VOCAB_SIZE,
+        help="our draft guesses only token ids below this while the text keeps to them (the "
+        "speculative config's draft_vocab_size; 0: every id always)",
+    )
+    parser.add_argument(
+        "--prompt-lookup-first",
+        type=int,
+        default=DEFAULT_PROMPT_LOOKUP_FIRST,
+        help="our draft rows look the last this-many tokens up first (the speculative config's "
+        "prompt_lookup_first; 0: always the draft model)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=comma_list(OUR_MODES, "mode(s)"),
+        default=list(DEFAULT_MODES),
+        help=f"our rows, comma-separated, from {','.join(OUR_MODES)} ('' for none; default {','.join(DEFAULT_MODES)})",
+    )
+    parser.add_argument(
+        "--peers",
+        type=comma_list(PEERS, "peer(s)"),
+        default=list(PEERS),
+        help=f"comma-separated, from {','.join(PEERS)} ('' for none)",
+    )
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names to keep")
-    parser.add_argument("--ttft-samples", type=positive_int, default=5,
-                        help="each row's TTFT is the median of this many first tokens of its prompt")
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="run everything this many times in turn; each row gives its median round")
+    parser.add_argument(
+        "--ttft-samples",
+        type=positive_int,
+        default=5,
+        help="each row's TTFT is the median of this many first tokens of its prompt",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run everything this many times in turn; each row gives its median round",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of tables")
-    parser.add_argument("--no-quality", action="store_true",
-                        help="skip the quality section and the float32 run it needs (a shorter run)")
+    parser.add_argument(
+        "--no-quality",
+        action="store_true",
+        help="skip the quality section and the float32 run it needs (a shorter run)",
+    )
     # What main() passes to the process it starts for each unit (see run_unit).
     parser.add_argument("--unit", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--first-round", action="store_true", help=argparse.SUPPRESS)
@@ -681,8 +893,9 @@ def run_in_child(argv: list[str], unit: str, first_round: bool, report: Report) 
     allocator's pools, a GPU's cache) out of the next one's figures
     (benchmarks/EXPERIMENTS.md, "Each peers.py unit in a process of its own")."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--unit", unit]
-    result = subprocess.run(command + ["--first-round"] * first_round, stdout=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)  # its stderr (progress, skips, errors) goes to ours
+    result = subprocess.run(
+        command + ["--first-round"] * first_round, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )  # its stderr (progress, skips, errors) goes to ours
     if result.returncode != 0:
         raise SpecserveError(f"{unit} failed (exit {result.returncode}; its error is above)")
     measured = json.loads(result.stdout.strip().splitlines()[-1])
@@ -706,15 +919,22 @@ def available_peers(args) -> list[str]:
     if "llama.cpp" in args.peers:
         try:
             import llama_cpp
+
             gguf_file(args.target)  # joined once, here, for the llama.cpp processes
             if device_of(args).type != "cpu" and not llama_cpp.llama_supports_gpu_offload():
-                skip("llama.cpp", f"this llama-cpp-python build runs on the CPU only, and --device is {args.device} "
-                     "(build it with CMAKE_ARGS=\"-DGGML_CUDA=on\" for a GPU row)")
+                skip(
+                    "llama.cpp",
+                    f"this llama-cpp-python build runs on the CPU only, and --device is {args.device} "
+                    '(build it with CMAKE_ARGS="-DGGML_CUDA=on" for a GPU row)',
+                )
             else:
                 peers.append("llama.cpp")
         except Exception as e:  # ImportError, or a native library that fails to load
-            skip("llama.cpp", f"{type(e).__name__}: {e}; it needs llama-cpp-python "
-                 "(build note in benchmarks/README.md) and a GGUF target")
+            skip(
+                "llama.cpp",
+                f"{type(e).__name__}: {e}; it needs llama-cpp-python "
+                "(build note in benchmarks/README.md) and a GGUF target",
+            )
     return peers
 
 
@@ -750,11 +970,14 @@ def main(argv: list[str] | None = None) -> int:
         where = str(device_of(args))
         if device_of(args).type == "cpu":
             pages = huge_pages.unavailable_reason()
-            where = f"{torch.get_num_threads()} threads, our weights in {'huge pages' if pages is None else f'normal pages ({pages})'}"
-        print(f"torch {torch.__version__}, {where}, target {args.target}, "
-              f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
-              f"{args.max_tokens} tokens, greedy, chat template, TTFT the median of {args.ttft_samples}"
-              f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
+            placement = "huge pages" if pages is None else f"normal pages ({pages})"
+            where = f"{torch.get_num_threads()} threads, our weights in {placement}"
+        print(
+            f"torch {torch.__version__}, {where}, target {args.target}, "
+            f"draft {args.draft}{' ' + args.draft_quantization if args.draft_quantization else ''}, "
+            f"{args.max_tokens} tokens, greedy, chat template, TTFT the median of {args.ttft_samples}"
+            f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}\n"
+        )
         print_table(report.rows)
         print_roofline(roofline)
         print_ceiling(ceilings, peaks[1] if peaks else "")

@@ -49,9 +49,16 @@ def main() -> int:
 
     try:
         spec = SpecConfig.parse(args.speculative_config)
-        engine, tokenizer = build_engine(args.model, spec, dtype_of(args), quantization=args.quantization,
-                                         batch_invariant=args.batch_invariant, device=device_of(args),
-                                         prefix_cache_space=4.0, max_num_seqs=1)
+        engine, tokenizer = build_engine(
+            args.model,
+            spec,
+            dtype_of(args),
+            quantization=args.quantization,
+            batch_invariant=args.batch_invariant,
+            device=device_of(args),
+            prefix_cache_space=4.0,
+            max_num_seqs=1,
+        )
     except SpecserveError as e:
         sys.exit(f"prefix_caching.py: error: {e}")
     # The stores stay; switching off takes them out of the engine and the draft.
@@ -77,23 +84,33 @@ def main() -> int:
         conversation.append({"role": "assistant", "content": results[True]["text"]})
         off, on = results[False], results[True]
         row = {
-            "turn": turn + 1, "prompt_tokens": len(prompt_ids), "cached_tokens": on["num_cached_tokens"],
-            "ttft_off_s": off["ttft_s"], "ttft_on_s": on["ttft_s"], "ttft_ratio": on["ttft_s"] / off["ttft_s"],
-            "decode_off_tokens_per_s": off["decode_tokens_per_s"], "decode_on_tokens_per_s": on["decode_tokens_per_s"],
+            "turn": turn + 1,
+            "prompt_tokens": len(prompt_ids),
+            "cached_tokens": on["num_cached_tokens"],
+            "ttft_off_s": off["ttft_s"],
+            "ttft_on_s": on["ttft_s"],
+            "ttft_ratio": on["ttft_s"] / off["ttft_s"],
+            "decode_off_tokens_per_s": off["decode_tokens_per_s"],
+            "decode_on_tokens_per_s": on["decode_tokens_per_s"],
             "same_tokens": off["token_ids"] == on["token_ids"],
         }
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"turn {row['turn']}: {row['prompt_tokens']} prompt tokens, {row['cached_tokens']} cached; TTFT "
-                  f"{off['ttft_s']:.2f} s -> {on['ttft_s']:.2f} s ({row['ttft_ratio']:.2f}x); decode "
-                  f"{off['decode_tokens_per_s'] or 0:.1f} / {on['decode_tokens_per_s'] or 0:.1f} tok/s; "
-                  f"same tokens: {'yes' if row['same_tokens'] else 'no'}", flush=True)
+            print(
+                f"turn {row['turn']}: {row['prompt_tokens']} prompt tokens, {row['cached_tokens']} cached; TTFT "
+                f"{off['ttft_s']:.2f} s -> {on['ttft_s']:.2f} s ({row['ttft_ratio']:.2f}x); decode "
+                f"{off['decode_tokens_per_s'] or 0:.1f} / {on['decode_tokens_per_s'] or 0:.1f} tok/s; "
+                f"same tokens: {'yes' if row['same_tokens'] else 'no'}",
+                flush=True,
+            )
     later = [r["ttft_ratio"] for r in rows[1:]]
     if later and not args.json:
-        print(f"TTFT with the cache over without, turns 2-{len(rows)}: geometric mean "
-              f"{statistics.geometric_mean(later):.2f}x")
+        print(
+            f"TTFT with the cache over without, turns 2-{len(rows)}: geometric mean "
+            f"{statistics.geometric_mean(later):.2f}x"
+        )
     return 0
 
 

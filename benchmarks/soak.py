@@ -67,8 +67,13 @@ BAD_INPUTS = [
 EDGE_SAMPLING = [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 2.0, "top_k": 1}]
 
 KINDS = {  # kind: weight in the mix
-    "stream greedy": 5, "whole sampled": 3, "stream sampled n=2": 1, "edge sampling": 1,
-    "leave mid-stream": 1, "leave before the answer": 1, "bad input": 2,
+    "stream greedy": 5,
+    "whole sampled": 3,
+    "stream sampled n=2": 1,
+    "edge sampling": 1,
+    "leave mid-stream": 1,
+    "leave before the answer": 1,
+    "bad input": 2,
 }
 
 
@@ -87,15 +92,20 @@ class Tally:
             self.failures[f"HTTP {code} ({kind})"] += 1
 
 
-async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, tally: Tally, phase: int,
-                      hang_after_s: float) -> float:
+async def one_request(
+    http: httpx.AsyncClient, kind: str, rng: random.Random, tally: Tally, phase: int, hang_after_s: float
+) -> float:
     """Send one request of `kind` and tally it; the seconds a 429 asked to wait, else 0."""
     prompt, max_tokens = rng.choice(PROMPTS), rng.randint(16, 128)
     deadline = asyncio.get_running_loop().time() + hang_after_s
     try:
         async with asyncio.timeout(hang_after_s):
             if kind in ("stream greedy", "stream sampled n=2"):
-                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0 if kind == "stream greedy" else 0.8}
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0 if kind == "stream greedy" else 0.8,
+                }
                 if kind != "stream greedy":
                     body["n"] = 2
                 response = await stream_request(http, "/v1/completions", body, deadline)
@@ -112,16 +122,24 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, ta
                         itl = (response.end_to_end_s - ttft) / (response.completion_tokens - 1)
                         tally.latencies[phase].append((ttft, itl))
             elif kind in ("whole sampled", "edge sampling"):
-                extra = {"temperature": 0.8, "seed": rng.randint(0, 1000)} if kind == "whole sampled" \
+                extra = (
+                    {"temperature": 0.8, "seed": rng.randint(0, 1000)}
+                    if kind == "whole sampled"
                     else rng.choice(EDGE_SAMPLING)
-                reply = await http.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **extra})
+                )
+                reply = await http.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **extra},
+                )
                 tally.status(kind, reply.status_code)
                 if reply.status_code == 429:
                     return float(reply.headers["Retry-After"])
             elif kind == "leave mid-stream":
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}) as reply:
+                async with http.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True},
+                ) as reply:
                     tally.status(kind, reply.status_code)
                     async for line in reply.aiter_lines():
                         if line.startswith("data: {"):
@@ -129,8 +147,9 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, ta
             elif kind == "leave before the answer":
                 try:
                     async with asyncio.timeout(rng.uniform(0.2, 2.0)):
-                        reply = await http.post("/v1/completions", json={
-                            "prompt": prompt, "max_tokens": 400, "ignore_eos": True})
+                        reply = await http.post(
+                            "/v1/completions", json={"prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+                        )
                     tally.status(kind, reply.status_code)
                 except TimeoutError:
                     tally.kinds[kind] += 1  # left, as meant
@@ -164,8 +183,11 @@ async def client(url: str, seed: int, tally: Tally, end: float, phase_s: float, 
 async def watch(pid: int, tally: Tally, end: float, every_s: float) -> None:
     started = time.monotonic()
     while time.monotonic() < end:
-        rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if line.startswith("VmRSS:"))
+        rss_kb = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("VmRSS:")
+        )
         tally.resources.append(((time.monotonic() - started) / 60, rss_kb // 1024, len(os.listdir(f"/proc/{pid}/fd"))))
         await asyncio.sleep(every_s)
 
@@ -174,8 +196,10 @@ async def soak(url: str, pid: int, args) -> Tally:
     tally = Tally()
     end = time.monotonic() + args.minutes * 60
     phase_s = args.minutes * 60 / args.phases
-    await asyncio.gather(watch(pid, tally, end, every_s=10),
-                         *(client(url, seed, tally, end, phase_s, args.hang_after) for seed in range(args.concurrency)))
+    await asyncio.gather(
+        watch(pid, tally, end, every_s=10),
+        *(client(url, seed, tally, end, phase_s, args.hang_after) for seed in range(args.concurrency)),
+    )
     return tally
 
 
@@ -184,24 +208,32 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def report(tally: Tally, args) -> None:
-    print(f"\nsoak: {args.minutes} min, {args.concurrency} clients against --max-num-seqs {args.max_num_seqs} "
-          f"--max-queue-len {args.max_queue_len}")
+    print(
+        f"\nsoak: {args.minutes} min, {args.concurrency} clients against --max-num-seqs {args.max_num_seqs} "
+        f"--max-queue-len {args.max_queue_len}"
+    )
     print(f"requests by kind: {dict(tally.kinds)} (total {sum(tally.kinds.values())})")
     print(f"answers by status: {dict(tally.statuses)}")
     print(f"failures that must not happen: {dict(tally.failures) or 'none'}")
-    print(f"\n{'phase':<7}{'streams':>8}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}{'ITL p50 ms':>12}"
-          f"{'ITL p99 ms':>12}")
+    print(
+        f"\n{'phase':<7}{'streams':>8}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}{'ITL p50 ms':>12}"
+        f"{'ITL p99 ms':>12}"
+    )
     for phase in sorted(tally.latencies):
         ttfts, itls = zip(*tally.latencies[phase])
-        print(f"{phase:<7}{len(ttfts):>8}{percentile(ttfts, 50):>12.2f}{percentile(ttfts, 90):>12.2f}"
-              f"{percentile(ttfts, 99):>12.2f}{percentile(itls, 50) * 1000:>12.0f}{percentile(itls, 99) * 1000:>12.0f}")
+        print(
+            f"{phase:<7}{len(ttfts):>8}{percentile(ttfts, 50):>12.2f}{percentile(ttfts, 90):>12.2f}"
+            f"{percentile(ttfts, 99):>12.2f}{percentile(itls, 50) * 1000:>12.0f}{percentile(itls, 99) * 1000:>12.0f}"
+        )
     print(f"\n{'minute':>7}{'RSS MB':>8}{'fds':>6}")
     for minute, rss, fds in tally.resources[:: max(1, len(tally.resources) // 12)] + tally.resources[-1:]:
         print(f"{minute:>7.1f}{rss:>8}{fds:>6}")
     warm = [r for r in tally.resources if r[0] >= args.minutes / args.phases]  # after the first phase
     if len(warm) > 1:
-        print(f"RSS after the first phase: {warm[0][1]} -> {warm[-1][1]} MB "
-              f"({(warm[-1][1] - warm[0][1]) / warm[0][1]:+.1%}); peak {max(r[1] for r in warm)} MB")
+        print(
+            f"RSS after the first phase: {warm[0][1]} -> {warm[-1][1]} MB "
+            f"({(warm[-1][1] - warm[0][1]) / warm[0][1]:+.1%}); peak {max(r[1] for r in warm)} MB"
+        )
 
 
 def main() -> int:
@@ -219,17 +251,38 @@ def main() -> int:
     args = parser.parse_args()
 
     spec = json.dumps({"model": args.draft, "num_speculative_tokens": 7})
-    server = ServerProcess(args.target, "--quantization", args.quantization, "--speculative-config", spec,
-                           "--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len),
-                           "--max-model-len", "2048", "--log-stats-interval", "60", startup_timeout_s=1800)
+    server = ServerProcess(
+        args.target,
+        "--quantization",
+        args.quantization,
+        "--speculative-config",
+        spec,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-queue-len",
+        str(args.max_queue_len),
+        "--max-model-len",
+        "2048",
+        "--log-stats-interval",
+        "60",
+        startup_timeout_s=1800,
+    )
     try:
         tally = asyncio.run(soak(server.url, server.process.pid, args))
     finally:
         server.stop()
     report(tally, args)
     if args.json:
-        print(json.dumps({"kinds": tally.kinds, "statuses": tally.statuses, "failures": tally.failures,
-                          "resources": tally.resources}))
+        print(
+            json.dumps(
+                {
+                    "kinds": tally.kinds,
+                    "statuses": tally.statuses,
+                    "failures": tally.failures,
+                    "resources": tally.resources,
+                }
+            )
+        )
     return 1 if tally.failures else 0
 
 

@@ -39,12 +39,38 @@ FIGURES = {  # label: (summary key, scale)
 
 
 def bench(server: ServerProcess, rate: float, input_tokens: int, args, seed: int, folder: Path) -> dict:
-    flags = ["--url", server.url, "--api", "completions", "--tokenizer", args.target, "--test-case", "sonnet",
-             "--mean-input-tokens", str(input_tokens), "--stddev-input-tokens", str(input_tokens // 10),
-             "--mean-output-tokens", str(args.output_tokens), "--stddev-output-tokens", str(args.output_tokens // 6),
-             "--num-concurrent-requests", str(args.concurrency), "--max-num-completed-requests", str(args.requests),
-             "--request-rate", str(rate), "--seed", str(seed), "--timeout", "3600", "--results-dir", str(folder),
-             "--additional-sampling-params", json.dumps({"temperature": 0, "ignore_eos": True})]
+    flags = [
+        "--url",
+        server.url,
+        "--api",
+        "completions",
+        "--tokenizer",
+        args.target,
+        "--test-case",
+        "sonnet",
+        "--mean-input-tokens",
+        str(input_tokens),
+        "--stddev-input-tokens",
+        str(input_tokens // 10),
+        "--mean-output-tokens",
+        str(args.output_tokens),
+        "--stddev-output-tokens",
+        str(args.output_tokens // 6),
+        "--num-concurrent-requests",
+        str(args.concurrency),
+        "--max-num-completed-requests",
+        str(args.requests),
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(seed),
+        "--timeout",
+        "3600",
+        "--results-dir",
+        str(folder),
+        "--additional-sampling-params",
+        json.dumps({"temperature": 0, "ignore_eos": True}),
+    ]
     parser = argparse.ArgumentParser()
     add_bench_flags(parser)
     (result,) = benchmark.run(options_from_args(parser.parse_args(flags)))
@@ -70,12 +96,21 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
 
     spec = json.dumps({"model": args.draft, "num_speculative_tokens": 7})
-    common = ["--quantization", args.quantization, "--max-num-seqs", str(args.max_num_seqs),
-              "--max-queue-len", "256", "--log-stats-interval", "0"]
+    common = [
+        "--quantization",
+        args.quantization,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-queue-len",
+        "256",
+        "--log-stats-interval",
+        "0",
+    ]
     servers = {"plain": ServerProcess(args.target, *common, startup_timeout_s=1800)}
     try:
-        servers["speculative"] = ServerProcess(args.target, *common, "--speculative-config", spec,
-                                               startup_timeout_s=1800)
+        servers["speculative"] = ServerProcess(
+            args.target, *common, "--speculative-config", spec, startup_timeout_s=1800
+        )
         for rate in rates:
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             for round_ in range(args.rounds):
@@ -84,8 +119,11 @@ def main() -> int:
                     with tempfile.TemporaryDirectory() as folder:
                         figures = bench(servers[name], rate, args.input_tokens, args, seed=round_, folder=Path(folder))
                     runs[name].append(figures)
-                    print(f"rate {rate} round {round_} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"rate {rate} round {round_} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+                        file=sys.stderr,
+                        flush=True,
+                    )
             report(rate, args, runs)
     finally:
         for server in servers.values():
@@ -94,16 +132,20 @@ def main() -> int:
 
 
 def report(rate: float, args, runs: dict[str, list[dict]]) -> None:
-    print(f"\n{args.target} + {args.draft} (k=7, adaptive), {args.quantization}, --max-num-seqs {args.max_num_seqs}; "
-          f"{rate} req/s Poisson, {args.input_tokens}-token prompts, {args.output_tokens} output tokens, "
-          f"{args.requests} requests x {args.rounds} rounds; medians over rounds")
+    print(
+        f"\n{args.target} + {args.draft} (k=7, adaptive), {args.quantization}, --max-num-seqs {args.max_num_seqs}; "
+        f"{rate} req/s Poisson, {args.input_tokens}-token prompts, {args.output_tokens} output tokens, "
+        f"{args.requests} requests x {args.rounds} rounds; medians over rounds"
+    )
     print(f"{'figure':<14}{'plain':>10}{'spec':>10}{'spec/plain':>12}{'range':>16}")
     for label in FIGURES:
         plain = [run[label] for run in runs["plain"]]
         spec = [run[label] for run in runs["speculative"]]
         ratios = [s / p for s, p in zip(spec, plain)]
-        print(f"{label:<14}{statistics.median(plain):>10.2f}{statistics.median(spec):>10.2f}"
-              f"{statistics.median(ratios):>11.3f}x{min(ratios):>8.3f}-{max(ratios):.3f}")
+        print(
+            f"{label:<14}{statistics.median(plain):>10.2f}{statistics.median(spec):>10.2f}"
+            f"{statistics.median(ratios):>11.3f}x{min(ratios):>8.3f}-{max(ratios):.3f}"
+        )
 
 
 if __name__ == "__main__":

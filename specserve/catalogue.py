@@ -269,9 +269,7 @@ def _prepare_gguf(gguf_path: Path, folder: Path, provenance: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     checkpoint.write_checkpoint(staging, config, weights)
     tokenizer.save(staging)
-    (staging / PREPARED_MARKER).write_text(
-        json.dumps({"format": PREPARED_FORMAT, **provenance}, indent=2)
-    )
+    (staging / PREPARED_MARKER).write_text(json.dumps({"format": PREPARED_FORMAT, **provenance}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     print(f"prepared in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
@@ -330,12 +328,14 @@ def resolve_head(name_or_path: str) -> Path:
     if name_or_path in HEADS:
         raise ModelLoadError(
             f"head {name_or_path!r} is not trained yet: `specserve models prepare {name_or_path}` trains it "
-            f"(about {HEADS[name_or_path].max_minutes:.0f} minutes on a CPU)")
+            f"(about {HEADS[name_or_path].max_minutes:.0f} minutes on a CPU)"
+        )
     trained = sorted(f.name for f in heads_root().glob("*") if is_head(f)) if heads_root().is_dir() else []
     raise ModelLoadError(
         f"{name_or_path!r} is neither a head folder nor a head trained into {heads_root()} "
         f"(there: {', '.join(trained) or 'none'}; catalogue: {', '.join(HEADS)}); "
-        "train one with `specserve train-head TARGET --name NAME`")
+        "train one with `specserve train-head TARGET --name NAME`"
+    )
 
 
 def export_gguf(name: str, folder: Path) -> Path:
@@ -397,9 +397,7 @@ def resolve(name_or_path: str) -> Path:
     if checkpoint.is_checkpoint_dir(path):
         return path
     if path.exists():
-        raise ModelLoadError(
-            f"{path} is neither a .gguf file nor a checkpoint folder with config.json"
-        )
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint folder with config.json")
     catalogue_entry(name_or_path)  # raises the unknown-name message
     raise AssertionError("unreachable")
 
@@ -412,8 +410,14 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-               batch_invariant: bool = False, compile: bool = False, device: torch.device = CPU) -> LoadedModel:
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+    batch_invariant: bool = False,
+    compile: bool = False,
+    device: torch.device = CPU,
+) -> LoadedModel:
     """Load a model; with int8/int4 quantization the quantized weights are prepared once
     into the cache (see `specserve.model.quant`). batch_invariant: see
     `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile`; device: see
@@ -457,14 +461,14 @@ def prepare_quantized(name_or_path: str, quantization: str) -> Path:
 
 def _quantized_weights(folder: Path, config: ModelConfig, quantization: str) -> Path:
     def quantize() -> dict[str, torch.Tensor]:
-        return quantized_state(Decoder.from_hf_weights(config, checkpoint.read_weights(folder), torch.float32),
-                               quantization)
+        return quantized_state(
+            Decoder.from_hf_weights(config, checkpoint.read_weights(folder), torch.float32), quantization
+        )
 
     return _cached_quantized_state(folder, quantization, quantize)
 
 
-def _cached_quantized_state(folder: Path, quantization: str,
-                            quantize: Callable[[], dict[str, torch.Tensor]]) -> Path:
+def _cached_quantized_state(folder: Path, quantization: str, quantize: Callable[[], dict[str, torch.Tensor]]) -> Path:
     """The file of `folder`'s quantized weights, written from `quantize()` if it is not there yet."""
     from safetensors.torch import save_file
 
@@ -475,8 +479,7 @@ def _cached_quantized_state(folder: Path, quantization: str,
     with locked(path.stem):
         if not path.is_file():
             started = time.monotonic()
-            print(f"quantizing {folder.name} to {quantization} into {path} (once) ...",
-                  file=sys.stderr, flush=True)
+            print(f"quantizing {folder.name} to {quantization} into {path} (once) ...", file=sys.stderr, flush=True)
             state = quantize()
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(".partial")
@@ -524,4 +527,5 @@ def quantize_head(head: nn.Module, folder: Path, quantization: str) -> None:
         load_quantized_state(head, load_file(path))
     except (KeyError, RuntimeError) as e:
         raise ModelLoadError(
-            f"{path} does not fit the head in {folder} ({e}); delete it and it is made again") from None
+            f"{path} does not fit the head in {folder} ({e}); delete it and it is made again"
+        ) from None

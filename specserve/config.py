@@ -40,9 +40,7 @@ def architecture(name: str) -> Architecture:
         return ARCHITECTURES[name]
     except KeyError:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise ConfigError(
-            f"unsupported model architecture {name!r}; specserve runs: {known}"
-        ) from None
+        raise ConfigError(f"unsupported model architecture {name!r}; specserve runs: {known}") from None
 
 
 @dataclass(frozen=True)
@@ -65,9 +63,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         architecture(self.arch)  # fail early on an unknown family member
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     @property
     def architecture(self) -> Architecture:
@@ -91,8 +87,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta")
-            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # transformers 5 writes `rope_parameters`, older releases `rope_scaling`.
@@ -214,8 +209,10 @@ class SpecConfig:
         most = self.max_speculative_tokens or (num_heads if self.adaptive else k)
         for key, value in (("num_speculative_tokens", k), ("max_speculative_tokens", most)):
             if value > num_heads:
-                raise ConfigError(f"{key} is {value}, but the Medusa checkpoint has {num_heads} heads, one per "
-                                  f"draft position: give at most {num_heads}")
+                raise ConfigError(
+                    f"{key} is {value}, but the Medusa checkpoint has {num_heads} heads, one per "
+                    f"draft position: give at most {num_heads}"
+                )
         return dataclasses.replace(self, num_speculative_tokens=k, max_speculative_tokens=most)
 
     def describe_k(self) -> str:
@@ -243,23 +240,14 @@ class SpecConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(
-                f"--speculative-config has unknown key(s) {unknown}; known keys: {sorted(known)}"
-            )
+            raise ConfigError(f"--speculative-config has unknown key(s) {unknown}; known keys: {sorted(known)}")
         method = raw.get("method") or ("draft_model" if raw.get("model") else None)
         if method is None:
-            raise ConfigError(
-                f'--speculative-config needs "method" (one of {list(SPEC_METHODS)}) or a draft "model"'
-            )
+            raise ConfigError(f'--speculative-config needs "method" (one of {list(SPEC_METHODS)}) or a draft "model"')
         if method in FUTURE_SPEC_METHODS:
-            raise ConfigError(
-                f"speculative method {method!r} is not implemented yet; "
-                f"use one of {list(SPEC_METHODS)}"
-            )
+            raise ConfigError(f"speculative method {method!r} is not implemented yet; use one of {list(SPEC_METHODS)}")
         if method not in SPEC_METHODS:
-            raise ConfigError(
-                f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}"
-            )
+            raise ConfigError(f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}")
         k = raw.get("num_speculative_tokens")
         if k is not None or method != "medusa":
             check_int(k, f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}")
@@ -288,8 +276,11 @@ class SpecConfig:
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
         max_k = raw.get("max_speculative_tokens", None if k is None else max(15, k) if adaptive else k)
         if max_k is not None:
-            check_int(max_k, f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), "
-                             f"got {max_k!r}", at_least=k or 1)
+            check_int(
+                max_k,
+                f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), got {max_k!r}",
+                at_least=k or 1,
+            )
         quantization = raw.get("quantization")
         if quantization is not None:
             if method != "draft_model":

@@ -34,8 +34,10 @@ def backend_from_gguf_fields(fields: dict[str, Any]) -> tuple[tokenizers.Tokeniz
     family adds BOS by default (the file's own add_bos_token, if any, overrides it)."""
     model = fields.get("tokenizer.ggml.model")
     if model not in _GGUF_BACKENDS:
-        raise ConfigError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; "
-                          f"supported: {', '.join(sorted(_GGUF_BACKENDS))}")
+        raise ConfigError(
+            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; "
+            f"supported: {', '.join(sorted(_GGUF_BACKENDS))}"
+        )
     tokens = fields.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ConfigError("the GGUF file has no tokenizer.ggml.tokens")
@@ -43,25 +45,41 @@ def backend_from_gguf_fields(fields: dict[str, Any]) -> tuple[tokenizers.Tokeniz
         raise ConfigError("the GGUF vocabulary lists a token twice, so its ids are ambiguous")
     token_types = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     backend, add_bos_default = _GGUF_BACKENDS[model](fields, token_types)
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, kind in enumerate(token_types) if kind in (_CONTROL, _UNKNOWN)])
+    backend.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind in (_CONTROL, _UNKNOWN)
+        ]
+    )
     # User-defined tokens (Qwen's <tool_call>) are matched whole but, as in the HF
     # tokenizer, are not special: decode keeps them, so tool calls stay parseable.
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, kind in enumerate(token_types) if kind == _USER_DEFINED])
+    backend.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _USER_DEFINED
+        ]
+    )
     if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise ConfigError(f"the GGUF vocabulary has {len(tokens)} tokens but builds a table of "
-                          f"{backend.get_vocab_size(with_added_tokens=True)}")
+        raise ConfigError(
+            f"the GGUF vocabulary has {len(tokens)} tokens but builds a table of "
+            f"{backend.get_vocab_size(with_added_tokens=True)}"
+        )
     return backend, add_bos_default
 
 
 # llama.cpp's split regexes. Where llama.cpp spells the contractions out ('[sS]) because
 # std::regex lacks (?i:), we keep the original (?i:) of the HF tokenizer.json.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -77,11 +95,15 @@ _PRE_TOKENIZER_FAMILIES = [
     (("default",), _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"))),
     (("gpt2", "gpt-2", "phi-2", "mpt", "olmo"), _PreTokenizer((_GPT2_SPLIT,))),
     # StarCoder-style vocabularies (SmolLM included) cut every digit off on its own.
-    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-     _PreTokenizer((r"\p{N}", _GPT2_SPLIT))),
+    (
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+        _PreTokenizer((r"\p{N}", _GPT2_SPLIT)),
+    ),
     (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _PreTokenizer((_QWEN2_SPLIT,))),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"),
-     _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)),
+    (
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"),
+        _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True),
+    ),
     (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3_SPLIT,))),
 ]
 _PRE_TOKENIZERS = {name: spec for names, spec in _PRE_TOKENIZER_FAMILIES for name in names}
@@ -102,8 +124,10 @@ def _byte_level_backend(fields: dict[str, Any], token_types: list[int]) -> tuple
     pre_name = fields.get("tokenizer.ggml.pre", "default")
     spec = _PRE_TOKENIZERS.get(pre_name)
     if spec is None:
-        raise ConfigError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre_name!r}; "
-                          f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}")
+        raise ConfigError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre_name!r}; "
+            f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
     if "tokenizer.ggml.merges" not in fields:
         raise ConfigError("the GGUF byte-level vocabulary has no tokenizer.ggml.merges")
     spell = byte_to_unicode()
@@ -119,7 +143,8 @@ def _byte_level_backend(fields: dict[str, Any], token_types: list[int]) -> tuple
     backend = _bpe(vocab=vocab, merges=_merge_pairs(fields["tokenizer.ggml.merges"]), ignore_merges=spec.ignore_merges)
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in spec.splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     backend.decoder = decoders.ByteLevel()
     return backend, spec.add_bos
 
@@ -135,12 +160,18 @@ def _sentencepiece_backend(fields: dict[str, Any], token_types: list[int]) -> tu
     else:
         raise ConfigError("the GGUF SentencePiece vocabulary has neither tokenizer.ggml.merges nor .scores")
     unk_id = fields.get("tokenizer.ggml.unknown_token_id")
-    backend = _bpe(vocab=vocab, merges=merges, unk_token=tokens[unk_id] if unk_id is not None else None,
-                   fuse_unk=True, byte_fallback=True)
+    backend = _bpe(
+        vocab=vocab,
+        merges=merges,
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
     # SentencePiece writes spaces as U+2581 and, by default, starts the text with one.
     space_prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False)
+        replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
     return backend, True
@@ -161,7 +192,7 @@ def _merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]:
         cut = merge.find(" ", 1)
         if cut < 0:
             raise ConfigError(f"malformed GGUF merge {merge!r} (expected 'left right')")
-        pairs.append((merge[:cut], merge[cut + 1:]))
+        pairs.append((merge[:cut], merge[cut + 1 :]))
     return pairs
 
 

@@ -28,8 +28,13 @@ import torch
 from specserve.sampling import FLOAT32_MAX, SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    drafts: Sequence[int],
+) -> torch.Tensor:
     """logits [k+1, V] -> penalised logits [k+1, V] float32 (a copy), row i conditioned
     on output_ids + drafts[:i] (k = len(drafts))."""
     rows = logits.shape[0]
@@ -40,7 +45,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     ids, where = torch.unique(text, return_inverse=True)  # [U], [len(text)]: each token's index into ids
     num_prompt, num_output = len(prompt_ids), len(output_ids)
     emitted = torch.zeros(len(ids), device=device).index_add_(
-        0, where[num_prompt : num_prompt + num_output], torch.ones(num_output, device=device))  # [U]
+        0, where[num_prompt : num_prompt + num_output], torch.ones(num_output, device=device)
+    )  # [U]
     counts = emitted.unsqueeze(0).repeat(rows, 1)  # [k+1, U]: output counts before each row
     if drafts:
         one_hot = torch.zeros(rows, len(ids), device=device)

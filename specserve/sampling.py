@@ -62,11 +62,18 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (off) or a positive integer"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX,
-             f"must be a number in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}]"),
+            (
+                "repetition_penalty",
+                FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX,
+                f"must be a number in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}]",
+            ),
         ]
         for param, ok, rule in checks:
             if not ok:

@@ -41,10 +41,19 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 # Special tokens that end a turn. Like llama.cpp (and HF generation configs, which
 # list e.g. both <|im_end|> and <|endoftext|> for Qwen), we stop on these as well as
 # on the declared eos, so a chat model that closes its turn does not run on.
-_END_OF_TURN_TOKENS = frozenset({
-    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-    "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>",
-})
+_END_OF_TURN_TOKENS = frozenset(
+    {
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "<｜end▁of▁sentence｜>",
+    }
+)
 
 # How many prompt tokens the detokenizer decodes in front of the output, as vLLM does,
 # so that the first output token is decoded in context.
@@ -52,6 +61,7 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 
 
 # --- Tokenizer ---------------------------------------------------------------------------
+
 
 @functools.cache
 def _byte_of_character() -> dict[str, int]:
@@ -76,8 +86,15 @@ class VocabSignature:
 class Tokenizer:
     """A model's tokenizer: encode/decode, special ids, and the chat template."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
-                 declared_eos_ids: Iterable[int | None], add_bos: bool, chat_template: str | None):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        declared_eos_ids: Iterable[int | None],
+        add_bos: bool,
+        chat_template: str | None,
+    ):
         self._backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos and bos_token_id is not None
@@ -91,7 +108,8 @@ class Tokenizer:
         if self.add_bos:
             bos = backend.id_to_token(bos_token_id)
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_token_id)])
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_token_id)]
+            )
         else:
             backend.post_processor = None
 
@@ -136,8 +154,11 @@ class Tokenizer:
         return cls(
             backend,
             bos_token_id=bos_token_id,
-            declared_eos_ids=[_token_id(backend, config.get("eos_token")),
-                              *_as_list(generation.get("eos_token_id")), *_as_list(model_config.get("eos_token_id"))],
+            declared_eos_ids=[
+                _token_id(backend, config.get("eos_token")),
+                *_as_list(generation.get("eos_token_id")),
+                *_as_list(model_config.get("eos_token_id")),
+            ],
             add_bos=add_bos,
             chat_template=_chat_template_in_dir(path, config),
         )
@@ -161,7 +182,8 @@ class Tokenizer:
             "chat_template": self.chat_template,
         }
         (path / "tokenizer_config.json").write_text(
-            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
         generation_file = path / "generation_config.json"
         generation = _read_json(generation_file) | {"eos_token_id": list(self.eos_token_ids)}
         if self.bos_token_id is not None:
@@ -210,10 +232,13 @@ class Tokenizer:
         template = self._compiled_chat_template()
         try:
             return template.render(
-                messages=[dict(message) for message in messages], tools=None, documents=None,
+                messages=[dict(message) for message in messages],
+                tools=None,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id) or "",
-                eos_token=self._token_text(self.eos_token_ids[0]))
+                eos_token=self._token_text(self.eos_token_ids[0]),
+            )
         except Exception as error:  # the template is the model's code: any failure is a bad request
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error
 
@@ -235,8 +260,9 @@ class Tokenizer:
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """Ids of the special tokens (chat markup, end of turn, padding): not text."""
-        return frozenset(token_id for token_id, token in self._backend.get_added_tokens_decoder().items()
-                         if token.special)
+        return frozenset(
+            token_id for token_id, token in self._backend.get_added_tokens_decoder().items() if token.special
+        )
 
     # -- vocabulary identity --
 
@@ -264,16 +290,21 @@ class Tokenizer:
             if a != b:
                 return f"token {token_id} is {a!r} in {names[0]} but {b!r} in {names[1]}"
         if sorted(self.eos_token_ids) != sorted(other.eos_token_ids):
-            return (f"eos differs: {names[0]} stops on {sorted(self.eos_token_ids)}, "
-                    f"{names[1]} on {sorted(other.eos_token_ids)}")
+            return (
+                f"eos differs: {names[0]} stops on {sorted(self.eos_token_ids)}, "
+                f"{names[1]} on {sorted(other.eos_token_ids)}"
+            )
         return None
 
 
 def _end_of_generation_ids(backend: tokenizers.Tokenizer, declared: Iterable[int | None]) -> tuple[int, ...]:
     """The declared eos ids (first one first), then special end-of-turn tokens by id."""
     ids = [token_id for token_id in declared if token_id is not None]
-    ids += sorted(token_id for token_id, token in backend.get_added_tokens_decoder().items()
-                  if token.special and token.content in _END_OF_TURN_TOKENS)
+    ids += sorted(
+        token_id
+        for token_id, token in backend.get_added_tokens_decoder().items()
+        if token.special and token.content in _END_OF_TURN_TOKENS
+    )
     return tuple(dict.fromkeys(ids))
 
 
@@ -315,13 +346,19 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson escapes HTML characters, which would change the prompt.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -329,6 +366,7 @@ def _compile_chat_template(source: str) -> jinja2.Template:
 
 
 # --- streaming -------------------------------------------------------------------------
+
 
 class IncrementalDetokenizer:
     """Streams text as token ids arrive, never splitting a multi-byte character.
@@ -352,8 +390,8 @@ class IncrementalDetokenizer:
 
     def _new_text(self) -> str:
         decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip_special_tokens)
-        prefix_text, text = decode(self._ids[:self._read_offset]), decode(self._ids)
-        return text[len(prefix_text):]
+        prefix_text, text = decode(self._ids[: self._read_offset]), decode(self._ids)
+        return text[len(prefix_text) :]
 
     def add(self, new_ids: Sequence[int]) -> str:
         """The text the new ids finish (may be "")."""
@@ -362,7 +400,7 @@ class IncrementalDetokenizer:
         if not new_text or new_text.endswith("\ufffd"):
             return ""
         # The old read point becomes the window's start: ids before it are done with.
-        del self._ids[:self._read_offset]
+        del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         return new_text
 

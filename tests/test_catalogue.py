@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,9 @@ def test_unknown_name_says_what_exists():
 
 
 def test_missing_package_names_the_install_command(monkeypatch, prepared_cache):
-    entry = CatalogueEntry(name="ghost", description="", params="1B",
-                           packages=("specserve-no-such-package==1.0",), part_modules=("nope1",))
+    entry = CatalogueEntry(
+        name="ghost", description="", params="1B", packages=("specserve-no-such-package==1.0",), part_modules=("nope1",)
+    )
     monkeypatch.setitem(catalogue.CATALOGUE, "ghost", entry)
     with pytest.raises(ModelLoadError, match="specserve models install ghost"):
         catalogue.resolve("ghost")
@@ -68,8 +70,7 @@ def test_gguf_path_and_checkpoint_folder_load_like_the_catalogue_name(prepared_c
     shutil.copytree(catalogue.prepared_dir("smollm2-135m"), folder)
     by_folder = catalogue.load_model(str(folder))
     ids = torch.tensor(by_name.tokenizer.encode("Hello there"))
-    logits = [m.decoder(ids, [_segment(m, len(ids))]) for m in
-              (by_name, by_path, by_folder)]
+    logits = [m.decoder(ids, [_segment(m, len(ids))]) for m in (by_name, by_path, by_folder)]
     torch.testing.assert_close(logits[0], logits[1])
     torch.testing.assert_close(logits[0], logits[2])
 
@@ -111,8 +112,13 @@ def test_a_copy_of_the_gguf_file_prepares_a_model_without_its_packages(monkeypat
     from specserve.cli import main
 
     real = catalogue.CATALOGUE["smollm2-135m"]
-    monkeypatch.setitem(catalogue.CATALOGUE, "offline-copy", dataclasses.replace(
-        real, name="offline-copy", packages=("specserve-no-such-package==1.0",), file_in_package=("nope", "x.gguf")))
+    monkeypatch.setitem(
+        catalogue.CATALOGUE,
+        "offline-copy",
+        dataclasses.replace(
+            real, name="offline-copy", packages=("specserve-no-such-package==1.0",), file_in_package=("nope", "x.gguf")
+        ),
+    )
     shutil.rmtree(catalogue.prepared_dir("offline-copy"), ignore_errors=True)  # SPECSERVE_TEST_CACHE may keep it
     copy = tmp_path / "copied.gguf"
     data = bytearray(real.gguf_sources()[0].read_bytes())
@@ -127,7 +133,9 @@ def test_a_copy_of_the_gguf_file_prepares_a_model_without_its_packages(monkeypat
     assert main(["models", "prepare", "offline-copy", "--from-gguf", str(copy)]) == 0
     assert catalogue.resolve("offline-copy") == catalogue.prepared_dir("offline-copy")  # no package asked for
     ids = torch.tensor(catalogue.load_model("smollm2-135m").tokenizer.encode("Hello there"))
-    logits = [m.decoder(ids, [_segment(m, len(ids))]) for m in map(catalogue.load_model, ("smollm2-135m", "offline-copy"))]
+    logits = [
+        m.decoder(ids, [_segment(m, len(ids))]) for m in map(catalogue.load_model, ("smollm2-135m", "offline-copy"))
+    ]
     torch.testing.assert_close(logits[0], logits[1])
 
 
@@ -141,14 +149,20 @@ def test_export_writes_the_checked_file_that_from_gguf_takes(monkeypatch, prepar
     assert [p.name for p in exported.parent.iterdir()] == [exported.name]  # no partial file left
     # Prepared under another name: preparing smollm2-135m again would change the folder
     # that other tests' quantized files are keyed by.
-    monkeypatch.setitem(catalogue.CATALOGUE, "exported-copy",
-                        dataclasses.replace(catalogue.CATALOGUE["smollm2-135m"], name="exported-copy"))
+    monkeypatch.setitem(
+        catalogue.CATALOGUE,
+        "exported-copy",
+        dataclasses.replace(catalogue.CATALOGUE["smollm2-135m"], name="exported-copy"),
+    )
     shutil.rmtree(catalogue.prepared_dir("exported-copy"), ignore_errors=True)
     capsys.readouterr()
     assert main(["models", "prepare", "exported-copy", "--from-gguf", str(exported), "--quantization", "int8"]) == 0
     assert catalogue.is_prepared(catalogue.prepared_dir("exported-copy"))
     folder, quantized = capsys.readouterr().out.split()  # --quantization applies to a --from-gguf prepare too
     assert folder == str(catalogue.prepared_dir("exported-copy")) and quantized.endswith(".safetensors")
+    # Keyed by the new folder's times: a kept test cache would gain a copy every run.
+    Path(quantized).unlink()
+    shutil.rmtree(folder)
 
 
 def test_from_gguf_and_export_say_how_they_are_used(prepared_cache, capsys, tmp_path):

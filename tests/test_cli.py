@@ -17,8 +17,14 @@ CHAT = ["--model", "smollm2-135m", "--chat", "Count from 1 to 10, separated by c
 
 def specserve(*args: str, cache: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECSERVE_CACHE": cache}
-    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "specserve.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +43,33 @@ def test_generate_json_has_the_figures(plain):
     assert "1, 2, 3" in plain["text"]
 
 
-@pytest.mark.parametrize("spec", [
-    '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
-    # Fixed k: a draft as large as its target never pays, so adaptive k would not draft.
-    '{"model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": false}',
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+        # Fixed k: a draft as large as its target never pays, so adaptive k would not draft.
+        '{"model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": false}',
+    ],
+)
 def test_speculation_from_the_cli_gives_the_same_tokens(plain, prepared_cache, spec):
     result = specserve("generate", *CHAT, "--json", "--speculative-config", spec, cache=prepared_cache)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["token_ids"] == plain["token_ids"]
-    assert set(out["spec"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                "acceptance_rate", "mean_acceptance_length", "accepted_per_position"}
+    assert set(out["spec"]) == {
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "accepted_per_position",
+    }
     assert out["spec"]["num_drafts"] > 0
 
 
 def test_readable_output_streams_text_then_a_stats_line(prepared_cache, capsys):
     os.environ["SPECSERVE_CACHE"] = prepared_cache  # the fixture restores it afterwards
-    assert main(["generate", *CHAT, "--speculative-config",
-                 '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
+    assert main(["generate", *CHAT, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
     out, err = capsys.readouterr()
     assert "1, 2, 3" in out
     assert "tok/s decode" in err and "acceptance" in err
@@ -65,21 +79,42 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
     os.environ["SPECSERVE_CACHE"] = prepared_cache
     runs = []
     for _ in range(2):
-        assert main(["generate", *CHAT, "--json", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7",
-                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    *CHAT,
+                    "--json",
+                    "--temperature",
+                    "0.9",
+                    "--top-p",
+                    "0.95",
+                    "--seed",
+                    "7",
+                    "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3}',
+                ]
+            )
+            == 0
+        )
         runs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--speculative-config", '{"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 3}'],
-     "is neither a head folder nor a head trained into"),
-    (["--speculative-config", "{oops"], "not valid JSON"),
-    (["--model", "no-such-model"], "neither a catalogue model"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["--max-model-len", "10"], "maximum model length 10"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--speculative-config", '{"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 3}'],
+            "is neither a head folder nor a head trained into",
+        ),
+        (["--speculative-config", "{oops"], "not valid JSON"),
+        (["--model", "no-such-model"], "neither a catalogue model"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--max-model-len", "10"], "maximum model length 10"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
     assert_refused(prepared_cache, capsys, ["generate", *CHAT, *args], words)
 
@@ -114,14 +149,20 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
     assert path.stat().st_mtime_ns == stamp  # there already: not made again
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'], 'method "medusa" needs "model"'),
-    (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
-    (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
-    (["--port", "65536"], "--port must be in [1, 65535]"),
-    (["--max-model-len", "100000"], "--max-model-len must be in"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'],
+            'method "medusa" needs "model"',
+        ),
+        (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
+        (["--port", "65536"], "--port must be in [1, 65535]"),
+        (["--max-model-len", "100000"], "--max-model-len must be in"),
+    ],
+)
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
     assert_refused(prepared_cache, capsys, ["serve", "smollm2-135m", "--port", "1", *args], words)
 
@@ -141,5 +182,9 @@ def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp
     vocab[next(t for t, i in vocab.items() if i == 49151 and t != first)] = 1000
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     spec = json.dumps({"model": str(folder), "num_speculative_tokens": 3})
-    assert_refused(prepared_cache, capsys, ["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec],
-                   "does not share the vocabulary")
+    assert_refused(
+        prepared_cache,
+        capsys,
+        ["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec],
+        "does not share the vocabulary",
+    )

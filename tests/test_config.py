@@ -12,8 +12,13 @@ from tests.conftest import tiny_config
 
 def test_model_without_method_means_draft_model():
     spec = SpecConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}')
-    assert spec == SpecConfig(method="draft_model", num_speculative_tokens=7, model="qwen2.5-coder-0.5b",
-                              prompt_lookup_first=DEFAULT_PROMPT_LOOKUP_FIRST, draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE)
+    assert spec == SpecConfig(
+        method="draft_model",
+        num_speculative_tokens=7,
+        model="qwen2.5-coder-0.5b",
+        prompt_lookup_first=DEFAULT_PROMPT_LOOKUP_FIRST,
+        draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE,
+    )
     assert spec.draft_confidence_threshold == 0.5
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "draft_confidence_threshold": 0})
     assert fixed.draft_confidence_threshold == 0.0
@@ -22,8 +27,13 @@ def test_model_without_method_means_draft_model():
     assert spec.fused is None  # wherever the draft runs in our C kernels (spec/factory.py)
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "fused": True}).fused
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "fused": False}).fused is False
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": 6}).prompt_lookup_first == 6
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": None}).prompt_lookup_first is None
+    assert (
+        SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": 6}).prompt_lookup_first == 6
+    )
+    assert (
+        SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": None}).prompt_lookup_first
+        is None
+    )
     assert SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 7}).prompt_lookup_first is None
 
 
@@ -44,27 +54,31 @@ def test_empty_means_no_speculation():
         ("{not json", "not valid JSON"),
         ("[1, 2]", "JSON object"),
         ('{"method": "mlp_speculator", "model": "x", "num_speculative_tokens": 3}', "not implemented yet"),
-        ('{"method": "eagle3", "num_speculative_tokens": 3}', "needs \"model\": the folder of the head"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', 'needs "model": the folder of the head'),
         ('{"method": "eagle", "model": "h"}', "num_speculative_tokens"),
         ('{"method": "medusa", "model": "h", "max_speculative_tokens": 0}', "max_speculative_tokens"),
-        ('{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "draft_vocab_size": 32000}',
-         "brings its own"),
+        (
+            '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "draft_vocab_size": 32000}',
+            "brings its own",
+        ),
         ('{"method": "medusa", "model": "h", "fused": true}', "no steps to fuse"),
-        ('{"method": "eagle", "model": "h", "num_speculative_tokens": 3, "quantization": "int4"}',
-         "draft_model\" only"),
+        ('{"method": "eagle", "model": "h", "num_speculative_tokens": 3, "quantization": "int4"}', 'draft_model" only'),
         ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method"),
-        ('{"num_speculative_tokens": 3}', "needs \"method\""),
+        ('{"num_speculative_tokens": 3}', 'needs "method"'),
         ('{"model": "m"}', "num_speculative_tokens"),
         ('{"model": "m", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"model": "m", "num_speculative_tokens": "7"}', "num_speculative_tokens"),
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
-        ('{"method": "ngram", "model": "m", "num_speculative_tokens": 3}', "takes no \"model\""),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must not exceed"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
+        ('{"method": "ngram", "model": "m", "num_speculative_tokens": 3}', 'takes no "model"'),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+            "must not exceed",
+        ),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_tp": 2}', "unknown key"),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_confidence_threshold": 1}', "in \\[0, 1\\)"),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', "draft_model\" only"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', 'draft_model" only'),
         ('{"model": "m", "num_speculative_tokens": 3, "quantization": "int3"}', "unknown draft quantization"),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', "draft_model\" only"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', 'draft_model" only'),
         ('{"model": "m", "num_speculative_tokens": 3, "fused": "yes"}', "fused must be true or false"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "fused": true}', "no steps to fuse"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_first": 4}', "always looks up"),
@@ -89,8 +103,13 @@ def test_unknown_architecture_is_refused():
 
 @pytest.mark.parametrize(
     "kwargs, words",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
-     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+    ],
 )
 def test_bad_sampling_params(kwargs, words):
     with pytest.raises(ConfigError, match=words):

@@ -55,8 +55,9 @@ DASHBOARD = DEPLOY / "grafana" / "specserve.json"
 CLOUDWATCH_DASHBOARD = DEPLOY / "cloudwatch" / "dashboard.json"
 MODEL = "smollm2-135m"
 
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                   reason="kubectl is not installed: `kubectl kustomize` renders deploy/")
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl is not installed: `kubectl kustomize` renders deploy/"
+)
 
 # The ServiceMonitor fields we use, as the Prometheus Operator's CRD defines them
 # (its full schema is not in kubernetes-validate, which knows built-in kinds only).
@@ -72,15 +73,28 @@ SERVICE_MONITOR_SCHEMA = {
             "required": ["selector", "endpoints"],
             "additionalProperties": False,
             "properties": {
-                "selector": {"type": "object", "additionalProperties": False, "properties": {
-                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["port"],
-                    "properties": {
-                        "port": {"type": "string"},
-                        "path": {"type": "string"},
-                        "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-                    }}},
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                            },
+                        },
+                    },
+                },
             },
         },
     },
@@ -88,6 +102,7 @@ SERVICE_MONITOR_SCHEMA = {
 
 
 # ----- rendering -----
+
 
 @functools.cache
 def render(folder: str) -> tuple[dict[str, Any], ...]:
@@ -111,8 +126,10 @@ def container(deployment_or_job: dict[str, Any]) -> dict[str, Any]:
 
 def expand(args: list[str], env: dict[str, str]) -> list[str]:
     """Kubernetes' $(VAR) expansion of command and args: $$ is a $, unknown names stay."""
+
     def one(match: re.Match) -> str:
         return "$" if match.group(0) == "$$" else env.get(match.group(1), match.group(0))
+
     return [re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg) for arg in args]
 
 
@@ -149,15 +166,35 @@ def test_every_kustomization_renders_and_validates_against_the_kubernetes_schema
 
 @needs_kubectl
 def test_the_folders_that_matter_are_there():
-    assert {"base", "bench", "bench-four-way", "prepare", "prepare-s3", "variants/baseline", "variants/speculative",
-            "variants/eagle", "variants/medusa", "overlays/gpu", "overlays/neuron", "overlays/gpu-dra",
-            "overlays/neuron-dra", "overlays/s3", "overlays/four-way", "overlays/eks-gpu", "overlays/monitoring",
-            "components/servicemonitor", "components/hpa", "components/dra-nvidia-gpu", "components/dra-aws-neuron",
-            "components/s3-artifacts"} <= set(KUSTOMIZATIONS)
+    assert {
+        "base",
+        "bench",
+        "bench-four-way",
+        "prepare",
+        "prepare-s3",
+        "variants/baseline",
+        "variants/speculative",
+        "variants/eagle",
+        "variants/medusa",
+        "overlays/gpu",
+        "overlays/neuron",
+        "overlays/gpu-dra",
+        "overlays/neuron-dra",
+        "overlays/s3",
+        "overlays/four-way",
+        "overlays/eks-gpu",
+        "overlays/monitoring",
+        "components/servicemonitor",
+        "components/hpa",
+        "components/dra-nvidia-gpu",
+        "components/dra-aws-neuron",
+        "components/s3-artifacts",
+    } <= set(KUSTOMIZATIONS)
     for component in (c for c in KUSTOMIZATIONS if c.startswith("components/")):
         assert kustomization(component)["kind"] == "Component"
-        assert any(f"../{component}" in str(kustomization(s).get("components", [])) for s in [*STACKS, "bench"]), \
+        assert any(f"../{component}" in str(kustomization(s).get("components", [])) for s in [*STACKS, "bench"]), (
             f"{component} is used by no overlay, so nothing renders it"
+        )
 
 
 def variants(stack: str) -> tuple[str, ...]:
@@ -179,7 +216,10 @@ def test_each_stack_is_self_contained(stack):
     assert set(deployments) == {f"specserve-{v}" for v in variants(stack)}
     for deployment in deployments.values():
         pod = deployment["spec"]["template"]["spec"]
-        assert deployment["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert (
+            deployment["spec"]["selector"]["matchLabels"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        )
         for source in container(deployment)["envFrom"]:
             assert ("ConfigMap", source["configMapRef"]["name"]) in names
         for env in container(deployment)["env"]:
@@ -193,8 +233,11 @@ def test_each_stack_is_self_contained(stack):
         if "volumeName" in claim["spec"]:
             assert ("PersistentVolume", claim["spec"]["volumeName"]) in names
     for service in objects(stack, "Service").values():
-        selected = [d for d in deployments.values()
-                    if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        selected = [
+            d
+            for d in deployments.values()
+            if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(selected) == 1, f"{service['metadata']['name']} selects {len(selected)} Deployments"
         ports = {p["name"] for p in container(selected[0])["ports"]}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
@@ -227,7 +270,7 @@ def test_every_variant_differs_from_the_baseline_only_in_the_speculative_config(
         speculative = without_variant(deployments[f"specserve-{variant}"])
         args = container(speculative)["args"]
         at = args.index("--speculative-config")
-        del args[at:at + 2]
+        del args[at : at + 2]
         assert speculative == baseline, f"specserve-{variant} differs from the baseline beyond speculation"
         assert without_variant(services[f"specserve-{variant}"]) == without_variant(services["specserve-baseline"])
     for variant in variants(stack):  # the variant label tells them apart everywhere
@@ -288,8 +331,9 @@ def accelerators(stack: str) -> set[str]:
     for deployment in objects(stack, "Deployment").values():
         resources = container(deployment)["resources"]
         found |= {name for name in resources["limits"] if "/" in name}
-        assert {k: v for k, v in resources["requests"].items() if "/" in k} == \
-               {k: v for k, v in resources["limits"].items() if "/" in k}
+        assert {k: v for k, v in resources["requests"].items() if "/" in k} == {
+            k: v for k, v in resources["limits"].items() if "/" in k
+        }
     return found
 
 
@@ -301,12 +345,19 @@ def test_accelerator_overlays_request_their_devices_for_both_services():
     for stack, resource in (("overlays/gpu", "nvidia.com/gpu"), ("overlays/neuron", "aws.amazon.com/neuron")):
         for deployment in objects(stack, "Deployment").values():
             assert container(deployment)["resources"]["limits"][resource] == "1"
-            assert {"key": resource, "operator": "Exists", "effect": "NoSchedule"} in \
-                   deployment["spec"]["template"]["spec"]["tolerations"]
+            assert {"key": resource, "operator": "Exists", "effect": "NoSchedule"} in deployment["spec"]["template"][
+                "spec"
+            ]["tolerations"]
     # A GPU pod computes on its GPU, or fails at start saying why; elsewhere the CPU.
-    for stack, device in (("base", "auto"), ("overlays/gpu", "cuda"), ("overlays/autoscaled", "cuda"),
-                          ("overlays/neuron", "auto"), ("overlays/gpu-dra", "cuda"), ("overlays/neuron-dra", "auto"),
-                          ("overlays/eks-gpu", "cuda")):
+    for stack, device in (
+        ("base", "auto"),
+        ("overlays/gpu", "cuda"),
+        ("overlays/autoscaled", "cuda"),
+        ("overlays/neuron", "auto"),
+        ("overlays/gpu-dra", "cuda"),
+        ("overlays/neuron-dra", "auto"),
+        ("overlays/eks-gpu", "cuda"),
+    ):
         for deployment in objects(stack, "Deployment").values():
             args = expand(container(deployment)["args"], server_env(stack, deployment))
             assert args[args.index("--device") + 1] == device
@@ -376,6 +427,7 @@ def test_autoscaling_is_opt_in_and_identical_for_both_services():
 
 # ----- prepared artifacts: the prepare Job, and S3 -----
 
+
 def job(folder: str) -> dict[str, Any]:
     (only,) = objects(folder, "Job").values()
     return only
@@ -393,13 +445,17 @@ def stand_ins(tmp_path: Path, *tools: str) -> tuple[dict[str, str], Path]:
     log = tmp_path / "calls.jsonl"
     for tool in tools:
         path = bin_dir / tool
-        path.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                        f"open({str(log)!r}, 'a').write(json.dumps([{tool!r}, *sys.argv[1:]]) + '\\n')\n")
+        path.write_text(
+            f"#!{sys.executable}\nimport json, sys\n"
+            f"open({str(log)!r}, 'a').write(json.dumps([{tool!r}, *sys.argv[1:]]) + '\\n')\n"
+        )
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
 
-def run_script(spec: dict[str, Any], tmp_path: Path, *tools: str, replace: dict[str, str] | None = None) -> list[list[str]]:
+def run_script(
+    spec: dict[str, Any], tmp_path: Path, *tools: str, replace: dict[str, str] | None = None
+) -> list[list[str]]:
     """A container's `/bin/sh -c` command run with its env values and stand-ins for `tools`:
     the stand-ins' calls, in order."""
     env = {e["name"]: e["value"] for e in spec.get("env", []) if "value" in e}
@@ -408,8 +464,9 @@ def run_script(spec: dict[str, Any], tmp_path: Path, *tools: str, replace: dict[
     for old, new in (replace or {}).items():
         script = script.replace(old, new)
     path, log = stand_ins(tmp_path, *tools)
-    subprocess.run([shell, flag, script, *rest, *expand(spec.get("args", []), env)],
-                   env={**env, **path}, check=True, timeout=30)
+    subprocess.run(
+        [shell, flag, script, *rest, *expand(spec.get("args", []), env)], env={**env, **path}, check=True, timeout=30
+    )
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
@@ -430,7 +487,9 @@ def test_prepare_job_prepares_the_served_models_into_the_servers_cache(tmp_path)
     pod = job("prepare")["spec"]["template"]["spec"]
     assert {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]} == {"specserve-cache"}
     assert {"name": "SPECSERVE_CACHE", "value": "/cache"} in prepare_container("prepare")["env"]
-    assert prepare_container("prepare")["image"] == container(objects("base", "Deployment")["specserve-baseline"])["image"]
+    assert (
+        prepare_container("prepare")["image"] == container(objects("base", "Deployment")["specserve-baseline"])["image"]
+    )
 
 
 @needs_kubectl
@@ -496,7 +555,9 @@ def test_prepare_s3_publishes_to_the_mounted_bucket_with_the_markers_last(tmp_pa
     assert prepare_container("prepare-s3") == prepare_container("prepare")
     pod = job("prepare-s3")["spec"]["template"]["spec"]
     assert pod["volumes"] == [{"name": "cache", "emptyDir": pod["volumes"][0]["emptyDir"]}]
-    assert ("ServiceAccount", pod["serviceAccountName"]) in {(o["kind"], o["metadata"]["name"]) for o in render("prepare-s3")}
+    assert ("ServiceAccount", pod["serviceAccountName"]) in {
+        (o["kind"], o["metadata"]["name"]) for o in render("prepare-s3")
+    }
     (publish,) = pod["containers"]
     calls = run_script(publish, tmp_path, "aws")
     destination = artifacts_url(s3_volume("overlays/s3"))
@@ -523,8 +584,9 @@ def test_bench_job_volumes_and_image_are_the_services_own(folder):
 
 
 @needs_kubectl
-@pytest.mark.parametrize(("folder", "stack", "benched"), [("bench", "base", VARIANTS),
-                                                          ("bench-four-way", "overlays/four-way", FOUR_WAY)])
+@pytest.mark.parametrize(
+    ("folder", "stack", "benched"), [("bench", "base", VARIANTS), ("bench-four-way", "overlays/four-way", FOUR_WAY)]
+)
 def test_bench_job_script_benches_each_variant_then_compares(folder, stack, benched, tmp_path):
     """The Job's shell script, run here with `specserve` and `python` stand-ins that log
     their arguments, and /results moved under tmp_path; the logged `specserve bench`
@@ -552,11 +614,14 @@ def test_bench_job_script_benches_each_variant_then_compares(folder, stack, benc
 
 # ----- the image -----
 
+
 def test_dockerfile_runs_specserve_serve_as_a_non_root_user_with_the_cache_on_a_volume():
     text = (DEPLOY / "Dockerfile").read_text()
     instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
+
     def last(word: str) -> str:
-        return [i for i in instructions if i.split()[0] == word][-1][len(word):].strip()
+        return [i for i in instructions if i.split()[0] == word][-1][len(word) :].strip()
+
     assert last("USER").split(":")[0] not in ("", "0", "root")
     assert json.loads(last("ENTRYPOINT")) == ["specserve", "serve"]
     assert "SPECSERVE_CACHE=/cache" in last("ENV") and json.loads(last("VOLUME")) == ["/cache"]
@@ -572,14 +637,32 @@ def test_dockerfile_runs_specserve_serve_as_a_non_root_user_with_the_cache_on_a_
 
 # ----- against a live server: routes and the dashboard's metrics -----
 
+
 @pytest.fixture(scope="module")
 def live_server(prepared_cache):
-    server = ServerProcess(MODEL, "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
-                           "--max-model-len", "256", "--max-num-seqs", "2", "--log-stats-interval", "0")
+    server = ServerProcess(
+        MODEL,
+        "--speculative-config",
+        json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "2",
+        "--log-stats-interval",
+        "0",
+    )
     # One request that drafts, so the per-position counters have series.
-    reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", "max_tokens": 16, "temperature": 0,
-        "ignore_eos": True})
+    reply = httpx.post(
+        server.url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,",
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert reply.status_code == 200, reply.text
     yield server
     server.stop()
@@ -619,8 +702,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
             inner = re.fullmatch(r"label_values\((.*), *(\w+)\)", variable["query"]["query"])
             found.append((f"variable {variable['name']}", inner.group(1)))
     values = {"$__rate_interval": "1m", "$namespace": ".*", "$service": ".*"}
-    return [(where, re.sub(r"\$__rate_interval|\$namespace|\$service", lambda m: values[m.group(0)], expr))
-            for where, expr in found]
+    return [
+        (where, re.sub(r"\$__rate_interval|\$namespace|\$service", lambda m: values[m.group(0)], expr))
+        for where, expr in found
+    ]
 
 
 def metric_names(expr: str) -> set[str]:
@@ -642,11 +727,21 @@ def test_every_dashboard_query_parses_and_uses_only_metrics_the_server_exports(e
         assert names, f"{where} reads no metric"
         assert names <= exported, f"{where} reads {sorted(names - exported)}, which the server does not export"
         used |= names
-    wanted = {f"specserve:{name}" for name in (
-        "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-        "generation_tokens_total", "num_requests_running", "num_requests_waiting",
-        "spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_drafts_total",
-        "spec_decode_num_accepted_tokens_per_pos_total")}
+    wanted = {
+        f"specserve:{name}"
+        for name in (
+            "time_to_first_token_seconds_bucket",
+            "inter_token_latency_seconds_bucket",
+            "e2e_request_latency_seconds_bucket",
+            "generation_tokens_total",
+            "num_requests_running",
+            "num_requests_waiting",
+            "spec_decode_num_accepted_tokens_total",
+            "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_drafts_total",
+            "spec_decode_num_accepted_tokens_per_pos_total",
+        )
+    }
     assert wanted <= used, f"the dashboard lacks {sorted(wanted - used)}"
 
 
@@ -679,6 +774,7 @@ def test_every_dashboard_series_is_one_per_service():
 
 # ----- the CloudWatch dashboard, against what `specserve bench --emf` writes -----
 
+
 @pytest.fixture(scope="module")
 def emf_written(live_server, tmp_path_factory) -> list[dict[str, Any]]:
     """The EMF lines of a real, short `specserve bench --emf` run against the live server,
@@ -686,10 +782,33 @@ def emf_written(live_server, tmp_path_factory) -> list[dict[str, Any]]:
     spec = container(job("bench"))
     env = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
     out = tmp_path_factory.mktemp("emf")
-    subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "--url", live_server.url,
-                    "--test-case", env["TEST_CASES"], "--metadata", "variant=baseline", "--emf-file", str(out / "emf.jsonl"),
-                    "--max-num-completed-requests", "2", "--mean-output-tokens", "8", "--stddev-output-tokens", "0",
-                    "--results-dir", str(out / "results")], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "bench",
+            "--url",
+            live_server.url,
+            "--test-case",
+            env["TEST_CASES"],
+            "--metadata",
+            "variant=baseline",
+            "--emf-file",
+            str(out / "emf.jsonl"),
+            "--max-num-completed-requests",
+            "2",
+            "--mean-output-tokens",
+            "8",
+            "--stddev-output-tokens",
+            "0",
+            "--results-dir",
+            str(out / "results"),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return [json.loads(line) for line in (out / "emf.jsonl").read_text().splitlines()]
 
 
@@ -702,16 +821,23 @@ CLOUDWATCH_SCHEMA = {
     "properties": {
         "start": {"type": "string", "pattern": r"^-P(T?\d+[YMWDHS])+$"},
         "periodOverride": {"enum": ["auto", "inherit"]},
-        "widgets": {"type": "array", "maxItems": 500, "items": {
-            "type": "object", "additionalProperties": False, "required": ["type", "properties"],
-            "properties": {
-                "type": {"enum": ["metric", "text"]},
-                "x": {"type": "integer", "minimum": 0, "maximum": 23},
-                "y": {"type": "integer", "minimum": 0},
-                "width": {"type": "integer", "minimum": 1, "maximum": 24},
-                "height": {"type": "integer", "minimum": 1, "maximum": 1000},
-                "properties": {"type": "object"},
-            }}},
+        "widgets": {
+            "type": "array",
+            "maxItems": 500,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["type", "properties"],
+                "properties": {
+                    "type": {"enum": ["metric", "text"]},
+                    "x": {"type": "integer", "minimum": 0, "maximum": 23},
+                    "y": {"type": "integer", "minimum": 0},
+                    "width": {"type": "integer", "minimum": 1, "maximum": 24},
+                    "height": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "properties": {"type": "object"},
+                },
+            },
+        },
     },
 }
 METRIC_WIDGET_SCHEMA = {
@@ -726,12 +852,26 @@ METRIC_WIDGET_SCHEMA = {
         "region": {"type": "string", "pattern": r"^[a-z]{2}(-[a-z]+)+-\d$"},
         "period": {"type": "integer", "minimum": 60, "multipleOf": 60},
         "stat": {"type": "string"},
-        "metrics": {"type": "array", "minItems": 1, "maxItems": 500, "items": {
-            "type": "array", "minItems": 3,
-            "prefixItems": [{"type": "string"}, {"type": "string"}],
-            "items": {"anyOf": [{"type": "string"}, {
-                "type": "object", "additionalProperties": False,
-                "properties": {"stat": {"type": "string"}, "label": {"type": "string"}}}]}}},
+        "metrics": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 500,
+            "items": {
+                "type": "array",
+                "minItems": 3,
+                "prefixItems": [{"type": "string"}, {"type": "string"}],
+                "items": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"stat": {"type": "string"}, "label": {"type": "string"}},
+                        },
+                    ]
+                },
+            },
+        },
     },
 }
 STATISTIC = re.compile(r"^(SampleCount|Average|Sum|Minimum|Maximum|p\d{1,2}(\.\d+)?)$")
@@ -755,7 +895,9 @@ def cloudwatch_metrics() -> list[tuple[str, str, dict[str, str], str]]:
             fields = row[:-1] if options else row
             namespace, name, *pairs = fields
             assert len(pairs) % 2 == 0, row
-            found.append((namespace, name, dict(zip(pairs[::2], pairs[1::2])), options.get("stat", properties.get("stat"))))
+            found.append(
+                (namespace, name, dict(zip(pairs[::2], pairs[1::2])), options.get("stat", properties.get("stat")))
+            )
     return found
 
 
@@ -799,12 +941,14 @@ def test_cloudwatch_dashboard_reads_only_metrics_and_dimensions_that_bench_emf_w
     assert {d["TestCase"] for _, _, d, _ in read} == test_cases
     latencies = {"TimeToFirstToken", "InterTokenLatency", "EndToEndLatency"}
     assert latencies | {"OutputThroughput", "Errors", "AcceptanceRate", "MeanAcceptanceLength"} <= {
-        name for _, name, _, _ in read}
+        name for _, name, _, _ in read
+    }
     for latency in latencies:  # percentiles, as LLMPerf reports them
         assert {"p50", "p99"} <= {stat for _, name, _, stat in read if name == latency}
 
 
 # ----- the artifacts cache, mounted read-only -----
+
 
 def test_a_prepared_model_loads_from_a_cache_that_cannot_be_written(prepared_cache, tmp_path, monkeypatch):
     """A cache mounted read-only (prepared elsewhere, served from S3) resolves what it

@@ -79,8 +79,9 @@ def test_greedy_logprobs_match_plain_decodings(target):
 def test_logprobs_end_where_the_tokens_end(target):
     """A step's tokens past max_tokens or a stop token are dropped with their logprobs."""
     engine = engine_with(target, "draft")
-    plain = engine_with(target, "plain").generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                             ignore_eos=True))
+    plain = engine_with(target, "plain").generate(
+        PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     stop_at = plain.output_ids[5]
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,), logprobs=0)
     seq = engine.generate(PROMPTS[1], params)

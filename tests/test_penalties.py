@@ -23,8 +23,9 @@ from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.3)
 
 
-def reference_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
-                        before: list[int]) -> torch.Tensor:
+def reference_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], before: list[int]
+) -> torch.Tensor:
     """One row [V], token by token: the definitions, with `before` the output so far."""
     out = logits.clone().float()
     for token in range(out.shape[0]):
@@ -57,8 +58,15 @@ def test_no_penalty_leaves_the_logits_alone():
     assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
 
 
-@pytest.mark.parametrize("fields", [{"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
-                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("inf")},
+    ],
+)
 def test_out_of_range_penalties_are_refused(fields):
     with pytest.raises(ConfigError, match=next(iter(fields))):
         SamplingParams(**fields)
@@ -84,16 +92,24 @@ def test_plain_decoding_with_penalties_is_the_definition(target):
     for prompt in PROMPTS[:2]:
         ours = Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
         assert ours == penalised_greedy_by_hand(target, prompt, params)
-        unpenalised = Engine(target, eos_token_ids=[EOS]).generate(
-            prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).output_ids
+        unpenalised = (
+            Engine(target, eos_token_ids=[EOS])
+            .generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+            .output_ids
+        )
         assert ours != unpenalised  # the penalties do change this text
 
 
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
 def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind):
     proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else DraftModelProposer(perturbed(target, 0.3, seed=2))
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
-                    lookup_first=1 if "lookup" in proposer_kind else None)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=4,
+        lookup_first=1 if "lookup" in proposer_kind else None,
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     while engine.has_unfinished():
@@ -109,8 +125,9 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
 def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
     """The draft penalises its guesses as the target will (its earlier guesses in the
     step counted), so a draft that is the target has every guess accepted."""
-    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(copy.deepcopy(target)),
-                    num_speculative_tokens=4)
+    engine = Engine(
+        target, eos_token_ids=[EOS], proposer=DraftModelProposer(copy.deepcopy(target)), num_speculative_tokens=4
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
     seq = engine.generate(PROMPTS[1], params)
     assert seq.output_ids == Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], params).output_ids
@@ -135,8 +152,12 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target():
             penalised = reference_penalties(logits[j], params, prompt, list(cont[:j]))
             expected[cont] *= logits_to_probs(penalised.unsqueeze(0), params)[0, token]
 
-    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
-                    num_speculative_tokens=3)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS % vocab],
+        proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
+        num_speculative_tokens=3,
+    )
     samples = seeded_outputs(engine, prompt, fields)
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4

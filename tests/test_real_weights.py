@@ -41,9 +41,7 @@ def test_logits_match_transformers_reading_the_gguf_itself(smollm):
     from transformers import AutoModelForCausalLM
 
     gguf = catalogue.CATALOGUE[MODEL].gguf_sources()[0]
-    reference = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = smollm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
@@ -56,8 +54,11 @@ def first_layers(num_layers: int) -> Decoder:
     folder = catalogue.prepared_dir(MODEL)
     config = checkpoint.read_config(folder)
     config = config.__class__(**{**config.__dict__, "num_layers": num_layers})
-    weights = {k: v for k, v in checkpoint.read_weights(folder).items()
-               if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    weights = {
+        k: v
+        for k, v in checkpoint.read_weights(folder).items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers
+    }
     draft = Decoder.from_hf_weights(config, weights, torch.float32)
     draft.pack_linear_weights()
     return draft
@@ -81,10 +82,7 @@ def plain_outputs(smollm):
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("proposer_kind", ["ngram", "draft"])
 def test_greedy_equivalence_on_real_weights(smollm, plain_outputs, k, proposer_kind):
-    proposer = (
-        NgramProposer(1, 4) if proposer_kind == "ngram"
-        else DraftModelProposer(first_layers(12))
-    )
+    proposer = NgramProposer(1, 4) if proposer_kind == "ngram" else DraftModelProposer(first_layers(12))
     engine = Engine(smollm.decoder, smollm.tokenizer.eos_token_ids, proposer, num_speculative_tokens=k)
     for prompt in PROMPTS:
         seq = engine.generate(encode_prompt(smollm.tokenizer, chat=prompt), GREEDY)
@@ -127,9 +125,11 @@ def test_bfloat16_speculation_matches_bfloat16_plain(prepared_cache):
 def test_the_factory_fuses_a_draft_that_runs_in_our_kernels_unless_told_not_to(smollm, plain_outputs):
     """Fused drafting is the default wherever the draft runs in C (a quantized draft on
     our kernels); a float draft, or "fused": false, drafts through PyTorch."""
+
     def proposer(**keys):
-        return make_proposer(SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 3, **keys}), smollm,
-                             torch.float32)[0]
+        return make_proposer(
+            SpecConfig.parse({"model": MODEL, "num_speculative_tokens": 3, **keys}), smollm, torch.float32
+        )[0]
 
     fused = proposer(quantization="int8")
     assert isinstance(fused, FusedDraftProposer)

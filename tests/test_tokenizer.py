@@ -105,6 +105,7 @@ def qwen05() -> Tokenizer:
 
 # --- against the transformers reference -------------------------------------------------
 
+
 def test_encode_matches_reference_and_decode_round_trips(model):
     for text in TEXTS:
         ids = model.ours.encode(text)
@@ -145,9 +146,14 @@ def test_save_then_from_dir_and_transformers_load_identically(model, tmp_path):
         assert reloaded.encode(text) == model.ours.encode(text) == transformers_view.encode(text), text
     assert reloaded.signature() == model.ours.signature()
     assert (reloaded.bos_token_id, reloaded.eos_token_ids, reloaded.add_bos, reloaded.chat_template) == (
-        model.ours.bos_token_id, model.ours.eos_token_ids, model.ours.add_bos, model.ours.chat_template)
+        model.ours.bos_token_id,
+        model.ours.eos_token_ids,
+        model.ours.add_bos,
+        model.ours.chat_template,
+    )
     assert transformers_view.apply_chat_template(
-        CONVERSATION, tokenize=False, add_generation_prompt=True) == model.ours.apply_chat_template(CONVERSATION)
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    ) == model.ours.apply_chat_template(CONVERSATION)
 
 
 # --- streaming --------------------------------------------------------------------------
@@ -160,7 +166,7 @@ STREAMED = "Streaming 😀🎉👨‍👩‍👧 你好，世界！ 𝔘𝔫𝔦
 def test_incremental_detokenizer_joins_to_full_decode(model, step, prompt):
     ids = model.ours.encode(STREAMED)
     detokenizer = IncrementalDetokenizer(model.ours, prompt_ids=model.ours.encode(prompt))
-    pieces = [detokenizer.add(ids[i:i + step]) for i in range(0, len(ids), step)] + [detokenizer.flush()]
+    pieces = [detokenizer.add(ids[i : i + step]) for i in range(0, len(ids), step)] + [detokenizer.flush()]
     assert "".join(pieces) == model.ours.decode(ids) == STREAMED
     assert not any("\ufffd" in piece for piece in pieces)
 
@@ -182,6 +188,7 @@ def test_incremental_detokenizer_flush_releases_an_unfinished_character(smollm2)
 
 
 # --- vocabulary identity ----------------------------------------------------------------
+
 
 def test_vocab_difference_between_smollm2_and_qwen(smollm2, qwen05):
     assert qwen05.vocab_difference(smollm2) == "target has 151665 tokens, draft 49152"
@@ -214,6 +221,7 @@ def test_vocab_difference_names_the_first_differing_token_and_eos(smollm2):
 
 
 # --- GGUF header and conversion rules ---------------------------------------------------
+
 
 def test_read_gguf_tokenizer_fields_returns_only_tokenizer_keys():
     fields = read_gguf_tokenizer_fields(_smollm2_gguf())
@@ -249,20 +257,25 @@ def _byte_level_fields(pre: str, merges: list[str]) -> dict:
     alphabet = list(bytes_to_unicode().values())
     merged = ["".join(merge.split(" ")) for merge in merges]
     return {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": alphabet + merged + ["<|endoftext|>"],
         "tokenizer.ggml.token_type": [1] * (len(alphabet) + len(merged)) + [3],
-        "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": len(alphabet) + len(merged),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": len(alphabet) + len(merged),
     }
 
 
-@pytest.mark.parametrize("pre, pieces", [
-    ("gpt2", ["12345"]),
-    ("default", ["123", "45"]),  # llama.cpp's fallback splits runs of three digits
-    ("llama-bpe", ["123", "45"]),
-    ("smollm", ["1", "2", "3", "4", "5"]),
-    ("qwen2", ["1", "2", "3", "4", "5"]),
-])
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        ("gpt2", ["12345"]),
+        ("default", ["123", "45"]),  # llama.cpp's fallback splits runs of three digits
+        ("llama-bpe", ["123", "45"]),
+        ("smollm", ["1", "2", "3", "4", "5"]),
+        ("qwen2", ["1", "2", "3", "4", "5"]),
+    ],
+)
 def test_pre_tokenizer_splits_digits_like_llama_cpp(pre, pieces):
     merges = ["1 2", "12 3", "4 5", "123 45"]
     tokenizer = Tokenizer.from_gguf_fields(_byte_level_fields(pre, merges))
@@ -283,14 +296,47 @@ def test_unknown_pre_tokenizer_and_model_are_config_errors():
 
 
 def _sentencepiece_fields(**overrides) -> dict:
-    pieces = ["▁", "e", "t", "h", "a", "i", "n", "g", "o", "s", "r", "l", "d", "w", "▁t", "he", "▁the", "in",
-              "ing", "▁s", "st", "▁st", "ri", "▁stri", "▁string", "or", "▁w", "▁wor", "ld", "▁world", "▁▁"]
+    pieces = [
+        "▁",
+        "e",
+        "t",
+        "h",
+        "a",
+        "i",
+        "n",
+        "g",
+        "o",
+        "s",
+        "r",
+        "l",
+        "d",
+        "w",
+        "▁t",
+        "he",
+        "▁the",
+        "in",
+        "ing",
+        "▁s",
+        "st",
+        "▁st",
+        "ri",
+        "▁stri",
+        "▁string",
+        "or",
+        "▁w",
+        "▁wor",
+        "ld",
+        "▁world",
+        "▁▁",
+    ]
     fields = {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)] + pieces,
         "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
         "tokenizer.ggml.scores": [0.0] * 259 + [-float(rank) for rank in range(len(pieces))],
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
     }
     return fields | overrides
 
@@ -300,9 +346,15 @@ def test_sentencepiece_vocabulary_matches_reference():
 
     fields = _sentencepiece_fields()
     ours = Tokenizer.from_gguf_fields(fields)
-    reference, _ = convert_gguf_tokenizer("llama", {
-        "tokenizer_type": "llama", "tokens": fields["tokenizer.ggml.tokens"],
-        "scores": fields["tokenizer.ggml.scores"], "token_type": fields["tokenizer.ggml.token_type"]})
+    reference, _ = convert_gguf_tokenizer(
+        "llama",
+        {
+            "tokenizer_type": "llama",
+            "tokens": fields["tokenizer.ggml.tokens"],
+            "scores": fields["tokenizer.ggml.scores"],
+            "token_type": fields["tokenizer.ggml.token_type"],
+        },
+    )
     for text in ["the string world", "  the  in  ", "héllo 😀 world", "the</s>string", "\nthe\tworld"]:
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
@@ -345,9 +397,14 @@ def test_chat_template_failures_are_config_errors():
     no_template = Tokenizer.from_gguf_fields(_sentencepiece_fields())
     with pytest.raises(ConfigError, match="no chat template"):
         no_template.apply_chat_template(CONVERSATION)
-    strict = Tokenizer.from_gguf_fields(_sentencepiece_fields(**{
-        "tokenizer.chat_template": "{% if messages[0]['role'] == 'system' %}"
-                                   "{{ raise_exception('System role not supported') }}{% endif %}"}))
+    strict = Tokenizer.from_gguf_fields(
+        _sentencepiece_fields(
+            **{
+                "tokenizer.chat_template": "{% if messages[0]['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}"
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="System role not supported"):
         strict.apply_chat_template(CONVERSATION)
     broken = Tokenizer.from_gguf_fields(_sentencepiece_fields(**{"tokenizer.chat_template": "{% for %}"}))

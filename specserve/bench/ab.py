@@ -21,15 +21,20 @@ from specserve.bench.options import BenchOptions
 VARIANTS = ("baseline", "speculative")
 
 
-def run_variant(target: str, serve_args: Sequence[str], options: BenchOptions, variant: str,
-                results_dir: Path) -> list[benchmark.BenchResult]:
+def run_variant(
+    target: str, serve_args: Sequence[str], options: BenchOptions, variant: str, results_dir: Path
+) -> list[benchmark.BenchResult]:
     """Start `specserve serve target *serve_args`, bench it into results_dir, stop it."""
     print(f"[{variant}] starting specserve serve {target} {' '.join(serve_args)}", file=sys.stderr, flush=True)
     server = ServerProcess(target, *serve_args, "--log-stats-interval", "0", startup_timeout_s=1800)
     try:
         options = dataclasses.replace(
-            options, url=server.url, results_dir=results_dir, api_key=None,
-            metadata={**options.metadata, "variant": variant}, tokenizer=options.tokenizer or target,
+            options,
+            url=server.url,
+            results_dir=results_dir,
+            api_key=None,
+            metadata={**options.metadata, "variant": variant},
+            tokenizer=options.tokenizer or target,
         )
         results = []
         for result in benchmark.run(options):
@@ -40,8 +45,9 @@ def run_variant(target: str, serve_args: Sequence[str], options: BenchOptions, v
         server.stop()
 
 
-def write_comparison(results_dirs: Sequence[Path | str], output_dir: str | Path | None = None,
-                     names: list[str] | None = None) -> tuple[str, list[Path]]:
+def write_comparison(
+    results_dirs: Sequence[Path | str], output_dir: str | Path | None = None, names: list[str] | None = None
+) -> tuple[str, list[Path]]:
     """compare's Markdown (also written to comparison.md) and the plots; the files written."""
     variants = compare.load_variants(list(results_dirs), names)
     folder = compare.prepare_output_dir(output_dir, results_dirs[0])
@@ -51,8 +57,9 @@ def write_comparison(results_dirs: Sequence[Path | str], output_dir: str | Path 
     return markdown, [report, *plots.write_plots(variants, folder)]
 
 
-def run_ab(target: str, speculative_config: str, serve_args: Sequence[str], options: BenchOptions,
-           results_root: Path) -> list[Path]:
+def run_ab(
+    target: str, speculative_config: str, serve_args: Sequence[str], options: BenchOptions, results_root: Path
+) -> list[Path]:
     """Bench the baseline and the speculative server; their result folders."""
     folders = []
     for variant, extra in zip(VARIANTS, ([], ["--speculative-config", speculative_config])):

@@ -60,10 +60,22 @@ def run(options: BenchOptions) -> Iterator[BenchResult]:
     tokenizer_name = options.tokenizer or (model if _is_catalogue_name(model) else None)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
     count_tokens = None if tokenizer is None else (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-    planned = [(workload, build_requests(
-        workload, options.max_num_completed_requests, options.lengths, api=options.api, model=model,
-        sampling_params=options.additional_sampling_params, tokenizer=tokenizer, seed=options.seed,
-    )) for workload in options.workloads]  # every prompt is built before any is sent
+    planned = [
+        (
+            workload,
+            build_requests(
+                workload,
+                options.max_num_completed_requests,
+                options.lengths,
+                api=options.api,
+                model=model,
+                sampling_params=options.additional_sampling_params,
+                tokenizer=tokenizer,
+                seed=options.seed,
+            ),
+        )
+        for workload in options.workloads
+    ]  # every prompt is built before any is sent
     for workload, requests in planned:
         yield run_test_case(options, workload, requests, model, count_tokens)
 
@@ -73,15 +85,20 @@ def check_server(options: BenchOptions) -> str:
     try:
         reply = httpx.get(f"{options.url}/v1/models", headers=_auth(options.api_key), timeout=30)
     except httpx.HTTPError as e:
-        raise ConfigError(f"cannot reach the server at {options.url} ({type(e).__name__}: {e}); "
-                          "start it or pass --url") from None
+        raise ConfigError(
+            f"cannot reach the server at {options.url} ({type(e).__name__}: {e}); start it or pass --url"
+        ) from None
     if reply.status_code in (401, 403):
-        raise ConfigError(f"the server at {options.url} refused the API key (HTTP {reply.status_code}); "
-                          "pass --api-key or set OPENAI_API_KEY")
+        raise ConfigError(
+            f"the server at {options.url} refused the API key (HTTP {reply.status_code}); "
+            "pass --api-key or set OPENAI_API_KEY"
+        )
     served = _served_models(reply)
     if options.model and served and options.model not in served:
-        raise ConfigError(f"the server at {options.url} serves {', '.join(served)}, not {options.model!r}; "
-                          "pass one of those as --model")
+        raise ConfigError(
+            f"the server at {options.url} serves {', '.join(served)}, not {options.model!r}; "
+            "pass one of those as --model"
+        )
     if options.model:
         return options.model
     if not served:
@@ -113,19 +130,30 @@ def _is_catalogue_name(name: str) -> bool:
     return name in catalogue.CATALOGUE
 
 
-def run_test_case(options: BenchOptions, workload: Workload, requests: list[BenchRequest], model: str,
-                  count_tokens: CountTokens | None) -> BenchResult:
+def run_test_case(
+    options: BenchOptions,
+    workload: Workload,
+    requests: list[BenchRequest],
+    model: str,
+    count_tokens: CountTokens | None,
+) -> BenchResult:
     metrics_before = scrape_metrics(options)
     timestamp = time.time()
     load = asyncio.run(_drive(options, requests, count_tokens, workload.name))
     metrics_after = scrape_metrics(options)
 
-    records = [request_record(request, response, test_case=workload.name, run_started_at=load.started_at,
-                              count_tokens=count_tokens)
-               for request, response in zip(requests, load.responses)]
+    records = [
+        request_record(
+            request, response, test_case=workload.name, run_started_at=load.started_at, count_tokens=count_tokens
+        )
+        for request, response in zip(requests, load.responses)
+    ]
     name = result_name(workload.name, model, options.lengths.mean_input_tokens, options.lengths.mean_output_tokens)
     summary = {
-        "name": name, "model": model, "test_case": workload.name, "variant": options.metadata.get("variant"),
+        "name": name,
+        "model": model,
+        "test_case": workload.name,
+        "variant": options.metadata.get("variant"),
         "url": options.url,
         "mean_input_tokens": options.lengths.mean_input_tokens,
         "stddev_input_tokens": options.lengths.stddev_input_tokens,
@@ -134,8 +162,10 @@ def run_test_case(options: BenchOptions, workload: Workload, requests: list[Benc
         "shared_prefix_tokens": options.lengths.shared_prefix_tokens,
         "num_concurrent_requests": options.num_concurrent_requests,
         "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
-        "additional_sampling_params": options.additional_sampling_params, "metadata": options.metadata,
-        "timestamp": timestamp, "version": specserve.__version__,
+        "additional_sampling_params": options.additional_sampling_params,
+        "metadata": options.metadata,
+        "timestamp": timestamp,
+        "version": specserve.__version__,
         **summarise(records, load.duration_s, options.goodput_slos_ms),
         "results_num_token_count_disagreements": sum(usage_disagrees(r, count_tokens) for r in load.responses),
         **spec_figures(metrics_before, metrics_after),
@@ -150,18 +180,26 @@ def run_test_case(options: BenchOptions, workload: Workload, requests: list[Benc
     return BenchResult(summary, summary_path, individual_path)
 
 
-async def _drive(options: BenchOptions, requests: list[BenchRequest], count_tokens: CountTokens | None,
-                 description: str) -> LoadResult:
+async def _drive(
+    options: BenchOptions, requests: list[BenchRequest], count_tokens: CountTokens | None, description: str
+) -> LoadResult:
     async with open_session(options.url, options.api_key, options.num_concurrent_requests) as http:
+
         async def send(request: BenchRequest, deadline: float) -> StreamedResponse:
             response = await stream_request(http, ENDPOINTS[options.api], request.body, deadline)
             if response.ok:
                 output_tokens(response, count_tokens)  # no usage and no tokenizer: stop the run now
             return response
 
-        return await run_load(requests, send, concurrency=options.num_concurrent_requests,
-                              request_rate=options.request_rate, timeout_s=options.timeout_s,
-                              seed=options.seed, description=description)
+        return await run_load(
+            requests,
+            send,
+            concurrency=options.num_concurrent_requests,
+            request_rate=options.request_rate,
+            timeout_s=options.timeout_s,
+            seed=options.seed,
+            description=description,
+        )
 
 
 def scrape_metrics(options: BenchOptions) -> str | None:
@@ -197,18 +235,24 @@ def describe(result: BenchResult) -> str:
         f"mean {s['results_number_output_tokens_mean'] or 0:.1f} tokens per request",
     ]
     if s["results_spec_acceptance_rate"] is not None:
-        lines.append(f"  speculation   acceptance {s['results_spec_acceptance_rate']:.1%}, "
-                     f"mean acceptance length {s['results_spec_mean_acceptance_length']:.2f}")
+        lines.append(
+            f"  speculation   acceptance {s['results_spec_acceptance_rate']:.1%}, "
+            f"mean acceptance length {s['results_spec_mean_acceptance_length']:.2f}"
+        )
     hit_rate = s["results_prefix_cache_hit_rate"]
     if hit_rate is not None and (hit_rate > 0 or s["shared_prefix_tokens"]):
         lines.append(f"  prefix cache  {hit_rate:.1%} of prompt tokens found in the server's cache")
     if s["results_goodput_requests_per_s"] is not None:
-        lines.append(f"  goodput       {s['results_goodput_requests_per_s']:.2f} req/s "
-                     f"({s['results_goodput_fraction']:.0%} of requests within the SLOs)")
+        lines.append(
+            f"  goodput       {s['results_goodput_requests_per_s']:.2f} req/s "
+            f"({s['results_goodput_fraction']:.0%} of requests within the SLOs)"
+        )
     if s["results_number_errors"]:
         lines.append(f"  errors        {s['results_number_errors']} ({s['results_error_code_frequency']})")
     if s["results_num_token_count_disagreements"]:
-        lines.append(f"  warning       {s['results_num_token_count_disagreements']} requests: the server's usage "
-                     "and the tokenizer's count disagree (usage kept)")
+        lines.append(
+            f"  warning       {s['results_num_token_count_disagreements']} requests: the server's usage "
+            "and the tokenizer's count disagree (usage kept)"
+        )
     lines.append(f"  -> {result.summary_path}")
     return "\n".join(lines)

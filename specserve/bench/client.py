@@ -73,13 +73,16 @@ class StreamedResponse:
 def open_session(url: str, api_key: str | None, max_connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
-        base_url=url, headers=headers, timeout=httpx.Timeout(None),  # the run's deadline bounds every request
+        base_url=url,
+        headers=headers,
+        timeout=httpx.Timeout(None),  # the run's deadline bounds every request
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
     )
 
 
-async def stream_request(http: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
-                         deadline: float) -> StreamedResponse:
+async def stream_request(
+    http: httpx.AsyncClient, endpoint: str, body: dict[str, Any], deadline: float
+) -> StreamedResponse:
     """Send `body` with streaming and usage on; `deadline` is in event-loop time."""
     response = StreamedResponse(started_at=time.perf_counter())
     try:
@@ -91,7 +94,8 @@ async def stream_request(http: httpx.AsyncClient, endpoint: str, body: dict[str,
                 else:
                     async for line in reply.aiter_lines():
                         if line.startswith("data:") and response.take_event(
-                                line[len("data:"):].strip(), time.perf_counter() - response.started_at):
+                            line[len("data:") :].strip(), time.perf_counter() - response.started_at
+                        ):
                             break
     except TimeoutError:
         response.fail(None, "timeout: the run's --timeout ran out before the response ended")

@@ -244,7 +244,8 @@ def to_markdown(comparison: Comparison) -> str:
     lines = [
         "# specserve compare",
         "",
-        "Variants: " + ", ".join(f"`{v.name}` ({v.results_dir})" for v in comparison.variants)
+        "Variants: "
+        + ", ".join(f"`{v.name}` ({v.results_dir})" for v in comparison.variants)
         + f". Baseline: `{baseline.name}`.",
         "Change = (variant - baseline) / baseline: a negative change is better for latencies and errors, "
         "a positive one for throughput and acceptance. n/a: not measured (no speculation, or a test case not run).",
@@ -253,11 +254,15 @@ def to_markdown(comparison: Comparison) -> str:
     for test_case, rows in comparison.tables.items():
         lines += ["", f"## {test_case}", "", table_line(header), "|:--|" + "--:|" * (len(header) - 1)]
         for row in rows:
-            lines.append(table_line([
-                row.metric.label,
-                *(format_value(value, row.metric) for value in row.values),
-                *(format_change(change, row.metric) for change in row.changes_pct),
-            ]))
+            lines.append(
+                table_line(
+                    [
+                        row.metric.label,
+                        *(format_value(value, row.metric) for value in row.values),
+                        *(format_change(change, row.metric) for change in row.changes_pct),
+                    ]
+                )
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -67,13 +67,23 @@ class EmfSettings:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--emf", action="store_true",
-                        help="also write each request's figures as CloudWatch Embedded Metric Format JSON lines "
-                        "(dimensions Variant, from --metadata variant=NAME, and TestCase)")
-    parser.add_argument("--emf-namespace", default=DEFAULT_NAMESPACE,
-                        help=f"the CloudWatch namespace of the EMF metrics (default {DEFAULT_NAMESPACE})")
-    parser.add_argument("--emf-file", default=None, metavar="PATH",
-                        help="append the EMF lines to this file instead of stdout (implies --emf)")
+    parser.add_argument(
+        "--emf",
+        action="store_true",
+        help="also write each request's figures as CloudWatch Embedded Metric Format JSON lines "
+        "(dimensions Variant, from --metadata variant=NAME, and TestCase)",
+    )
+    parser.add_argument(
+        "--emf-namespace",
+        default=DEFAULT_NAMESPACE,
+        help=f"the CloudWatch namespace of the EMF metrics (default {DEFAULT_NAMESPACE})",
+    )
+    parser.add_argument(
+        "--emf-file",
+        default=None,
+        metavar="PATH",
+        help="append the EMF lines to this file instead of stdout (implies --emf)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> EmfSettings | None:
@@ -81,8 +91,10 @@ def settings_from_args(args: argparse.Namespace) -> EmfSettings | None:
         return None
     namespace = args.emf_namespace
     if not _NAMESPACE.fullmatch(namespace) or not namespace.strip() or namespace.startswith("AWS/"):
-        raise ConfigError(f"--emf-namespace must be 1-255 letters, digits or . - _ / # : and spaces, "
-                          f"not starting with AWS/; got {namespace!r}")
+        raise ConfigError(
+            f"--emf-namespace must be 1-255 letters, digits or . - _ / # : and spaces, "
+            f"not starting with AWS/; got {namespace!r}"
+        )
     return EmfSettings(namespace, Path(args.emf_file) if args.emf_file else None)
 
 
@@ -97,17 +109,20 @@ def _dimension_value(key: str, value: str, fix: str) -> str:
     return value
 
 
-def _line(values: dict[str, tuple[str, float]], *, namespace: str, variant: str, test_case: str,
-          timestamp_ms: int) -> dict[str, Any]:
+def _line(
+    values: dict[str, tuple[str, float]], *, namespace: str, variant: str, test_case: str, timestamp_ms: int
+) -> dict[str, Any]:
     """An EMF object declaring `values` (name: (unit, value)) under the two dimensions."""
     return {
         "_aws": {
             "Timestamp": timestamp_ms,
-            "CloudWatchMetrics": [{
-                "Namespace": namespace,
-                "Dimensions": [list(DIMENSIONS)],
-                "Metrics": [{"Name": name, "Unit": unit} for name, (unit, _) in values.items()],
-            }],
+            "CloudWatchMetrics": [
+                {
+                    "Namespace": namespace,
+                    "Dimensions": [list(DIMENSIONS)],
+                    "Metrics": [{"Name": name, "Unit": unit} for name, (unit, _) in values.items()],
+                }
+            ],
         },
         "Variant": variant,
         "TestCase": test_case,
@@ -115,20 +130,24 @@ def _line(values: dict[str, tuple[str, float]], *, namespace: str, variant: str,
     }
 
 
-def request_line(record: dict[str, Any], *, namespace: str, variant: str, test_case: str, model: str,
-                 timestamp_ms: int) -> dict[str, Any]:
+def request_line(
+    record: dict[str, Any], *, namespace: str, variant: str, test_case: str, model: str, timestamp_ms: int
+) -> dict[str, Any]:
     """One request record of `specserve bench` as an EMF object."""
     failed = bool(record["error_msg"])
-    values = {} if failed else {
-        name: (unit, record[key] * scale) for name, unit, key, scale in METRICS if record[key] is not None
-    }
+    values = (
+        {}
+        if failed
+        else {name: (unit, record[key] * scale) for name, unit, key, scale in METRICS if record[key] is not None}
+    )
     values[ERRORS[0]] = (ERRORS[1], int(failed))
     line = _line(values, namespace=namespace, variant=variant, test_case=test_case, timestamp_ms=timestamp_ms)
     return {**line, "model": model, **{key: record[key] for key in PROPERTIES}}
 
 
-def speculation_line(summary: dict[str, Any], *, namespace: str, variant: str, test_case: str,
-                     timestamp_ms: int) -> dict[str, Any] | None:
+def speculation_line(
+    summary: dict[str, Any], *, namespace: str, variant: str, test_case: str, timestamp_ms: int
+) -> dict[str, Any] | None:
     """A test case's acceptance figures as an EMF object; None where the server did not
     speculate (or drafted nothing)."""
     values = {name: (unit, summary[key]) for name, unit, key in SPEC_METRICS if summary.get(key) is not None}
@@ -143,12 +162,27 @@ def emit(settings: EmfSettings, records: list[dict[str, Any]], summary: dict[str
     "timestamp", seconds) plus each request's offset."""
     variant = _dimension_value("Variant", summary["metadata"].get("variant", ""), "pass --metadata variant=NAME")
     test_case = _dimension_value("TestCase", summary["test_case"], "name the test case")
-    lines = [json.dumps(request_line(
-        record, namespace=settings.namespace, variant=variant, test_case=test_case, model=summary["model"],
-        timestamp_ms=round((summary["timestamp"] + record["start_time_s"]) * 1000),
-    )) + "\n" for record in records]
-    speculation = speculation_line(summary, namespace=settings.namespace, variant=variant, test_case=test_case,
-                                   timestamp_ms=round(summary["timestamp"] * 1000))
+    lines = [
+        json.dumps(
+            request_line(
+                record,
+                namespace=settings.namespace,
+                variant=variant,
+                test_case=test_case,
+                model=summary["model"],
+                timestamp_ms=round((summary["timestamp"] + record["start_time_s"]) * 1000),
+            )
+        )
+        + "\n"
+        for record in records
+    ]
+    speculation = speculation_line(
+        summary,
+        namespace=settings.namespace,
+        variant=variant,
+        test_case=test_case,
+        timestamp_ms=round(summary["timestamp"] * 1000),
+    )
     if speculation is not None:
         lines.append(json.dumps(speculation) + "\n")
     if settings.path is None:

@@ -43,11 +43,21 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="specserve-server-", suffix=".log")[1])
-        command = [sys.executable, "-m", "specserve.cli", "serve", *args,
-                   "--host", "127.0.0.1", "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "serve",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **(env or {})})
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.process.poll() is not None:

@@ -31,8 +31,16 @@ def always_drafting(draft: str, k: int, method: str = "draft_model") -> SpecConf
     """The speculative config whose draft (a draft model, or an EAGLE or Medusa head)
     drafts k every step: fixed k, its confidence stop off, no lookups first (an engine
     measured here runs at most k; `step_costs` sets how many it drafts)."""
-    return SpecConfig.parse({"method": method, "model": draft, "num_speculative_tokens": k, "adaptive": False,
-                             "draft_confidence_threshold": 0.0, "prompt_lookup_first": None})
+    return SpecConfig.parse(
+        {
+            "method": method,
+            "model": draft,
+            "num_speculative_tokens": k,
+            "adaptive": False,
+            "draft_confidence_threshold": 0.0,
+            "prompt_lookup_first": None,
+        }
+    )
 
 
 def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -> dict[str, float]:

@@ -34,10 +34,16 @@ class PerRequestPlot:
 
 
 PLOTS = (
-    PerRequestPlot("e2e_latency.png", "end_to_end_latency_s", "End-to-end latency per request",
-                   "end-to-end latency (s)", 1.0),
-    PerRequestPlot("inter_token_latency.png", "inter_token_latency_s", "Inter-token latency per request",
-                   "inter-token latency (ms)", 1000.0),
+    PerRequestPlot(
+        "e2e_latency.png", "end_to_end_latency_s", "End-to-end latency per request", "end-to-end latency (s)", 1.0
+    ),
+    PerRequestPlot(
+        "inter_token_latency.png",
+        "inter_token_latency_s",
+        "Inter-token latency per request",
+        "inter-token latency (ms)",
+        1000.0,
+    ),
     PerRequestPlot("ttft.png", "ttft_s", "Time to first token per request", "TTFT (ms)", 1000.0),
 )
 
@@ -84,8 +90,11 @@ def per_request_points(variant: Variant, test_case: str, plot: PerRequestPlot) -
     if result is None:
         return []
     return sorted(
-        (response["request_index"],
-         math.nan if response["error_code"] is not None or response[plot.key] is None
-         else response[plot.key] * plot.scale)
+        (
+            response["request_index"],
+            math.nan
+            if response["error_code"] is not None or response[plot.key] is None
+            else response[plot.key] * plot.scale,
+        )
         for response in result.responses
     )

@@ -44,8 +44,9 @@ def gguf_weight_bytes_per_token(reader: gguf.GGUFReader) -> int:
     return total
 
 
-def measure_read_bandwidth(gib: float | None = None, passes: int = BANDWIDTH_PASSES,
-                           device: torch.device = torch.device("cpu")) -> tuple[float, str]:
+def measure_read_bandwidth(
+    gib: float | None = None, passes: int = BANDWIDTH_PASSES, device: torch.device = torch.device("cpu")
+) -> tuple[float, str]:
     """(bytes/s, how it was measured): the best of `passes` torch.sum passes over a
     float32 tensor far bigger than the caches, on the device the models use (on the
     CPU with torch's threads, as a decode uses; a GPU is waited for around each pass).
@@ -80,8 +81,10 @@ def measure_dot_peaks(device: torch.device = torch.device("cpu")) -> tuple[dict[
         return None
     peaks = {kind: native.dot_peak(kind) for kind in native.DOT_KINDS}
     bfloat16 = "vdpbf16ps" if native.has_bf16_dot() else "FMA for bfloat16"
-    return peaks, (f"vpdpbusd (alone, and with quantized_matmul's scaling per group), FMA and {bfloat16} "
-                   f"chains in registers, {torch.get_num_threads()} threads")
+    return peaks, (
+        f"vpdpbusd (alone, and with quantized_matmul's scaling per group), FMA and {bfloat16} "
+        f"chains in registers, {torch.get_num_threads()} threads"
+    )
 
 
 def arithmetic_of(fmt: str) -> str | None:
@@ -101,8 +104,13 @@ def ceiling(target_bytes: int, target_macs: int, draft_bytes: int, bandwidth: fl
     them (`speculation_ceiling`). draft_bytes 0: free drafts (n-gram, lookup)."""
     plain_s, row_s, draft_s = target_bytes / bandwidth, target_macs / peak, draft_bytes / bandwidth
     speedup, k = speculation_ceiling(plain_s, row_s, draft_s)
-    return {"plain_step_s": plain_s, "verified_row_s": row_s, "draft_position_s": draft_s,
-            "max_speedup": speedup, "best_k": k}
+    return {
+        "plain_step_s": plain_s,
+        "verified_row_s": row_s,
+        "draft_position_s": draft_s,
+        "max_speedup": speedup,
+        "best_k": k,
+    }
 
 
 def speculation_ceiling(plain_s: float, row_s: float, draft_s: float) -> tuple[float, int]:

@@ -46,8 +46,16 @@ def arrival_offsets(num_requests: int, request_rate: float, rng: random.Random) 
     return offsets
 
 
-async def run_load(requests: list[BenchRequest], send: Send, *, concurrency: int, request_rate: float,
-                   timeout_s: float, seed: int, description: str) -> LoadResult:
+async def run_load(
+    requests: list[BenchRequest],
+    send: Send,
+    *,
+    concurrency: int,
+    request_rate: float,
+    timeout_s: float,
+    seed: int,
+    description: str,
+) -> LoadResult:
     loop = asyncio.get_running_loop()
     started_at, start = time.perf_counter(), loop.time()
     deadline = start + timeout_s
@@ -67,8 +75,9 @@ async def run_load(requests: list[BenchRequest], send: Send, *, concurrency: int
             progress.update()
 
     try:
-        for request, offset in zip(requests, arrival_offsets(len(requests), request_rate,
-                                                              random.Random(f"{seed}:arrivals"))):
+        for request, offset in zip(
+            requests, arrival_offsets(len(requests), request_rate, random.Random(f"{seed}:arrivals"))
+        ):
             if start + offset >= deadline or failures:
                 break
             await asyncio.sleep(max(0.0, start + offset - loop.time()))

@@ -38,10 +38,10 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
     except ValueError:
         return None
     for sample in samples:
-        name = next((sample.name[len(p):] for p in PREFIXES if sample.name.startswith(p)), "")
+        name = next((sample.name[len(p) :] for p in PREFIXES if sample.name.startswith(p)), "")
         if not (name.startswith("spec_decode_") and name.endswith("_total")):
             continue
-        counter = name[len("spec_decode_"):-len("_total")]
+        counter = name[len("spec_decode_") : -len("_total")]
         if counter == PER_POSITION and "position" in sample.labels:
             per_position[int(sample.labels["position"])] += sample.value
             found = True
@@ -55,9 +55,14 @@ def spec_figures(before: str | None, after: str | None) -> dict[str, Any]:
     """The `results_spec_*` keys of a summary from /metrics texts before and after a run."""
     end = parse_spec_counters(after) if after is not None else None
     if end is None:
-        return {"results_spec_num_drafts": None, "results_spec_num_draft_tokens": None,
-                "results_spec_num_accepted_tokens": None, "results_spec_acceptance_rate": None,
-                "results_spec_mean_acceptance_length": None, "results_spec_accepted_per_position": None}
+        return {
+            "results_spec_num_drafts": None,
+            "results_spec_num_draft_tokens": None,
+            "results_spec_num_accepted_tokens": None,
+            "results_spec_acceptance_rate": None,
+            "results_spec_mean_acceptance_length": None,
+            "results_spec_accepted_per_position": None,
+        }
     start = (parse_spec_counters(before) if before is not None else None) or SpecCounters()
 
     def delta(name: str) -> int:
@@ -74,5 +79,7 @@ def spec_figures(before: str | None, after: str | None) -> dict[str, Any]:
         "results_spec_accepted_per_position": [
             (end.accepted_per_position.get(i, 0.0) - start.accepted_per_position.get(i, 0.0)) / drafts
             for i in positions
-        ] if drafts else [],
+        ]
+        if drafts
+        else [],
     }

@@ -25,8 +25,14 @@ from specserve.bench.workload import BenchRequest
 from specserve.errors import ConfigError
 
 QUANTILES = (25, 50, 75, 90, 95, 99)
-REQUEST_METRICS = ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s",
-                   "request_output_throughput_token_per_s", "number_input_tokens", "number_output_tokens")
+REQUEST_METRICS = (
+    "ttft_s",
+    "inter_token_latency_s",
+    "end_to_end_latency_s",
+    "request_output_throughput_token_per_s",
+    "number_input_tokens",
+    "number_output_tokens",
+)
 GAP_METRIC = "chunk_gap_s"
 GOODPUT_SLOS = {"ttft": "ttft_s", "tpot": "inter_token_latency_s", "e2el": "end_to_end_latency_s"}
 # A server's count may include an end-of-sequence token that has no text.
@@ -39,8 +45,10 @@ def output_tokens(response: StreamedResponse, count_tokens: CountTokens | None) 
     if response.completion_tokens is not None:
         return response.completion_tokens
     if count_tokens is None:
-        raise ConfigError("the server sends no usage, so output tokens must be counted with a tokenizer; "
-                          "pass --tokenizer (a catalogue name or a folder with tokenizer.json)")
+        raise ConfigError(
+            "the server sends no usage, so output tokens must be counted with a tokenizer; "
+            "pass --tokenizer (a catalogue name or a folder with tokenizer.json)"
+        )
     return count_tokens(response.text)
 
 
@@ -51,17 +59,32 @@ def usage_disagrees(response: StreamedResponse, count_tokens: CountTokens | None
     return abs(response.completion_tokens - count_tokens(response.text)) > TOKEN_COUNT_TOLERANCE
 
 
-def request_record(request: BenchRequest, response: StreamedResponse, *, test_case: str,
-                   run_started_at: float, count_tokens: CountTokens | None) -> dict[str, Any]:
+def request_record(
+    request: BenchRequest,
+    response: StreamedResponse,
+    *,
+    test_case: str,
+    run_started_at: float,
+    count_tokens: CountTokens | None,
+) -> dict[str, Any]:
     """One entry of `<name>_individual_responses.json`."""
     record: dict[str, Any] = {
-        "request_index": request.index, "test_case": test_case, "prompt_name": request.prompt_name,
+        "request_index": request.index,
+        "test_case": test_case,
+        "prompt_name": request.prompt_name,
         "start_time_s": response.started_at - run_started_at,
-        "ttft_s": None, "inter_token_latency_s": None, "end_to_end_latency_s": None,
-        "request_output_throughput_token_per_s": None, "number_input_tokens": None,
-        "number_output_tokens": None, "number_total_tokens": None, "number_cached_tokens": None,
-        "num_chunks": len(response.chunk_times_s), "chunk_gaps_s": [],
-        "error_code": response.error_code, "error_msg": response.error_msg,
+        "ttft_s": None,
+        "inter_token_latency_s": None,
+        "end_to_end_latency_s": None,
+        "request_output_throughput_token_per_s": None,
+        "number_input_tokens": None,
+        "number_output_tokens": None,
+        "number_total_tokens": None,
+        "number_cached_tokens": None,
+        "num_chunks": len(response.chunk_times_s),
+        "chunk_gaps_s": [],
+        "error_code": response.error_code,
+        "error_msg": response.error_msg,
     }
     if not response.ok:
         return record
@@ -69,17 +92,19 @@ def request_record(request: BenchRequest, response: StreamedResponse, *, test_ca
     ttft = times[0] if times else e2e
     tokens = output_tokens(response, count_tokens)
     prompt_tokens = response.prompt_tokens if response.prompt_tokens is not None else request.num_input_tokens
-    record.update({
-        "ttft_s": ttft,
-        "inter_token_latency_s": (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0,
-        "end_to_end_latency_s": e2e,
-        "request_output_throughput_token_per_s": tokens / e2e if e2e > 0 else 0.0,
-        "number_input_tokens": prompt_tokens,
-        "number_output_tokens": tokens,
-        "number_total_tokens": None if prompt_tokens is None else prompt_tokens + tokens,
-        "number_cached_tokens": response.cached_prompt_tokens,
-        "chunk_gaps_s": [later - earlier for earlier, later in zip(times, times[1:])],
-    })
+    record.update(
+        {
+            "ttft_s": ttft,
+            "inter_token_latency_s": (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+            "end_to_end_latency_s": e2e,
+            "request_output_throughput_token_per_s": tokens / e2e if e2e > 0 else 0.0,
+            "number_input_tokens": prompt_tokens,
+            "number_output_tokens": tokens,
+            "number_total_tokens": None if prompt_tokens is None else prompt_tokens + tokens,
+            "number_cached_tokens": response.cached_prompt_tokens,
+            "chunk_gaps_s": [later - earlier for earlier, later in zip(times, times[1:])],
+        }
+    )
     return record
 
 
@@ -89,8 +114,13 @@ def distribution(metric: str, values: list[float]) -> dict[str, float | None]:
     if not values:
         return {f"results_{metric}_{key}": None for key in keys}
     quantiles = np.quantile(np.asarray(values, dtype=float), [q / 100 for q in QUANTILES])
-    figures = [*map(float, quantiles), statistics.fmean(values), min(values), max(values),
-               statistics.stdev(values) if len(values) > 1 else 0.0]
+    figures = [
+        *map(float, quantiles),
+        statistics.fmean(values),
+        min(values),
+        max(values),
+        statistics.stdev(values) if len(values) > 1 else 0.0,
+    ]
     return {f"results_{metric}_{key}": value for key, value in zip(keys, figures)}
 
 
@@ -104,13 +134,15 @@ def error_kind(record: dict[str, Any]) -> str:
 def good_requests(records: list[dict[str, Any]], slos_ms: dict[str, float]) -> int:
     """Successful requests within every SLO (ttft, tpot, e2el, in ms), as vLLM's goodput."""
     return sum(
-        1 for r in records if not r["error_msg"]
-        and all(r[GOODPUT_SLOS[name]] * 1000 <= limit for name, limit in slos_ms.items())
+        1
+        for r in records
+        if not r["error_msg"] and all(r[GOODPUT_SLOS[name]] * 1000 <= limit for name, limit in slos_ms.items())
     )
 
 
-def summarise(records: list[dict[str, Any]], duration_s: float,
-              goodput_slos_ms: dict[str, float] | None) -> dict[str, Any]:
+def summarise(
+    records: list[dict[str, Any]], duration_s: float, goodput_slos_ms: dict[str, float] | None
+) -> dict[str, Any]:
     """The `results_*` keys of a test case's summary (the /metrics ones excepted)."""
     ok = [r for r in records if not r["error_msg"]]
     results: dict[str, Any] = {}

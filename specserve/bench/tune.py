@@ -89,15 +89,26 @@ def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: i
     """Seconds per decode step of `model` alone, plain, after its first token."""
     engine = Engine(model.decoder, eos_token_ids=())
     run_one(engine, model.tokenizer, prompt_ids, SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    result = run_one(engine, model.tokenizer, prompt_ids,
-                     SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+    result = run_one(
+        engine, model.tokenizer, prompt_ids, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    )
     return 1 / result["decode_tokens_per_s"]
 
 
 class Tuner:
-    def __init__(self, target: str, drafts: list[str], ks: list[int], suites: list[str], max_tokens: int,
-                 dtype: torch.dtype = torch.float32, quantization: str = "none",
-                 draft_quantization: str | None = None, batch_invariant: bool = False, device: torch.device = CPU):
+    def __init__(
+        self,
+        target: str,
+        drafts: list[str],
+        ks: list[int],
+        suites: list[str],
+        max_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        quantization: str = "none",
+        draft_quantization: str | None = None,
+        batch_invariant: bool = False,
+        device: torch.device = CPU,
+    ):
         """Sweeps plain, then each draft with each k, then each draft with adaptive k up
         to max(ks), as served by default."""
         self.target = load_model(target, dtype, quantization, batch_invariant, device=device)
@@ -115,8 +126,9 @@ class Tuner:
         # what a verified row multiplies with: our int8 dot products, float32 FMAs or bfloat16 pairs
         self.arithmetic = arithmetic_of(quantization if quantization != "none" else str(dtype).removeprefix("torch."))
         tokenizer = self.target.tokenizer
-        self.prompts = {suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()]
-                        for suite in suites}
+        self.prompts = {
+            suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()] for suite in suites
+        }
 
     def measure(self, proposer_name: str, k: int | str) -> dict[str, Measurement]:
         """k: a fixed number of drafted tokens, or ADAPTIVE (up to max(ks))."""
@@ -152,8 +164,10 @@ class Tuner:
         """Draft decode step / target decode step, per draft (n-gram lookup costs ~0)."""
         ids = next(iter(self.prompts.values()))[0]
         target_s = decode_step_seconds(self.target, ids, 32)
-        return {name: 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
-                for name, draft in self.drafts.items()}
+        return {
+            name: 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
+            for name, draft in self.drafts.items()
+        }
 
     def ceilings(self) -> dict[str, dict[str, float]] | None:
         """Per draft: the most any k could gain with every guess accepted, on this
@@ -166,9 +180,16 @@ class Tuner:
         target = self.target.decoder
         target_bytes = weight_bytes_per_token(target)
         target_macs = multiply_adds_per_token(target.config, target.head_size)
-        return {name: ceiling(target_bytes, target_macs, 0 if draft is None else draft_bytes_per_position(draft.decoder),
-                              bandwidth, peaks[0][self.arithmetic])
-                for name, draft in self.drafts.items()}
+        return {
+            name: ceiling(
+                target_bytes,
+                target_macs,
+                0 if draft is None else draft_bytes_per_position(draft.decoder),
+                bandwidth,
+                peaks[0][self.arithmetic],
+            )
+            for name, draft in self.drafts.items()
+        }
 
     def full_acceptance(self) -> dict[str, dict[str, Any]]:
         """Per draft model: each k's speed were every draft accepted, from the engine's
@@ -186,8 +207,13 @@ class Tuner:
             engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, most)
             rows = measured_ceiling.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
             top = measured_ceiling.best(rows)
-            found[name] = {"max_speedup": top["full_acceptance_speedup"], "best_k": top["k"],
-                           "plain_step_s": rows[0]["step_s"], "step_s": top["step_s"], "rows": rows}
+            found[name] = {
+                "max_speedup": top["full_acceptance_speedup"],
+                "best_k": top["k"],
+                "plain_step_s": rows[0]["step_s"],
+                "step_s": top["step_s"],
+                "rows": rows,
+            }
         return found
 
     def run(self) -> list[dict[str, Any]]:
@@ -202,20 +228,25 @@ class Tuner:
                 if name == PLAIN:
                     plain[suite] = m
                 speedup = m.decode_tokens_per_s / plain[suite].decode_tokens_per_s
-                rows.append({
-                    "test_case": suite, "proposer": name, "k": k,
-                    "acceptance_rate": m.spec.acceptance_rate,
-                    "mean_acceptance_length": m.spec.mean_acceptance_length,
-                    "inter_token_latency_s": 1 / m.decode_tokens_per_s if m.decode_tokens_per_s else None,
-                    "output_tokens_per_s": m.output_tokens / m.e2e_s,
-                    "decode_tokens_per_s": m.decode_tokens_per_s,
-                    "speedup": speedup,
-                    # The formula assumes the same k every step; adaptive varies it.
-                    "predicted_speedup": None if k == ADAPTIVE else predicted_speedup(
-                        m.spec.acceptance_rate, m.mean_draft_length, ratios.get(name, 0.0)),
-                    "mean_draft_length": m.mean_draft_length,
-                    "cost_ratio": ratios.get(name),
-                })
+                rows.append(
+                    {
+                        "test_case": suite,
+                        "proposer": name,
+                        "k": k,
+                        "acceptance_rate": m.spec.acceptance_rate,
+                        "mean_acceptance_length": m.spec.mean_acceptance_length,
+                        "inter_token_latency_s": 1 / m.decode_tokens_per_s if m.decode_tokens_per_s else None,
+                        "output_tokens_per_s": m.output_tokens / m.e2e_s,
+                        "decode_tokens_per_s": m.decode_tokens_per_s,
+                        "speedup": speedup,
+                        # The formula assumes the same k every step; adaptive varies it.
+                        "predicted_speedup": None
+                        if k == ADAPTIVE
+                        else predicted_speedup(m.spec.acceptance_rate, m.mean_draft_length, ratios.get(name, 0.0)),
+                        "mean_draft_length": m.mean_draft_length,
+                        "cost_ratio": ratios.get(name),
+                    }
+                )
         return rows
 
 
@@ -225,46 +256,70 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for suite in dict.fromkeys(r["test_case"] for r in rows):
         best[suite] = max((r for r in rows if r["test_case"] == suite), key=lambda r: r["speedup"])
     configs = dict.fromkeys((r["proposer"], r["k"]) for r in rows)
-    overall = max(configs, key=lambda c: statistics.geometric_mean(
-        r["speedup"] for r in rows if (r["proposer"], r["k"]) == c))
-    best["overall"] = {"proposer": overall[0], "k": overall[1], "speedup": statistics.geometric_mean(
-        r["speedup"] for r in rows if (r["proposer"], r["k"]) == overall)}
+    overall = max(
+        configs, key=lambda c: statistics.geometric_mean(r["speedup"] for r in rows if (r["proposer"], r["k"]) == c)
+    )
+    best["overall"] = {
+        "proposer": overall[0],
+        "k": overall[1],
+        "speedup": statistics.geometric_mean(r["speedup"] for r in rows if (r["proposer"], r["k"]) == overall),
+    }
     return best
 
 
-def to_markdown(rows: list[dict[str, Any]], best: dict[str, dict[str, Any]], header: str,
-                ceilings: dict[str, dict[str, float]] | None = None,
-                measured: dict[str, dict[str, Any]] | None = None) -> str:
+def to_markdown(
+    rows: list[dict[str, Any]],
+    best: dict[str, dict[str, Any]],
+    header: str,
+    ceilings: dict[str, dict[str, float]] | None = None,
+    measured: dict[str, dict[str, Any]] | None = None,
+) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
-    lines = [header, "",
-             "| test case | proposer | k | drafted/step | acceptance | mean acc. len | ITL (ms) | output tok/s "
-             "| speedup | predicted |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        header,
+        "",
+        "| test case | proposer | k | drafted/step | acceptance | mean acc. len | ITL (ms) | output tok/s "
+        "| speedup | predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['test_case']} | {r['proposer']} | {r['k']} | {fmt(r['mean_draft_length'] or None, '.2f')} "
             f"| {fmt(r['acceptance_rate'], '.1%')} "
-            f"| {fmt(r['mean_acceptance_length'], '.2f')} | {fmt(r['inter_token_latency_s'] and r['inter_token_latency_s'] * 1000, '.0f')} "
-            f"| {fmt(r['output_tokens_per_s'], '.2f')} | {fmt(r['speedup'], '.2f')}x | {fmt(r['predicted_speedup'], '.2f')}"
-            f"{'' if r['predicted_speedup'] is None else 'x'} |")
+            f"| {fmt(r['mean_acceptance_length'], '.2f')} "
+            f"| {fmt(r['inter_token_latency_s'] and r['inter_token_latency_s'] * 1000, '.0f')} "
+            f"| {fmt(r['output_tokens_per_s'], '.2f')} | {fmt(r['speedup'], '.2f')}x "
+            f"| {fmt(r['predicted_speedup'], '.2f')}"
+            f"{'' if r['predicted_speedup'] is None else 'x'} |"
+        )
     lines += ["", "Recommended:"]
     for suite, r in best.items():
         k = "adaptive k" if r["k"] == ADAPTIVE else f"k={r['k']}"
         config = PLAIN if r["proposer"] == PLAIN else f"{r['proposer']}, {k}"
         lines.append(f"- {suite}: {config} ({r['speedup']:.2f}x the plain target's decode)")
     if ceilings:
-        lines += ["", "Ceiling on this machine (every guess accepted; a plain step and a draft position at the "
-                      "memory limit, a verified row at the arithmetic peak):"]
+        lines += [
+            "",
+            "Ceiling on this machine (every guess accepted; a plain step and a draft position at the "
+            "memory limit, a verified row at the arithmetic peak):",
+        ]
         for name, c in ceilings.items():
-            lines.append(f"- {name}: at most {c['max_speedup']:.2f}x (k={c['best_k']}; plain step "
-                         f"{c['plain_step_s'] * 1e3:.1f} ms, verified row {c['verified_row_s'] * 1e3:.1f} ms, "
-                         f"draft position {c['draft_position_s'] * 1e3:.1f} ms)")
+            lines.append(
+                f"- {name}: at most {c['max_speedup']:.2f}x (k={c['best_k']}; plain step "
+                f"{c['plain_step_s'] * 1e3:.1f} ms, verified row {c['verified_row_s'] * 1e3:.1f} ms, "
+                f"draft position {c['draft_position_s'] * 1e3:.1f} ms)"
+            )
     if measured:
-        lines += ["", "Measured with every draft accepted (the draft always drafting k; "
-                      "benchmarks/full_acceptance.py gives every k):"]
+        lines += [
+            "",
+            "Measured with every draft accepted (the draft always drafting k; "
+            "benchmarks/full_acceptance.py gives every k):",
+        ]
         for name, m in measured.items():
-            lines.append(f"- {name}: at most {m['max_speedup']:.2f}x (k={m['best_k']}; plain step "
-                         f"{m['plain_step_s'] * 1e3:.1f} ms, that step {m['step_s'] * 1e3:.1f} ms)")
+            lines.append(
+                f"- {name}: at most {m['max_speedup']:.2f}x (k={m['best_k']}; plain step "
+                f"{m['plain_step_s'] * 1e3:.1f} ms, that step {m['step_s'] * 1e3:.1f} ms)"
+            )
     return "\n".join(lines) + "\n"

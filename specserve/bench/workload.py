@@ -23,8 +23,10 @@ from specserve.bench import suites
 from specserve.errors import ConfigError
 from specserve.tokenizer import Tokenizer
 
-SONNET_INSTRUCTION = ("Randomly stream lines from the following text with {num_output_tokens} output tokens. "
-                      "Don't generate eos tokens:\n\n")
+SONNET_INSTRUCTION = (
+    "Randomly stream lines from the following text with {num_output_tokens} output tokens. "
+    "Don't generate eos tokens:\n\n"
+)
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,14 @@ def _prompt_of_line(line: str, path: Path, number: int, api: str) -> Prompt:
             raise ConfigError(f"{where}: {fix}")
         return Prompt(name, text=entry["prompt"], max_tokens=max_tokens)
     messages = entry["messages"]
-    if not (isinstance(messages, list) and messages and all(
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
+            for m in messages
+        )
+    ):
         raise ConfigError(f"{where}: {fix}")
     if api == "completions":
         raise ConfigError(f"{where} has messages, which the completions API cannot send; drop --api completions")
@@ -122,12 +129,23 @@ def sample_length(rng: random.Random, mean: int, stddev: int) -> int:
             return length
 
 
-def build_requests(workload: Workload, num_requests: int, lengths: Lengths, *, api: str, model: str,
-                   sampling_params: dict[str, Any], tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
+def build_requests(
+    workload: Workload,
+    num_requests: int,
+    lengths: Lengths,
+    *,
+    api: str,
+    model: str,
+    sampling_params: dict[str, Any],
+    tokenizer: Tokenizer | None,
+    seed: int,
+) -> list[BenchRequest]:
     rng = random.Random(f"{seed}:{workload.name}")
     if not workload.prompts and tokenizer is None:
-        raise ConfigError("the sonnet test case counts prompt tokens with a tokenizer; pass --tokenizer "
-                          "(a catalogue name or a folder with tokenizer.json)")
+        raise ConfigError(
+            "the sonnet test case counts prompt tokens with a tokenizer; pass --tokenizer "
+            "(a catalogue name or a folder with tokenizer.json)"
+        )
     order = _prompt_order(workload.prompts, num_requests, rng)
     prefix = shared_prefix(lengths.shared_prefix_tokens, tokenizer, seed)
     requests = []
@@ -138,8 +156,12 @@ def build_requests(workload: Workload, num_requests: int, lengths: Lengths, *, a
         else:
             num_input_tokens = sample_length(rng, lengths.mean_input_tokens, lengths.stddev_input_tokens)
             prompt = Prompt(suites.SONNET, text=sonnet_prompt(rng, num_input_tokens, num_output_tokens, tokenizer))
-        body = {"model": model, **_prompt_fields(prompt, api, prefix),
-                "max_tokens": prompt.max_tokens or num_output_tokens, **sampling_params}
+        body = {
+            "model": model,
+            **_prompt_fields(prompt, api, prefix),
+            "max_tokens": prompt.max_tokens or num_output_tokens,
+            **sampling_params,
+        }
         count = None if tokenizer is None else count_prompt_tokens(tokenizer, body)
         requests.append(BenchRequest(index, prompt.name, body, count))
     return requests
@@ -160,8 +182,10 @@ def shared_prefix(num_tokens: int, tokenizer: Tokenizer | None, seed: int) -> st
     if num_tokens == 0:
         return ""
     if tokenizer is None:
-        raise ConfigError("--shared-prefix-tokens counts its tokens with a tokenizer; pass --tokenizer "
-                          "(a catalogue name or a folder with tokenizer.json)")
+        raise ConfigError(
+            "--shared-prefix-tokens counts its tokens with a tokenizer; pass --tokenizer "
+            "(a catalogue name or a folder with tokenizer.json)"
+        )
     return sonnet_text(random.Random(f"{seed}:shared-prefix"), num_tokens, tokenizer)
 
 

@@ -68,8 +68,10 @@ def build_engine(
     if prefix_cache_space is not None:
         max_tokens = int(prefix_cache_space * 2**30) // sum(bytes_per_position(d.config, d.dtype) for d in decoders)
         if max_tokens < BLOCK:
-            raise ConfigError(f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "
-                              f"{model!r}; give room for at least {BLOCK}")
+            raise ConfigError(
+                f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "
+                f"{model!r}; give room for at least {BLOCK}"
+            )
         prefix_cache = PrefixCache(max_tokens)
         if isinstance(proposer, DraftModelProposer):
             proposer.prefix_cache = PrefixCache(max_tokens)

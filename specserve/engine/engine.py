@@ -141,9 +141,7 @@ class Engine:
         if bad:
             raise ConfigError(f"token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
 
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
-    ) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
         """Validate a request and queue it; it joins the batch at a later step."""
         self.check_request(prompt_ids, params)
         stops = frozenset(params.stop_token_ids)
@@ -188,8 +186,12 @@ class Engine:
         adaptable = [i for i, s in enumerate(decoding) if may_adapt(s)]
         if self.adaptive is not None and adaptable:
             seqs = [decoding[i] for i in adaptable]
-            chosen = self.adaptive.choose([s.seq_id for s in seqs], [self.proposer.backlog(s) for s in seqs],
-                                          [s.remaining_tokens for s in seqs], others=len(self.running) - len(seqs))
+            chosen = self.adaptive.choose(
+                [s.seq_id for s in seqs],
+                [self.proposer.backlog(s) for s in seqs],
+                [s.remaining_tokens for s in seqs],
+                others=len(self.running) - len(seqs),
+            )
             for i, k in zip(adaptable, chosen):
                 ks[i] = k
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
@@ -239,8 +241,9 @@ class Engine:
         # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks).
         adaptable = [i for i in found if may_adapt(decoding[i])]
         if self.adaptive is not None and adaptable:
-            ks = self.adaptive.lookup_ks([decoding[i].seq_id for i in adaptable],
-                                         [found[i].num_tokens for i in adaptable], len(decoding))
+            ks = self.adaptive.lookup_ks(
+                [decoding[i].seq_id for i in adaptable], [found[i].num_tokens for i in adaptable], len(decoding)
+            )
             for i, k in zip(adaptable, ks):
                 if k:
                     found[i] = Draft(found[i].tokens[:k])
@@ -296,8 +299,11 @@ class Engine:
         proposed = [drafting[i] for i in rest]
         drafts = self._propose(proposed, [wanted[i] for i in rest])
         plain = [s for s in decoding if s not in speculating]
-        drafted = [*zip(proposed, drafts), *((speculating[i], d) for i, d in looked_up.items()),
-                   *((s, Draft.empty()) for s in plain)]
+        drafted = [
+            *zip(proposed, drafts),
+            *((speculating[i], d) for i, d in looked_up.items()),
+            *((s, Draft.empty()) for s in plain),
+        ]
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
         budget = self.prefill_chunk_size
@@ -307,15 +313,21 @@ class Engine:
                 continue
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                seq.num_cached_tokens += self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
+                seq.num_cached_tokens += self.prefix_cache.load(
+                    seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live
+                )
             start = seq.cache.length
             chunk = seq.token_ids[start : start + budget]
             if not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
                 continue
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
-        return (work, [drafting[i] for i in in_one_call], [wanted[i] for i in in_one_call],
-                {speculating[i].seq_id for i in looked_up} | {s.seq_id for s in plain})
+        return (
+            work,
+            [drafting[i] for i in in_one_call],
+            [wanted[i] for i in in_one_call],
+            {speculating[i].seq_id for i in looked_up} | {s.seq_id for s in plain},
+        )
 
     def step(self) -> list[Sequence]:
         """Advance the batch by one step; return the sequences that got new tokens, and
@@ -373,8 +385,9 @@ class Engine:
         capture = None if features is None else features.new_capture()
         fed = [FedRows(w.seq.seq_id, w.seq.cache.length, len(w.tokens)) for w in work]  # before the caches move
         started = time.perf_counter()
-        logits = self.target(flat, segments, torch.tensor(rows, dtype=torch.int64, device=device),
-                             capture=capture)  # [R, V]
+        logits = self.target(
+            flat, segments, torch.tensor(rows, dtype=torch.int64, device=device), capture=capture
+        )  # [R, V]
         # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
         # also where the step's work is waited for, so the timing below includes it.
         argmax = logits.argmax(dim=-1).tolist()  # [R]

@@ -17,8 +17,13 @@ from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextOutput:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 stop_token_ids: Collection[int] = ()):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        stop_token_ids: Collection[int] = (),
+    ):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stop = tuple(s for s in stop if s)
         self._hold_back = max((len(s) for s in self._stop), default=1) - 1

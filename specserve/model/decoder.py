@@ -85,9 +85,7 @@ class PackedLinear(nn.Module):
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
         return (
-            dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch._C._nn, "mkldnn_linear")
+            dtype == torch.float32 and torch.backends.mkldnn.is_available() and hasattr(torch._C._nn, "mkldnn_linear")
         )
 
     # torch.compile cannot trace oneDNN's tensors: under it, this call runs as it is.
@@ -276,8 +274,11 @@ def batched_grouped_attention(
     batch, heads, n, head_dim = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    grouped_mask = None if mask is None else (
-        mask[:, None, None].expand(batch, 1, group, n, length).reshape(batch, 1, group * n, length))
+    grouped_mask = (
+        None
+        if mask is None
+        else (mask[:, None, None].expand(batch, 1, group, n, length).reshape(batch, 1, group * n, length))
+    )
     out = F.scaled_dot_product_attention(
         q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=grouped_mask
     )  # [B, kv_heads, group * n, head_dim]
@@ -346,11 +347,14 @@ class Attention(nn.Module):
         q_norm = None if self.q_norm is None else self.q_norm.weight  # [head_dim] (qk_norm models)
         k_norm = None if self.k_norm is None else self.k_norm.weight
         if (
-            one_at_a_time and native.supports_decode_attention(qkv, cache_k)
+            one_at_a_time
+            and native.supports_decode_attention(qkv, cache_k)
             and all(w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm))
         ):  # RoPE, cache writes and attention in one call
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            return native.decode_attention(qkv, cos, rotated_sin, q_norm, k_norm, eps, cache_k, cache_v, start, self.num_heads)
+            return native.decode_attention(
+                qkv, cos, rotated_sin, q_norm, k_norm, eps, cache_k, cache_v, start, self.num_heads
+            )
 
         q, k, v = self.rotated_qkv(qkv, cos, rotated_sin)  # [n, heads or kv_heads, head_dim]
         cache_k[:, start:end] = k.transpose(0, 1)
@@ -556,7 +560,9 @@ class Decoder(nn.Module):
             raise ConfigError(f"draft_vocab_size must be >= 1, got {num_token_ids}")
         if self.common is not None and self.common[0] == num_token_ids:
             return
-        self.common = (num_token_ids, first_rows(self.lm_head, num_token_ids)) if num_token_ids < self.head_size else None
+        self.common = (
+            (num_token_ids, first_rows(self.lm_head, num_token_ids)) if num_token_ids < self.head_size else None
+        )
         self.__dict__.pop("_in_c_common", None)  # described with the old head
 
     def use_torch_compile(self) -> None:
@@ -632,13 +638,19 @@ class Decoder(nn.Module):
 
     def _describe_in_c(self, head: nn.Module, head_size: int) -> native.ModelInC | None:
         config = self.config
-        if (self.dtype != torch.bfloat16 or self.device.type != "cpu" or native.library() is None
-                or config.head_dim % 16 or config.head_dim > 256):
+        if (
+            self.dtype != torch.bfloat16
+            or self.device.type != "cpu"
+            or native.library() is None
+            or config.head_dim % 16
+            or config.head_dim > 256
+        ):
             return None
 
         def on_our_kernels(layer: nn.Module) -> bool:  # int4/int8, or bfloat16 (decode_blocks takes no float32)
             return (isinstance(layer, QuantizedLinear) and layer.native) or (
-                isinstance(layer, FloatLinear) and layer.weight.dtype == torch.bfloat16)
+                isinstance(layer, FloatLinear) and layer.weight.dtype == torch.bfloat16
+            )
 
         blocks = []
         for block in self.layers:
@@ -652,8 +664,15 @@ class Decoder(nn.Module):
             blocks.append(native.BlockWeights(*[None if n is None else n.weight for n in norms], *projections))
         if not (on_our_kernels(head) and self.norm.weight.dtype == torch.bfloat16):
             return None
-        shape = native.ModelShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                  config.intermediate_size, head_size, config.rms_norm_eps)
+        shape = native.ModelShape(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            head_size,
+            config.rms_norm_eps,
+        )
         return native.ModelInC(blocks, self.embed_tokens.weight, self.norm.weight, head, shape)
 
     def pack_linear_weights(self) -> None:
@@ -685,9 +704,7 @@ class Decoder(nn.Module):
         self.batch_invariant = True
 
     @classmethod
-    def from_hf_weights(
-        cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
-    ) -> Decoder:
+    def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
         """Build the decoder around Hugging Face-named weights, with no random init."""
         with torch.device("meta"):
             model = cls(config)
@@ -709,13 +726,9 @@ class Decoder(nn.Module):
 
         for i in range(self.config.num_layers):
             attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [take(f"{attn}.{p}_proj.weight") for p in "qkv"]
-            )
+            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([take(f"{attn}.{p}_proj.weight") for p in "qkv"])
             if self.config.architecture.attention_bias:
-                fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [take(f"{attn}.{p}_proj.bias") for p in "qkv"]
-                )
+                fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([take(f"{attn}.{p}_proj.bias") for p in "qkv"])
             fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
                 [take(f"{mlp}.gate_proj.weight"), take(f"{mlp}.up_proj.weight")]
             )
@@ -731,8 +744,7 @@ class Decoder(nn.Module):
         for name, tensor in fused.items():
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ModelLoadError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the config implies {tuple(own[name].shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(own[name].shape)}"
                 )
             fused[name] = tensor.to(dtype).contiguous()
         self.load_state_dict(fused, strict=not tied, assign=True)

@@ -37,8 +37,7 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"--device {name}: PyTorch sees no CUDA GPU here (a CPU-only torch build, or no driver); "
-            "use --device cpu"
+            f"--device {name}: PyTorch sees no CUDA GPU here (a CPU-only torch build, or no driver); use --device cpu"
         )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
@@ -55,7 +54,9 @@ def check_device_format(device: torch.device, quantization: str, batch_invariant
             "--quantization none (bfloat16 weights), or --device cpu"
         )
     if batch_invariant:
-        raise ConfigError(f"--batch-invariant is made for the CPU kernels only; drop it on {device}, or use --device cpu")
+        raise ConfigError(
+            f"--batch-invariant is made for the CPU kernels only; drop it on {device}, or use --device cpu"
+        )
 
 
 def default_dtype(device: torch.device, quantization: str) -> torch.dtype:

@@ -16,8 +16,7 @@ from typing import Any
 from specserve.errors import ModelLoadError
 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-                        10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def read_gguf_header(path: str | Path, key_prefix: str = "") -> dict[str, Any]:
@@ -49,7 +48,7 @@ class _GGUFHeader:
     def _string(self, keep: bool = True) -> str | None:
         (length,) = self._unpack("Q")
         start, self.offset = self.offset, self.offset + length
-        return self.data[start:self.offset].decode("utf-8") if keep else None
+        return self.data[start : self.offset].decode("utf-8") if keep else None
 
     def _value(self, value_type: int, keep: bool) -> Any:
         if value_type == _GGUF_STRING:

@@ -54,9 +54,7 @@ def open_gguf(path: str | Path):
 def config_from_header(fields: dict[str, Any], num_vocab_rows: int) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; specserve runs {sorted(ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; specserve runs {sorted(ARCHITECTURES)}")
 
     def key(name: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{name}", default)
@@ -104,11 +102,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     head_dim = rows // num_heads
     trailing = weight.shape[1:]
-    return (
-        weight.reshape(num_heads, head_dim // 2, 2, *trailing)
-        .transpose(1, 2)
-        .reshape(rows, *trailing)
-    )
+    return weight.reshape(num_heads, head_dim // 2, 2, *trailing).transpose(1, 2).reshape(rows, *trailing)
 
 
 def dequantized_tensors(reader) -> Iterator[tuple[str, np.ndarray]]:

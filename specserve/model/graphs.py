@@ -71,7 +71,9 @@ def static_forward(
     visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
     h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
     for i, block in enumerate(decoder.layers):
-        q, k, v = block.self_attn.rotated_qkv(block.project_qkv(h), cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
+        q, k, v = block.self_attn.rotated_qkv(
+            block.project_qkv(h), cos, rotated_sin
+        )  # [B n, heads or kv_heads, head_dim]
         layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
         layer_keys[row_slots, :, row_positions] = k
         layer_values[row_slots, :, row_positions] = v
@@ -95,8 +97,9 @@ class _Step:
 
         def forward() -> torch.Tensor:
             starts, slots, lengths = self.index
-            return static_forward(static.decoder, static.pool, static.rope, self.input_ids, starts, slots, lengths,
-                                  bucket, self.scratch)
+            return static_forward(
+                static.decoder, static.pool, static.rope, self.input_ids, starts, slots, lengths, bucket, self.scratch
+            )
 
         self.forward: Callable[[], torch.Tensor] = forward
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -117,9 +120,16 @@ class _Step:
             offset += length
         sources += [0] * (rows * padding)
         host = torch.tensor(
-            [s.cache.length for s in segments] + [0] * padding
-            + [s.cache.slot for s in segments] + [self.scratch] * padding
-            + lengths + [0] * padding + sources + outputs, dtype=torch.int64, device="cpu",
+            [s.cache.length for s in segments]
+            + [0] * padding
+            + [s.cache.slot for s in segments]
+            + [self.scratch] * padding
+            + lengths
+            + [0] * padding
+            + sources
+            + outputs,
+            dtype=torch.int64,
+            device="cpu",
         )
         moved = host.to(self.index.device)  # one copy to the device
         self.index.copy_(moved[: 3 * batch].view(3, batch))
@@ -163,8 +173,9 @@ class StaticDecode:
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
         pool, 1 to MAX_GRAPH_ROWS new tokens each."""
-        return bool(segments) and all(s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS
-                                      for s in segments)
+        return bool(segments) and all(
+            s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS for s in segments
+        )
 
     def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """input_ids [T] -> logits [T, head_size] float32 (see `handles`); the caches'

@@ -55,8 +55,13 @@ def _movable(tensor: torch.Tensor | None) -> bool:
     # Small tensors too: a norm's weight read from a safetensors file is a view of the
     # file's mapping, and one such view keeps all of it mapped (6.9 GB of page cache
     # beside the copies, for the float32 1.5B target).
-    return (tensor is not None and tensor.device.type == "cpu" and tensor.layout == torch.strided
-            and not tensor.is_mkldnn and tensor.is_contiguous())
+    return (
+        tensor is not None
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_mkldnn
+        and tensor.is_contiguous()
+    )
 
 
 def _place(tensor: torch.Tensor) -> tuple:

@@ -54,7 +54,9 @@ class CachePool:
 
     def acquire(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.scratch} KV cache slots are taken: more sequences run than the pool was made for")
+            raise RuntimeError(
+                f"all {self.scratch} KV cache slots are taken: more sequences run than the pool was made for"
+            )
         return self._free.pop()
 
     def release(self, slot: int) -> None:
@@ -62,8 +64,14 @@ class CachePool:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, capacity: int = 128,
-                 pool: CachePool | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = 128,
+        pool: CachePool | None = None,
+    ):
         self.pool, self.slot = pool, None
         self.length = 0
         if pool is not None:  # storage comes with the slot, at the first reserve
@@ -86,7 +94,10 @@ class KVCache:
                 )
             if self.slot is None:
                 self.slot = self.pool.acquire()
-                self.keys, self.values = self.pool.keys[self.slot], self.pool.values[self.slot]  # [L, kv_heads, capacity, head_dim]
+                self.keys, self.values = (
+                    self.pool.keys[self.slot],
+                    self.pool.values[self.slot],
+                )  # [L, kv_heads, capacity, head_dim]
             return
         if length <= self.capacity:
             return

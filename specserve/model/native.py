@@ -49,8 +49,17 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's elementwise ops
 # (RoPE in decode_attention.c reproduces them); FMAs are written where wanted.
 COMPILE_FLAGS = (
-    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off", "-fopenmp",
-    "-shared", "-fPIC",
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512vnni",
+    "-mavx512bf16",
+    "-mfma",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
 )
 
 
@@ -140,40 +149,83 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
-        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, gated, x, T, K
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
-        ctypes.c_int, ctypes.c_void_p,  # N, y
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,  # bits, gated, x, T, K
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # weights, scale, zero, bias
+        ctypes.c_int,
+        ctypes.c_void_p,  # N, y
     ]
     lib.float_matmul.restype = None
     lib.float_matmul.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
     ]  # x, T, K, weights, bias, N, y
     lib.bf16_matmul.restype = ctypes.c_int
     lib.bf16_matmul.argtypes = [
-        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
     ]  # dot, gated, x, T, K, weights, bias, N, y
     lib.bf16_dot_available.restype = ctypes.c_int
     lib.bf16_dot_available.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_void_p,
     ]  # x, weight, T, D, eps, out
     lib.decode_blocks.restype = ctypes.c_int
     lib.decode_blocks.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
     ]  # model, cos, rotated_sin, h, T, segments, number of segments
     lib.speculate_greedy.restype = ctypes.c_int
     lib.speculate_greedy.argtypes = [
-        *[ctypes.c_void_p] * 7, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+        *[ctypes.c_void_p] * 7,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_void_p,
     ]  # draft, its cos and rotated_sin, target, its cos and rotated_sin, sequences, count, threshold, seconds
     lib.dot_peak.restype = ctypes.c_double
     lib.dot_peak.argtypes = [ctypes.c_int, ctypes.c_double]  # kind (DOT_KINDS), seconds
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,  # q_norm, k_norm, eps
-        ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 7, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # qkv, row, cos, rotated_sin
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_float,  # q_norm, k_norm, eps
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        *[ctypes.c_int] * 7,
+        ctypes.c_void_p,
     ]  # keys, values, n, heads, kv_heads, D, capacity, start, bf16, out
     return lib
 
@@ -192,9 +244,7 @@ def activation_order(in_features: int) -> torch.Tensor:
     return order
 
 
-def pack_int4(
-    qweight: torch.Tensor, scales_and_zeros: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our int4 format (qweight [N, K/2] uint8, even input in the low nibble;
     scales_and_zeros [K/32, N, 2] bfloat16) -> the kernel's weights [N, K/2] uint8,
     scale [N, K/32] and zero [N, K/32] bfloat16 (see the C file for the order)."""
@@ -226,8 +276,13 @@ def supports(in_features: int) -> bool:
 
 
 def quantized_matmul(
-    bits: int, x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
-    zero: torch.Tensor | None, bias: torch.Tensor | None, gated: bool = False,
+    bits: int,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [T, K] bfloat16 -> [T, N] bfloat16 with weights [N, ...] from `pack_int4` or
     `pack_int8`; gated: -> [T, N/2] silu(gate) * up, the first N/2 rows being the gate's."""
@@ -240,9 +295,17 @@ def quantized_matmul(
     if rows == 0:
         return y
     status = lib.quantized_matmul(
-        bits, int(gated), x.data_ptr(), rows, in_features, weights.data_ptr(), scale.data_ptr(),
-        None if zero is None else zero.data_ptr(), None if bias is None else bias.data_ptr(),
-        out_features, y.data_ptr(),
+        bits,
+        int(gated),
+        x.data_ptr(),
+        rows,
+        in_features,
+        weights.data_ptr(),
+        scale.data_ptr(),
+        None if zero is None else zero.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out_features,
+        y.data_ptr(),
     )
     if status != 0:
         raise MemoryError("quantized_matmul could not allocate its activation buffers")
@@ -258,7 +321,10 @@ def has_bf16_dot() -> bool:
 
 
 def float_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool = False,
     bf16_dot: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N]: x weight^T + bias, with weight [N, K] and bias [N]
@@ -278,12 +344,22 @@ def float_matmul(
         return y
     bias_pointer = None if bias is None else bias.data_ptr()
     if x.dtype == torch.float32:
-        lib.float_matmul(rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(), bias_pointer,
-                         out_features, y.data_ptr())
+        lib.float_matmul(
+            rows.data_ptr(), rows.shape[0], in_features, weight.data_ptr(), bias_pointer, out_features, y.data_ptr()
+        )
     else:
         dot = has_bf16_dot() if bf16_dot is None else bf16_dot
-        status = lib.bf16_matmul(int(dot), int(gated), rows.data_ptr(), rows.shape[0], in_features,
-                                 weight.data_ptr(), bias_pointer, out_features, y.data_ptr())
+        status = lib.bf16_matmul(
+            int(dot),
+            int(gated),
+            rows.data_ptr(),
+            rows.shape[0],
+            in_features,
+            weight.data_ptr(),
+            bias_pointer,
+            out_features,
+            y.data_ptr(),
+        )
         if status != 0:
             raise MemoryError("bf16_matmul could not allocate its buffers")
     return y
@@ -321,15 +397,28 @@ def supports_decode_attention(qkv: torch.Tensor, keys: torch.Tensor) -> bool:
     qkv contiguous, a head size of 16..256 in steps of 16, one layer's contiguous cache."""
     head_dim = keys.shape[-1]
     return (
-        qkv.dtype in (torch.float32, torch.bfloat16) and keys.dtype == qkv.dtype and qkv.is_cpu
-        and qkv.stride(-1) == 1 and head_dim % 16 == 0 and head_dim <= 256 and keys.is_contiguous()
+        qkv.dtype in (torch.float32, torch.bfloat16)
+        and keys.dtype == qkv.dtype
+        and qkv.is_cpu
+        and qkv.stride(-1) == 1
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and keys.is_contiguous()
         and library() is not None
     )
 
 
 def decode_attention(
-    qkv: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor, q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None, eps: float, keys: torch.Tensor, values: torch.Tensor, start: int, heads: int,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    rotated_sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    heads: int,
 ) -> torch.Tensor:
     """New tokens attending one at a time, with their RoPE and cache writes (see the C file).
 
@@ -345,10 +434,23 @@ def decode_attention(
     cos, rotated_sin = cos.contiguous(), rotated_sin.contiguous()
     out = qkv.new_empty(n, heads * dim)
     status = lib.decode_attention(
-        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), rotated_sin.data_ptr(),
-        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
-        keys.data_ptr(), values.data_ptr(), n, heads, kv_heads, dim, capacity, start,
-        int(qkv.dtype == torch.bfloat16), out.data_ptr(),
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        rotated_sin.data_ptr(),
+        None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(),
+        eps,
+        keys.data_ptr(),
+        values.data_ptr(),
+        n,
+        heads,
+        kv_heads,
+        dim,
+        capacity,
+        start,
+        int(qkv.dtype == torch.bfloat16),
+        out.data_ptr(),
     )
     if status != 0:
         raise MemoryError("decode_attention could not allocate its score buffer")
@@ -356,33 +458,63 @@ def decode_attention(
 
 
 class _Linear(ctypes.Structure):  # struct quantized_linear in kernels.h
-    _fields_ = [("weights", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("bits", ctypes.c_int), ("in_features", ctypes.c_int),
-                ("out_features", ctypes.c_int)]
+    _fields_ = [
+        ("weights", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("bits", ctypes.c_int),
+        ("in_features", ctypes.c_int),
+        ("out_features", ctypes.c_int),
+    ]
 
 
 class _Block(ctypes.Structure):  # struct block
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 class _Model(ctypes.Structure):  # struct model
-    _fields_ = [("blocks", ctypes.c_void_p), *[(name, ctypes.c_int) for name in (
-                    "num_layers", "hidden", "heads", "kv_heads", "D", "intermediate", "vocab")],
-                ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("head", _Linear)]
+    _fields_ = [
+        ("blocks", ctypes.c_void_p),
+        *[(name, ctypes.c_int) for name in ("num_layers", "hidden", "heads", "kv_heads", "D", "intermediate", "vocab")],
+        ("eps", ctypes.c_float),
+        ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("head", _Linear),
+    ]
 
 
 class _Segment(ctypes.Structure):  # struct segment
-    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("n", ctypes.c_int),
-                ("capacity", ctypes.c_int), ("start", ctypes.c_int)]
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("capacity", ctypes.c_int),
+        ("start", ctypes.c_int),
+    ]
 
 
 class _Sequence(ctypes.Structure):  # struct sequence in speculate.c
-    _fields_ = [("draft", _Segment), ("target", _Segment), ("unseen", ctypes.c_void_p), ("num_unseen", ctypes.c_int),
-                ("newest", ctypes.c_int64), ("max_drafts", ctypes.c_int), ("drafted", ctypes.c_void_p),
-                ("num_drafted", ctypes.c_int), ("target_argmax", ctypes.c_void_p)]
+    _fields_ = [
+        ("draft", _Segment),
+        ("target", _Segment),
+        ("unseen", ctypes.c_void_p),
+        ("num_unseen", ctypes.c_int),
+        ("newest", ctypes.c_int64),
+        ("max_drafts", ctypes.c_int),
+        ("drafted", ctypes.c_void_p),
+        ("num_drafted", ctypes.c_int),
+        ("target_argmax", ctypes.c_void_p),
+    ]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -394,8 +526,15 @@ def _linear(layer: Any) -> _Linear:
     if not hasattr(layer, "bits"):
         out_features, in_features = layer.weight.shape
         return _Linear(layer.weight.data_ptr(), None, None, _pointer(layer.bias), 16, in_features, out_features)
-    return _Linear(layer.weight.data_ptr(), _pointer(layer.scales), _pointer(layer.zeros), _pointer(layer.bias),
-                   layer.bits, layer.in_features, layer.out_features)
+    return _Linear(
+        layer.weight.data_ptr(),
+        _pointer(layer.scales),
+        _pointer(layer.zeros),
+        _pointer(layer.bias),
+        layer.bits,
+        layer.in_features,
+        layer.out_features,
+    )
 
 
 @dataclass(frozen=True)
@@ -433,21 +572,44 @@ class ModelInC:
     The description holds raw pointers: the tensors must stay where they are (the
     decoder keeps them; its weights are never moved after loading)."""
 
-    def __init__(self, blocks: list[BlockWeights], embed: torch.Tensor, final_norm: torch.Tensor, head: Any,
-                 shape: ModelShape):
+    def __init__(
+        self, blocks: list[BlockWeights], embed: torch.Tensor, final_norm: torch.Tensor, head: Any, shape: ModelShape
+    ):
         self._tensors = (blocks, embed, final_norm, head)  # keeps them alive
-        self._blocks = (_Block * len(blocks))(*[
-            _Block(_pointer(b.input_norm), _pointer(b.post_attention_norm), _pointer(b.q_norm), _pointer(b.k_norm),
-                   *[_linear(layer) for layer in (b.qkv, b.o, b.gate_up, b.down)])
-            for b in blocks
-        ])
+        self._blocks = (_Block * len(blocks))(
+            *[
+                _Block(
+                    _pointer(b.input_norm),
+                    _pointer(b.post_attention_norm),
+                    _pointer(b.q_norm),
+                    _pointer(b.k_norm),
+                    *[_linear(layer) for layer in (b.qkv, b.o, b.gate_up, b.down)],
+                )
+                for b in blocks
+            ]
+        )
         self.described = _Model(
-            ctypes.addressof(self._blocks), len(blocks), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-            shape.intermediate, shape.vocab, shape.eps, embed.data_ptr(), final_norm.data_ptr(), _linear(head),
+            ctypes.addressof(self._blocks),
+            len(blocks),
+            shape.hidden,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.intermediate,
+            shape.vocab,
+            shape.eps,
+            embed.data_ptr(),
+            final_norm.data_ptr(),
+            _linear(head),
         )
 
-    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   segments: list[tuple[torch.Tensor, torch.Tensor, int, int]], layers: range | None = None) -> None:
+    def run_blocks(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+        layers: range | None = None,
+    ) -> None:
         """h [T, hidden] bfloat16, updated in place; rope: the (cos, rotated_sin) tables
         [positions, head_dim] (`Decoder.rope_table`); segments: (keys, values, new tokens,
         start) per sequence, covering h's rows in order, keys and values [layers,
@@ -461,12 +623,21 @@ class ModelInC:
             model = _Model(*[getattr(self.described, name) for name, _ in _Model._fields_])
             model.blocks += layers.start * ctypes.sizeof(_Block)
             model.num_layers = len(layers)
-        described = (_Segment * len(segments))(*[
-            _Segment(keys[layers.start].data_ptr(), values[layers.start].data_ptr(), n, keys.shape[2], start)
-            for keys, values, n, start in segments
-        ])
-        status = lib.decode_blocks(ctypes.byref(model), rope[0].data_ptr(), rope[1].data_ptr(), h.data_ptr(),
-                                   h.shape[0], described, len(segments))
+        described = (_Segment * len(segments))(
+            *[
+                _Segment(keys[layers.start].data_ptr(), values[layers.start].data_ptr(), n, keys.shape[2], start)
+                for keys, values, n, start in segments
+            ]
+        )
+        status = lib.decode_blocks(
+            ctypes.byref(model),
+            rope[0].data_ptr(),
+            rope[1].data_ptr(),
+            h.data_ptr(),
+            h.shape[0],
+            described,
+            len(segments),
+        )
         if status != 0:
             raise MemoryError("decode_blocks could not allocate its buffers")
 
@@ -488,9 +659,13 @@ class GreedySpeculation:
     target_argmax: list[int] = field(default_factory=list)
 
 
-def speculate_greedy(draft: ModelInC, draft_rope: tuple[torch.Tensor, torch.Tensor],
-                     target: tuple[ModelInC, tuple[torch.Tensor, torch.Tensor]] | None,
-                     seqs: list[GreedySpeculation], confidence_threshold: float) -> tuple[float, float]:
+def speculate_greedy(
+    draft: ModelInC,
+    draft_rope: tuple[torch.Tensor, torch.Tensor],
+    target: tuple[ModelInC, tuple[torch.Tensor, torch.Tensor]] | None,
+    seqs: list[GreedySpeculation],
+    confidence_threshold: float,
+) -> tuple[float, float]:
     """Draft greedily for every sequence, then verify with `target` (model and RoPE
     tables) when given; see kernels/speculate.c. Fills each sequence's outputs and
     returns the seconds spent drafting and verifying."""
@@ -519,9 +694,16 @@ def speculate_greedy(draft: ModelInC, draft_rope: tuple[torch.Tensor, torch.Tens
     seconds = (ctypes.c_double * 2)()
     target_model, target_rope = target if target is not None else (None, (None, None))
     status = lib.speculate_greedy(
-        ctypes.byref(draft.described), draft_rope[0].data_ptr(), draft_rope[1].data_ptr(),
+        ctypes.byref(draft.described),
+        draft_rope[0].data_ptr(),
+        draft_rope[1].data_ptr(),
         None if target_model is None else ctypes.byref(target_model.described),
-        _pointer(target_rope[0]), _pointer(target_rope[1]), described, len(seqs), confidence_threshold, seconds,
+        _pointer(target_rope[0]),
+        _pointer(target_rope[1]),
+        described,
+        len(seqs),
+        confidence_threshold,
+        seconds,
     )
     if status != 0:
         raise MemoryError("speculate_greedy could not allocate its buffers")

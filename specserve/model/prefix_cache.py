@@ -134,8 +134,9 @@ class PrefixCache:
         """The prefix `load` would extend a cache to (without copying or counting it)."""
         return self._longest(token_ids, limit, live)[1]
 
-    def load(self, token_ids: list[int], cache: KVCache, limit: int,
-             live: Iterable[tuple[list[int], KVCache]] = ()) -> int:
+    def load(
+        self, token_ids: list[int], cache: KVCache, limit: int, live: Iterable[tuple[list[int], KVCache]] = ()
+    ) -> int:
         """Extend `cache` (holding token_ids[: cache.length]) to the longest prefix of
         token_ids[:limit] that the store or a `live` source holds (a running sequence's
         tokens and cache: the positions it has computed); returns the positions copied
@@ -158,8 +159,9 @@ class PrefixCache:
         self.hit_tokens += length - start
         return length - start
 
-    def _longest(self, token_ids: list[int], limit: int,
-                 live: Iterable[tuple[list[int], KVCache]]) -> tuple[list[_Block] | KVCache, int]:
+    def _longest(
+        self, token_ids: list[int], limit: int, live: Iterable[tuple[list[int], KVCache]]
+    ) -> tuple[list[_Block] | KVCache, int]:
         """Where the longest prefix of token_ids[:limit] is held (stored blocks, maybe
         none, or a live cache), and its length."""
         token_ids = token_ids[:limit]
@@ -188,8 +190,11 @@ class PrefixCache:
         chain = self._find(token_ids[:length])
         for start in range(len(chain) * BLOCK, length, BLOCK):  # the blocks not stored yet
             end = start + BLOCK
-            block = _Block(_key_after(chain, token_ids[start:end]), cache.keys[:, :, start:end].clone(),
-                           cache.values[:, :, start:end].clone())
+            block = _Block(
+                _key_after(chain, token_ids[start:end]),
+                cache.keys[:, :, start:end].clone(),
+                cache.values[:, :, start:end].clone(),
+            )
             self._blocks[block.key] = block
             chain.append(block)
         self._touch(chain)

@@ -46,8 +46,7 @@ def check_quantization(quantization: str, dtype: torch.dtype) -> None:
         raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantization != "none" and dtype != QUANTIZED_ACTIVATION_DTYPE:
         raise ConfigError(
-            f"--quantization {quantization} runs with bfloat16 activations; "
-            "use --dtype bfloat16 or --dtype auto"
+            f"--quantization {quantization} runs with bfloat16 activations; use --dtype bfloat16 or --dtype auto"
         )
 
 

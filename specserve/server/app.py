@@ -82,8 +82,10 @@ def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any] | None:
     if outs[0].spec is None:
         return None
     total = sum((out.spec for out in outs), SpecStats()).to_dict()
-    return {k: total[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                  "acceptance_rate", "mean_acceptance_length")}
+    return {
+        k: total[k]
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length")
+    }
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -99,11 +101,17 @@ def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, QueueFullError):
-        return APIError(str(error), status=429, type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(error.retry_after_s)})
+        return APIError(
+            str(error),
+            status=429,
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(error.retry_after_s)},
+        )
     if isinstance(error, ShuttingDownError):  # closing the connection sends the client's retry elsewhere
-        return APIError(str(error), status=503, type="service_unavailable", code="shutting_down",
-                        headers={"Connection": "close"})
+        return APIError(
+            str(error), status=503, type="service_unavailable", code="shutting_down", headers={"Connection": "close"}
+        )
     if isinstance(error, SpecserveError):
         return APIError(str(error))
     if isinstance(error, EngineStepError):  # logged where it happened
@@ -111,8 +119,9 @@ def _as_api_error(error: Exception) -> APIError:
     # A bug: its text may hold internals (paths, shapes), so it goes to the log only.
     error_id = uuid.uuid4().hex[:12]
     log.error("internal error %s", error_id, exc_info=error)
-    return APIError(f"internal server error (id {error_id}); the server log has the details",
-                    status=500, type="internal_error")
+    return APIError(
+        f"internal server error (id {error_id}); the server log has the details", status=500, type="internal_error"
+    )
 
 
 async def _off_the_loop(function: Callable, *args: Any) -> Any:
@@ -124,6 +133,7 @@ async def _off_the_loop(function: Callable, *args: Any) -> Any:
 async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> bool:
     """Wait for `work` unless the client disconnects first; then cancel it (its
     `finally` aborts what runs in the engine) and return False."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -140,8 +150,13 @@ async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> 
     return False
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
-              lifespan: Callable | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    settings: ApiSettings,
+    lifespan: Callable | None = None,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     app = FastAPI(title="specserve", lifespan=lifespan)
 
     @app.exception_handler(APIError)
@@ -166,15 +181,23 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         if settings.api_key is not None and request.url.path.startswith("/v1"):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             # As bytes: compare_digest refuses str with non-ASCII characters.
-            given, key = token.strip().encode("utf-8", "surrogateescape"), settings.api_key.encode("utf-8", "surrogateescape")
+            given, key = (
+                token.strip().encode("utf-8", "surrogateescape"),
+                settings.api_key.encode("utf-8", "surrogateescape"),
+            )
             if scheme.lower() != "bearer" or not secrets.compare_digest(given, key):
-                return _error_response(APIError(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    status=401, code="invalid_api_key",
-                ))
+                return _error_response(
+                    APIError(
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                        status=401,
+                        code="invalid_api_key",
+                    )
+                )
         return await call_next(request)
 
-    app.add_middleware(WholeBody, max_bytes=MAX_BODY_BYTES, timeout_s=body_timeout_s)  # outermost: before any handler reads
+    app.add_middleware(
+        WholeBody, max_bytes=MAX_BODY_BYTES, timeout_s=body_timeout_s
+    )  # outermost: before any handler reads
 
     @app.get("/health")
     async def health() -> Response:
@@ -190,30 +213,51 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "specserve", "root": settings.served_model_name,
-            "max_model_len": settings.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "specserve",
+                    "root": settings.served_model_name,
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.served_model_name:
-            raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{settings.served_model_name!r}", status=404, param="model",
-                           type="not_found_error", code="model_not_found")
+            raise APIError(
+                f"the model {name!r} does not exist; this server serves {settings.served_model_name!r}",
+                status=404,
+                param="model",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
     def max_tokens_for(requested: int | None, num_prompt_tokens: int) -> int:
         # As vLLM: no max_tokens means the rest of the context.
         return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
 
-    async def run(body, http_request: Request, prompts: list[list[int]], arrival: float, head: dict[str, Any],
-                  make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
-                  make_response: Callable[[list[ChoiceResult]], dict[str, Any]]) -> Response:
+    async def run(
+        body,
+        http_request: Request,
+        prompts: list[list[int]],
+        arrival: float,
+        head: dict[str, Any],
+        make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
+        make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
+    ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n."""
         check_model(body.model)
         if len(prompts) * body.n > engine.max_unfinished:
-            raise APIError(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions, more than "
-                           f"this server holds at once ({engine.max_unfinished}); split the request", param="n")
+            raise APIError(
+                f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions, more than "
+                f"this server holds at once ({engine.max_unfinished}); split the request",
+                param="n",
+            )
         requests = []
         for prompt_ids in prompts:
             params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
@@ -272,13 +316,16 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         arrival = time.perf_counter()
         body.refuse_unsupported()
         given = body.prompt_list()
-        prompts = [await _off_the_loop(tokenizer.encode, p) if isinstance(p, str) else check_ids(list(p), "prompt")
-                   for p in given]
-        prompt_texts = [p if isinstance(p, str) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
-                        for p, ids in zip(given, prompts)]
+        prompts = [
+            await _off_the_loop(tokenizer.encode, p) if isinstance(p, str) else check_ids(list(p), "prompt")
+            for p in given
+        ]
+        prompt_texts = [
+            p if isinstance(p, str) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
+            for p, ids in zip(given, prompts)
+        ]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": request_id, "object": "text_completion", "created": created,
-                "model": settings.served_model_name}
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": settings.served_model_name}
         text_offsets = [0] * (len(prompts) * body.n)  # of each choice's next streamed token (no echo with logprobs)
 
         def choice(index: int, text: str, out: RequestOutput, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -293,8 +340,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             text = (echoed(index) if first else "") + out.text
-            if not text and not out.finished and not (body.logprobs is not None and out.logprobs) \
-                    and not (per_token and out.num_new_tokens):
+            if (
+                not text
+                and not out.finished
+                and not (body.logprobs is not None and out.logprobs)
+                and not (per_token and out.num_new_tokens)
+            ):
                 return None
             piece = {**head, "choices": [choice(index, text, out, out.logprobs)]}
             if out.finished:
@@ -303,9 +354,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]
-            return {**head, "choices": [choice(i, echoed(i) + "".join(r.text), r.last, r.logprobs)
-                                        for i, r in enumerate(results)],
-                    "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
+            return {
+                **head,
+                "choices": [choice(i, echoed(i) + "".join(r.text), r.last, r.logprobs) for i, r in enumerate(results)],
+                "usage": _usage(lasts, body.n),
+                "spec_decode": _spec_decode(lasts),
+            }
 
         return await run(body, http_request, prompts, arrival, head, chunk, response)
 
@@ -318,33 +372,54 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ApiSettings,
         except SpecserveError as e:
             raise APIError(str(e), param="messages") from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": settings.served_model_name}
+        head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": settings.served_model_name,
+        }
 
         def described(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
             return chat_logprobs(logprobs, tokenizer) if body.logprobs else None
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             with_logprobs = body.logprobs and out.logprobs
-            if not out.text and not out.finished and not first and not with_logprobs \
-                    and not (per_token and out.num_new_tokens):
+            if (
+                not out.text
+                and not out.finished
+                and not first
+                and not with_logprobs
+                and not (per_token and out.num_new_tokens)
+            ):
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if out.text or first or with_logprobs:
                 delta["content"] = out.text
-            piece = {**head, "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs),
-                                          **finish(out)}]}
+            piece = {
+                **head,
+                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **finish(out)}],
+            }
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]
-            return {**head, "object": "chat.completion",
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)},
-                                 "logprobs": described(r.logprobs), **finish(r.last)}
-                                for i, r in enumerate(results)],
-                    "usage": _usage(lasts, body.n), "spec_decode": _spec_decode(lasts)}
+            return {
+                **head,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": "".join(r.text)},
+                        "logprobs": described(r.logprobs),
+                        **finish(r.last),
+                    }
+                    for i, r in enumerate(results)
+                ],
+                "usage": _usage(lasts, body.n),
+                "spec_decode": _spec_decode(lasts),
+            }
 
         return await run(body, http_request, [prompt_ids], arrival, head, chunk, response)
 

@@ -123,8 +123,14 @@ class _Commands:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: ServerMetrics,
-                 max_queue_len: int = 64, log_interval_s: float = 10.0):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        metrics: ServerMetrics,
+        max_queue_len: int = 64,
+        log_interval_s: float = 10.0,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -150,8 +156,14 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._running
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, stop: Sequence[str] = (),
-                       arrival_time: float | None = None, per_token: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: Sequence[str] = (),
+        arrival_time: float | None = None,
+        per_token: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
         """Run one request; yield its outputs until the finished one: one per engine step
         (its several tokens under speculation), or with `per_token` one per token, in
         the same order and at the same moment. Stopping the iteration early (client
@@ -167,9 +179,13 @@ class AsyncEngine:
                 retry_after_s,
             )
         request = _Request(
-            prompt_ids=list(prompt_ids), params=params, stop=tuple(stop), per_token=per_token,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stop=tuple(stop),
+            per_token=per_token,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-            outputs=asyncio.Queue(), loop=asyncio.get_running_loop(),
+            outputs=asyncio.Queue(),
+            loop=asyncio.get_running_loop(),
         )
         self.num_unfinished += 1
         self._commands.put("add", request)
@@ -232,8 +248,10 @@ class AsyncEngine:
                 elif kind == "abort":
                     self._abort(request)
                 else:
-                    self._fail(list(self._requests.values()),
-                               ShuttingDownError("the server shut down before this request finished"))
+                    self._fail(
+                        list(self._requests.values()),
+                        ShuttingDownError("the server shut down before this request finished"),
+                    )
                     return
             if self.engine.has_unfinished():
                 self._step()
@@ -314,23 +332,26 @@ class AsyncEngine:
         spec = seq.spec.copy() if self.engine.proposer is not None else None
         for i, (piece, text) in enumerate(zip(pieces, texts)):
             last = i == len(texts) - 1
-            request.post(RequestOutput(
-                text=text,
-                num_new_tokens=piece.stop - piece.start,
-                finished=seq.finished and last,
-                finish_reason=seq.finish_reason if last else None,
-                stop_reason=request.text.stop_reason if last else None,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=num_sent + piece.stop,
-                num_cached_tokens=num_cached_tokens,
-                spec=spec,
-                logprobs=tuple(seq.logprobs[num_sent:][piece]),
-            ))
+            request.post(
+                RequestOutput(
+                    text=text,
+                    num_new_tokens=piece.stop - piece.start,
+                    finished=seq.finished and last,
+                    finish_reason=seq.finish_reason if last else None,
+                    stop_reason=request.text.stop_reason if last else None,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=num_sent + piece.stop,
+                    num_cached_tokens=num_cached_tokens,
+                    spec=spec,
+                    logprobs=tuple(seq.logprobs[num_sent:][piece]),
+                )
+            )
 
     def _record_finish(self, seq: EngineSequence) -> None:
         self._finish_times.append(time.perf_counter())
-        self.metrics.finished(seq.finish_reason or "abort", seq.timings()["e2e_s"],
-                              seq.num_prompt_tokens, seq.num_output_tokens)
+        self.metrics.finished(
+            seq.finish_reason or "abort", seq.timings()["e2e_s"], seq.num_prompt_tokens, seq.num_output_tokens
+        )
 
     def _fail(self, requests: list[_Request], error: Exception) -> None:
         """End these requests in the engine and answer each with `error`."""

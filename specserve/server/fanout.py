@@ -45,13 +45,21 @@ class ChoiceResult:
 class Fanout:
     """The merged outputs of several `AsyncEngine.generate` streams, one per choice."""
 
-    def __init__(self, engine: AsyncEngine, requests: Sequence[tuple[list[int], SamplingParams]],
-                 stop: Sequence[str], arrival: float, per_token: bool = False):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        stop: Sequence[str],
+        arrival: float,
+        per_token: bool = False,
+    ):
         self._queue: asyncio.Queue = asyncio.Queue()  # of (choice, RequestOutput or Exception)
         self._unfinished = len(requests)
         self._buffered: list[tuple[int, RequestOutput]] = []
-        self._tasks = [asyncio.create_task(self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token)))
-                       for i, (prompt_ids, params) in enumerate(requests)]
+        self._tasks = [
+            asyncio.create_task(self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token)))
+            for i, (prompt_ids, params) in enumerate(requests)
+        ]
 
     async def _pump(self, choice: int, outputs: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -24,18 +24,23 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer,
-                        text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer, text_offset: int = 0) -> dict[str, Any]:
     """The legacy `logprobs` object of these tokens, the first at text_offset."""
     tokens, offsets = [], []
     for entry in entries:
         offsets.append(text_offset)
         tokens.append(_text(tokenizer, entry.token_id))
         text_offset += len(tokens[-1])
-    top = [{**{_text(tokenizer, i): lp for i, lp in entry.top}, token: entry.logprob}
-           for token, entry in zip(tokens, entries)]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    top = [
+        {**{_text(tokenizer, i): lp for i, lp in entry.top}, token: entry.logprob}
+        for token, entry in zip(tokens, entries)
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
@@ -45,6 +50,9 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict
         raw = tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [{**described(e.token_id, e.logprob), "top_logprobs": [described(i, lp) for i, lp in e.top]}
-                        for e in entries],
-            "refusal": None}
+    return {
+        "content": [
+            {**described(e.token_id, e.logprob), "top_logprobs": [described(i, lp) for i, lp in e.top]} for e in entries
+        ],
+        "refusal": None,
+    }

@@ -18,10 +18,55 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from specserve.spec.stats import SpecStats
 
 PREFIX = "specserve:"
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISH_REASONS = ("stop", "length", "abort")
 
 log = logging.getLogger("specserve")
@@ -38,25 +83,41 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
-        self._running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.",
-                              labels, registry=self.registry).labels(model_name)
-        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to join the batch.",
-                              labels, registry=self.registry).labels(model_name)
-        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens (prefix-cached ones included).").labels(model_name)
+        self._running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", labels, registry=self.registry
+        ).labels(model_name)
+        self._waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to join the batch.", labels, registry=self.registry
+        ).labels(model_name)
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens (prefix-cached ones included).").labels(
+            model_name
+        )
         # As vLLM counts them (hit rate = hits / queries), with --enable-prefix-caching.
-        self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(model_name)
+        self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(
+            model_name
+        )
         self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(model_name)
         self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
         self._success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
         self._success_by_reason = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
-        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS).labels(model_name)
-        self._itl = histogram("inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS).labels(model_name)
-        self._e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS).labels(model_name)
-        self._prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.",
-                                     tuple(2.0 ** i for i in range(16))).labels(model_name)
-        self._output_len = histogram("request_generation_tokens", "Generated tokens per request.",
-                                     tuple(2.0 ** i for i in range(16))).labels(model_name)
-        self._num_drafts = counter("spec_decode_num_drafts", "Speculative steps that drafted tokens.").labels(model_name)
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS).labels(
+            model_name
+        )
+        self._itl = histogram("inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS).labels(
+            model_name
+        )
+        self._e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS).labels(
+            model_name
+        )
+        self._prompt_len = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", tuple(2.0**i for i in range(16))
+        ).labels(model_name)
+        self._output_len = histogram(
+            "request_generation_tokens", "Generated tokens per request.", tuple(2.0**i for i in range(16))
+        ).labels(model_name)
+        self._num_drafts = counter("spec_decode_num_drafts", "Speculative steps that drafted tokens.").labels(
+            model_name
+        )
         self._num_draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens.").labels(model_name)
         self._num_accepted = counter("spec_decode_num_accepted_tokens", "Accepted drafted tokens.").labels(model_name)
         self._accepted_per_pos = counter(
@@ -128,7 +189,10 @@ class StatLogger:
             log.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs",
-                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, running, waiting,
+                self._prompt_tokens / elapsed,
+                self._generation_tokens / elapsed,
+                running,
+                waiting,
             )
         spec = self._spec
         if spec.num_drafts:
@@ -136,7 +200,10 @@ class StatLogger:
             log.info(
                 "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
                 "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
-                spec.mean_acceptance_length, spec.num_accepted_tokens, spec.num_draft_tokens,
-                per_position, 100 * spec.acceptance_rate,
+                spec.mean_acceptance_length,
+                spec.num_accepted_tokens,
+                spec.num_draft_tokens,
+                per_position,
+                100 * spec.acceptance_rate,
             )
         self._last, self._prompt_tokens, self._generation_tokens, self._spec = now, 0, 0, SpecStats()

@@ -20,9 +20,15 @@ from specserve.sampling import InvalidSamplingValue, SamplingParams
 class APIError(SpecserveError):
     """An error answered as {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type, code
         self.headers = headers  # of the HTTP response (Retry-After, ...)
@@ -62,8 +68,10 @@ class _Body(BaseModel):
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         index = _first_lone_surrogate(value)
         if index is not None:
-            raise ValueError(f"the text holds a lone UTF-16 surrogate at character {index}, which is not valid "
-                             "Unicode; send UTF-8 text (in JSON, escape surrogates only in pairs)")
+            raise ValueError(
+                f"the text holds a lone UTF-16 surrogate at character {index}, which is not valid "
+                "Unicode; send UTF-8 text (in JSON, escape surrogates only in pairs)"
+            )
         return value
 
 
@@ -99,11 +107,14 @@ class _Sampling(_Body):
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(f"{len(stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}", param="stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-            raise APIError(f"a stop string is longer than the limit of {MAX_STOP_STRING_CHARS} characters",
-                           param="stop")
+            raise APIError(
+                f"a stop string is longer than the limit of {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise APIError(f"{len(self.stop_token_ids)} stop token ids, more than the limit of {MAX_STOP_TOKEN_IDS}",
-                           param="stop_token_ids")
+            raise APIError(
+                f"{len(self.stop_token_ids)} stop token ids, more than the limit of {MAX_STOP_TOKEN_IDS}",
+                param="stop_token_ids",
+            )
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -117,10 +128,17 @@ class _Sampling(_Body):
         """SamplingParams of this body; out-of-range values become APIError(400, param)."""
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
-                logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=self.num_logprobs(),
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used
@@ -153,11 +171,13 @@ class CompletionRequest(_Sampling):
         if self.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
-            raise APIError("best_of is not supported (only best_of = n, which returns every choice)",
-                           param="best_of")
+            raise APIError("best_of is not supported (only best_of = n, which returns every choice)", param="best_of")
         if self.echo and self.logprobs is not None:
-            raise APIError("echo with logprobs (the prompt's logprobs) is not supported; "
-                           "drop echo to get the completion's logprobs", param="echo")
+            raise APIError(
+                "echo with logprobs (the prompt's logprobs) is not supported; "
+                "drop echo to get the completion's logprobs",
+                param="echo",
+            )
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -206,7 +226,7 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             raise APIError("tools are not supported", param="tools")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+            raise APIError('only response_format {"type": "text"} is supported', param="response_format")
         for i, message in enumerate(self.messages):
             if message.role not in CHAT_ROLES:
                 raise APIError(
@@ -224,10 +244,7 @@ class ChatCompletionRequest(_Sampling):
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; templates know "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

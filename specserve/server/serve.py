@@ -88,32 +88,59 @@ def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     name = config.served_model_name or config.model
     engine, tokenizer = build_engine(
-        config.model, config.spec, config.dtype, config.max_model_len, config.quantization,
-        config.batch_invariant, compile=config.compile, device=config.device, cuda_graphs=config.cuda_graphs,
-        prefix_cache_space=config.prefix_cache_space, max_num_seqs=config.max_num_seqs,
+        config.model,
+        config.spec,
+        config.dtype,
+        config.max_model_len,
+        config.quantization,
+        config.batch_invariant,
+        compile=config.compile,
+        device=config.device,
+        cuda_graphs=config.cuda_graphs,
+        prefix_cache_space=config.prefix_cache_space,
+        max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
     )
-    async_engine = AsyncEngine(engine, tokenizer, ServerMetrics(name), config.max_queue_len,
-                               config.log_stats_interval_s)
+    async_engine = AsyncEngine(
+        engine, tokenizer, ServerMetrics(name), config.max_queue_len, config.log_stats_interval_s
+    )
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
         async_engine.stop()
 
-    settings = ApiSettings(served_model_name=name, max_model_len=engine.max_model_len, api_key=config.api_key,
-                           stream_mode=config.stream_mode)
+    settings = ApiSettings(
+        served_model_name=name,
+        max_model_len=engine.max_model_len,
+        api_key=config.api_key,
+        stream_mode=config.stream_mode,
+    )
     app = build_app(async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s)
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
     if hasattr(engine.proposer, "describe"):  # a draft model or a head
         spec += f"; {engine.proposer.describe()}"
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
-    log.info("serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",
-             config.model, name, spec, config.max_num_seqs, engine.max_model_len, prefix)
+    log.info(
+        "serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",
+        config.model,
+        name,
+        spec,
+        config.max_num_seqs,
+        engine.max_model_len,
+        prefix,
+    )
     raise_open_file_limit()
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               http=TimedH11Protocol.with_head_timeout(config.header_timeout_s), timeout_graceful_shutdown=config.shutdown_grace_s + 5)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        http=TimedH11Protocol.with_head_timeout(config.header_timeout_s),
+        timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+    )
     server = _Server(uv_config, async_engine, config.shutdown_grace_s)
+
     # HTTP on a second thread, the engine on the main one (see async_engine); uvicorn
     # installs no signal handlers off the main thread, so stop signals come here.
     def run_http() -> None:

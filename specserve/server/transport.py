@@ -41,8 +41,9 @@ class WholeBody:
     """ASGI middleware: reads each HTTP request's body within the limits, then runs
     the app with it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
-                 max_total_bytes: int | None = None):
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S, max_total_bytes: int | None = None
+    ):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
         self.max_total_bytes = BODIES_HELD_AT_ONCE * max_bytes if max_total_bytes is None else max_total_bytes
         self.held_bytes = 0  # of every body read or being read whose request the app has not answered
@@ -80,9 +81,12 @@ class WholeBody:
                     if size > self.max_bytes:
                         return self._too_large(size)
                     if self.held_bytes + len(chunk) > self.max_total_bytes:
-                        return _error(503, f"the server holds {self.max_total_bytes:,} bytes of request bodies "
-                                           "at once and has no room for this one now; retry shortly",
-                                      {"Retry-After": str(RETRY_AFTER_S)})
+                        return _error(
+                            503,
+                            f"the server holds {self.max_total_bytes:,} bytes of request bodies "
+                            "at once and has no room for this one now; retry shortly",
+                            {"Retry-After": str(RETRY_AFTER_S)},
+                        )
                     self.held_bytes += len(chunk)
                     held[0] += len(chunk)
                     chunks.append(chunk)

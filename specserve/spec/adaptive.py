@@ -342,14 +342,24 @@ class AdaptiveSpecLength:
         intercept, slope = self.read_costs()
         return (intercept + slope * backlog) / max(remaining, 1)
 
-    def batch_ks(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
-                 others: int = 0, floor: float = MIN_SPEEDUP) -> list[int]:
+    def batch_ks(
+        self,
+        acceptances: list[Acceptance],
+        read_costs: list[float] | None = None,
+        others: int = 0,
+        floor: float = MIN_SPEEDUP,
+    ) -> list[int]:
         """Each sequence's k for the step that maximises the batch's predicted tokens
         per second; all 0 unless that beats plain decoding by `floor` (see `best`)."""
         return self.best(acceptances, read_costs, others, floor)[1]
 
-    def best(self, acceptances: list[Acceptance], read_costs: list[float] | None = None,
-             others: int = 0, floor: float = MIN_SPEEDUP) -> tuple[float, list[int]]:
+    def best(
+        self,
+        acceptances: list[Acceptance],
+        read_costs: list[float] | None = None,
+        others: int = 0,
+        floor: float = MIN_SPEEDUP,
+    ) -> tuple[float, list[int]]:
         """(predicted speedup, each sequence's k) of the step that maximises the batch's
         predicted tokens per second; (floor, all 0) unless one beats plain decoding by
         `floor` (MIN_SPEEDUP to start drafting, CONTINUE_SPEEDUP to go on: see `choose`).
@@ -399,15 +409,18 @@ class AdaptiveSpecLength:
                     upto.append(k if better else previous)
                 worth.append(upto)
             for horizon in range(1, self.max_k + 1):
-                for ks in ([min(horizon, limit) for limit in limits],
-                           [min(upto[horizon], limit) for upto, limit in zip(worth, limits)]):
+                for ks in (
+                    [min(horizon, limit) for limit in limits],
+                    [min(upto[horizon], limit) for upto, limit in zip(worth, limits)],
+                ):
                     speed = speedup(ks)
                     if speed > best:
                         best, best_ks = speed, ks
         return best, best_ks
 
-    def choose(self, seq_ids: list[int], backlogs: list[int] | None = None,
-               remaining: list[int] | None = None, others: int = 0) -> list[int]:
+    def choose(
+        self, seq_ids: list[int], backlogs: list[int] | None = None, remaining: list[int] | None = None, others: int = 0
+    ) -> list[int]:
         """k for each decoding sequence of this step (before any cap on remaining tokens);
         backlogs and remaining (per sequence): see `read_cost`; others: see `batch_ks`."""
         states = [self._state(seq_id) for seq_id in seq_ids]
@@ -496,8 +509,9 @@ class AdaptiveSpecLength:
         for seq_id, most in zip(seq_ids, proposed):
             tokens, _ = self._state(seq_id, self.lookups).curves()
             base = self.target_seconds(rows)
-            gains = [tokens[k] - 1 - value * (self.target_seconds(rows + k) - base)
-                     for k in range(min(most, self.max_k) + 1)]
+            gains = [
+                tokens[k] - 1 - value * (self.target_seconds(rows + k) - base) for k in range(min(most, self.max_k) + 1)
+            ]
             k = max(range(len(gains)), key=gains.__getitem__)  # gains[0] = 0: k = 0 unless one gains
             ks.append(k)
             rows += k

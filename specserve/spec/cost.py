@@ -33,8 +33,11 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     a target that captures features runs without graphs."""
     if isinstance(proposer, DraftModelProposer):
         draft = proposer.draft
-        position_bytes, layers, graphed = draft_bytes_per_position(draft), draft.config.num_layers, (
-            target.static is not None and draft.static is not None)
+        position_bytes, layers, graphed = (
+            draft_bytes_per_position(draft),
+            draft.config.num_layers,
+            (target.static is not None and draft.static is not None),
+        )
     elif isinstance(proposer, (EagleProposer, MedusaProposer)):
         position_bytes, layers, graphed = proposer.bytes_per_position(), 1, False
     else:

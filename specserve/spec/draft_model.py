@@ -50,8 +50,13 @@ class DraftModelProposer:
     features = None  # reads tokens only
     fuses = False  # FusedDraftProposer drafts greedy requests in C
 
-    def __init__(self, draft: Decoder, confidence_threshold: float = 0.0,
-                 catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        draft: Decoder,
+        confidence_threshold: float = 0.0,
+        catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+        special_ids: frozenset[int] = frozenset(),
+    ):
         self.draft = draft
         self.special_ids = special_ids  # not counted by keeps_to_common: chat markup is in every prompt
         self.catch_up_chunk_size = catch_up_chunk_size
@@ -96,8 +101,11 @@ class DraftModelProposer:
         cache = self.caches.get(seq.seq_id)
         if cache is not None:
             return len(seq.token_ids) - cache.length
-        cached = 0 if self.prefix_cache is None else self.prefix_cache.cached_length(
-            seq.token_ids, len(seq.token_ids) - 1, self._live(seq))
+        cached = (
+            0
+            if self.prefix_cache is None
+            else self.prefix_cache.cached_length(seq.token_ids, len(seq.token_ids) - 1, self._live(seq))
+        )
         return len(seq.token_ids) - cached
 
     def unseen(self, seq: SequenceView) -> list[int]:

@@ -30,10 +30,7 @@ from specserve.spec.proposer import Proposer
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     difference = target.tokenizer.vocab_difference(draft.tokenizer)
     if difference is None and target.config.vocab_size != draft.config.vocab_size:
-        difference = (
-            f"the target scores {target.config.vocab_size} tokens, "
-            f"the draft {draft.config.vocab_size}"
-        )
+        difference = f"the target scores {target.config.vocab_size} tokens, the draft {draft.config.vocab_size}"
     if difference is not None:
         raise ConfigError(
             f"draft model {draft.name!r} does not share the vocabulary of target {target.name!r}: "
@@ -41,8 +38,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def draft_format(draft_quantization: str | None, dtype: torch.dtype,
-                 quantization: str) -> tuple[torch.dtype, str]:
+def draft_format(draft_quantization: str | None, dtype: torch.dtype, quantization: str) -> tuple[torch.dtype, str]:
     """The draft's (dtype, quantization) given its own quantization (None: the target's)
     and the target's. Quantized weights take bfloat16 activations whatever the target's dtype."""
     draft_quantization = draft_quantization or quantization
@@ -51,23 +47,30 @@ def draft_format(draft_quantization: str | None, dtype: torch.dtype,
     return dtype, draft_quantization
 
 
-def make_proposer(spec: SpecConfig, target: LoadedModel, dtype: torch.dtype,
-                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                  quantization: str = "none", compile: bool = False) -> tuple[Proposer, SpecConfig]:
+def make_proposer(
+    spec: SpecConfig,
+    target: LoadedModel,
+    dtype: torch.dtype,
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+    quantization: str = "none",
+    compile: bool = False,
+) -> tuple[Proposer, SpecConfig]:
     """The proposer `spec` asks for, and `spec` as loading it settled it (a Medusa
     checkpoint's head count bounds k)."""
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), spec
     if spec.method in HEAD_METHODS:
         return head_proposer(spec, target.decoder, prefill_chunk_size, quantization)
-    draft = load_model(spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile,
-                       device=target.decoder.device)
+    draft = load_model(
+        spec.model, *draft_format(spec.quantization, dtype, quantization), compile=compile, device=target.decoder.device
+    )
     check_same_vocabulary(target, draft)
     return draft_proposer(spec, draft.decoder, target, prefill_chunk_size), spec
 
 
-def head_proposer(spec: SpecConfig, target: Decoder, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                  quantization: str = "none") -> tuple[Proposer, SpecConfig]:
+def head_proposer(
+    spec: SpecConfig, target: Decoder, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, quantization: str = "none"
+) -> tuple[Proposer, SpecConfig]:
     """The EAGLE or Medusa proposer of the head in spec.model's folder, for `target`;
     with the target's `quantization` (int8, int4) the head's linear layers run
     quantized on the same kernels (`quantize_head`), else in the target's dtype."""
@@ -84,14 +87,16 @@ def head_proposer(spec: SpecConfig, target: Decoder, prefill_chunk_size: int = D
     return EagleProposer(head, guesser, prefill_chunk_size), spec
 
 
-def draft_proposer(spec: SpecConfig, draft: Decoder, target: LoadedModel,
-                   prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> DraftModelProposer:
+def draft_proposer(
+    spec: SpecConfig, draft: Decoder, target: LoadedModel, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
+) -> DraftModelProposer:
     """The proposer of a loaded draft model as `spec` asks: its common head, and fused
     wherever the draft runs in C (2-3% faster than unfused on the int4 pair)."""
     if spec.draft_vocab_size is not None:
         draft.add_common_head(spec.draft_vocab_size)
     special_ids = target.tokenizer.special_ids
     if spec.fused or (spec.fused is None and draft.model_in_c() is not None):
-        return FusedDraftProposer(draft, target.decoder, spec.draft_confidence_threshold,
-                                  prefill_chunk_size, special_ids)
+        return FusedDraftProposer(
+            draft, target.decoder, spec.draft_confidence_threshold, prefill_chunk_size, special_ids
+        )
     return DraftModelProposer(draft, spec.draft_confidence_threshold, prefill_chunk_size, special_ids)

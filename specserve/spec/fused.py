@@ -35,15 +35,21 @@ class FusedDraftProposer(DraftModelProposer):
 
     fuses = True
 
-    def __init__(self, draft: Decoder, target: Decoder, confidence_threshold: float = 0.0,
-                 catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, special_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        draft: Decoder,
+        target: Decoder,
+        confidence_threshold: float = 0.0,
+        catch_up_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+        special_ids: frozenset[int] = frozenset(),
+    ):
         super().__init__(draft, confidence_threshold, catch_up_chunk_size, special_ids)
         if draft.model_in_c() is None:
             reason = native.unavailable_reason() or "the draft is not quantized"
             raise ConfigError(
                 '"fused": true runs the draft in our C kernels, which take a quantized draft '
                 '("quantization": "int4" or "int8") on an x86-64 CPU with AVX-512 VNNI and a C '
-                f"compiler; here {reason}. Drop \"fused\" or quantize the draft"
+                f'compiler; here {reason}. Drop "fused" or quantize the draft'
             )
         self.target = target
         self.target_in_c = target.model_in_c()
@@ -57,16 +63,18 @@ class FusedDraftProposer(DraftModelProposer):
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
         """Greedy sequences draft in C; sampled and penalised ones as `DraftModelProposer` drafts."""
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
-        in_c = [i for i, (s, k) in enumerate(zip(seqs, num_tokens)) if k > 0 and s.params.greedy
-                and not s.params.penalized]  # C guesses from the raw logits
+        in_c = [
+            i for i, (s, k) in enumerate(zip(seqs, num_tokens)) if k > 0 and s.params.greedy and not s.params.penalized
+        ]  # C guesses from the raw logits
         drafts = self._draft(seqs, [0 if i in in_c else k for i, k in enumerate(num_tokens)])
         done = self._run([seqs[i] for i in in_c], [num_tokens[i] for i in in_c], None)
         for i, job in zip(in_c, done):
             drafts[i] = Draft.of(job.drafted)
         return drafts
 
-    def speculate(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
-                  target_caches: Sequence[KVCache]) -> list[tuple[int, Verdict]]:
+    def speculate(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], target_caches: Sequence[KVCache]
+    ) -> list[tuple[int, Verdict]]:
         """Draft up to num_tokens[i] tokens for each greedy sequence and verify them with
         the target, whose cache for seqs[i] is target_caches[i] (holding every token but
         the newest). Returns (tokens drafted, verdict) per sequence; each target cache
@@ -76,8 +84,9 @@ class FusedDraftProposer(DraftModelProposer):
         done = self._run(seqs, num_tokens, target_caches)
         return [(len(job.drafted), verdict_from_argmax(job.drafted, job.target_argmax)) for job in done]
 
-    def _run(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
-             target_caches: Sequence[KVCache] | None) -> list[native.GreedySpeculation]:
+    def _run(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], target_caches: Sequence[KVCache] | None
+    ) -> list[native.GreedySpeculation]:
         """The C call for seqs (after `catch_up_prompts`); counts what the draft reads."""
         if not seqs:
             return []
@@ -95,8 +104,9 @@ class FusedDraftProposer(DraftModelProposer):
                 target_end = max(target_end, target_cache.length + k + 1)
                 target_cache.reserve(target_cache.length + k + 1)
                 target = (target_cache.keys, target_cache.values, target_cache.length)
-            jobs.append(native.GreedySpeculation((cache.keys, cache.values, cache.length), target, unseen,
-                                                 seq.token_ids[-1], k))
+            jobs.append(
+                native.GreedySpeculation((cache.keys, cache.values, cache.length), target, unseen, seq.token_ids[-1], k)
+            )
         target = None
         if target_caches is not None:
             target = (self.target_in_c, self.target.rope_table(target_end))
@@ -105,8 +115,16 @@ class FusedDraftProposer(DraftModelProposer):
         by_head: dict[bool, list[native.GreedySpeculation]] = {}
         for seq, job in zip(seqs, jobs):
             by_head.setdefault(self.keeps_to_common(seq), []).append(job)
-        seconds = [native.speculate_greedy(self.draft.model_in_c(common), self.draft.rope_table(draft_end), target,
-                                           group, self.confidence_threshold) for common, group in by_head.items()]
+        seconds = [
+            native.speculate_greedy(
+                self.draft.model_in_c(common),
+                self.draft.rope_table(draft_end),
+                target,
+                group,
+                self.confidence_threshold,
+            )
+            for common, group in by_head.items()
+        ]
         self.last_seconds = (sum(s[0] for s in seconds), sum(s[1] for s in seconds))  # drafting, verifying
         for i, (seq, job) in enumerate(zip(seqs, jobs)):
             if job.drafted:

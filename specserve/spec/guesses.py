@@ -48,8 +48,15 @@ class Guesser:
             return argmax, [1.0] * len(argmax)
         return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
 
-    def guess(self, seq: SequenceView, row_logits: torch.Tensor, drafted: list[int], argmax: int,
-              confidence: float, target_ids: torch.Tensor | None = None) -> tuple[int, float, torch.Tensor | None]:
+    def guess(
+        self,
+        seq: SequenceView,
+        row_logits: torch.Tensor,
+        drafted: list[int],
+        argmax: int,
+        confidence: float,
+        target_ids: torch.Tensor | None = None,
+    ) -> tuple[int, float, torch.Tensor | None]:
         """One draft position of one sequence from its row of scores [1, width] (and its
         argmax as a token id and confidence, computed for the batch): the token, the
         proposer's probability of it, and the distribution [V] it was sampled from (None:
@@ -104,7 +111,8 @@ class DraftChains:
         for row, i in enumerate(order):
             try:
                 token, confidence, row_probs = self.guesser.guess(
-                    self.seqs[i], logits[row : row + 1], self.drafted[i], argmax[row], confidences[row], target_ids)
+                    self.seqs[i], logits[row : row + 1], self.drafted[i], argmax[row], confidences[row], target_ids
+                )
             except Exception:  # this request's own arithmetic: it drafts nothing, the rest go on
                 log.exception("drafting for request %d failed", self.seqs[i].seq_id)
                 self.drafted[i], self.probs[i] = [], []

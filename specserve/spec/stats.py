@@ -23,9 +23,7 @@ class SpecStats:
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """Count one sequence's step: num_drafted tokens proposed, num_accepted kept."""
         if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(
-                f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}"
-            )
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}")
         if num_drafted == 0:
             return
         self.num_drafts += 1

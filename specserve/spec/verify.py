@@ -46,14 +46,11 @@ class Verdict:
     num_accepted: int  # how many drafted tokens were accepted (0..k)
 
 
-def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
-           generator: torch.Generator) -> Verdict:
+def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator) -> Verdict:
     """One sequence's step: target_logits [k+1, V], k = draft.num_tokens (may be 0)."""
     k = draft.num_tokens
     if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
-        raise ValueError(
-            f"target_logits must be [k+1, V] = [{k + 1}, V], got {list(target_logits.shape)}"
-        )
+        raise ValueError(f"target_logits must be [k+1, V] = [{k + 1}, V], got {list(target_logits.shape)}")
     draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, k, V]
     draft_tokens = draft.tokens.to(target_logits.device).unsqueeze(0)  # [1, k]
     tokens, num_accepted = verify_batch(target_logits.unsqueeze(0), draft_tokens, draft_probs, params, generator)
@@ -73,9 +70,13 @@ def verdict_from_argmax(drafted: list[int], target_argmax: list[int]) -> Verdict
     return Verdict(tokens=target_argmax[: accepted + 1], num_accepted=accepted)
 
 
-def verify_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                 draft_probs: torch.Tensor | None, params: SamplingParams,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_batch(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """B sequences with the same k and one generator (tests, benchmarks).
 
     target_logits [B, k+1, V], draft_tokens [B, k], draft_probs [B, k, V] or None.
@@ -90,8 +91,7 @@ def verify_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     return rejection_sample(target_probs.view(batch, rows, vocab), draft_tokens, draft_probs, generator)
 
 
-def greedy_verify(target_logits: torch.Tensor,
-                  draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the drafts that equal the target's argmax; emit the argmax after them.
 
     target_logits [B, k+1, V], draft_tokens [B, k] -> tokens [B, k+1], num_accepted [B].
@@ -104,9 +104,9 @@ def greedy_verify(target_logits: torch.Tensor,
     return _pad_after(target_argmax, num_accepted), num_accepted
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                     draft_probs: torch.Tensor | None,
-                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling on probabilities.
 
     target_probs [B, k+1, V], draft_tokens [B, k], draft_probs [B, k, V] or None
@@ -117,9 +117,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     if draft_tokens.shape != (batch, k):
         raise ValueError(f"draft_tokens must be [B, k] = [{batch}, {k}], got {list(draft_tokens.shape)}")
     if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
-        raise ValueError(
-            f"draft_probs must be [B, k, V] = [{batch}, {k}, {vocab}], got {list(draft_probs.shape)}"
-        )
+        raise ValueError(f"draft_probs must be [B, k, V] = [{batch}, {k}, {vocab}], got {list(draft_probs.shape)}")
     seq_index = torch.arange(batch, device=target_probs.device)  # [B]
 
     # Accept draft x at row i with probability min(1, target_probs / draft_probs), written
@@ -131,7 +129,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     else:
         draft_at_draft = draft_probs.gather(2, draft_tokens.unsqueeze(2)).squeeze(2)  # [B, k]
         draft_at_draft = draft_at_draft.to(target_probs.dtype)
-    uniforms = torch.rand((batch, k), generator=generator, dtype=target_probs.dtype, device=target_probs.device)  # [B, k]
+    uniforms = torch.rand(
+        (batch, k), generator=generator, dtype=target_probs.dtype, device=target_probs.device
+    )  # [B, k]
     accepted = uniforms * draft_at_draft < target_at_draft  # [B, k]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]: drafts before the first rejection
 

@@ -123,15 +123,19 @@ def answer_instructions(
     held_out = {i: position % HOLDOUT_EVERY == 0 for position, i in enumerate(order)}
     wanted = [(r, i) for r in range(settings.rounds) for i in order]
     answers = read_answers(answers_file)
-    engine = Engine(target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs,
-                    proposer=recorder)
+    engine = Engine(
+        target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs, proposer=recorder
+    )
     asked = {}  # seq_id -> (round, instruction index)
     for r, i in wanted:
         if answer_key(i, r) not in answers:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
-            params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                    seed=settings.seed + r * len(instructions) + i,
-                                    logprobs=None if recorder is None else recorder.top_k)
+            params = SamplingParams(
+                max_tokens=settings.max_tokens,
+                temperature=settings.temperature,
+                seed=settings.seed + r * len(instructions) + i,
+                logprobs=None if recorder is None else recorder.top_k,
+            )
             asked[engine.add_request(prompt_ids, params).seq_id] = (r, i)
     if recorder is not None:
         features_folder.mkdir(parents=True, exist_ok=True)
@@ -147,8 +151,12 @@ def answer_instructions(
                     key = answer_key(i, r)
                     if recorder is not None:  # before the answer's line: a resumed run reads it again if need be
                         recorder.save(seq, held_out[i], features_folder / f"{key}.safetensors")
-                    record = {"index": i, "round": r, "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
-                              "answer_ids": seq.output_ids}
+                    record = {
+                        "index": i,
+                        "round": r,
+                        "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
+                        "answer_ids": seq.output_ids,
+                    }
                     out.write(json.dumps(record) + "\n")
                     out.flush()
                     answers[key] = record
@@ -157,9 +165,14 @@ def answer_instructions(
     for seq_id in list(engine.running) + [s.seq_id for s in engine.waiting]:
         engine.finish(seq_id)  # unfinished at the deadline: asked again by a resumed run
     stats.keys = [answer_key(i, r) for r, i in wanted if answer_key(i, r) in answers]
-    samples = [Sample(answers[key]["prompt_ids"] + answers[key]["answer_ids"], len(answers[key]["prompt_ids"]),
-                      held_out[answers[key]["index"]])
-               for key in stats.keys]
+    samples = [
+        Sample(
+            answers[key]["prompt_ids"] + answers[key]["answer_ids"],
+            len(answers[key]["prompt_ids"]),
+            held_out[answers[key]["index"]],
+        )
+        for key in stats.keys
+    ]
     return samples, stats
 
 

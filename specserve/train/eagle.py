@@ -46,12 +46,14 @@ class EagleMethod:
     def feature_spec(self, target: ModelConfig) -> FeatureSpec:
         return FeatureSpec(layers=feature_layers_for(target)) if self.version == 3 else FeatureSpec(final=True)
 
-    def new_head(self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab,
-                 lm_head_rows: torch.Tensor) -> EagleHead:  # lm_head_rows [draft_vocab, H]: the target's
+    def new_head(
+        self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab, lm_head_rows: torch.Tensor
+    ) -> EagleHead:  # lm_head_rows [draft_vocab, H]: the target's
         config = EagleConfig.for_target(target, self.version, len(vocab.target_ids))
         if self.intermediate_size is not None:
             config = dataclasses.replace(
-                config, layer=dataclasses.replace(config.layer, intermediate_size=self.intermediate_size))
+                config, layer=dataclasses.replace(config.layer, intermediate_size=self.intermediate_size)
+            )
         head = EagleHead(config)
         frozen_rows = linear_of(lm_head_rows.float().clone(), None)  # EAGLE-1 scores with the target's head
         head.share_target(embed_tokens, frozen_rows)
@@ -68,7 +70,8 @@ class EagleMethod:
         figures = step_objective((head.target.lm_head(h) for h in hidden), batch, vocab)
         feature_loss = sum(
             STEP_WEIGHT_DECAY**i * feature_error(h, shifted(batch.features, 1 + i), shifted(batch.trained, 1 + i))
-            for i, h in enumerate(hidden))
+            for i, h in enumerate(hidden)
+        )
         figures.loss = feature_loss + EAGLE1_TOKEN_LOSS_WEIGHT * figures.loss
         return figures
 

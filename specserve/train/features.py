@@ -124,14 +124,17 @@ class AnswerRecorder:
             ids, values = zip(*logprob.top)
             top_ids[first + j] = torch.tensor(ids)
             top_probs[first + j] = torch.tensor(values).exp()
-        save_sample({
-            "token_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
-            "features": torch.cat([features, features.new_zeros(1, features.shape[1])]).to(torch.bfloat16).cpu(),
-            "top_ids": top_ids,
-            "top_probs": top_probs,
-            "first_trained": torch.tensor([seq.num_prompt_tokens]),
-            "held_out": torch.tensor([held_out]),
-        }, path)
+        save_sample(
+            {
+                "token_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
+                "features": torch.cat([features, features.new_zeros(1, features.shape[1])]).to(torch.bfloat16).cpu(),
+                "top_ids": top_ids,
+                "top_probs": top_probs,
+                "first_trained": torch.tensor([seq.num_prompt_tokens]),
+                "held_out": torch.tensor([held_out]),
+            },
+            path,
+        )
         return True
 
 
@@ -192,8 +195,13 @@ class FeatureSet:
     def windows(self, held_out: bool, length: int) -> list[tuple[int, int]]:
         """[start, end) row ranges of at most `length` positions covering the samples of
         one split, each inside one sample."""
-        return [(s, min(s + length, end)) for start, end, out in self.samples if out == held_out
-                for s in range(start, end, length) if min(s + length, end) - s > 1]
+        return [
+            (s, min(s + length, end))
+            for start, end, out in self.samples
+            if out == held_out
+            for s in range(start, end, length)
+            if min(s + length, end) - s > 1
+        ]
 
     def num_trained(self, held_out: bool) -> int:
         return sum(int(self.trained[start:end].sum()) for start, end, out in self.samples if out == held_out)
@@ -214,5 +222,10 @@ class FeatureSet:
                 out[row, : end - start] = x[start:end]
             return out
 
-        return Batch(padded(self.token_ids), padded(self.features), padded(self.top_ids), padded(self.top_probs),
-                     padded(self.trained))
+        return Batch(
+            padded(self.token_ids),
+            padded(self.features),
+            padded(self.top_ids),
+            padded(self.top_probs),
+            padded(self.trained),
+        )

@@ -44,8 +44,9 @@ class HeadMethod(Protocol):
 
     def feature_spec(self, target: ModelConfig) -> FeatureSpec: ...
 
-    def new_head(self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab,
-                 lm_head_rows: torch.Tensor) -> nn.Module: ...
+    def new_head(
+        self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab, lm_head_rows: torch.Tensor
+    ) -> nn.Module: ...
 
     def objective(self, head: nn.Module, batch: Batch, vocab: DraftVocab) -> Figures: ...
 
@@ -86,16 +87,27 @@ class Agreement:
 
 
 class Trainer:
-    def __init__(self, method: HeadMethod, head: nn.Module, data: FeatureSet, vocab: DraftVocab,
-                 settings: LoopSettings, checkpoint_path: Path):
+    def __init__(
+        self,
+        method: HeadMethod,
+        head: nn.Module,
+        data: FeatureSet,
+        vocab: DraftVocab,
+        settings: LoopSettings,
+        checkpoint_path: Path,
+    ):
         self.method, self.head, self.data, self.vocab = method, head, data, vocab
         self.settings = settings
         self.checkpoint_path = checkpoint_path
         self.windows = data.windows(held_out=False, length=settings.window)
         if not self.windows:
             raise ConfigError("no training text: every sample is held out or too short")
-        self.optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr,
-                                           betas=(0.9, 0.95), weight_decay=settings.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in head.parameters() if p.requires_grad],
+            lr=settings.lr,
+            betas=(0.9, 0.95),
+            weight_decay=settings.weight_decay,
+        )
         self.position = Position(total_steps=settings.steps)
         if checkpoint_path.is_file():
             self.restore()

@@ -29,11 +29,17 @@ class MedusaMethod:
     def feature_spec(self, target: ModelConfig) -> FeatureSpec:
         return FeatureSpec(final=True)
 
-    def new_head(self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab,
-                 lm_head_rows: torch.Tensor) -> MedusaHeads:  # lm_head_rows [draft_vocab, H]: the target's
+    def new_head(
+        self, target: ModelConfig, embed_tokens: nn.Module, vocab: DraftVocab, lm_head_rows: torch.Tensor
+    ) -> MedusaHeads:  # lm_head_rows [draft_vocab, H]: the target's
         size = len(vocab.target_ids)
-        config = MedusaConfig(self.num_steps, MEDUSA_BLOCKS_PER_HEAD, target.hidden_size, target.vocab_size,
-                              truncated_vocab_size=size if size < target.vocab_size else None)
+        config = MedusaConfig(
+            self.num_steps,
+            MEDUSA_BLOCKS_PER_HEAD,
+            target.hidden_size,
+            target.vocab_size,
+            truncated_vocab_size=size if size < target.vocab_size else None,
+        )
         heads = MedusaHeads(config)
         with torch.no_grad():
             for lm_head in heads.lm_heads:

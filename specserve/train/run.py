@@ -87,17 +87,24 @@ class TrainHeadSettings:
             raise ConfigError(f"--max-minutes must be > 0, got {self.max_minutes}")
         if self.max_answers is not None and self.max_answers < MIN_ANSWERS:
             raise ConfigError(f"--max-answers must be >= {MIN_ANSWERS} (one held out to measure, one to train on)")
-        positive = {"--answer-tokens": self.answer_tokens, "--max-num-seqs": self.max_num_seqs,
-                    "--answer-rounds": self.answer_rounds,
-                    "--top-k": self.top_k, "--draft-vocab-size": self.draft_vocab_size,
-                    "--ttt-length": self.ttt_length, "--num-heads": self.num_heads,
-                    "--batch-tokens": self.loop.batch_tokens, "--steps": self.loop.steps or 1}
+        positive = {
+            "--answer-tokens": self.answer_tokens,
+            "--max-num-seqs": self.max_num_seqs,
+            "--answer-rounds": self.answer_rounds,
+            "--top-k": self.top_k,
+            "--draft-vocab-size": self.draft_vocab_size,
+            "--ttt-length": self.ttt_length,
+            "--num-heads": self.num_heads,
+            "--batch-tokens": self.loop.batch_tokens,
+            "--steps": self.loop.steps or 1,
+        }
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         if self.top_k > MAX_LOGPROBS:
-            raise ConfigError(f"--top-k must be <= {MAX_LOGPROBS} (the logprobs an answer is recorded with), "
-                              f"got {self.top_k}")
+            raise ConfigError(
+                f"--top-k must be <= {MAX_LOGPROBS} (the logprobs an answer is recorded with), got {self.top_k}"
+            )
         if not 0 < self.temperature <= 2:
             raise ConfigError(f"--temperature must be in (0, 2], got {self.temperature}")
 
@@ -148,7 +155,8 @@ class Clock:
         needed = (self.elapsed_minutes() + needed_share_minutes) / share
         return BudgetTooSmall(
             f"--max-minutes {self.max_minutes:g} is too small: {what} (after {self.elapsed_minutes():.2f} minutes); "
-            f"give it at least about {max(needed, 2 * self.max_minutes):.1f} minutes")
+            f"give it at least about {max(needed, 2 * self.max_minutes):.1f} minutes"
+        )
 
 
 def train_head(settings: TrainHeadSettings) -> Path:
@@ -184,7 +192,8 @@ def check_same_run(work: Path, settings: TrainHeadSettings) -> None:
         if differing:
             raise ConfigError(
                 f"an unfinished run of head {settings.head_name!r} in {work} has other settings "
-                f"({', '.join(differing)}); run it with its own settings to resume it, or add --force to start over")
+                f"({', '.join(differing)}); run it with its own settings to resume it, or add --force to start over"
+            )
     else:
         work.mkdir(parents=True, exist_ok=True)
         run_file.write_text(json.dumps(wanted, indent=2))
@@ -208,10 +217,17 @@ class Run:
         clock.phase_done("features")
         vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), settings.draft_vocab_size)
         torch.manual_seed(settings.seed)
-        head = self.method.new_head(target.config, target.decoder.embed_tokens, vocab,
-                                    lm_head_weight(target_folder)[vocab.target_ids])
-        trainer = Trainer(self.method, head, data, vocab, dataclasses.replace(settings.loop, seed=settings.seed),
-                          self.work / "checkpoint.pt")
+        head = self.method.new_head(
+            target.config, target.decoder.embed_tokens, vocab, lm_head_weight(target_folder)[vocab.target_ids]
+        )
+        trainer = Trainer(
+            self.method,
+            head,
+            data,
+            vocab,
+            dataclasses.replace(settings.loop, seed=settings.seed),
+            self.work / "checkpoint.pt",
+        )
         self.run_training(trainer)
         clock.phase_done("train")
         agreement = trainer.evaluate(held_out=True)
@@ -231,8 +247,14 @@ class Run:
         if data_file.is_file():
             return {key: Sample(**sample) for key, sample in json.loads(data_file.read_text()).items()}
         settings = self.settings
-        answer_settings = AnswerSettings(settings.max_answers, settings.answer_tokens, settings.temperature,
-                                         settings.max_num_seqs, settings.seed, settings.answer_rounds)
+        answer_settings = AnswerSettings(
+            settings.max_answers,
+            settings.answer_tokens,
+            settings.temperature,
+            settings.max_num_seqs,
+            settings.seed,
+            settings.answer_rounds,
+        )
         wanted = None if settings.max_answers is None else settings.max_answers * settings.answer_rounds
         with tqdm(desc="answers", total=wanted, unit=" answers") as bar:
             answered_tokens = []
@@ -243,13 +265,22 @@ class Run:
                 bar.update()
 
             recorder = AnswerRecorder(self.method.feature_spec(target.config), settings.top_k)
-            answers, stats = answer_instructions(target.decoder, target.tokenizer, answer_settings,
-                                                 self.work / "answers.jsonl", self.clock.at(DATA_END), on_answer,
-                                                 recorder, self.work / "features")
+            answers, stats = answer_instructions(
+                target.decoder,
+                target.tokenizer,
+                answer_settings,
+                self.work / "answers.jsonl",
+                self.clock.at(DATA_END),
+                on_answer,
+                recorder,
+                self.work / "features",
+            )
         if len(answers) < MIN_ANSWERS:
             seconds_per_answer = stats.seconds_per_step * settings.answer_tokens if stats.steps else None
-            missing = (f"the target answered {len(answers)} of the {MIN_ANSWERS} instructions a run needs "
-                       f"in the {DATA_END:.0%} of it given to answers")
+            missing = (
+                f"the target answered {len(answers)} of the {MIN_ANSWERS} instructions a run needs "
+                f"in the {DATA_END:.0%} of it given to answers"
+            )
             raise self.clock.too_small(missing, DATA_END, (seconds_per_answer or 60) / 60)
         samples = dict(zip(stats.keys, answers))
         stdlib = stdlib_samples(target.tokenizer, settings.stdlib_tokens, settings.loop.window, settings.seed)
@@ -261,21 +292,31 @@ class Run:
         spec = self.method.feature_spec(target.config)
         folder = self.work / "features"
         with tqdm(desc="features", total=len(samples), unit=" samples") as bar:
-            keys = compute_features(target.decoder, samples, spec, self.settings.top_k, folder,
-                                    self.clock.at(FEATURES_END), on_sample=lambda num_tokens: bar.update())
+            keys = compute_features(
+                target.decoder,
+                samples,
+                spec,
+                self.settings.top_k,
+                folder,
+                self.clock.at(FEATURES_END),
+                on_sample=lambda num_tokens: bar.update(),
+            )
         held_out = [samples[key].held_out for key in keys]
         if not any(held_out) or all(held_out):
-            raise self.clock.too_small("the target read too few samples for one to train on and one to measure",
-                                       FEATURES_END, 0.5)
+            raise self.clock.too_small(
+                "the target read too few samples for one to train on and one to measure", FEATURES_END, 0.5
+            )
         return FeatureSet.load(folder, keys)
 
     def run_training(self, trainer: Trainer) -> None:
         position = trainer.position
         with tqdm(desc="training", total=position.total_steps, initial=position.step, unit=" steps") as bar:
+
             def on_step(figures) -> None:
                 bar.total = position.total_steps
-                bar.set_postfix(loss=f"{figures.loss.item():.3f}",
-                                top1=f"{figures.correct[0] / max(figures.counted[0], 1):.2f}")
+                bar.set_postfix(
+                    loss=f"{figures.loss.item():.3f}", top1=f"{figures.correct[0] / max(figures.counted[0], 1):.2f}"
+                )
                 bar.update()
 
             trainer.run(self.clock.at(TRAIN_END), on_step)
@@ -341,6 +382,8 @@ def summary(name: str, report: dict) -> str:
     held_out = report["held_out"]
     per_step = " ".join(f"{r:.2f}" for r in held_out["top1_agreement_per_step"])
     minutes = ", ".join(f"{phase} {m:.1f}" for phase, m in report["minutes"].items())
-    return (f"head {name!r}: held-out top-1 agreement per step {per_step}, estimated mean acceptance length "
-            f"{held_out['estimated_mean_acceptance_length']:.2f} (draft vocabulary covers "
-            f"{held_out['draft_vocab_coverage']:.0%} of the target's top-1); minutes: {minutes}")
+    return (
+        f"head {name!r}: held-out top-1 agreement per step {per_step}, estimated mean acceptance length "
+        f"{held_out['estimated_mean_acceptance_length']:.2f} (draft vocabulary covers "
+        f"{held_out['draft_vocab_coverage']:.0%} of the target's top-1); minutes: {minutes}"
+    )

@@ -16,10 +16,28 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
     stale = results / "baseline" / "old_summary.json"
     stale.parent.mkdir(parents=True)
     stale.write_text("{}")  # a previous run's file must not mix in
-    argv = ["ab", "smollm2-135m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-            "--test-case", "count,meaning", "--max-num-completed-requests", "2", "--mean-output-tokens", "24",
-            "--stddev-output-tokens", "0", "--additional-sampling-params", '{"temperature": 0}',
-            "--enable-prefix-caching", "--shared-prefix-tokens", "32", "--results-dir", str(results), "--json"]
+    argv = [
+        "ab",
+        "smollm2-135m",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--test-case",
+        "count,meaning",
+        "--max-num-completed-requests",
+        "2",
+        "--mean-output-tokens",
+        "24",
+        "--stddev-output-tokens",
+        "0",
+        "--additional-sampling-params",
+        '{"temperature": 0}',
+        "--enable-prefix-caching",
+        "--shared-prefix-tokens",
+        "32",
+        "--results-dir",
+        str(results),
+        "--json",
+    ]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert not stale.exists()
@@ -34,8 +52,10 @@ def test_ab_benches_both_servers_and_compares(prepared_cache, tmp_path, capsys):
             assert (spec_rate is None) == (variant == "baseline")
             assert summary["results_prefix_cache_hit_rate"] > 0  # both servers were given the flag
     # At temperature 0 both servers generate the same tokens.
-    outputs = {v: json.loads(next((results / v).glob("count_*_summary.json")).read_text())
-               ["results_number_output_tokens_mean"] for v in ("baseline", "speculative")}
+    outputs = {
+        v: json.loads(next((results / v).glob("count_*_summary.json")).read_text())["results_number_output_tokens_mean"]
+        for v in ("baseline", "speculative")
+    }
     assert outputs["baseline"] == outputs["speculative"]
     comparison = results / "comparison"
     assert (comparison / "comparison.md").read_text().count("| Output throughput") == 2

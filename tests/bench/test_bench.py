@@ -30,26 +30,81 @@ from specserve.bench.workload import Lengths, build_requests, builtin_workload, 
 
 MODEL = "smollm2-135m"
 SUMMARY_KEYS = {
-    "name", "model", "test_case", "variant", "url", "mean_input_tokens", "stddev_input_tokens",
-    "mean_output_tokens", "stddev_output_tokens", "shared_prefix_tokens", "num_concurrent_requests", "request_rate",
-    "additional_sampling_params", "metadata", "timestamp", "version",
-    *(f"results_{metric}_{figure}"
-      for metric in ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s",
-                     "request_output_throughput_token_per_s", "number_input_tokens", "number_output_tokens",
-                     "chunk_gap_s")
-      for figure in ("quantiles_p25", "quantiles_p50", "quantiles_p75", "quantiles_p90", "quantiles_p95",
-                     "quantiles_p99", "mean", "min", "max", "stddev")),
-    "results_num_requests_started", "results_num_completed_requests", "results_number_errors", "results_error_rate",
-    "results_error_code_frequency", "results_mean_output_throughput_token_per_s",
-    "results_num_completed_requests_per_min", "results_duration_s", "results_goodput_requests_per_s",
-    "results_goodput_fraction", "results_spec_num_drafts", "results_spec_num_draft_tokens",
-    "results_spec_num_accepted_tokens", "results_spec_acceptance_rate", "results_spec_mean_acceptance_length",
-    "results_spec_accepted_per_position", "results_prefix_cache_hit_rate",
+    "name",
+    "model",
+    "test_case",
+    "variant",
+    "url",
+    "mean_input_tokens",
+    "stddev_input_tokens",
+    "mean_output_tokens",
+    "stddev_output_tokens",
+    "shared_prefix_tokens",
+    "num_concurrent_requests",
+    "request_rate",
+    "additional_sampling_params",
+    "metadata",
+    "timestamp",
+    "version",
+    *(
+        f"results_{metric}_{figure}"
+        for metric in (
+            "ttft_s",
+            "inter_token_latency_s",
+            "end_to_end_latency_s",
+            "request_output_throughput_token_per_s",
+            "number_input_tokens",
+            "number_output_tokens",
+            "chunk_gap_s",
+        )
+        for figure in (
+            "quantiles_p25",
+            "quantiles_p50",
+            "quantiles_p75",
+            "quantiles_p90",
+            "quantiles_p95",
+            "quantiles_p99",
+            "mean",
+            "min",
+            "max",
+            "stddev",
+        )
+    ),
+    "results_num_requests_started",
+    "results_num_completed_requests",
+    "results_number_errors",
+    "results_error_rate",
+    "results_error_code_frequency",
+    "results_mean_output_throughput_token_per_s",
+    "results_num_completed_requests_per_min",
+    "results_duration_s",
+    "results_goodput_requests_per_s",
+    "results_goodput_fraction",
+    "results_spec_num_drafts",
+    "results_spec_num_draft_tokens",
+    "results_spec_num_accepted_tokens",
+    "results_spec_acceptance_rate",
+    "results_spec_mean_acceptance_length",
+    "results_spec_accepted_per_position",
+    "results_prefix_cache_hit_rate",
 }
 RECORD_KEYS = {
-    "request_index", "test_case", "prompt_name", "start_time_s", "ttft_s", "inter_token_latency_s",
-    "end_to_end_latency_s", "request_output_throughput_token_per_s", "number_input_tokens", "number_output_tokens",
-    "number_total_tokens", "number_cached_tokens", "num_chunks", "chunk_gaps_s", "error_code", "error_msg",
+    "request_index",
+    "test_case",
+    "prompt_name",
+    "start_time_s",
+    "ttft_s",
+    "inter_token_latency_s",
+    "end_to_end_latency_s",
+    "request_output_throughput_token_per_s",
+    "number_input_tokens",
+    "number_output_tokens",
+    "number_total_tokens",
+    "number_cached_tokens",
+    "num_chunks",
+    "chunk_gaps_s",
+    "error_code",
+    "error_msg",
 }
 
 
@@ -81,8 +136,10 @@ def fake_openai_app() -> FastAPI:
         model, n = body["model"], next(counts[body["model"]])
         if model == "fake-flaky" and n % 5 in (1, 3):
             status = 429 if n % 5 == 1 else 500
-            return JSONResponse({"error": {"message": f"fake failure {status}", "type": "x", "param": None,
-                                           "code": None}}, status_code=status)
+            return JSONResponse(
+                {"error": {"message": f"fake failure {status}", "type": "x", "param": None, "code": None}},
+                status_code=status,
+            )
 
         def event(piece: str | None, **extra) -> str:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece or ""}
@@ -102,9 +159,15 @@ def fake_openai_app() -> FastAPI:
                     break
                 await asyncio.sleep(30 if model == "fake-stall" else 0.02)
             if model != "fake-no-usage" and body.get("stream_options", {}).get("include_usage"):
-                yield event(None, usage={"prompt_tokens": FAKE_PROMPT_TOKENS, "completion_tokens": sent,
-                                         "total_tokens": FAKE_PROMPT_TOKENS + sent,
-                                         "prompt_tokens_details": {"cached_tokens": FAKE_CACHED_TOKENS}})
+                yield event(
+                    None,
+                    usage={
+                        "prompt_tokens": FAKE_PROMPT_TOKENS,
+                        "completion_tokens": sent,
+                        "total_tokens": FAKE_PROMPT_TOKENS + sent,
+                        "prompt_tokens_details": {"cached_tokens": FAKE_CACHED_TOKENS},
+                    },
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -123,8 +186,9 @@ def fake_openai_app() -> FastAPI:
 @pytest.fixture(scope="module")
 def fake_url():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_openai_app(), host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(fake_openai_app(), host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -149,9 +213,31 @@ def results(folder: Path, test_case: str, model: str, mean_input: int = 550, mea
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_tokens_and_tpot_are_counted_per_token_not_per_chunk(fake_url, tmp_path, api, capsys):
-    assert bench("--url", fake_url, "--api", api, "--model", "fake-usage", "--test-case", "count",
-                 "--mean-output-tokens", "12", "--stddev-output-tokens", "0", "--max-num-completed-requests", "3",
-                 "--num-concurrent-requests", "2", "--results-dir", str(tmp_path), "--metadata", "variant=fake") == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--api",
+            api,
+            "--model",
+            "fake-usage",
+            "--test-case",
+            "count",
+            "--mean-output-tokens",
+            "12",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "3",
+            "--num-concurrent-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+            "--metadata",
+            "variant=fake",
+        )
+        == 0
+    )
     summary, records = results(tmp_path, "count", "fake-usage", mean_output=12)
     assert set(summary) >= SUMMARY_KEYS and set(records[0]) == RECORD_KEYS
     assert [r["request_index"] for r in records] == [0, 1, 2] and summary["variant"] == "fake"
@@ -166,14 +252,34 @@ def test_tokens_and_tpot_are_counted_per_token_not_per_chunk(fake_url, tmp_path,
     assert summary["results_prefix_cache_hit_rate"] == pytest.approx(FAKE_CACHED_TOKENS / FAKE_PROMPT_TOKENS)
     assert summary["results_num_completed_requests"] == 3 and summary["results_error_rate"] == 0
     assert summary["results_spec_num_drafts"] is None  # no /metrics there
-    assert summary["results_chunk_gap_s_mean"] == pytest.approx(np.mean([g for r in records for g in r["chunk_gaps_s"]]))
+    assert summary["results_chunk_gap_s_mean"] == pytest.approx(
+        np.mean([g for r in records for g in r["chunk_gaps_s"]])
+    )
     assert "count: 3/3 requests ok" in capsys.readouterr().out
 
 
 def test_without_usage_the_tokenizer_counts(fake_url, tmp_path, prepared_cache):
-    assert bench("--url", fake_url, "--model", "fake-no-usage", "--tokenizer", MODEL, "--test-case", "meaning",
-                 "--mean-output-tokens", "10", "--stddev-output-tokens", "0", "--max-num-completed-requests", "2",
-                 "--results-dir", str(tmp_path)) == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-no-usage",
+            "--tokenizer",
+            MODEL,
+            "--test-case",
+            "meaning",
+            "--mean-output-tokens",
+            "10",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 0
+    )
     summary, records = results(tmp_path, "meaning", "fake-no-usage", mean_output=10)
     tokenizer = load_tokenizer(MODEL)
     expected_output = len(tokenizer.encode(WORD * 10, add_special_tokens=False))
@@ -185,23 +291,56 @@ def test_without_usage_the_tokenizer_counts(fake_url, tmp_path, prepared_cache):
 
 
 def test_without_usage_or_tokenizer_the_run_stops_naming_the_fix(fake_url, tmp_path, capsys):
-    assert bench("--url", fake_url, "--model", "fake-no-usage", "--test-case", "count",
-                 "--max-num-completed-requests", "2", "--results-dir", str(tmp_path)) == 2
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-no-usage",
+            "--test-case",
+            "count",
+            "--max-num-completed-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 2
+    )
     assert "pass --tokenizer" in capsys.readouterr().err.splitlines()[-1]
     assert not list(tmp_path.iterdir())
 
 
 def test_sonnet_without_a_tokenizer_is_refused_before_any_request(fake_url, tmp_path, capsys):
-    assert bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count,sonnet",
-                 "--results-dir", str(tmp_path)) == 2
+    assert (
+        bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count,sonnet", "--results-dir", str(tmp_path))
+        == 2
+    )
     assert "sonnet test case counts prompt tokens with a tokenizer; pass --tokenizer" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
 def test_failed_requests_are_counted_and_the_run_completes(fake_url, tmp_path):
-    assert bench("--url", fake_url, "--model", "fake-flaky", "--test-case", "count", "--mean-output-tokens", "6",
-                 "--stddev-output-tokens", "0", "--max-num-completed-requests", "10", "--goodput", "e2el:60000",
-                 "--results-dir", str(tmp_path)) == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-flaky",
+            "--test-case",
+            "count",
+            "--mean-output-tokens",
+            "6",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "10",
+            "--goodput",
+            "e2el:60000",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 0
+    )
     summary, records = results(tmp_path, "count", "fake-flaky", mean_output=6)
     assert [r["error_code"] for r in records] == [None, 429, None, 500, None] * 2
     assert [bool(r["error_msg"]) for r in records] == [False, True, False, True, True] * 2
@@ -216,9 +355,25 @@ def test_failed_requests_are_counted_and_the_run_completes(fake_url, tmp_path):
 
 def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
     started = time.monotonic()
-    assert bench("--url", fake_url, "--model", "fake-stall", "--test-case", "count", "--timeout", "1",
-                 "--num-concurrent-requests", "2", "--max-num-completed-requests", "5",
-                 "--results-dir", str(tmp_path)) == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-stall",
+            "--test-case",
+            "count",
+            "--timeout",
+            "1",
+            "--num-concurrent-requests",
+            "2",
+            "--max-num-completed-requests",
+            "5",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 0
+    )
     assert time.monotonic() - started < 15
     summary, records = results(tmp_path, "count", "fake-stall")
     assert len(records) == 2  # the other three never started
@@ -229,39 +384,85 @@ def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
 
 # ----- a real server -----
 
+
 @pytest.fixture(scope="module")
 def ngram_server(prepared_cache):
-    server = ServerProcess(MODEL, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "max_speculative_tokens": 5}',
-                           "--max-num-seqs", "4", "--max-model-len", "1024", "--log-stats-interval", "0",
-                           "--enable-prefix-caching")
+    server = ServerProcess(
+        MODEL,
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "max_speculative_tokens": 5}',
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--log-stats-interval",
+        "0",
+        "--enable-prefix-caching",
+    )
     yield server
     server.stop()
 
 
 def counters(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.endswith("_total") and not s.labels.keys() - {"model_name"}}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.endswith("_total") and not s.labels.keys() - {"model_name"}
+    }
 
 
 def test_against_a_real_speculative_server(ngram_server, tmp_path):
     before = counters(ngram_server.url)
-    assert bench("--url", ngram_server.url, "--model", MODEL, "--test-case", "structured",
-                 "--mean-output-tokens", "16", "--stddev-output-tokens", "4", "--max-num-completed-requests", "4",
-                 "--num-concurrent-requests", "2", "--additional-sampling-params", '{"temperature": 0}',
-                 "--results-dir", str(tmp_path), "--json") == 0
+    assert (
+        bench(
+            "--url",
+            ngram_server.url,
+            "--model",
+            MODEL,
+            "--test-case",
+            "structured",
+            "--mean-output-tokens",
+            "16",
+            "--stddev-output-tokens",
+            "4",
+            "--max-num-completed-requests",
+            "4",
+            "--num-concurrent-requests",
+            "2",
+            "--additional-sampling-params",
+            '{"temperature": 0}',
+            "--results-dir",
+            str(tmp_path),
+            "--json",
+        )
+        == 0
+    )
     after = counters(ngram_server.url)
     summary, records = results(tmp_path, "structured", MODEL, mean_output=16)
     assert set(summary) >= SUMMARY_KEYS and all(set(r) == RECORD_KEYS for r in records)
 
     # token counts are the server's own
     assert summary["results_number_errors"] == 0 and summary["results_num_completed_requests"] == 4
-    assert sum(r["number_output_tokens"] for r in records) == \
-        after["specserve:generation_tokens_total"] - before["specserve:generation_tokens_total"]
-    assert sum(r["number_input_tokens"] for r in records) == \
-        after["specserve:prompt_tokens_total"] - before["specserve:prompt_tokens_total"]
-    expected = build_requests(builtin_workload("structured"), 4, Lengths(550, 150, 16, 4), api="chat", model=MODEL,
-                              sampling_params={"temperature": 0}, tokenizer=load_tokenizer(MODEL), seed=0)
+    assert (
+        sum(r["number_output_tokens"] for r in records)
+        == after["specserve:generation_tokens_total"] - before["specserve:generation_tokens_total"]
+    )
+    assert (
+        sum(r["number_input_tokens"] for r in records)
+        == after["specserve:prompt_tokens_total"] - before["specserve:prompt_tokens_total"]
+    )
+    expected = build_requests(
+        builtin_workload("structured"),
+        4,
+        Lengths(550, 150, 16, 4),
+        api="chat",
+        model=MODEL,
+        sampling_params={"temperature": 0},
+        tokenizer=load_tokenizer(MODEL),
+        seed=0,
+    )
     assert [r["number_input_tokens"] for r in records] == [e.num_input_tokens for e in expected]
     assert all(r["number_output_tokens"] <= e.body["max_tokens"] for r, e in zip(records, expected))
     assert summary["results_num_token_count_disagreements"] == 0
@@ -269,8 +470,15 @@ def test_against_a_real_speculative_server(ngram_server, tmp_path):
     # the summary is the records' summary, and plausible
     ttfts = [r["ttft_s"] for r in records]
     assert summary["results_ttft_s_quantiles_p50"] == pytest.approx(float(np.median(ttfts)))
-    assert summary["results_number_output_tokens_mean"] == pytest.approx(np.mean([r["number_output_tokens"] for r in records]))
-    assert 0 < summary["results_ttft_s_min"] <= summary["results_end_to_end_latency_s_max"] <= summary["results_duration_s"]
+    assert summary["results_number_output_tokens_mean"] == pytest.approx(
+        np.mean([r["number_output_tokens"] for r in records])
+    )
+    assert (
+        0
+        < summary["results_ttft_s_min"]
+        <= summary["results_end_to_end_latency_s_max"]
+        <= summary["results_duration_s"]
+    )
     assert summary["results_mean_output_throughput_token_per_s"] > 0
     assert sorted(r["start_time_s"] for r in records) == [r["start_time_s"] for r in records]
     assert sorted(r["prompt_name"] for r in records) == ["code", "count", "numeric", "repeat"]
@@ -280,7 +488,8 @@ def test_against_a_real_speculative_server(ngram_server, tmp_path):
     assert drafts == after["specserve:spec_decode_num_drafts_total"] - before["specserve:spec_decode_num_drafts_total"]
     assert drafts > 0 and 0 <= summary["results_spec_acceptance_rate"] <= 1
     assert summary["results_spec_mean_acceptance_length"] == pytest.approx(
-        1 + summary["results_spec_num_accepted_tokens"] / drafts)
+        1 + summary["results_spec_num_accepted_tokens"] / drafts
+    )
     per_position = summary["results_spec_accepted_per_position"]
     # Adaptive k drafts at most max_speculative_tokens = 5.
     assert 1 <= len(per_position) <= 5 and per_position == sorted(per_position, reverse=True)
@@ -293,12 +502,40 @@ def test_sonnet_prompts_have_the_sampled_length(ngram_server, tmp_path):
         prompt = sonnet_prompt(rng, length, 16, tokenizer)
         assert prompt.startswith("Randomly stream lines from the following text with 16 output tokens.")
         assert abs(len(tokenizer.encode(prompt, add_special_tokens=False)) - length) <= 1
-    assert bench("--url", ngram_server.url, "--api", "completions", "--test-case", "sonnet",
-                 "--mean-input-tokens", "80", "--stddev-input-tokens", "10", "--mean-output-tokens", "4",
-                 "--stddev-output-tokens", "0", "--max-num-completed-requests", "2", "--results-dir", str(tmp_path)) == 0
+    assert (
+        bench(
+            "--url",
+            ngram_server.url,
+            "--api",
+            "completions",
+            "--test-case",
+            "sonnet",
+            "--mean-input-tokens",
+            "80",
+            "--stddev-input-tokens",
+            "10",
+            "--mean-output-tokens",
+            "4",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 0
+    )
     summary, records = results(tmp_path, "sonnet", MODEL, mean_input=80, mean_output=4)
-    expected = build_requests(builtin_workload("sonnet"), 2, Lengths(80, 10, 4, 0), api="completions", model=MODEL,
-                              sampling_params={}, tokenizer=tokenizer, seed=0)
+    expected = build_requests(
+        builtin_workload("sonnet"),
+        2,
+        Lengths(80, 10, 4, 0),
+        api="completions",
+        model=MODEL,
+        sampling_params={},
+        tokenizer=tokenizer,
+        seed=0,
+    )
     assert [r["number_input_tokens"] for r in records] == [e.num_input_tokens for e in expected]  # usage agrees
     assert all(60 <= r["number_input_tokens"] <= 100 for r in records)
 
@@ -306,45 +543,93 @@ def test_sonnet_prompts_have_the_sampled_length(ngram_server, tmp_path):
 def test_a_shared_prefix_starts_every_prompt_and_the_server_finds_it(ngram_server, tmp_path):
     tokenizer = load_tokenizer(MODEL)
     lengths = Lengths(80, 10, 4, 0, shared_prefix_tokens=64)
-    chat = build_requests(builtin_workload("structured"), 4, lengths, api="chat", model=MODEL,
-                          sampling_params={}, tokenizer=tokenizer, seed=0)
-    sonnet = build_requests(builtin_workload("sonnet"), 2, lengths, api="completions", model=MODEL,
-                            sampling_params={}, tokenizer=tokenizer, seed=0)
+    chat = build_requests(
+        builtin_workload("structured"),
+        4,
+        lengths,
+        api="chat",
+        model=MODEL,
+        sampling_params={},
+        tokenizer=tokenizer,
+        seed=0,
+    )
+    sonnet = build_requests(
+        builtin_workload("sonnet"),
+        2,
+        lengths,
+        api="completions",
+        model=MODEL,
+        sampling_params={},
+        tokenizer=tokenizer,
+        seed=0,
+    )
     prefix = shared_prefix(64, tokenizer, seed=0)
     assert abs(len(tokenizer.encode(prefix, add_special_tokens=False)) - 64) <= 1
     assert all(r.body["messages"][0]["content"].startswith(prefix) for r in chat)
     assert all(r.body["prompt"].startswith(prefix + "Randomly stream lines") for r in sonnet)
-    unprefixed = build_requests(builtin_workload("structured"), 4, Lengths(80, 10, 4, 0), api="chat", model=MODEL,
-                                sampling_params={}, tokenizer=tokenizer, seed=0)
-    assert [r.body["messages"][0]["content"] for r in chat] == \
-        [prefix + r.body["messages"][0]["content"] for r in unprefixed]  # the same requests otherwise
+    unprefixed = build_requests(
+        builtin_workload("structured"),
+        4,
+        Lengths(80, 10, 4, 0),
+        api="chat",
+        model=MODEL,
+        sampling_params={},
+        tokenizer=tokenizer,
+        seed=0,
+    )
+    assert [r.body["messages"][0]["content"] for r in chat] == [
+        prefix + r.body["messages"][0]["content"] for r in unprefixed
+    ]  # the same requests otherwise
 
     # One request at a time: each after the first finds the prefix its predecessors stored.
-    assert bench("--url", ngram_server.url, "--model", MODEL, "--test-case", "structured", "--shared-prefix-tokens", "64",
-                 "--mean-output-tokens", "4", "--stddev-output-tokens", "0", "--max-num-completed-requests", "3",
-                 "--results-dir", str(tmp_path)) == 0
+    assert (
+        bench(
+            "--url",
+            ngram_server.url,
+            "--model",
+            MODEL,
+            "--test-case",
+            "structured",
+            "--shared-prefix-tokens",
+            "64",
+            "--mean-output-tokens",
+            "4",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "3",
+            "--results-dir",
+            str(tmp_path),
+        )
+        == 0
+    )
     summary, records = results(tmp_path, "structured", MODEL, mean_output=4)
     assert summary["shared_prefix_tokens"] == 64
     assert all(r["number_cached_tokens"] >= 48 for r in records[1:])  # whole blocks of 16 tokens
     assert summary["results_prefix_cache_hit_rate"] == pytest.approx(
-        sum(r["number_cached_tokens"] for r in records) / sum(r["number_input_tokens"] for r in records))
+        sum(r["number_cached_tokens"] for r in records) / sum(r["number_input_tokens"] for r in records)
+    )
 
 
 # ----- bad input: one line naming the fix -----
 
-@pytest.mark.parametrize("args, message", [
-    (["--test-case", "nope"], "unknown test case 'nope'"),
-    (["--prompts-file", "/no/such/prompts.jsonl"], "cannot read --prompts-file /no/such/prompts.jsonl"),
-    (["--additional-sampling-params", "{temperature: 0}"], "--additional-sampling-params is not JSON"),
-    (["--additional-sampling-params", "[1]"], "must be a JSON object"),
-    (["--goodput", "ttft:fast"], "--goodput takes KEY:MILLISECONDS"),
-    (["--goodput", "latency:100"], "--goodput takes KEY:MILLISECONDS"),
-    (["--metadata", "variant"], "--metadata takes KEY=VALUE pairs"),
-    (["--num-concurrent-requests", "0"], "--num-concurrent-requests must be >= 1"),
-    (["--shared-prefix-tokens", "-1"], "--shared-prefix-tokens must be >= 0"),
-    (["--request-rate", "0"], "--request-rate must be > 0"),
-    (["--url", "localhost:8000"], "--url must start with http://"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--test-case", "nope"], "unknown test case 'nope'"),
+        (["--prompts-file", "/no/such/prompts.jsonl"], "cannot read --prompts-file /no/such/prompts.jsonl"),
+        (["--additional-sampling-params", "{temperature: 0}"], "--additional-sampling-params is not JSON"),
+        (["--additional-sampling-params", "[1]"], "must be a JSON object"),
+        (["--goodput", "ttft:fast"], "--goodput takes KEY:MILLISECONDS"),
+        (["--goodput", "latency:100"], "--goodput takes KEY:MILLISECONDS"),
+        (["--metadata", "variant"], "--metadata takes KEY=VALUE pairs"),
+        (["--num-concurrent-requests", "0"], "--num-concurrent-requests must be >= 1"),
+        (["--shared-prefix-tokens", "-1"], "--shared-prefix-tokens must be >= 0"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--url", "localhost:8000"], "--url must start with http://"),
+    ],
+)
 def test_bad_input_gets_one_line(args, message, capsys):
     assert bench(*args) == 2
     err = capsys.readouterr().err

@@ -28,10 +28,23 @@ def words(text: str) -> int:
     return len(text.split())
 
 
-def response(chunk_times_s=(0.1, 0.2, 0.3, 0.4), end_to_end_s=0.45, text="a b c d e f g h i j k l",
-             completion_tokens: int | None = 12, prompt_tokens: int | None = 7, **error) -> StreamedResponse:
-    return StreamedResponse(started_at=100.5, chunk_times_s=list(chunk_times_s), end_to_end_s=end_to_end_s,
-                            text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, **error)
+def response(
+    chunk_times_s=(0.1, 0.2, 0.3, 0.4),
+    end_to_end_s=0.45,
+    text="a b c d e f g h i j k l",
+    completion_tokens: int | None = 12,
+    prompt_tokens: int | None = 7,
+    **error,
+) -> StreamedResponse:
+    return StreamedResponse(
+        started_at=100.5,
+        chunk_times_s=list(chunk_times_s),
+        end_to_end_s=end_to_end_s,
+        text=text,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        **error,
+    )
 
 
 def record(r: StreamedResponse, count_tokens=None) -> dict:
@@ -39,6 +52,7 @@ def record(r: StreamedResponse, count_tokens=None) -> dict:
 
 
 # ----- one request -----
+
 
 def test_tokens_come_from_usage_and_tpot_spreads_over_tokens_not_chunks():
     rec = record(response())
@@ -76,8 +90,15 @@ def test_one_token_has_no_inter_token_latency_and_no_content_means_ttft_is_the_w
 def test_a_failed_request_keeps_its_error_and_no_figures():
     rec = record(response(chunk_times_s=(0.1,), error_code=429, error_msg="HTTP 429: queue full"))
     assert rec["error_code"] == 429 and rec["error_msg"] == "HTTP 429: queue full"
-    for key in ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s", "number_output_tokens",
-                "number_input_tokens", "number_total_tokens", "request_output_throughput_token_per_s"):
+    for key in (
+        "ttft_s",
+        "inter_token_latency_s",
+        "end_to_end_latency_s",
+        "number_output_tokens",
+        "number_input_tokens",
+        "number_total_tokens",
+        "request_output_throughput_token_per_s",
+    ):
         assert rec[key] is None
     assert rec["chunk_gaps_s"] == [] and rec["num_chunks"] == 1
 
@@ -98,7 +119,13 @@ def test_streaming_events_fold_into_a_response():
     assert not r.take_event('{"choices": [{"text": " three"}]}', 0.2)  # the completions API's shape
     assert not r.take_event('{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}', 0.2)
     assert r.take_event("[DONE]", 0.3)
-    assert (r.text, r.chunk_times_s, r.prompt_tokens, r.completion_tokens, r.ok) == ("one two three", [0.1, 0.2], 4, 3, True)
+    assert (r.text, r.chunk_times_s, r.prompt_tokens, r.completion_tokens, r.ok) == (
+        "one two three",
+        [0.1, 0.2],
+        4,
+        3,
+        True,
+    )
     bad = StreamedResponse(started_at=0.0)
     assert bad.take_event('{"error": {"message": "engine died", "code": 500}}', 0.1)
     assert (bad.error_code, bad.error_msg) == (500, "stream error: engine died")
@@ -107,6 +134,7 @@ def test_streaming_events_fold_into_a_response():
 
 
 # ----- distributions and the summary -----
+
 
 def test_distribution_quantiles_interpolate_linearly_and_stddev_is_the_sample_one():
     values = [float(v) for v in range(1, 101)]
@@ -124,10 +152,12 @@ def test_distribution_quantiles_interpolate_linearly_and_stddev_is_the_sample_on
 def test_summary_counts_errors_throughput_and_goodput():
     ok_fast = record(response())  # ttft 100 ms, tpot ~32 ms, e2e 450 ms, 12 tokens
     ok_slow = record(response(chunk_times_s=(0.5, 1.0), end_to_end_s=1.5, completion_tokens=6))
-    failures = [record(response(error_code=429, error_msg="HTTP 429: full")),
-                record(response(error_code=429, error_msg="HTTP 429: full")),
-                record(response(error_code=500, error_msg="HTTP 500: bug")),
-                record(response(error_msg="timeout: the run's --timeout ran out"))]
+    failures = [
+        record(response(error_code=429, error_msg="HTTP 429: full")),
+        record(response(error_code=429, error_msg="HTTP 429: full")),
+        record(response(error_code=500, error_msg="HTTP 500: bug")),
+        record(response(error_msg="timeout: the run's --timeout ran out")),
+    ]
     records = [ok_fast, ok_slow, *failures]
     s = summarise(records, duration_s=2.0, goodput_slos_ms={"ttft": 200, "tpot": 50})
     assert s["results_num_requests_started"] == 6 and s["results_num_completed_requests"] == 2
@@ -153,6 +183,7 @@ def test_summary_of_only_failures_has_null_figures():
 
 # ----- spec-decode figures from /metrics -----
 
+
 def exposition(*steps: tuple[int, int], prefix_swap: str | None = None) -> str:
     metrics = ServerMetrics("m")
     stats = SpecStats()
@@ -168,7 +199,11 @@ def test_spec_figures_are_the_difference_of_two_scrapes():
     after = exposition((3, 3), (3, 0), (3, 2), (3, 1), (2, 2), (3, 0))
     f = spec_figures(before, after)
     # since `before`: 4 drafts, 11 drafted, 5 accepted; position 0 accepted 3 times, 1: 2, 2: 0
-    assert (f["results_spec_num_drafts"], f["results_spec_num_draft_tokens"], f["results_spec_num_accepted_tokens"]) == (4, 11, 5)
+    assert (
+        f["results_spec_num_drafts"],
+        f["results_spec_num_draft_tokens"],
+        f["results_spec_num_accepted_tokens"],
+    ) == (4, 11, 5)
     assert f["results_spec_acceptance_rate"] == pytest.approx(5 / 11)
     assert f["results_spec_mean_acceptance_length"] == pytest.approx(1 + 5 / 4)
     assert f["results_spec_accepted_per_position"] == pytest.approx([3 / 4, 2 / 4, 0.0])
@@ -197,8 +232,16 @@ LENGTHS = Lengths(mean_input_tokens=550, stddev_input_tokens=150, mean_output_to
 
 def test_requests_are_reproducible_balanced_and_sized():
     def build(seed):
-        return build_requests(builtin_workload("structured"), 10, LENGTHS, api="chat", model="m",
-                              sampling_params={"temperature": 0}, tokenizer=None, seed=seed)
+        return build_requests(
+            builtin_workload("structured"),
+            10,
+            LENGTHS,
+            api="chat",
+            model="m",
+            sampling_params={"temperature": 0},
+            tokenizer=None,
+            seed=seed,
+        )
 
     first = build(0)
     assert [r.body for r in first] == [r.body for r in build(0)]
@@ -207,8 +250,16 @@ def test_requests_are_reproducible_balanced_and_sized():
     assert sorted(names[:4]) == ["code", "count", "numeric", "repeat"] and sorted(names[4:8]) == sorted(names[:4])
     assert all(r.body["max_tokens"] >= 1 and r.body["temperature"] == 0 and r.body["model"] == "m" for r in first)
     assert first[0].body["messages"][0]["role"] == "user" and first[0].num_input_tokens is None
-    completions = build_requests(builtin_workload("meaning"), 2, LENGTHS, api="completions", model="m",
-                                 sampling_params={}, tokenizer=None, seed=0)
+    completions = build_requests(
+        builtin_workload("meaning"),
+        2,
+        LENGTHS,
+        api="completions",
+        model="m",
+        sampling_params={},
+        tokenizer=None,
+        seed=0,
+    )
     assert completions[0].body["prompt"] == "I believe the meaning of life is"
 
 

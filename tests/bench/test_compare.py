@@ -13,42 +13,96 @@ from matplotlib.image import imread
 from specserve.bench import compare, plots
 from specserve.cli import main
 
-METRICS = ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s", "request_output_throughput_token_per_s",
-           "number_input_tokens", "number_output_tokens", "chunk_gap_s")
+METRICS = (
+    "ttft_s",
+    "inter_token_latency_s",
+    "end_to_end_latency_s",
+    "request_output_throughput_token_per_s",
+    "number_input_tokens",
+    "number_output_tokens",
+    "chunk_gap_s",
+)
 QUANTILES = ("p25", "p50", "p75", "p90", "p95", "p99")
 NUM_REQUESTS = 12
 
 
-def summary(test_case: str, variant: str | None, *, ttft_ms: float, itl_ms: float, e2e_s: float,
-            throughput: float, acceptance: tuple[float, float] | None) -> dict:
+def summary(
+    test_case: str,
+    variant: str | None,
+    *,
+    ttft_ms: float,
+    itl_ms: float,
+    e2e_s: float,
+    throughput: float,
+    acceptance: tuple[float, float] | None,
+) -> dict:
     """A summary with every key `specserve bench` writes; quantiles spread around the given p50."""
-    figures = {"ttft_s": ttft_ms / 1000, "inter_token_latency_s": itl_ms / 1000, "end_to_end_latency_s": e2e_s,
-               "request_output_throughput_token_per_s": throughput / 4, "number_input_tokens": 30,
-               "number_output_tokens": 128, "chunk_gap_s": itl_ms / 1000 * 2}
+    figures = {
+        "ttft_s": ttft_ms / 1000,
+        "inter_token_latency_s": itl_ms / 1000,
+        "end_to_end_latency_s": e2e_s,
+        "request_output_throughput_token_per_s": throughput / 4,
+        "number_input_tokens": 30,
+        "number_output_tokens": 128,
+        "chunk_gap_s": itl_ms / 1000 * 2,
+    }
     data = {
-        "name": f"{variant or 'plain'}_{test_case}", "model": "qwen2.5-coder-1.5b", "test_case": test_case,
-        "variant": variant, "url": "http://127.0.0.1:8000", "mean_input_tokens": 30, "stddev_input_tokens": 0,
-        "mean_output_tokens": 128, "stddev_output_tokens": 0, "num_concurrent_requests": 4, "request_rate": None,
-        "additional_sampling_params": {"temperature": 0}, "metadata": {}, "timestamp": 1760000000,
+        "name": f"{variant or 'plain'}_{test_case}",
+        "model": "qwen2.5-coder-1.5b",
+        "test_case": test_case,
+        "variant": variant,
+        "url": "http://127.0.0.1:8000",
+        "mean_input_tokens": 30,
+        "stddev_input_tokens": 0,
+        "mean_output_tokens": 128,
+        "stddev_output_tokens": 0,
+        "num_concurrent_requests": 4,
+        "request_rate": None,
+        "additional_sampling_params": {"temperature": 0},
+        "metadata": {},
+        "timestamp": 1760000000,
         "version": "2023-08-31",
     }
     for metric, p50 in figures.items():
         for quantile, factor in zip(QUANTILES, (0.9, 1.0, 1.1, 1.3, 1.4, 1.5)):
             data[f"results_{metric}_quantiles_{quantile}"] = p50 * factor
-        data |= {f"results_{metric}_mean": p50 * 1.05, f"results_{metric}_min": p50 * 0.8,
-                 f"results_{metric}_max": p50 * 1.6, f"results_{metric}_stddev": p50 * 0.1}
+        data |= {
+            f"results_{metric}_mean": p50 * 1.05,
+            f"results_{metric}_min": p50 * 0.8,
+            f"results_{metric}_max": p50 * 1.6,
+            f"results_{metric}_stddev": p50 * 0.1,
+        }
     data |= {
-        "results_num_requests_started": NUM_REQUESTS, "results_num_completed_requests": NUM_REQUESTS - 1,
-        "results_number_errors": 1, "results_error_rate": 1 / NUM_REQUESTS, "results_error_code_frequency": {"500": 1},
-        "results_mean_output_throughput_token_per_s": throughput, "results_num_completed_requests_per_min": 60.0,
-        "results_duration_s": 11.0, "results_goodput_requests_per_s": None, "results_goodput_fraction": None,
+        "results_num_requests_started": NUM_REQUESTS,
+        "results_num_completed_requests": NUM_REQUESTS - 1,
+        "results_number_errors": 1,
+        "results_error_rate": 1 / NUM_REQUESTS,
+        "results_error_code_frequency": {"500": 1},
+        "results_mean_output_throughput_token_per_s": throughput,
+        "results_num_completed_requests_per_min": 60.0,
+        "results_duration_s": 11.0,
+        "results_goodput_requests_per_s": None,
+        "results_goodput_fraction": None,
     }
-    spec = dict.fromkeys(("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-                          "mean_acceptance_length", "accepted_per_position"))
+    spec = dict.fromkeys(
+        (
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "acceptance_rate",
+            "mean_acceptance_length",
+            "accepted_per_position",
+        )
+    )
     if acceptance is not None:
-        spec = {"num_drafts": 100, "num_draft_tokens": 700, "num_accepted_tokens": round(700 * acceptance[0]),
-                "acceptance_rate": acceptance[0], "mean_acceptance_length": acceptance[1],
-                "accepted_per_position": [90, 80, 70, 60, 50, 40, 30]}
+        spec = {
+            "num_drafts": 100,
+            "num_draft_tokens": 700,
+            "num_accepted_tokens": round(700 * acceptance[0]),
+            "acceptance_rate": acceptance[0],
+            "mean_acceptance_length": acceptance[1],
+            "accepted_per_position": [90, 80, 70, 60, 50, 40, 30],
+        }
         data["results_prefix_cache_hit_rate"] = 0.5  # (a baseline without the key: a file older than it)
     return data | {f"results_spec_{key}": value for key, value in spec.items()}
 
@@ -60,16 +114,25 @@ def responses(test_case: str, *, ttft_ms: float, itl_ms: float) -> list[dict]:
         failed = i == 5
         ttft, itl = ttft_ms / 1000 * (1 + 0.02 * i), itl_ms / 1000 * (1 + 0.05 * (i % 3))
         e2e = ttft + 127 * itl
-        records.append({
-            "request_index": i, "test_case": test_case, "prompt_name": test_case, "start_time_s": 0.5 * i,
-            "ttft_s": None if failed else ttft, "inter_token_latency_s": None if failed else itl,
-            "end_to_end_latency_s": None if failed else e2e,
-            "request_output_throughput_token_per_s": None if failed else 128 / e2e,
-            "number_input_tokens": 30, "number_output_tokens": 0 if failed else 128,
-            "number_total_tokens": 30 if failed else 158, "num_chunks": 0 if failed else 40,
-            "chunk_gaps_s": [] if failed else [itl * 3] * 39,
-            "error_code": 500 if failed else None, "error_msg": "internal error" if failed else "",
-        })
+        records.append(
+            {
+                "request_index": i,
+                "test_case": test_case,
+                "prompt_name": test_case,
+                "start_time_s": 0.5 * i,
+                "ttft_s": None if failed else ttft,
+                "inter_token_latency_s": None if failed else itl,
+                "end_to_end_latency_s": None if failed else e2e,
+                "request_output_throughput_token_per_s": None if failed else 128 / e2e,
+                "number_input_tokens": 30,
+                "number_output_tokens": 0 if failed else 128,
+                "number_total_tokens": 30 if failed else 158,
+                "num_chunks": 0 if failed else 40,
+                "chunk_gaps_s": [] if failed else [itl * 3] * 39,
+                "error_code": 500 if failed else None,
+                "error_msg": "internal error" if failed else "",
+            }
+        )
     return records
 
 
@@ -80,7 +143,8 @@ def write_results(folder: Path, variant: str | None, test_cases: dict[str, dict]
         name = f"{variant or 'plain'}_{test_case}"
         (folder / f"{name}_summary.json").write_text(json.dumps(summary(test_case, variant, **figures)))
         (folder / f"{name}_individual_responses.json").write_text(
-            json.dumps(responses(test_case, ttft_ms=figures["ttft_ms"], itl_ms=figures["itl_ms"])))
+            json.dumps(responses(test_case, ttft_ms=figures["ttft_ms"], itl_ms=figures["itl_ms"]))
+        )
     return folder
 
 
@@ -92,8 +156,9 @@ SPEC = {"ttft_ms": 120.0, "itl_ms": 15.0, "e2e_s": 2.0, "throughput": 200.0, "ac
 def plain_and_spec(tmp_path) -> tuple[Path, Path]:
     # the baseline ran count and meaning; the speculative server ran count and code
     plain = write_results(tmp_path / "runs" / "plain", None, {"count": PLAIN, "meaning": PLAIN})
-    spec = write_results(tmp_path / "runs" / "spec", "spec-k7",
-                         {"count": SPEC, "code": SPEC | {"e2e_s": 3.0, "throughput": 90.0}})
+    spec = write_results(
+        tmp_path / "runs" / "spec", "spec-k7", {"count": SPEC, "code": SPEC | {"e2e_s": 3.0, "throughput": 90.0}}
+    )
     return plain, spec
 
 
@@ -135,8 +200,10 @@ def test_worse_figures_and_missing_test_cases(plain_and_spec):
 
 
 def test_change_words_follow_the_metric_direction():
-    throughput, latency, count = (next(m for m in compare.METRICS if m.label.startswith(prefix))
-                                  for prefix in ("Output throughput", "TTFT", "Completed"))
+    throughput, latency, count = (
+        next(m for m in compare.METRICS if m.label.startswith(prefix))
+        for prefix in ("Output throughput", "TTFT", "Completed")
+    )
     assert compare.format_change(compare.change_pct(90.0, 100.0), throughput) == "-10.0% (worse)"
     assert compare.format_change(compare.change_pct(135.0, 100.0), latency) == "+35.0% (worse)"
     assert compare.format_change(compare.change_pct(65.0, 100.0), latency) == "-35.0% (better)"
@@ -168,8 +235,9 @@ def test_plots_leave_a_gap_for_failed_requests(plain_and_spec):
 
 
 def test_three_variants_with_names_and_json(plain_and_spec, tmp_path, capsys):
-    ngram = write_results(tmp_path / "runs" / "ngram", "ngram-k5",
-                          {"count": PLAIN | {"throughput": 150.0, "acceptance": (0.4, 3.0)}})
+    ngram = write_results(
+        tmp_path / "runs" / "ngram", "ngram-k5", {"count": PLAIN | {"throughput": 150.0, "acceptance": (0.4, 3.0)}}
+    )
     output_dir = tmp_path / "out"
     folders = [*map(str, plain_and_spec), str(ngram)]
     assert main(["compare", *folders, "--names", "base,draft,ngram", "--output-dir", str(output_dir)]) == 0
@@ -177,7 +245,11 @@ def test_three_variants_with_names_and_json(plain_and_spec, tmp_path, capsys):
     assert count["metric"] == ["base", "draft", "ngram", "draft vs base", "ngram vs base"]
     assert count["Output throughput (tok/s)"] == ["100.0", "200.0", "150.0", "+100.0% (better)", "+50.0% (better)"]
     assert sorted(p.name for p in output_dir.iterdir()) == [
-        "comparison.md", "e2e_latency.png", "inter_token_latency.png", "ttft.png"]
+        "comparison.md",
+        "e2e_latency.png",
+        "inter_token_latency.png",
+        "ttft.png",
+    ]
 
     assert main(["compare", *folders, "--output-dir", str(output_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -204,18 +276,21 @@ def drop_key(folder: Path, key: str) -> str:
     return break_summary(folder, json.dumps(data))
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing folder", "does not exist"),
-    ("empty folder", "holds no *_summary.json"),
-    ("one folder", "at least two result folders"),
-    ("bad json", "cannot be read as JSON"),
-    ("missing key", "'results_ttft_s_quantiles_p50' is missing"),
-    ("not a number", "'results_spec_acceptance_rate' is missing or not a number"),
-    ("no responses", "_individual_responses.json is missing"),
-    ("mixed variants", "mixes the results of several variants (ngram-k5, spec-k7)"),
-    ("same names", "are both called 'plain'"),
-    ("too few names", "--names gives 1 names for 2 result folders"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing folder", "does not exist"),
+        ("empty folder", "holds no *_summary.json"),
+        ("one folder", "at least two result folders"),
+        ("bad json", "cannot be read as JSON"),
+        ("missing key", "'results_ttft_s_quantiles_p50' is missing"),
+        ("not a number", "'results_spec_acceptance_rate' is missing or not a number"),
+        ("no responses", "_individual_responses.json is missing"),
+        ("mixed variants", "mixes the results of several variants (ngram-k5, spec-k7)"),
+        ("same names", "are both called 'plain'"),
+        ("too few names", "--names gives 1 names for 2 result folders"),
+    ],
+)
 def test_cli_refusals_are_one_line(plain_and_spec, tmp_path, capsys, case, expected):
     plain, spec = map(str, plain_and_spec)
     argv, file_named = ["compare", plain, spec], None
@@ -232,8 +307,10 @@ def test_cli_refusals_are_one_line(plain_and_spec, tmp_path, capsys, case, expec
         file_named = drop_key(plain_and_spec[1], "results_ttft_s_quantiles_p50")
     elif case == "not a number":
         path = next(plain_and_spec[1].glob("*_summary.json"))
-        file_named = break_summary(plain_and_spec[1], path.read_text().replace('"results_spec_acceptance_rate": 0.6',
-                                                                               '"results_spec_acceptance_rate": "60%"'))
+        file_named = break_summary(
+            plain_and_spec[1],
+            path.read_text().replace('"results_spec_acceptance_rate": 0.6', '"results_spec_acceptance_rate": "60%"'),
+        )
     elif case == "no responses":
         next(plain_and_spec[1].glob("*_individual_responses.json")).unlink()
     elif case == "mixed variants":

@@ -18,13 +18,39 @@ from tests.bench.test_bench import bench, fake_url, results  # noqa: F401  (fake
 
 # CloudWatch's StandardUnit values, the only ones a metric's "Unit" may take.
 UNITS = {
-    "Seconds", "Microseconds", "Milliseconds", "Bytes", "Kilobytes", "Megabytes", "Gigabytes", "Terabytes",
-    "Bits", "Kilobits", "Megabits", "Gigabits", "Terabits", "Percent", "Count", "Bytes/Second",
-    "Kilobytes/Second", "Megabytes/Second", "Gigabytes/Second", "Terabytes/Second", "Bits/Second",
-    "Kilobits/Second", "Megabits/Second", "Gigabits/Second", "Terabits/Second", "Count/Second", "None",
+    "Seconds",
+    "Microseconds",
+    "Milliseconds",
+    "Bytes",
+    "Kilobytes",
+    "Megabytes",
+    "Gigabytes",
+    "Terabytes",
+    "Bits",
+    "Kilobits",
+    "Megabits",
+    "Gigabits",
+    "Terabits",
+    "Percent",
+    "Count",
+    "Bytes/Second",
+    "Kilobytes/Second",
+    "Megabytes/Second",
+    "Gigabytes/Second",
+    "Terabytes/Second",
+    "Bits/Second",
+    "Kilobits/Second",
+    "Megabits/Second",
+    "Gigabits/Second",
+    "Terabits/Second",
+    "Count/Second",
+    "None",
 }
-LATENCIES = {"TimeToFirstToken": "ttft_s", "InterTokenLatency": "inter_token_latency_s",
-             "EndToEndLatency": "end_to_end_latency_s"}
+LATENCIES = {
+    "TimeToFirstToken": "ttft_s",
+    "InterTokenLatency": "inter_token_latency_s",
+    "EndToEndLatency": "end_to_end_latency_s",
+}
 
 
 def check_emf(line: str) -> dict[str, Any]:
@@ -67,38 +93,93 @@ def declared(root: dict[str, Any]) -> dict[str, str]:
 
 
 def test_a_successful_and_a_failed_record():
-    ok = {"request_index": 0, "prompt_name": "count", "start_time_s": 0.0, "ttft_s": 0.05,
-          "inter_token_latency_s": 0.02, "end_to_end_latency_s": 0.27, "request_output_throughput_token_per_s": 44.4,
-          "number_input_tokens": 7, "number_output_tokens": 12, "error_code": None, "error_msg": ""}
-    failed = {**ok, **{key: None for key in ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s",
-                                              "request_output_throughput_token_per_s", "number_input_tokens",
-                                              "number_output_tokens")},
-              "error_code": 429, "error_msg": "HTTP 429: busy"}
-    line = emf.request_line(ok, namespace="specserve", variant="speculative", test_case="structured",
-                            model="m", timestamp_ms=1_700_000_000_000)
+    ok = {
+        "request_index": 0,
+        "prompt_name": "count",
+        "start_time_s": 0.0,
+        "ttft_s": 0.05,
+        "inter_token_latency_s": 0.02,
+        "end_to_end_latency_s": 0.27,
+        "request_output_throughput_token_per_s": 44.4,
+        "number_input_tokens": 7,
+        "number_output_tokens": 12,
+        "error_code": None,
+        "error_msg": "",
+    }
+    failed = {
+        **ok,
+        **{
+            key: None
+            for key in (
+                "ttft_s",
+                "inter_token_latency_s",
+                "end_to_end_latency_s",
+                "request_output_throughput_token_per_s",
+                "number_input_tokens",
+                "number_output_tokens",
+            )
+        },
+        "error_code": 429,
+        "error_msg": "HTTP 429: busy",
+    }
+    line = emf.request_line(
+        ok,
+        namespace="specserve",
+        variant="speculative",
+        test_case="structured",
+        model="m",
+        timestamp_ms=1_700_000_000_000,
+    )
     root = check_emf(json.dumps(line))
     assert root["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Variant", "TestCase"]]
-    assert (root["Variant"], root["TestCase"], root["_aws"]["Timestamp"]) == ("speculative", "structured", 1_700_000_000_000)
-    assert declared(root) == {"TimeToFirstToken": "Milliseconds", "InterTokenLatency": "Milliseconds",
-                              "EndToEndLatency": "Milliseconds", "InputTokens": "Count", "OutputTokens": "Count",
-                              "OutputThroughput": "Count/Second", "Errors": "Count"}
+    assert (root["Variant"], root["TestCase"], root["_aws"]["Timestamp"]) == (
+        "speculative",
+        "structured",
+        1_700_000_000_000,
+    )
+    assert declared(root) == {
+        "TimeToFirstToken": "Milliseconds",
+        "InterTokenLatency": "Milliseconds",
+        "EndToEndLatency": "Milliseconds",
+        "InputTokens": "Count",
+        "OutputTokens": "Count",
+        "OutputThroughput": "Count/Second",
+        "Errors": "Count",
+    }
     assert root["TimeToFirstToken"] == pytest.approx(50) and root["EndToEndLatency"] == pytest.approx(270)
     assert (root["OutputTokens"], root["InputTokens"], root["Errors"]) == (12, 7, 0)
-    root = check_emf(json.dumps(emf.request_line(failed, namespace="specserve", variant="baseline",
-                                                 test_case="structured", model="m", timestamp_ms=1_700_000_000_000)))
+    root = check_emf(
+        json.dumps(
+            emf.request_line(
+                failed,
+                namespace="specserve",
+                variant="baseline",
+                test_case="structured",
+                model="m",
+                timestamp_ms=1_700_000_000_000,
+            )
+        )
+    )
     assert declared(root) == {"Errors": "Count"} and root["Errors"] == 1
     assert (root["error_code"], root["error_msg"]) == (429, "HTTP 429: busy")  # properties, not metrics
 
 
 def test_a_speculating_test_case_adds_one_line_of_its_acceptance():
     summary = {"model": "m", "results_spec_acceptance_rate": 0.75, "results_spec_mean_acceptance_length": 3.1}
-    root = check_emf(json.dumps(emf.speculation_line(summary, namespace="specserve", variant="eagle",
-                                                     test_case="structured", timestamp_ms=1_700_000_000_000)))
+    root = check_emf(
+        json.dumps(
+            emf.speculation_line(
+                summary, namespace="specserve", variant="eagle", test_case="structured", timestamp_ms=1_700_000_000_000
+            )
+        )
+    )
     assert declared(root) == {"AcceptanceRate": "None", "MeanAcceptanceLength": "Count"}
     assert (root["AcceptanceRate"], root["MeanAcceptanceLength"], root["Variant"]) == (0.75, 3.1, "eagle")
     plain = {"model": "m", "results_spec_acceptance_rate": None, "results_spec_mean_acceptance_length": None}
-    assert emf.speculation_line(plain, namespace="specserve", variant="baseline", test_case="structured",
-                                timestamp_ms=0) is None
+    assert (
+        emf.speculation_line(plain, namespace="specserve", variant="baseline", test_case="structured", timestamp_ms=0)
+        is None
+    )
 
 
 def emf_lines(text: str) -> list[str]:
@@ -108,10 +189,29 @@ def emf_lines(text: str) -> list[str]:
 def test_each_request_becomes_one_line_with_its_figures(fake_url, tmp_path):
     emf_file = tmp_path / "emf" / "lines.jsonl"
     before_ms = time.time() * 1000
-    assert bench("--url", fake_url, "--model", "fake-flaky", "--test-case", "count,meaning",
-                 "--mean-output-tokens", "6", "--stddev-output-tokens", "0", "--max-num-completed-requests", "5",
-                 "--results-dir", str(tmp_path), "--metadata", "variant=speculative,run=1",
-                 "--emf-file", str(emf_file)) == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-flaky",
+            "--test-case",
+            "count,meaning",
+            "--mean-output-tokens",
+            "6",
+            "--stddev-output-tokens",
+            "0",
+            "--max-num-completed-requests",
+            "5",
+            "--results-dir",
+            str(tmp_path),
+            "--metadata",
+            "variant=speculative,run=1",
+            "--emf-file",
+            str(emf_file),
+        )
+        == 0
+    )
     after_ms = time.time() * 1000
     roots = [check_emf(line) for line in emf_file.read_text().splitlines()]
     records = [r for case in ("count", "meaning") for r in results(tmp_path, case, "fake-flaky", mean_output=6)[1]]
@@ -131,15 +231,51 @@ def test_each_request_becomes_one_line_with_its_figures(fake_url, tmp_path):
         assert root["OutputTokens"] == record["number_output_tokens"] == 6
         assert root["OutputThroughput"] == pytest.approx(record["request_output_throughput_token_per_s"])
     # A second run appends, as a log does.
-    assert bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count", "--max-num-completed-requests", "2",
-                 "--results-dir", str(tmp_path), "--metadata", "variant=baseline", "--emf-file", str(emf_file)) == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-usage",
+            "--test-case",
+            "count",
+            "--max-num-completed-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+            "--metadata",
+            "variant=baseline",
+            "--emf-file",
+            str(emf_file),
+        )
+        == 0
+    )
     assert len(emf_file.read_text().splitlines()) == 12
 
 
 def test_to_stdout_with_a_namespace_of_ones_own(fake_url, tmp_path, capsys):
-    assert bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count", "--max-num-completed-requests", "3",
-                 "--mean-output-tokens", "4", "--results-dir", str(tmp_path), "--metadata", "variant=baseline",
-                 "--emf", "--emf-namespace", "LLM/specserve bench") == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-usage",
+            "--test-case",
+            "count",
+            "--max-num-completed-requests",
+            "3",
+            "--mean-output-tokens",
+            "4",
+            "--results-dir",
+            str(tmp_path),
+            "--metadata",
+            "variant=baseline",
+            "--emf",
+            "--emf-namespace",
+            "LLM/specserve bench",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     roots = [check_emf(line) for line in emf_lines(out)]
     assert len(roots) == 3 and "count: 3/3 requests ok" in out
@@ -148,20 +284,50 @@ def test_to_stdout_with_a_namespace_of_ones_own(fake_url, tmp_path, capsys):
 
 
 def test_without_emf_nothing_is_written(fake_url, tmp_path, capsys):
-    assert bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count", "--max-num-completed-requests", "1",
-                 "--results-dir", str(tmp_path), "--metadata", "variant=baseline") == 0
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-usage",
+            "--test-case",
+            "count",
+            "--max-num-completed-requests",
+            "1",
+            "--results-dir",
+            str(tmp_path),
+            "--metadata",
+            "variant=baseline",
+        )
+        == 0
+    )
     assert emf_lines(capsys.readouterr().out) == []
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--emf"], "--emf needs a Variant dimension"),
-    (["--emf", "--metadata", "variant= "], "--emf needs a Variant dimension"),
-    (["--emf", "--metadata", "variant=x", "--emf-namespace", "AWS/EC2"], "--emf-namespace must be"),
-    (["--emf", "--metadata", "variant=x", "--emf-namespace", "bad|name"], "--emf-namespace must be"),
-    (["--emf", "--metadata", "variant=x", "--emf-namespace", " "], "--emf-namespace must be"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--emf"], "--emf needs a Variant dimension"),
+        (["--emf", "--metadata", "variant= "], "--emf needs a Variant dimension"),
+        (["--emf", "--metadata", "variant=x", "--emf-namespace", "AWS/EC2"], "--emf-namespace must be"),
+        (["--emf", "--metadata", "variant=x", "--emf-namespace", "bad|name"], "--emf-namespace must be"),
+        (["--emf", "--metadata", "variant=x", "--emf-namespace", " "], "--emf-namespace must be"),
+    ],
+)
 def test_bad_emf_settings_are_refused_before_any_request(fake_url, tmp_path, capsys, args, message):
-    assert bench("--url", fake_url, "--model", "fake-usage", "--test-case", "count",
-                 "--results-dir", str(tmp_path / "results"), *args) == 2
+    assert (
+        bench(
+            "--url",
+            fake_url,
+            "--model",
+            "fake-usage",
+            "--test-case",
+            "count",
+            "--results-dir",
+            str(tmp_path / "results"),
+            *args,
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     assert not (tmp_path / "results").exists()

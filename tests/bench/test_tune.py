@@ -39,20 +39,40 @@ def test_recommend_takes_the_fastest_per_test_case_and_the_best_geometric_mean()
 
 def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, capsys):
     os.environ["SPECSERVE_CACHE"] = prepared_cache
-    argv = ["tune", "smollm2-135m", "--drafts", "smollm2-135m,ngram", "--k", "1,3", "--suites", "structured",
-            "--max-tokens", "12", "--results-dir", str(tmp_path), "--json"]
+    argv = [
+        "tune",
+        "smollm2-135m",
+        "--drafts",
+        "smollm2-135m,ngram",
+        "--k",
+        "1,3",
+        "--suites",
+        "structured",
+        "--max-tokens",
+        "12",
+        "--results-dir",
+        str(tmp_path),
+        "--json",
+    ]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
     assert [(r["proposer"], r["k"]) for r in rows] == [
-        ("plain", 0), ("smollm2-135m", 1), ("smollm2-135m", 3), ("ngram", 1), ("ngram", 3),
-        ("smollm2-135m", "adaptive"), ("ngram", "adaptive")]
+        ("plain", 0),
+        ("smollm2-135m", 1),
+        ("smollm2-135m", 3),
+        ("ngram", 1),
+        ("ngram", 3),
+        ("smollm2-135m", "adaptive"),
+        ("ngram", "adaptive"),
+    ]
     assert rows[0]["speedup"] == 1.0 and rows[0]["acceptance_rate"] is None
     self_draft = rows[2]
     assert self_draft["acceptance_rate"] > 0.9  # the target drafting for itself is (nearly) always right
     assert 0.5 < self_draft["cost_ratio"] < 2  # ... and costs what the target costs
     assert self_draft["predicted_speedup"] == pytest.approx(
-        predicted_speedup(self_draft["acceptance_rate"], self_draft["mean_draft_length"], self_draft["cost_ratio"]))
+        predicted_speedup(self_draft["acceptance_rate"], self_draft["mean_draft_length"], self_draft["cost_ratio"])
+    )
     assert 1 <= self_draft["mean_draft_length"] <= 3
     assert rows[3]["cost_ratio"] == 0.0
     # A draft that costs what the target costs cannot pay: adaptive decodes plainly.
@@ -78,7 +98,8 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     assert [row["k"] for row in measured["smollm2-135m"]["rows"]] == [0, 1, 3]
     assert measured["smollm2-135m"]["best_k"] in (1, 3) and measured["smollm2-135m"]["max_speedup"] < 2
     assert measured["smollm2-135m"]["max_speedup"] == max(
-        row["full_acceptance_speedup"] for row in measured["smollm2-135m"]["rows"][1:])
+        row["full_acceptance_speedup"] for row in measured["smollm2-135m"]["rows"][1:]
+    )
     assert "Measured with every draft accepted" in (tmp_path / "tune.md").read_text()
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
 

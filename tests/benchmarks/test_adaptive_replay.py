@@ -26,10 +26,13 @@ from benchmarks.adaptive_replay import TRACES as ZEN4_FILE
 # (a draft position ~0.39 of a plain step, a verified row ~0.22), and Zen 5 sets, the
 # later ones with each row count's own forward time (9-16 rows a second pass of
 # arithmetic).
-TRACE_FILES = {"zen4": ZEN4_FILE, "zen5": ZEN4_FILE.with_name("adaptive_traces_zen5.json"),
-               "zen5-tiles": ZEN4_FILE.with_name("adaptive_traces_zen5_tiles.json"),
-               "zen5-huge-pages": ZEN4_FILE.with_name("adaptive_traces_zen5_hp.json"),
-               "zen5-chains": ZEN4_FILE.with_name("adaptive_traces_zen5_chains.json")}
+TRACE_FILES = {
+    "zen4": ZEN4_FILE,
+    "zen5": ZEN4_FILE.with_name("adaptive_traces_zen5.json"),
+    "zen5-tiles": ZEN4_FILE.with_name("adaptive_traces_zen5_tiles.json"),
+    "zen5-huge-pages": ZEN4_FILE.with_name("adaptive_traces_zen5_hp.json"),
+    "zen5-chains": ZEN4_FILE.with_name("adaptive_traces_zen5_chains.json"),
+}
 TRACE_SETS = {name: load_traces(path) for name, path in TRACE_FILES.items()}
 COSTS, TRACES = TRACE_SETS["zen4"]
 
@@ -60,16 +63,33 @@ def test_where_drafting_pays_adaptive_comes_close_to_the_best_fixed_k(warm, mach
 # Draft costs times these where drafting starts to lose, and where it loses outright
 # (k = 3 loses 10% or more on both suites): on the Zen 4 traces 1.5x loses ~9% on
 # open-ended text at any fixed k, 2-3x 11-35%; the Zen 5's draft is cheaper.
-DEARER = [("zen4", 1.5), ("zen4", 2.0), ("zen4", 3.0), ("zen5", 1.5), ("zen5", 2.5), ("zen5", 3.0),
-          ("zen5-tiles", 1.5), ("zen5-tiles", 2.5), ("zen5-tiles", 3.0),
-          ("zen5-huge-pages", 1.5), ("zen5-huge-pages", 2.5), ("zen5-huge-pages", 3.0)]
+DEARER = [
+    ("zen4", 1.5),
+    ("zen4", 2.0),
+    ("zen4", 3.0),
+    ("zen5", 1.5),
+    ("zen5", 2.5),
+    ("zen5", 3.0),
+    ("zen5-tiles", 1.5),
+    ("zen5-tiles", 2.5),
+    ("zen5-tiles", 3.0),
+    ("zen5-huge-pages", 1.5),
+    ("zen5-huge-pages", 2.5),
+    ("zen5-huge-pages", 3.0),
+]
 # Known gaps, where drafting is near break-even on open-ended text (a 1.5x dearer draft):
 # a new sequence's first drafting on the prior, and the few exploring steps after it, cost
 # up to 7% there; these cells give 0.929-0.949x plain (a new engine on the tiles traces at
 # 2x, 0.943x, is not in DEARER). benchmarks/EXPERIMENTS.md: "The replay prices as the
 # engine does", "PRIOR_RATE and MIN_SPEEDUP near break-even".
-NEAR_BREAK_EVEN = {("zen5-tiles", 1.5, True): 0.94, ("zen4", 1.5, False): 0.92, ("zen5", 1.5, False): 0.94,
-                   ("zen4", 1.5, True): 0.94, ("zen5", 1.5, True): 0.94, ("zen5-huge-pages", 1.5, True): 0.92}
+NEAR_BREAK_EVEN = {
+    ("zen5-tiles", 1.5, True): 0.94,
+    ("zen4", 1.5, False): 0.92,
+    ("zen5", 1.5, False): 0.94,
+    ("zen4", 1.5, True): 0.94,
+    ("zen5", 1.5, True): 0.94,
+    ("zen5-huge-pages", 1.5, True): 0.92,
+}
 
 
 @pytest.mark.parametrize(("machine", "scale"), DEARER)

@@ -28,7 +28,9 @@ def test_modes_name_the_speculative_config():
 
 
 def run_of(speeds: dict[str, float], ttft: float = 0.5, tokens: str = "t") -> engine_ab.Run:
-    return {("plain", name): {"decode_tok_s": speed, "ttft_s": ttft, "tokens": tokens} for name, speed in speeds.items()}
+    return {
+        ("plain", name): {"decode_tok_s": speed, "ttft_s": ttft, "tokens": tokens} for name, speed in speeds.items()
+    }
 
 
 def test_builds_take_turns_and_ratios_are_per_round():
@@ -57,28 +59,91 @@ def test_the_table_gives_each_suites_geometric_mean(capsys):
 
 
 def test_a_whole_run_decodes_with_each_build_in_its_own_processes(prepared_cache):
-    done = subprocess.run([sys.executable, "benchmarks/engine_ab.py", "--a", "HEAD", "--b", "worktree",
-                           "--target", "smollm2-135m", "--draft", "smollm2-135m", "--quantization", "none",
-                           "--dtype", "float32", "--modes", "plain,k=3", "--suites", "structured",
-                           "--prompts", "count", "--max-tokens", "12", "--rounds", "1"],
-                          capture_output=True, text=True, cwd=engine_ab.REPO, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/engine_ab.py",
+            "--a",
+            "HEAD",
+            "--b",
+            "worktree",
+            "--target",
+            "smollm2-135m",
+            "--draft",
+            "smollm2-135m",
+            "--quantization",
+            "none",
+            "--dtype",
+            "float32",
+            "--modes",
+            "plain,k=3",
+            "--suites",
+            "structured",
+            "--prompts",
+            "count",
+            "--max-tokens",
+            "12",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=engine_ab.REPO,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| plain | count") or line.startswith("| k=3 |")]
+    rows = [
+        line for line in done.stdout.splitlines() if line.startswith("| plain | count") or line.startswith("| k=3 |")
+    ]
     assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows), done.stdout
     assert "k=3, structured: b/a decode speed" in done.stdout
 
 
 def test_under_load_each_mode_serves_the_requests_a_few_at_a_time(prepared_cache):
     """--concurrency: one row per mode, the run's output throughput, tokens compared."""
-    done = subprocess.run([sys.executable, "benchmarks/engine_ab.py", "--a", "worktree", "--b", "worktree",
-                           "--target", "smollm2-135m", "--draft", "smollm2-135m", "--quantization", "none",
-                           "--dtype", "float32", "--modes", "plain,adaptive", "--suites", "structured",
-                           "--max-tokens", "12", "--rounds", "1", "--concurrency", "3", "--requests", "5"],
-                          capture_output=True, text=True, cwd=engine_ab.REPO, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/engine_ab.py",
+            "--a",
+            "worktree",
+            "--b",
+            "worktree",
+            "--target",
+            "smollm2-135m",
+            "--draft",
+            "smollm2-135m",
+            "--quantization",
+            "none",
+            "--dtype",
+            "float32",
+            "--modes",
+            "plain,adaptive",
+            "--suites",
+            "structured",
+            "--max-tokens",
+            "12",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "3",
+            "--requests",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=engine_ab.REPO,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if "| 5 requests, 3 at a time |" in line]
     assert [row.split("|")[1].strip() for row in rows] == ["plain", "adaptive"], done.stdout
     assert all(row.endswith("| yes |") for row in rows)
-    bad = subprocess.run([sys.executable, "benchmarks/engine_ab.py", "--concurrency", "0"],
-                         capture_output=True, text=True, cwd=engine_ab.REPO, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "benchmarks/engine_ab.py", "--concurrency", "0"],
+        capture_output=True,
+        text=True,
+        cwd=engine_ab.REPO,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--concurrency and --requests must be at least 1" in bad.stderr

@@ -38,12 +38,15 @@ def test_the_table_says_whether_the_target_speedup_is_in_reach(prepared_cache, c
     assert "out of reach" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--ks", "0,3"], "--ks must be >= 1"),
-    (["--ks", "three"], "--ks takes whole numbers"),
-    (["--prompt", "poem"], "--prompt must be one of"),
-    (["--rounds", "0"], "--rounds must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ks", "0,3"], "--ks must be >= 1"),
+        (["--ks", "three"], "--ks takes whole numbers"),
+        (["--prompt", "poem"], "--prompt must be one of"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+    ],
+)
 def test_bad_flags_are_refused_with_the_fix(flags, message, capsys):
     with pytest.raises(SystemExit):
         full_acceptance.main([*TEST_PAIR, *flags])
@@ -51,8 +54,19 @@ def test_bad_flags_are_refused_with_the_fix(flags, message, capsys):
 
 
 def test_too_few_tokens_for_a_whole_step_is_an_error_not_a_crash(prepared_cache, capsys):
-    args = [*TEST_PAIR[:4], "--quantization", "none", "--dtype", "float32", "--ks", "8", "--rounds", "1",
-            "--max-tokens", "9"]
+    args = [
+        *TEST_PAIR[:4],
+        "--quantization",
+        "none",
+        "--dtype",
+        "float32",
+        "--ks",
+        "8",
+        "--rounds",
+        "1",
+        "--max-tokens",
+        "9",
+    ]
     assert full_acceptance.main(args) == 1
     assert "9 tokens leave no whole step of k = 8; decode more (--max-tokens)" in capsys.readouterr().err
 
@@ -67,8 +81,24 @@ def test_a_heads_draft_position_is_priced_in_plain_steps(prepared_cache, tmp_pat
     target = load_model("smollm2-135m").config
     torch.manual_seed(0)
     save_head(EagleHead(EagleConfig.for_target(target, version=3, draft_vocab_size=512)), tmp_path / "head")
-    args = ["--target", "smollm2-135m", "--draft", str(tmp_path / "head"), "--method", "eagle3",
-            "--quantization", "none", "--dtype", "float32", "--ks", "3", "--rounds", "1", "--max-tokens", "20"]
+    args = [
+        "--target",
+        "smollm2-135m",
+        "--draft",
+        str(tmp_path / "head"),
+        "--method",
+        "eagle3",
+        "--quantization",
+        "none",
+        "--dtype",
+        "float32",
+        "--ks",
+        "3",
+        "--rounds",
+        "1",
+        "--max-tokens",
+        "20",
+    ]
     assert full_acceptance.main([*args, "--json"]) == 0
     plain, k3 = rows_of(capsys.readouterr().out)
     assert 0 < k3["drafting_s"] < k3["step_s"] and k3["full_acceptance_speedup"] > 0

@@ -48,8 +48,16 @@ def test_two_builds_of_the_same_sources_give_the_same_bits(tmp_path):
         (FloatLinear(gate_up.to(torch.bfloat16)), True),  # called gated, as the decoder does
     ]
     library = native.library
-    results = [kernel_ab.measure(native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{name}.so")),
-                                 layers, rows=[1, 3], passes=2, dtype=torch.bfloat16) for name in "ab"]
+    results = [
+        kernel_ab.measure(
+            native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{name}.so")),
+            layers,
+            rows=[1, 3],
+            passes=2,
+            dtype=torch.bfloat16,
+        )
+        for name in "ab"
+    ]
     assert native.library is library  # put back
     for count in (1, 3):
         assert results[0][count][0] > 0 and results[1][count][0] > 0
@@ -75,10 +83,32 @@ def test_builds_take_turns_and_ratios_are_against_the_first(capsys):
 def test_a_whole_run_measures_each_build_in_its_own_processes(prepared_cache, tmp_path):
     import subprocess
 
-    done = subprocess.run([sys.executable, "benchmarks/kernel_ab.py", "--a", "HEAD", "--b", "worktree",
-                           "--target", "smollm2-135m", "--quantization", "none", "--dtype", "bfloat16",
-                           "--rows", "1,2", "--rounds", "1", "--passes", "1"],
-                          capture_output=True, text=True, cwd=kernel_ab.REPO, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/kernel_ab.py",
+            "--a",
+            "HEAD",
+            "--b",
+            "worktree",
+            "--target",
+            "smollm2-135m",
+            "--quantization",
+            "none",
+            "--dtype",
+            "bfloat16",
+            "--rows",
+            "1,2",
+            "--rounds",
+            "1",
+            "--passes",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=kernel_ab.REPO,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rows")]
     assert len(lines) == 4 and "differ" not in done.stdout  # rows 1 and 2, each build
@@ -92,11 +122,19 @@ def test_whole_forwards_run_through_decode_blocks_on_the_given_build(tmp_path, m
     model = quantized_tiny_model("qwen2", "int4")
     calls = []
     run = native.ModelInC.run_blocks
-    monkeypatch.setattr(native.ModelInC, "run_blocks",
-                        lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs))
+    monkeypatch.setattr(
+        native.ModelInC, "run_blocks", lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs)
+    )
     library = native.library
-    results = [kernel_ab.measure_forwards(native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{n}.so")),
-                                          model, rows=[1, 3], passes=2) for n in "ab"]
+    results = [
+        kernel_ab.measure_forwards(
+            native.load_library(kernel_ab.build_library(native.KERNELS, tmp_path / f"{n}.so")),
+            model,
+            rows=[1, 3],
+            passes=2,
+        )
+        for n in "ab"
+    ]
     assert native.library is library  # put back
     assert len(calls) == 2 * 2 * 3  # builds x row counts x (warm-up + passes), every one in one C call
     for count in (1, 3):

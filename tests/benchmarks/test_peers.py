@@ -40,13 +40,30 @@ from tests.head_models import random_head
 
 PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 SMALL = ["--target", "smollm2-135m", "--draft", "smollm2-135m", "--max-tokens", "8"]
-ROW_KEYS = {"system", "mode", "prompt", "num_output_tokens", "ttft_s", "decode_tokens_per_s",
-            "acceptance_rate", "mean_acceptance_length", "format", "suite", "same_tokens_as_plain"}
+ROW_KEYS = {
+    "system",
+    "mode",
+    "prompt",
+    "num_output_tokens",
+    "ttft_s",
+    "decode_tokens_per_s",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "format",
+    "suite",
+    "same_tokens_as_plain",
+}
 
 
 def run_peers(*args: str, cache: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PEERS), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SPECSERVE_CACHE": cache, **(env or {})}, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, str(PEERS), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SPECSERVE_CACHE": cache, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +82,8 @@ def test_every_mode_has_a_row_with_the_figures(rows):
     timed = [r for r in rows if r["system"] in ("specserve", "transformers")]
     assert sorted((r["system"], r["mode"]) for r in timed) == sorted(
         [("specserve", m) for m in ["plain", "draft", "ngram", "adaptive"]]
-        + [("transformers", "plain"), ("transformers", "assisted")])
+        + [("transformers", "plain"), ("transformers", "assisted")]
+    )
     for r in timed:
         assert ROW_KEYS <= set(r) and r["prompt"] == "repeat" and r["suite"] == "structured"
         assert r["num_output_tokens"] == len(r["token_ids"]) == 8  # the line is longer than 8 tokens
@@ -89,9 +107,22 @@ def test_head_rows_run_a_head_folder_and_keep_our_plain_tokens(prepared_cache, t
     config = catalogue.load_model("smollm2-135m", torch.float32, "none").config
     for method in ("eagle3", "medusa"):
         save_head(random_head(method, config, seed=0), tmp_path / method)
-    result = run_peers(*SMALL, "--prompts", "count", "--modes", "plain,eagle3,adaptive-medusa", "--peers", "",
-                       "--no-quality", "--eagle-head", str(tmp_path / "eagle3"), "--medusa-head",
-                       str(tmp_path / "medusa"), "--json", cache=prepared_cache)
+    result = run_peers(
+        *SMALL,
+        "--prompts",
+        "count",
+        "--modes",
+        "plain,eagle3,adaptive-medusa",
+        "--peers",
+        "",
+        "--no-quality",
+        "--eagle-head",
+        str(tmp_path / "eagle3"),
+        "--medusa-head",
+        str(tmp_path / "medusa"),
+        "--json",
+        cache=prepared_cache,
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     ours = {r["mode"]: r for r in rows if r["system"] == "specserve" and "mode" in r}
@@ -102,8 +133,12 @@ def test_head_rows_run_a_head_folder_and_keep_our_plain_tokens(prepared_cache, t
 
 def test_roofline_rows_put_each_plain_decode_under_its_limit(rows):
     roofline = {(r["role"], r["of_system"]): r for r in rows if r["system"] == "roofline"}
-    assert set(roofline) == {("target", "specserve"), ("draft", "specserve"), ("target", "transformers"),
-                             *([("target", "llama.cpp")] if has_llama_cpp() else [])}
+    assert set(roofline) == {
+        ("target", "specserve"),
+        ("draft", "specserve"),
+        ("target", "transformers"),
+        *([("target", "llama.cpp")] if has_llama_cpp() else []),
+    }
     for r in roofline.values():
         assert r["bytes_per_token"] > 50e6 and r["bandwidth_bytes_per_s"] > 1e9
         assert r["limit_tokens_per_s"] == pytest.approx(r["bandwidth_bytes_per_s"] / r["bytes_per_token"])
@@ -116,17 +151,21 @@ def test_roofline_rows_put_each_plain_decode_under_its_limit(rows):
 def test_ceiling_rows_price_a_row_by_its_arithmetic(rows):
     ceiling = {r["draft"]: r for r in rows if r["system"] == "ceiling"}
     assert set(ceiling) == {"smollm2-135m float32", "free (n-gram, lookup first)"}
-    target = next(r for r in rows if r["system"] == "roofline" and r["role"] == "target" and r["of_system"] == "specserve")
+    target = next(
+        r for r in rows if r["system"] == "roofline" and r["role"] == "target" and r["of_system"] == "specserve"
+    )
     draft = next(r for r in rows if r["system"] == "roofline" and r["role"] == "draft")
     for r in ceiling.values():
         assert r["target_format"] == "float32" and r["arithmetic"] == "float32" and r["peak_macs_per_s"] > 1e9
         assert r["plain_step_s"] == pytest.approx(target["bytes_per_token"] / target["bandwidth_bytes_per_s"])
         assert r["verified_row_s"] == pytest.approx(target["macs_per_token"] / r["peak_macs_per_s"])
         assert (r["max_speedup"], r["best_k"]) == pytest.approx(
-            speculation_ceiling(r["plain_step_s"], r["verified_row_s"], r["draft_position_s"]))
+            speculation_ceiling(r["plain_step_s"], r["verified_row_s"], r["draft_position_s"])
+        )
     # the model drafting for itself: a position costs a plain step, so nothing can be gained
     assert ceiling["smollm2-135m float32"]["draft_position_s"] == pytest.approx(
-        draft["bytes_per_token"] / draft["bandwidth_bytes_per_s"])
+        draft["bytes_per_token"] / draft["bandwidth_bytes_per_s"]
+    )
     assert ceiling["smollm2-135m float32"]["max_speedup"] <= 1.0 + 1e-9
     assert ceiling["free (n-gram, lookup first)"]["max_speedup"] > 1.0
 
@@ -145,16 +184,27 @@ def test_missing_llama_cpp_is_skipped_with_a_message(prepared_cache, tmp_path):
     # A `llama_cpp` that fails to import stands in for llama-cpp-python not being installed.
     (tmp_path / "llama_cpp").mkdir()
     (tmp_path / "llama_cpp" / "__init__.py").write_text("raise ImportError(\"No module named 'llama_cpp'\")\n")
-    result = run_peers(*SMALL, "--prompts", "count", "--modes", "", "--peers", "llama.cpp", "--json",
-                       cache=prepared_cache, env={"PYTHONPATH": str(tmp_path)})
+    result = run_peers(
+        *SMALL,
+        "--prompts",
+        "count",
+        "--modes",
+        "",
+        "--peers",
+        "llama.cpp",
+        "--json",
+        cache=prepared_cache,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
     assert "llama.cpp: skipped" in result.stderr and "No module named 'llama_cpp'" in result.stderr
     assert [json.loads(line)["system"] for line in result.stdout.splitlines()] == []
 
 
 def test_a_unit_that_fails_fails_the_run_with_its_own_error(prepared_cache):
-    result = run_peers(*SMALL, "--prompts", "count", "--modes", "plain,draft-fused", "--peers", "", "--json",
-                       cache=prepared_cache)
+    result = run_peers(
+        *SMALL, "--prompts", "count", "--modes", "plain,draft-fused", "--peers", "", "--json", cache=prepared_cache
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert '"fused": true runs the draft in our C kernels' in result.stderr  # the unit's own message
     assert "specserve:draft-fused failed" in result.stderr
@@ -192,10 +242,12 @@ def peers_module():
 
 def test_llama_cpp_acceptance_is_counted_from_its_proposals(peers_module):
     tokens = [10, 11, 12, 13, 14, 15]  # the output, after a prompt of 3 tokens
-    proposals = [(4, [11, 12, 99]),  # after 1 output token: 2 accepted, then a miss
-                 (7, []),  # no n-gram match: not a draft
-                 (7, [14, 15, 16]),  # the output ends after 2 of them
-                 (9, [16])]  # after the last kept token: never verified
+    proposals = [
+        (4, [11, 12, 99]),  # after 1 output token: 2 accepted, then a miss
+        (7, []),  # no n-gram match: not a draft
+        (7, [14, 15, 16]),  # the output ends after 2 of them
+        (9, [16]),
+    ]  # after the last kept token: never verified
     stats = peers_module.lookup_stats(proposals, prompt_len=3, tokens=tokens)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 4)
     assert stats.mean_acceptance_length == 3.0
@@ -249,8 +301,11 @@ def test_weight_bytes_count_onednn_tensors(monkeypatch):
     packed = Decoder(tiny_config("qwen2"))
     before = weight_bytes_per_token(packed)
     packed.pack_linear_weights()  # oneDNN tensors; a bias-free layer gains a zero bias
-    zero_biases = sum(m.out_features for m in Decoder(tiny_config("qwen2")).modules()
-                      if isinstance(m, torch.nn.Linear) and m.bias is None)
+    zero_biases = sum(
+        m.out_features
+        for m in Decoder(tiny_config("qwen2")).modules()
+        if isinstance(m, torch.nn.Linear) and m.bias is None
+    )
     assert weight_bytes_per_token(packed) == before + zero_biases * 4
 
 
@@ -322,7 +377,12 @@ def test_speculation_ceiling_takes_the_best_k():
 
 def test_formats_map_to_the_arithmetic_they_run():
     assert [arithmetic_of(f) for f in ("int4/bfloat16", "int8/bfloat16", "float32", "bfloat16", "float16")] == [
-        "int8_groups", "int8_groups", "float32", "bfloat16", None]
+        "int8_groups",
+        "int8_groups",
+        "float32",
+        "bfloat16",
+        None,
+    ]
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="no arithmetic peak without our kernels")

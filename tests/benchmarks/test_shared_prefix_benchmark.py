@@ -14,10 +14,29 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "shared_prefix.py"
 
 def test_the_cache_finds_the_shared_prefix_only_when_on(prepared_cache):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--target", "smollm2-135m", "--shared-prefix-tokens", "64", "--max-tokens", "4",
-         "--concurrency", "2", "--requests", "4", "--rounds", "1", "--json"],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-        env={**os.environ, "SPECSERVE_CACHE": prepared_cache})
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--target",
+            "smollm2-135m",
+            "--shared-prefix-tokens",
+            "64",
+            "--max-tokens",
+            "4",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--rounds",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "SPECSERVE_CACHE": prepared_cache},
+    )
     assert result.returncode == 0, result.stderr
     runs = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert runs["off"]["from cache"] is None  # no prefix cache: the server counts no hits (vLLM's usage)

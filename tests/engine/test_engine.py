@@ -67,6 +67,7 @@ def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
         found = look_up(decoding)
         log.extend((decoding[i].lookup_accepted, draft.num_tokens) for i, draft in found.items())
         return found
+
     engine._look_up = logged
     return log
 
@@ -77,11 +78,17 @@ def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
 def test_greedy_equivalence(target, k, proposer_kind, device):
     proposer = (
         DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
-        if proposer_kind != "ngram" else NgramProposer(1, 3)
+        if proposer_kind != "ngram"
+        else NgramProposer(1, 3)
     )
     target = on(target, device)
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=k,
-                    lookup_first=2 if proposer_kind == "draft, lookup first" else None)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=k,
+        lookup_first=2 if proposer_kind == "draft, lookup first" else None,
+    )
     lookups = log_lookups(engine)
     for prompt in PROMPTS:
         seq = engine.generate(prompt, GREEDY)
@@ -142,8 +149,7 @@ def test_seeded_sampling_repeats_with_speculation(target, device):
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
 
     def run() -> list[int]:
-        engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(draft),
-                        num_speculative_tokens=3)
+        engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(draft), num_speculative_tokens=3)
         return engine.generate(PROMPTS[0], params).output_ids
 
     first = run()
@@ -176,9 +182,11 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("draft_head, lookup_first, cut_short", [(4, None, False), (3, None, False), (4, 1, False),
-                                                                  (4, 1, True)],
-                         ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first", "lookups-cut-short"])
+@pytest.mark.parametrize(
+    "draft_head, lookup_first, cut_short",
+    [(4, None, False), (3, None, False), (4, 1, False), (4, 1, True)],
+    ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first", "lookups-cut-short"],
+)
 def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first, cut_short):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
@@ -200,8 +208,13 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     expected = target_continuation_probs(target, prompt, SamplingParams(**params))
 
     proposer = DraftModelProposer(draft, confidence_threshold=0.5)
-    engine = Engine(on(target, device), eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3,
-                    lookup_first=lookup_first)
+    engine = Engine(
+        on(target, device),
+        eos_token_ids=[EOS % vocab],
+        proposer=proposer,
+        num_speculative_tokens=3,
+        lookup_first=lookup_first,
+    )
     if cut_short:
         look_up = engine._look_up
         engine._look_up = lambda decoding: {i: Draft(d.tokens[:1]) for i, d in look_up(decoding).items()}
@@ -215,8 +228,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
 
 
 def test_max_num_seqs_bounds_the_batch_and_the_rest_wait(target):
-    engine = Engine(target, eos_token_ids=[EOS], proposer=NgramProposer(1, 3),
-                    num_speculative_tokens=3, max_num_seqs=2)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=NgramProposer(1, 3), num_speculative_tokens=3, max_num_seqs=2)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     assert len(engine.waiting) == 4 and not engine.running
@@ -276,8 +288,9 @@ def test_lookup_first_drafts_teach_adaptive_k_nothing(target):
     record, observe_draft = adaptive.record, adaptive.observe_draft
     adaptive.record = lambda seq_id, drafted, accepted: (recorded.append(drafted), record(seq_id, drafted, accepted))
     adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, seconds))
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
-                    lookup_first=2)
+    engine = Engine(
+        target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive, lookup_first=2
+    )
     lookups = log_lookups(engine)
     steps = 0
     for prompt in PROMPTS:
@@ -294,8 +307,13 @@ def test_lookup_first_drafts_teach_adaptive_k_nothing(target):
 def test_a_lookup_after_a_rejected_one_drafts_less(target):
     """A lookup's k is up to num_speculative_tokens, and 1 + 2a after a lookup that had a
     tokens accepted: where the text stops repeating, the next match is often wrong."""
-    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
-                    num_speculative_tokens=7, lookup_first=1)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
+        num_speculative_tokens=7,
+        lookup_first=1,
+    )
     lookups = log_lookups(engine)
     for prompt in PROMPTS:
         assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
@@ -313,8 +331,14 @@ def lookup_engine(target, verified) -> tuple[Engine, list, list]:
     adaptive.lookup_ks = lambda seq_ids, proposed, batch: [verified(n) for n in proposed]
     learnt, record_lookup = [], adaptive.record_lookup
     adaptive.record_lookup = lambda seq_id, n, matched: (learnt.append((n, matched)), record_lookup(seq_id, n, matched))
-    engine = Engine(target, eos_token_ids=[EOS], proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
-                    num_speculative_tokens=7, adaptive=adaptive, lookup_first=1)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
+        num_speculative_tokens=7,
+        adaptive=adaptive,
+        lookup_first=1,
+    )
     proposed, look_up = [], engine._look_up
 
     def logged(decoding):
@@ -322,6 +346,7 @@ def lookup_engine(target, verified) -> tuple[Engine, list, list]:
         found = look_up(decoding)
         proposed.extend(s.lookup_pending for s, before in zip(decoding, pending) if s.lookup_pending is not before)
         return found
+
     engine._look_up = logged
     return engine, proposed, learnt
 

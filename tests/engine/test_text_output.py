@@ -23,11 +23,13 @@ def tokenizer() -> Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator(CORPUS, trainer=trainer)
-    return Tokenizer(backend, bos_token_id=None, declared_eos_ids=[backend.token_to_id(EOS)],
-                     add_bos=False, chat_template=None)
+    return Tokenizer(
+        backend, bos_token_id=None, declared_eos_ids=[backend.token_to_id(EOS)], add_bos=False, chat_template=None
+    )
 
 
 def stream(output: TextOutput, ids: list[int], step: int = 1, finish: bool = True) -> list[str]:
@@ -35,7 +37,7 @@ def stream(output: TextOutput, ids: list[int], step: int = 1, finish: bool = Tru
     deltas = []
     for start in range(0, len(ids), step):
         last = start + step >= len(ids)
-        deltas.append(output.add(ids[start:start + step], finished=finish and last))
+        deltas.append(output.add(ids[start : start + step], finished=finish and last))
         if output.stop_reason is not None:
             break
     return deltas
@@ -77,7 +79,7 @@ def test_finished_flushes_the_held_back_text(tokenizer):
     output = TextOutput(tokenizer, [], stop=[stop])
     running = "".join(stream(output, tokenizer.encode(text), finish=False))
     assert running == text[: -(len(stop) - 1)]
-    assert output.add([], finished=True) == text[-(len(stop) - 1):]
+    assert output.add([], finished=True) == text[-(len(stop) - 1) :]
     assert output.stop_reason is None
 
 

@@ -42,6 +42,7 @@ def test_a_machine_where_compile_fails_gets_a_clear_error(monkeypatch):
     def broken(fn, **options):
         def run(*args):
             raise RuntimeError("no C++ compiler found")
+
         return run
 
     monkeypatch.setattr(torch, "compile", broken)

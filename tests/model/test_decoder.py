@@ -36,8 +36,15 @@ PROMPT = [3, 17, 42, 5, 88, 61, 7, 7, 23, 90, 1, 54]
     [
         {},
         {"tie_word_embeddings": True},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            }
+        },
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     ],
     ids=["untied", "tied", "llama3-rope", "linear-rope"],
@@ -116,7 +123,9 @@ def test_cache_grows_past_initial_capacity():
     assert cache.length == 300 and cache.capacity >= 300
     torch.testing.assert_close(
         model(torch.tensor([5]), [Segment(cache, 1)]),
-        prefill(model, ids + [5])[-1:], rtol=1e-4, atol=1e-4,
+        prefill(model, ids + [5])[-1:],
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
@@ -129,8 +138,9 @@ def test_bfloat16_runs_and_roughly_agrees():
     torch.testing.assert_close(prefill(model, PROMPT), expected, rtol=0.1, atol=0.1)
 
 
-@pytest.mark.parametrize("kernel, dtype", [("ours", torch.float32), ("onednn", torch.float32),
-                                           ("ours", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "kernel, dtype", [("ours", torch.float32), ("onednn", torch.float32), ("ours", torch.bfloat16)]
+)
 def test_swapped_linear_layers_give_the_same_logits(arch, kernel, dtype, monkeypatch):
     """The CPU layers (our kernel where it runs, else for float32 oneDNN's packed
     weights) compute what the plain layers compute."""
@@ -151,8 +161,9 @@ def test_swapped_linear_layers_give_the_same_logits(arch, kernel, dtype, monkeyp
     torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=tolerance, atol=tolerance)
     cache = ours.new_cache()  # and one token at a time, as decoding feeds it
     ours(torch.tensor(PROMPT[:-1]), [Segment(cache, len(PROMPT) - 1)])
-    torch.testing.assert_close(ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:],
-                               rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(
+        ours(torch.tensor(PROMPT[-1:]), [Segment(cache, 1)]), expected[-1:], rtol=tolerance, atol=tolerance
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,8 +173,9 @@ def test_verification_is_bitwise_plain_decoding_on_our_float_kernel(arch, dtype)
     the logits of decoding them one at a time: no batch-invariant mode needed."""
     if not FloatLinear.available(dtype):
         pytest.skip("our kernels do not run here")
-    config = tiny_config(arch, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
-                         head_dim=32, vocab_size=512)
+    config = tiny_config(
+        arch, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=512
+    )
     _, model = reference_and_ours(config, dtype=dtype)
     model.pack_linear_weights()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
@@ -172,8 +184,9 @@ def test_verification_is_bitwise_plain_decoding_on_our_float_kernel(arch, dtype)
     one_at_a_time = torch.cat([model(ids[i : i + 1], [Segment(alone, 1)]) for i in range(32, 40)])  # [8, V]
     model(ids[:32], [Segment(verified, 32)])
     model(ids[:3], [Segment(other, 3)])
-    batch = model(torch.cat([ids[32:40], ids[3:4]]),
-                  [Segment(verified, 8, one_query_at_a_time=True), Segment(other, 1)])  # [9, V]
+    batch = model(
+        torch.cat([ids[32:40], ids[3:4]]), [Segment(verified, 8, one_query_at_a_time=True), Segment(other, 1)]
+    )  # [9, V]
     assert torch.equal(batch[:8], one_at_a_time)
     assert torch.equal(verified.keys[:, :, :40], alone.keys[:, :, :40])
 
@@ -185,8 +198,9 @@ def test_batch_invariant_mode_computes_a_token_the_same_in_any_company(dtype):
     the mode the float32 case fails here on oneDNN, which rounds 1 row and 8 rows
     differently, and the prompt's chunks fail on any kernel: several queries attend
     at once.)"""
-    config = tiny_config("qwen2", hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
-                         head_dim=32, vocab_size=512)
+    config = tiny_config(
+        "qwen2", hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=512
+    )
     reference, _ = reference_and_ours(config)
     model = Decoder.from_hf_weights(config, dict(reference.state_dict()), dtype)
     model.pack_linear_weights()

@@ -34,19 +34,30 @@ REQUESTS = [
 
 def run_batch(target, make_proposer, adaptive: bool) -> list[list[int]]:
     proposer = make_proposer()
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
-                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
-                    prefill_chunk_size=8)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=3,
+        adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
+        prefill_chunk_size=8,
+    )
     seqs = [engine.add_request(prompt, params) for prompt, params in REQUESTS]
     while engine.has_unfinished():
         engine.step()
     return [s.output_ids for s in seqs]
 
 
-@pytest.mark.parametrize("proposer_kind,adaptive,static", [
-    ("none", False, False), ("draft", False, False), ("draft", True, False), ("ngram", False, False),
-    ("draft", True, True),
-])
+@pytest.mark.parametrize(
+    "proposer_kind,adaptive,static",
+    [
+        ("none", False, False),
+        ("draft", False, False),
+        ("draft", True, False),
+        ("ngram", False, False),
+        ("draft", True, True),
+    ],
+)
 def test_nothing_a_step_makes_lands_on_the_default_device(monkeypatch, proposer_kind, adaptive, static):
     """Under `torch.device("meta")`, a tensor made without naming its device is a meta
     tensor: it has no data, and the first op that mixes it with the models' tensors (or
@@ -132,7 +143,9 @@ def test_each_request_draws_from_a_generator_on_the_models_device(monkeypatch):
     on the target's device (a real CUDA run is in test_engine.py, where a GPU is)."""
     made_on = []
     make = SamplingParams.make_generator
-    monkeypatch.setattr(SamplingParams, "make_generator", lambda self, device: made_on.append(device) or make(self, device))
+    monkeypatch.setattr(
+        SamplingParams, "make_generator", lambda self, device: made_on.append(device) or make(self, device)
+    )
     target = random_decoder("llama", seed=3)
     Engine(target, eos_token_ids=[EOS]).add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=1))
     assert made_on == [target.device]

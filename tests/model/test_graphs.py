@@ -46,7 +46,9 @@ def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     def step(caches: list[KVCache]) -> torch.Tensor:
         segments = [Segment(c, len(p)) for c, p in zip(caches, prompts)]
         model(torch.tensor([t for p in prompts for t in p]), segments, torch.empty(0, dtype=torch.int64))
-        return model(torch.tensor([t for tokens in new for t in tokens]), [Segment(c, len(t)) for c, t in zip(caches, new)])
+        return model(
+            torch.tensor([t for tokens in new for t in tokens]), [Segment(c, len(t)) for c, t in zip(caches, new)]
+        )
 
     expected = step([model.new_cache() for _ in prompts])
     model.use_cuda_graphs(num_slots=4, capacity=64)
@@ -86,10 +88,19 @@ def test_a_static_step_reads_no_tensor_value_on_the_host(arch):
     assert logits.shape == (6, 96) and list(model.static.steps) == [(2, 3, 16)]
 
 
-def run(target, make_proposer, requests, adaptive=False, max_num_seqs=4, **engine_options) -> tuple[list[list[int]], Engine]:
-    engine = Engine(target, eos_token_ids=[EOS], proposer=make_proposer(), num_speculative_tokens=3,
-                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
-                    max_num_seqs=max_num_seqs, prefill_chunk_size=8, **engine_options)
+def run(
+    target, make_proposer, requests, adaptive=False, max_num_seqs=4, **engine_options
+) -> tuple[list[list[int]], Engine]:
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=make_proposer(),
+        num_speculative_tokens=3,
+        adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
+        max_num_seqs=max_num_seqs,
+        prefill_chunk_size=8,
+        **engine_options,
+    )
     seqs = [engine.add_request(prompt, params) for prompt, params in requests]
     while engine.has_unfinished():
         engine.step()
@@ -97,13 +108,17 @@ def run(target, make_proposer, requests, adaptive=False, max_num_seqs=4, **engin
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("proposer_kind,adaptive", [("none", False), ("draft", False), ("draft", True), ("ngram", False)])
+@pytest.mark.parametrize(
+    "proposer_kind,adaptive", [("none", False), ("draft", False), ("draft", True), ("ngram", False)]
+)
 def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, adaptive):
     """A batch of greedy requests (ragged prompts read in chunks, drafts verified and rolled
     back, sequences leaving) on static steps gives each request's plain tokens, and every
     slot comes back to the pool."""
     target = on(random_decoder("qwen3", seed=1), device)
-    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in zip(PROMPTS, [40, 25, 33, 18])]
+    requests = [
+        (p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in zip(PROMPTS, [40, 25, 33, 18])
+    ]
     expected = [run(target, lambda: None, [r])[0][0] for r in requests]
     graphed_target, graphed_draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
     for model in (graphed_target, graphed_draft):

@@ -9,8 +9,9 @@ from torch import nn
 from specserve.model import huge_pages
 from specserve.model.huge_pages import move_to_huge_pages
 
-needs_thp = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
-                               reason=f"no huge pages here: {huge_pages.unavailable_reason()}")
+needs_thp = pytest.mark.skipif(
+    huge_pages.unavailable_reason() is not None, reason=f"no huge pages here: {huge_pages.unavailable_reason()}"
+)
 
 
 class Tied(nn.Module):

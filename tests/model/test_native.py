@@ -94,8 +94,12 @@ def test_every_row_is_the_same_whatever_shares_the_call(bits, in_features, rows)
 FLOAT_KINDS = [
     pytest.param(torch.float32, None, id="float32"),
     pytest.param(torch.bfloat16, False, id="bfloat16-widened"),
-    pytest.param(torch.bfloat16, True, id="bfloat16-dot", marks=pytest.mark.skipif(
-        not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)")),
+    pytest.param(
+        torch.bfloat16,
+        True,
+        id="bfloat16-dot",
+        marks=pytest.mark.skipif(not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)"),
+    ),
 ]
 
 
@@ -150,13 +154,22 @@ def test_bfloat16_dot_and_widened_weights_give_the_same_bits(in_features, gated)
     weight, bias = torch.randn(38, in_features).bfloat16(), torch.randn(38).bfloat16()
     for rows in (1, 8, 9, 30):
         x = torch.randn(rows, in_features).bfloat16()
-        assert torch.equal(native.float_matmul(x, weight, bias, gated=gated, bf16_dot=True),
-                           native.float_matmul(x, weight, bias, gated=gated, bf16_dot=False))
+        assert torch.equal(
+            native.float_matmul(x, weight, bias, gated=gated, bf16_dot=True),
+            native.float_matmul(x, weight, bias, gated=gated, bf16_dot=False),
+        )
 
 
 @needs_kernel
-@pytest.mark.parametrize("dot", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)"))])
+@pytest.mark.parametrize(
+    "dot",
+    [
+        False,
+        pytest.param(
+            True, marks=pytest.mark.skipif(not native.has_bf16_dot(), reason="the CPU has no vdpbf16ps (avx512_bf16)")
+        ),
+    ],
+)
 def test_gated_bfloat16_kernel_is_silu_of_the_gate_times_up(dot):
     """A bfloat16 SwiGLU gate/up projection in one call: silu(gate) * up from the
     ungated call's gate and up, and each row the same in any company."""
@@ -168,7 +181,9 @@ def test_gated_bfloat16_kernel_is_silu_of_the_gate_times_up(dot):
     assert got.shape == (9, 40) and got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
     for row in (0, 4, 8):
-        assert torch.equal(native.float_matmul(x[row : row + 1], weight, bias, gated=True, bf16_dot=dot), got[row : row + 1])
+        assert torch.equal(
+            native.float_matmul(x[row : row + 1], weight, bias, gated=True, bf16_dot=dot), got[row : row + 1]
+        )
 
 
 @needs_kernel
@@ -293,8 +308,18 @@ def test_decode_attention_gives_each_token_its_solo_bits_in_any_group(group, dty
     solo_keys, solo_values = keys.clone(), values.clone()
     together = native.decode_attention(qkv, cos, rotated_sin, None, None, 1e-6, keys, values, start, heads)
     for i in range(n):
-        alone = native.decode_attention(qkv[i : i + 1], cos[i : i + 1], rotated_sin[i : i + 1], None, None, 1e-6,
-                                        solo_keys, solo_values, start + i, heads)
+        alone = native.decode_attention(
+            qkv[i : i + 1],
+            cos[i : i + 1],
+            rotated_sin[i : i + 1],
+            None,
+            None,
+            1e-6,
+            solo_keys,
+            solo_values,
+            start + i,
+            heads,
+        )
         assert torch.equal(alone, together[i : i + 1])
     assert torch.equal(solo_keys, keys) and torch.equal(solo_values, values)
 
@@ -302,8 +327,9 @@ def test_decode_attention_gives_each_token_its_solo_bits_in_any_group(group, dty
 def tiny_float_model(arch: str) -> Decoder:
     """A random float32 model, norms and biases perturbed (the init sets them to 1 and 0)."""
     torch.manual_seed(2)
-    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
-                         vocab_size=128)
+    config = tiny_config(
+        arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=128
+    )
     float_model = Decoder(config).eval()
     with torch.no_grad():
         for name, p in float_model.named_parameters():
@@ -337,8 +363,11 @@ def on_bfloat16_kernel(float_model: Decoder) -> Decoder:
 def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, monkeypatch):
     """Decoding, verifying 4 drafts, and a batch of two sequences through decode_blocks:
     the logits and caches of the Python loop over the same kernels, bit for bit."""
-    model = (on_bfloat16_kernel(tiny_float_model(arch)) if quantization == "bfloat16"
-             else quantized_tiny_model(arch, quantization))
+    model = (
+        on_bfloat16_kernel(tiny_float_model(arch))
+        if quantization == "bfloat16"
+        else quantized_tiny_model(arch, quantization)
+    )
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))
 
     def decode() -> list[torch.Tensor]:
@@ -351,11 +380,12 @@ def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, mo
 
     calls = []
     run = native.ModelInC.run_blocks
-    monkeypatch.setattr(native.ModelInC, "run_blocks",
-                        lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs))
+    monkeypatch.setattr(
+        native.ModelInC, "run_blocks", lambda self, *args, **kwargs: calls.append(1) or run(self, *args, **kwargs)
+    )
     ours = decode()
     assert len(calls) == 2  # the two decoding steps went through C
-    monkeypatch.setattr(model, "in_c", lambda: None)
+    monkeypatch.setattr(model, "model_in_c", lambda: None)
     theirs = decode()
     for got, expected in zip(ours, theirs):
         assert torch.equal(got, expected)
@@ -372,8 +402,11 @@ def test_decode_attention_takes_head_sizes_in_steps_of_16():
 def test_features_captured_between_c_calls_are_bitwise_the_python_loops(quantization, monkeypatch):
     """A verification step whose features a draft head reads: the C path runs the blocks
     in runs split at the captured layers; features, logits and caches are the loop's."""
-    model = (on_bfloat16_kernel(tiny_float_model("qwen2")) if quantization == "bfloat16"
-             else quantized_tiny_model("qwen2", quantization))
+    model = (
+        on_bfloat16_kernel(tiny_float_model("qwen2"))
+        if quantization == "bfloat16"
+        else quantized_tiny_model("qwen2", quantization)
+    )
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(5))
 
     def verify_with_capture() -> list[torch.Tensor]:
@@ -384,7 +417,7 @@ def test_features_captured_between_c_calls_are_bitwise_the_python_loops(quantiza
         return [logits, capture.layer_inputs, capture.final_hidden, cache.keys[:, :, :24]]
 
     ours = verify_with_capture()
-    monkeypatch.setattr(model, "in_c", lambda: None)
+    monkeypatch.setattr(model, "model_in_c", lambda: None)
     theirs = verify_with_capture()
     assert ours[1].shape == (4, 2 * model.config.hidden_size)
     for got, expected in zip(ours, theirs):

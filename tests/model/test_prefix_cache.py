@@ -145,9 +145,15 @@ def test_speculation_with_prefix_caching_gives_the_plain_tokens(target, adaptive
     plain = conversation(Engine(target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), turns=3)
     proposer = DraftModelProposer(perturbed(target, 0.3, seed=2), catch_up_chunk_size=8)
     proposer.prefix_cache = PrefixCache(10_000)
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
-                    prefix_cache=PrefixCache(10_000), prefill_chunk_size=8,
-                    adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=3,
+        prefix_cache=PrefixCache(10_000),
+        prefill_chunk_size=8,
+        adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
+    )
     speculative = conversation(engine, turns=3)
     assert [s.output_ids for s in speculative] == [s.output_ids for s in plain]
     assert [s.num_cached_tokens for s in speculative] == [s.num_cached_tokens for s in plain]
@@ -219,8 +225,9 @@ def test_a_prompt_copies_from_a_sequence_still_reading_it_and_then_from_the_stor
     c = engine.generate(prompt + [8], GREEDY)
     assert c.num_cached_tokens == 5 * BLOCK
     plain = Engine(target, eos_token_ids=[EOS])
-    assert [s.output_ids for s in (a, b, c)] == [plain.generate(s.token_ids[: s.num_prompt_tokens], GREEDY).output_ids
-                                                   for s in (a, b, c)]
+    assert [s.output_ids for s in (a, b, c)] == [
+        plain.generate(s.token_ids[: s.num_prompt_tokens], GREEDY).output_ids for s in (a, b, c)
+    ]
 
 
 def test_the_draft_reads_a_shared_prompt_once_but_not_for_seeded_sampling(target):
@@ -233,8 +240,9 @@ def test_the_draft_reads_a_shared_prompt_once_but_not_for_seeded_sampling(target
     def run(prompts, params):
         proposer = DraftModelProposer(perturbed(target, 0.3, seed=2), catch_up_chunk_size=BLOCK)
         proposer.prefix_cache = PrefixCache(10_000)
-        engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
-                        prefix_cache=PrefixCache(10_000))
+        engine = Engine(
+            target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefix_cache=PrefixCache(10_000)
+        )
         seqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
@@ -274,14 +282,16 @@ def test_running_slots_of_a_pool_are_sources_too(target):
     model.use_cuda_graphs(num_slots=2, capacity=256)
     system = [(3 * i) % 89 for i in range(3 * BLOCK)]
     prompts = [system + [1, 2], system + [3]]
-    engine = Engine(model, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000), max_num_seqs=2,
-                    prefill_chunk_size=2 * BLOCK)
+    engine = Engine(
+        model, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000), max_num_seqs=2, prefill_chunk_size=2 * BLOCK
+    )
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     assert seqs[1].num_cached_tokens == 3 * BLOCK and model.static.pool.num_free == 2
-    assert [s.output_ids for s in seqs] == [Engine(target, eos_token_ids=[EOS]).generate(p, GREEDY).output_ids
-                                             for p in prompts]
+    assert [s.output_ids for s in seqs] == [
+        Engine(target, eos_token_ids=[EOS]).generate(p, GREEDY).output_ids for p in prompts
+    ]
 
 
 def test_an_aborted_request_leaves_what_it_read(target):
@@ -312,8 +322,14 @@ def test_fused_speculation_with_prefix_caching_gives_the_plain_tokens(target):
     plain = conversation(Engine(q_target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000)), turns=3)
     proposer = FusedDraftProposer(q_draft, q_target, catch_up_chunk_size=8)
     proposer.prefix_cache = PrefixCache(10_000)
-    engine = Engine(q_target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
-                    prefix_cache=PrefixCache(10_000), prefill_chunk_size=8)
+    engine = Engine(
+        q_target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=3,
+        prefix_cache=PrefixCache(10_000),
+        prefill_chunk_size=8,
+    )
     fused = conversation(engine, turns=3)
     assert [s.output_ids for s in fused] == [s.output_ids for s in plain]
     assert fused[2].num_cached_tokens > 0 and proposer.prefix_cache.hit_tokens > 0

@@ -51,7 +51,11 @@ def test_kernel_computes_the_stored_weights(quantization):
     expected = x.float() @ weight.t() + linear.bias.detach()
     assert torch.allclose(layer(x).float(), expected, atol=0.05, rtol=0.02)
     # ...and the stored weights are close to the float ones: a step is at most half a level.
-    step = (linear.weight.abs().max() / 127) if quantization == "int8" else (linear.weight.max() - linear.weight.min()) / 15
+    step = (
+        (linear.weight.abs().max() / 127)
+        if quantization == "int8"
+        else (linear.weight.max() - linear.weight.min()) / 15
+    )
     assert (weight - linear.weight.detach()).abs().max() <= step * 0.51 + 1e-2
 
 
@@ -100,7 +104,9 @@ def test_real_model_is_quantized_once_and_generates_like_float(prepared_cache):
     float_engine, _ = build_engine("smollm2-135m")
     float_tokens = float_engine.generate(prompt, params).output_ids
     current = catalogue._quantized_file(catalogue.resolve("smollm2-135m"), "int8")
-    older = current.with_name(current.name.replace(f"-v{QUANTIZED_FORMAT_VERSION}.", f"-v{QUANTIZED_FORMAT_VERSION - 1}."))
+    older = current.with_name(
+        current.name.replace(f"-v{QUANTIZED_FORMAT_VERSION}.", f"-v{QUANTIZED_FORMAT_VERSION - 1}.")
+    )
     older.parent.mkdir(parents=True, exist_ok=True)
     older.write_bytes(b"made by older code")
     engine, _ = build_engine("smollm2-135m", dtype=torch.bfloat16, quantization="int8")
@@ -124,8 +130,9 @@ def test_a_quantized_draft_in_front_of_a_float_target_changes_nothing(prepared_c
     params = SamplingParams(max_tokens=16, temperature=0.0)
     prompt = [1, 504, 3458, 282, 4649, 314]
     plain, _ = build_engine("smollm2-135m")
-    spec = SpecConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 4,
-                             "quantization": "int8", "adaptive": False})
+    spec = SpecConfig.parse(
+        {"model": "smollm2-135m", "num_speculative_tokens": 4, "quantization": "int8", "adaptive": False}
+    )
     engine, _ = build_engine("smollm2-135m", spec)
     assert engine.target.dtype == torch.float32
     assert engine.proposer.draft.dtype == torch.bfloat16

@@ -48,6 +48,7 @@ def server() -> ServerMetrics:
 
 # --- ServerMetrics ----------------------------------------------------------------------
 
+
 def test_every_sample_carries_the_model_name(server):
     server.speculation(stats((2, 1)))
     server.finished("length", 1.0, 3, 4)
@@ -60,8 +61,7 @@ def test_speculation_counters_mirror_vllm(server):
     assert value(server, "spec_decode_num_drafts_total") == 3
     assert value(server, "spec_decode_num_draft_tokens_total") == 8
     assert value(server, "spec_decode_num_accepted_tokens_total") == 4
-    per_position = [value(server, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-                    for i in range(3)]
+    per_position = [value(server, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
     assert per_position == [2, 1, 1]
 
 
@@ -113,6 +113,7 @@ def test_two_servers_have_their_own_registries():
 
 # --- StatLogger -------------------------------------------------------------------------
 
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -142,8 +143,10 @@ def test_stat_logger_waits_for_its_interval(clock, caplog):
     assert caplog.messages == []
     clock.now += 1.0
     logger.maybe_log(running=1, waiting=2)
-    assert caplog.messages == ["Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
-                      "Running: 1 reqs, Waiting: 2 reqs"]
+    assert caplog.messages == [
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+        "Running: 1 reqs, Waiting: 2 reqs"
+    ]
 
 
 def test_stat_logger_logs_acceptance(clock, caplog):
@@ -155,7 +158,8 @@ def test_stat_logger_logs_acceptance(clock, caplog):
     assert len(caplog.messages) == 2
     assert caplog.messages[1] == (
         "SpecDecoding metrics: Mean acceptance length: 2.67, Accepted: 5 tokens, Drafted: 10 tokens, "
-        "Per-position acceptance rate: 0.667, 0.333, 0.333, 0.333, Avg Draft acceptance rate: 50.0%")
+        "Per-position acceptance rate: 0.667, 0.333, 0.333, 0.333, Avg Draft acceptance rate: 50.0%"
+    )
 
 
 def test_stat_logger_counts_per_interval(clock, caplog):
@@ -166,8 +170,9 @@ def test_stat_logger_counts_per_interval(clock, caplog):
     logger.count(0, 3, None)
     clock.now += 1.0
     logger.maybe_log(running=1, waiting=0)
-    assert caplog.messages[-1] == ("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 3.0 tokens/s, "
-                          "Running: 1 reqs, Waiting: 0 reqs")  # and no second SpecDecoding line
+    assert caplog.messages[-1] == (
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 3.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs"
+    )  # and no second SpecDecoding line
     assert sum(message.startswith("SpecDecoding") for message in caplog.messages) == 1
 
 
@@ -189,14 +194,16 @@ def test_stat_logger_with_no_interval_never_logs(clock, caplog):
 
 # --- SpecStats difference and copy ------------------------------------------------------
 
+
 def test_difference_is_what_was_counted_since_the_copy():
     total = stats((2, 2), (2, 0))
     earlier = total.copy()
     total.record(5, 4)  # a longer draft: per-position list grows from 2 to 5
     total.record(1, 1)
     delta = total - earlier
-    assert delta == SpecStats(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=5,
-                              accepted_per_position=[2, 1, 1, 1, 0])
+    assert delta == SpecStats(
+        num_drafts=2, num_draft_tokens=6, num_accepted_tokens=5, accepted_per_position=[2, 1, 1, 1, 0]
+    )
     assert earlier + delta == total
 
 

@@ -31,10 +31,19 @@ def invalid(model: type[pydantic.BaseModel], body: dict[str, Any] | bytes) -> AP
 
 # --- strict validation and validation_error --------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", "5"), ("max_tokens", 5.5), ("max_tokens", True),
-    ("temperature", True), ("temperature", "0.7"), ("top_k", 1.0), ("stream", "true"),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", 5.5),
+        ("max_tokens", True),
+        ("temperature", True),
+        ("temperature", "0.7"),
+        ("top_k", 1.0),
+        ("stream", "true"),
+    ],
+)
 def test_strict_types_are_not_coerced(field, value):
     error = invalid(CompletionRequest, {"prompt": "Hello", field: value})
     assert (error.status, error.param, error.type) == (400, field, "invalid_request_error")
@@ -62,13 +71,16 @@ def test_missing_prompt():
     assert error.param == "prompt" and "missing required parameter" in str(error)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ({"messages": []}, "messages"),
-    ({"messages": [USER], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"messages": [USER], "stop": [1]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": []}, "messages"),
+        ({"messages": [USER], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({"messages": [USER], "stop": [1]}, "stop"),
+    ],
+)
 def test_nested_errors_name_the_nested_parameter(body, param):
     assert invalid(ChatCompletionRequest, body).param == param
 
@@ -94,25 +106,30 @@ def test_fastapi_locations_drop_the_body_prefix():
 
 def test_error_body_is_openai_shaped():
     assert APIError("bad n", param="n").body() == {
-        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}}
+        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}
+    }
 
 
 # --- refuse_unsupported -----------------------------------------------------------------
 
-@pytest.mark.parametrize("make, fields, param", [
-    (completion, {"n": 0}, "n"),
-    (chat, {"n": -1}, "n"),
-    (completion, {"n": 2, "best_of": 3}, "best_of"),
-    (completion, {"logprobs": 1, "echo": True}, "echo"),
-    (completion, {"suffix": "!"}, "suffix"),
-    (completion, {"best_of": 2}, "best_of"),
-    (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
-    (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
-    (chat, {"top_logprobs": 2}, "top_logprobs"),
-    (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
-    (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
-])
+
+@pytest.mark.parametrize(
+    "make, fields, param",
+    [
+        (completion, {"n": 0}, "n"),
+        (chat, {"n": -1}, "n"),
+        (completion, {"n": 2, "best_of": 3}, "best_of"),
+        (completion, {"logprobs": 1, "echo": True}, "echo"),
+        (completion, {"suffix": "!"}, "suffix"),
+        (completion, {"best_of": 2}, "best_of"),
+        (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
+        (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
+        (chat, {"top_logprobs": 2}, "top_logprobs"),
+        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
+    ],
+)
 def test_unsupported_options_are_refused_by_name(make, fields, param):
     body = make(**fields)
     with pytest.raises(APIError) as caught:
@@ -120,12 +137,28 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
     assert (caught.value.param, caught.value.status) == (param, 400)
 
 
-@pytest.mark.parametrize("body", [
-    completion(n=3, best_of=3, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={}, stream=True,
-               stream_options={"include_usage": True}, logprobs=5),
-    chat(logprobs=True, top_logprobs=0, tools=[], response_format={"type": "text"},
-         messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        completion(
+            n=3,
+            best_of=3,
+            presence_penalty=0.5,
+            frequency_penalty=-1.0,
+            logit_bias={},
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=5,
+        ),
+        chat(
+            logprobs=True,
+            top_logprobs=0,
+            tools=[],
+            response_format={"type": "text"},
+            messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")],
+        ),
+    ],
+)
 def test_supported_values_of_those_options_pass(body):
     body.refuse_unsupported()
 
@@ -137,19 +170,23 @@ def test_include_usage_needs_stream_options():
 
 # --- sampling_params --------------------------------------------------------------------
 
-@pytest.mark.parametrize("fields, max_tokens, param", [
-    ({}, 0, "max_tokens"),
-    ({"temperature": -0.1}, 16, "temperature"),
-    ({"temperature": float("nan")}, 16, "temperature"),
-    ({"top_p": 0.0}, 16, "top_p"),
-    ({"top_p": 1.01}, 16, "top_p"),
-    ({"top_k": -2}, 16, "top_k"),
-    ({"logprobs": -1}, 16, "logprobs"),
-    ({"presence_penalty": 2.5}, 16, "presence_penalty"),
-    ({"frequency_penalty": -3.0}, 16, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, 16, "repetition_penalty"),
-    ({"logprobs": 21}, 16, "logprobs"),
-])
+
+@pytest.mark.parametrize(
+    "fields, max_tokens, param",
+    [
+        ({}, 0, "max_tokens"),
+        ({"temperature": -0.1}, 16, "temperature"),
+        ({"temperature": float("nan")}, 16, "temperature"),
+        ({"top_p": 0.0}, 16, "top_p"),
+        ({"top_p": 1.01}, 16, "top_p"),
+        ({"top_k": -2}, 16, "top_k"),
+        ({"logprobs": -1}, 16, "logprobs"),
+        ({"presence_penalty": 2.5}, 16, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, 16, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, 16, "repetition_penalty"),
+        ({"logprobs": 21}, 16, "logprobs"),
+    ],
+)
 def test_out_of_range_sampling_values_name_the_param(fields, max_tokens, param):
     with pytest.raises(APIError) as caught:
         completion(**fields).sampling_params(max_tokens)
@@ -162,25 +199,46 @@ def test_chat_top_logprobs_out_of_range_names_top_logprobs():
     assert caught.value.param == "top_logprobs"
 
 
-@pytest.mark.parametrize("make, fields, expected", [
-    (completion, {}, None),
-    (completion, {"logprobs": 0}, 0),
-    (completion, {"logprobs": 3}, 3),
-    (chat, {}, None),
-    (chat, {"logprobs": False}, None),
-    (chat, {"logprobs": True}, 0),
-    (chat, {"logprobs": True, "top_logprobs": 4}, 4),
-])
+@pytest.mark.parametrize(
+    "make, fields, expected",
+    [
+        (completion, {}, None),
+        (completion, {"logprobs": 0}, 0),
+        (completion, {"logprobs": 3}, 3),
+        (chat, {}, None),
+        (chat, {"logprobs": False}, None),
+        (chat, {"logprobs": True}, 0),
+        (chat, {"logprobs": True, "top_logprobs": 4}, 4),
+    ],
+)
 def test_logprobs_reach_the_sampling_params(make, fields, expected):
     assert make(**fields).sampling_params(8).logprobs == expected
 
 
 def test_sampling_params_carry_the_body():
-    body = completion(temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=[3, 4],
-                      presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2)
+    body = completion(
+        temperature=0.0,
+        top_p=0.9,
+        top_k=-1,
+        seed=7,
+        ignore_eos=True,
+        stop_token_ids=[3, 4],
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.2,
+    )
     assert body.sampling_params(5) == SamplingParams(
-        max_tokens=5, temperature=0.0, top_p=0.9, top_k=-1, seed=7, ignore_eos=True, stop_token_ids=(3, 4),
-        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2)
+        max_tokens=5,
+        temperature=0.0,
+        top_p=0.9,
+        top_k=-1,
+        seed=7,
+        ignore_eos=True,
+        stop_token_ids=(3, 4),
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.2,
+    )
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
@@ -194,34 +252,47 @@ def test_seed_outside_64_bits_is_refused(seed):
 
 # --- prompt, stops, max tokens, messages ------------------------------------------------
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("Hello", ["Hello"]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    (["Hello"], ["Hello"]),
-    ([[1, 2]], [[1, 2]]),
-    (["a", "b"], ["a", "b"]),
-    ([[1], [2], [3]], [[1], [2], [3]]),
-])
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("Hello", ["Hello"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["Hello"], ["Hello"]),
+        ([[1, 2]], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2], [3]], [[1], [2], [3]]),
+    ],
+)
 def test_prompt_list(prompt, expected):
     assert completion(prompt=prompt).prompt_list() == expected
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("", "the prompt is empty"),
-    ([], "the prompt is empty"),
-    ([""], "the prompt is empty"),
-    ([[]], "the prompt is empty"),
-    (["a", ""], "prompt 1 is empty"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "the prompt is empty"),
+        ([], "the prompt is empty"),
+        ([""], "the prompt is empty"),
+        ([[]], "the prompt is empty"),
+        (["a", ""], "prompt 1 is empty"),
+    ],
+)
 def test_empty_prompts_are_refused(prompt, message):
     with pytest.raises(APIError) as caught:
         completion(prompt=prompt).prompt_list()
     assert caught.value.param == "prompt" and message in str(caught.value)
 
 
-@pytest.mark.parametrize("stop, expected", [
-    (None, ()), ("\n", ("\n",)), (["a", "", "bc"], ("a", "bc")), ("", ()),
-])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (None, ()),
+        ("\n", ("\n",)),
+        (["a", "", "bc"], ("a", "bc")),
+        ("", ()),
+    ],
+)
 def test_stop_strings(stop, expected):
     assert completion(stop=stop).stop_strings() == expected
 
@@ -235,11 +306,13 @@ def test_requested_max_tokens():
 
 
 def test_template_messages():
-    body = chat(messages=[
-        {"role": "developer", "content": "Be terse."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "there"}]},
-        {"role": "assistant", "content": None},
-    ])
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None},
+        ]
+    )
     assert body.template_messages() == [
         {"role": "system", "content": "Be terse."},
         {"role": "user", "content": "Hello, there"},

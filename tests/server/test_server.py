@@ -38,17 +38,33 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def plain(prepared_cache):
-    server = ServerProcess(MODEL, "--max-num-seqs", "2", "--max-queue-len", "1", "--max-model-len", "512",
-                           env={"SPECSERVE_API_KEY": KEY})
+    server = ServerProcess(
+        MODEL, "--max-num-seqs", "2", "--max-queue-len", "1", "--max-model-len", "512", env={"SPECSERVE_API_KEY": KEY}
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def spec(prepared_cache):
-    server = ServerProcess(MODEL, "--speculative-config", SPEC, "--max-num-seqs", "4",
-                           "--max-queue-len", "16", "--max-model-len", "1024", "--log-stats-interval", "1",
-                           "--served-model-name", "smol", "--enable-prefix-caching", "--prefix-cache-space", "0.5")
+    server = ServerProcess(
+        MODEL,
+        "--speculative-config",
+        SPEC,
+        "--max-num-seqs",
+        "4",
+        "--max-queue-len",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--log-stats-interval",
+        "1",
+        "--served-model-name",
+        "smol",
+        "--enable-prefix-caching",
+        "--prefix-cache-space",
+        "0.5",
+    )
     yield server
     server.stop()
 
@@ -65,11 +81,13 @@ def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
     text = httpx.get(server.url + "/metrics").text
     return {
         (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
-        for family in text_string_to_metric_families(text) for sample in family.samples
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
     }
 
 
 # ----- the happy paths -----
+
 
 def test_health_and_models(plain, spec):
     assert httpx.get(plain.url + "/health").status_code == 200  # open even with a key
@@ -98,13 +116,18 @@ def test_greedy_text_is_the_same_with_and_without_speculation_and_as_generate(pl
 
 
 def test_chat_streaming_with_usage_matches_the_whole_response(spec):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "List three fruits."}]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three fruits."}]
     whole = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=40)
-    chunks = list(client(spec).chat.completions.create(
-        model="smol", messages=messages, temperature=0, max_tokens=40, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client(spec).chat.completions.create(
+            model="smol",
+            messages=messages,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and streamed
@@ -120,16 +143,26 @@ def test_a_chats_next_turn_starts_from_the_cache_with_the_same_answer(plain, spe
     answers as the plain server, which has no prefix cache."""
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     first = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=48)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Now make it multiply them."}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now make it multiply them."},
+    ]
     before = metrics(spec)
     second = client(spec).chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=32)
     after = metrics(spec)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
-    assert second.choices[0].message.content == client(plain).chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=32).choices[0].message.content
-    for name, moved in (("prefix_cache_queries_total", second.usage.prompt_tokens), ("prefix_cache_hits_total", cached)):
+    assert (
+        second.choices[0].message.content
+        == client(plain)
+        .chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+        .choices[0]
+        .message.content
+    )
+    for name, moved in (
+        ("prefix_cache_queries_total", second.usage.prompt_tokens),
+        ("prefix_cache_hits_total", cached),
+    ):
         assert after[("specserve:" + name, ())] - before.get(("specserve:" + name, ()), 0) == moved
     plain_usage = complete(plain, PROMPTS[0], MODEL, max_tokens=4).usage
     assert plain_usage.prompt_tokens_details is None  # no prefix cache: no count of its hits (vLLM's usage)
@@ -137,9 +170,15 @@ def test_a_chats_next_turn_starts_from_the_cache_with_the_same_answer(plain, spe
 
 
 def test_completion_stream_sends_several_tokens_per_chunk_under_speculation(spec):
-    stream = client(spec).completions.create(model="smol", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=48,
-                                             temperature=0, stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    stream = client(spec).completions.create(
+        model="smol",
+        prompt="1, 2, 3, 4, 5, 6, 7, 8,",
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     text_chunks = [c for c in chunks if c.choices]
     assert chunks[-1].usage.completion_tokens == 48
@@ -162,8 +201,9 @@ def test_completion_logprobs_are_the_targets_with_and_without_speculation(plain,
             assert max(top.values()) == value  # greedy: the chosen token is the most likely
     assert drafted.logprobs.tokens == ours.logprobs.tokens
     assert drafted.logprobs.token_logprobs == pytest.approx(ours.logprobs.token_logprobs, abs=1e-4)
-    chunks = list(client(spec).completions.create(model="smol", prompt=PROMPTS[2], temperature=0, stream=True,
-                                                  **kwargs))
+    chunks = list(
+        client(spec).completions.create(model="smol", prompt=PROMPTS[2], temperature=0, stream=True, **kwargs)
+    )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices]
     assert sum((lp.tokens for lp in streamed), []) == ours.logprobs.tokens
     assert sum((lp.text_offset for lp in streamed), []) == ours.logprobs.text_offset
@@ -188,8 +228,9 @@ def test_chat_logprobs_streamed_and_whole(spec):
 
 
 def test_penalties_give_the_same_text_with_and_without_speculation(plain, spec):
-    penalties = dict(frequency_penalty=0.8, presence_penalty=0.3, extra_body={"repetition_penalty": 1.2,
-                                                                              "ignore_eos": True})
+    penalties = dict(
+        frequency_penalty=0.8, presence_penalty=0.3, extra_body={"repetition_penalty": 1.2, "ignore_eos": True}
+    )
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
     ours = complete(plain, prompt, MODEL, max_tokens=32, **penalties).choices[0].text
     assert complete(spec, prompt, "smol", max_tokens=32, **penalties).choices[0].text == ours
@@ -207,8 +248,17 @@ def test_several_prompts_times_n_choices_streamed_and_whole(spec):
     assert whole.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)  # each prompt once
     assert whole.usage.completion_tokens == 2 * sum(u.completion_tokens for u in singles)
     assert whole.model_extra["spec_decode"]["num_draft_tokens"] > 0
-    chunks = list(client(spec).completions.create(model="smol", prompt=prompts, max_tokens=16, n=2, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client(spec).completions.create(
+            model="smol",
+            prompt=prompts,
+            max_tokens=16,
+            n=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts, finishes = ["", "", "", ""], [0, 0, 0, 0]
     for c in chunks:
         for choice in c.choices:
@@ -220,10 +270,15 @@ def test_several_prompts_times_n_choices_streamed_and_whole(spec):
 
 def test_n_seeded_samples_differ_and_repeat(spec):
     """Sample j of a seeded request draws with seed + j: the n differ, the request repeats."""
+
     def sample(**kwargs) -> list[str]:
         result = client(spec).chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=1.0,
-            **kwargs)
+            model="smol",
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=12,
+            temperature=1.0,
+            **kwargs,
+        )
         return [c.message.content for c in sorted(result.choices, key=lambda c: c.index)]
 
     three = sample(n=3, seed=11)
@@ -240,22 +295,31 @@ def test_stop_strings_end_the_text_before_them(plain, spec):
         assert result.choices[0].text == expected
         assert result.choices[0].finish_reason == "stop"
         assert result.choices[0].model_extra["stop_reason"] == stop
-        chunks = list(client(server).completions.create(model=name, prompt=PROMPTS[0], temperature=0,
-                                                        max_tokens=40, stop=stop, stream=True))
+        chunks = list(
+            client(server).completions.create(
+                model=name, prompt=PROMPTS[0], temperature=0, max_tokens=40, stop=stop, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == expected
 
 
 def test_a_stop_string_that_the_last_allowed_token_completes_finishes_with_stop(plain, spec):
     reference = complete(plain, PROMPTS[0], MODEL, max_tokens=12).choices[0].text
     # the shortest ending found nowhere earlier: only the 12th token's text completes it
-    stop = next(reference[-n:] for n in range(2, len(reference)) if reference.index(reference[-n:]) == len(reference) - n)
+    stop = next(
+        reference[-n:] for n in range(2, len(reference)) if reference.index(reference[-n:]) == len(reference) - n
+    )
     for server, name in ((plain, MODEL), (spec, "smol")):
         before = metrics(server)
         result = complete(server, PROMPTS[0], name, max_tokens=12, stop=[stop])
         assert result.choices[0].text == reference[: -len(stop)]
         assert (result.choices[0].finish_reason, result.choices[0].model_extra["stop_reason"]) == ("stop", stop)
         after = metrics(server)
-        finished = [key for key in after if key[0] == "specserve:request_success_total" and ("finished_reason", "stop") in key[1]]
+        finished = [
+            key
+            for key in after
+            if key[0] == "specserve:request_success_total" and ("finished_reason", "stop") in key[1]
+        ]
         assert finished and after[finished[0]] - before.get(finished[0], 0) == 1
 
 
@@ -265,7 +329,7 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
 
     tokenizer = Tokenizer.from_dir(catalogue.prepared_dir(MODEL))
     reference = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"ignore_eos": True})
-    ids = tokenizer.encode(PROMPTS[2] + reference.choices[0].text)[len(tokenizer.encode(PROMPTS[2])):]
+    ids = tokenizer.encode(PROMPTS[2] + reference.choices[0].text)[len(tokenizer.encode(PROMPTS[2])) :]
     stop_id = ids[5]
     stopped = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"stop_token_ids": [stop_id]})
     assert stopped.choices[0].finish_reason == "stop"
@@ -274,17 +338,26 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
     assert reference.usage.completion_tokens == 20 and reference.choices[0].finish_reason == "length"
     echoed = complete(plain, PROMPTS[2], MODEL, max_tokens=5, echo=True)
     assert echoed.choices[0].text.startswith(PROMPTS[2])
-    token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20,
-                            extra_body={"ignore_eos": True})
+    token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20, extra_body={"ignore_eos": True})
     assert token_prompt.choices[0].text == reference.choices[0].text
 
 
 def test_seeds_repeat_and_differ(spec):
     def sample(seed: int) -> str:
-        return client(spec).completions.create(
-            model="smol", prompt=PROMPTS[3], max_tokens=24, temperature=1.0, top_p=0.95, seed=seed,
-            extra_body={"top_k": 50},
-        ).choices[0].text
+        return (
+            client(spec)
+            .completions.create(
+                model="smol",
+                prompt=PROMPTS[3],
+                max_tokens=24,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"top_k": 50},
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(7)
     assert sample(7) == first
@@ -310,8 +383,9 @@ def test_metrics_count_requests_tokens_and_speculation(spec):
     assert moved("specserve:spec_decode_num_draft_tokens_total") == spec_figures["num_draft_tokens"]
     accepted = moved("specserve:spec_decode_num_accepted_tokens_total")
     assert accepted == spec_figures["num_accepted_tokens"]
-    per_position = sum(moved("specserve:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))
-                       for i in range(3))
+    per_position = sum(
+        moved("specserve:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),)) for i in range(3)
+    )
     assert per_position == accepted
     assert after[("specserve:num_requests_running", ())] == 0
     assert ("specserve:num_requests_waiting", ()) in after
@@ -327,6 +401,7 @@ def test_periodic_log_line_reports_acceptance(spec):
 
 
 # ----- auth, bad input, load -----
+
 
 def test_api_key_guards_v1_routes(plain):
     assert httpx.get(plain.url + "/v1/models").status_code == 401
@@ -361,8 +436,12 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                          "top_logprobs": 21}, 400, "top_logprobs"),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, 400, "echo"),
     ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
 ]
@@ -371,8 +450,11 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
 def test_bad_input_gets_an_openai_error_and_the_server_goes_on(plain, route, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{plain.url}/v1/{route}", content=content,
-                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{plain.url}/v1/{route}",
+        content=content,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -386,8 +468,10 @@ def test_unknown_route_and_oversized_body(plain):
     assert missing.status_code == 404 and "error" in missing.json()
     # Announce a 100 MB body without sending it: refused on the header alone.
     with socket.create_connection(("127.0.0.1", plain.port)) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{")
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{"
+        )
         reply = conn.recv(4096).decode()
     assert reply.startswith("HTTP/1.1 413")
 
@@ -395,13 +479,17 @@ def test_unknown_route_and_oversized_body(plain):
 def test_full_queue_gets_429_and_everyone_else_is_served(plain):
     """--max-num-seqs 2 and --max-queue-len 1: of 6 simultaneous requests 3 run or wait
     and the rest are refused at once with 429; the accepted ones all finish."""
+
     async def one(http: httpx.AsyncClient) -> httpx.Response:
-        return await http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 24,
-                                                        "ignore_eos": True, "temperature": 0})
+        return await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Once upon", "max_tokens": 24, "ignore_eos": True, "temperature": 0},
+        )
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=plain.url, timeout=120,
-                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+        async with httpx.AsyncClient(
+            base_url=plain.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        ) as http:
             return await asyncio.gather(*(one(http) for _ in range(6)))
 
     statuses = sorted(r.status_code for r in asyncio.run(burst()))
@@ -416,14 +504,21 @@ def test_a_refused_choice_refuses_the_request_and_aborts_the_others(plain, strea
     at once, so the whole request gets 429 and its two accepted choices leave the engine."""
     aborted = ("specserve:request_success_total", (("finished_reason", "abort"),))
     before = metrics(plain).get(aborted, 0)
-    with httpx.stream("POST", plain.url + "/v1/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
-                            "stream": True}) as running:
+    with httpx.stream(
+        "POST",
+        plain.url + "/v1/completions",
+        timeout=120,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True},
+    ) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
-        refused = httpx.post(plain.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                             json={"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 400, "ignore_eos": True,
-                                   "stream": stream})
+        refused = httpx.post(
+            plain.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+            json={"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": stream},
+        )
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         deadline = time.monotonic() + 10  # the engine thread applies the aborts between steps
         while metrics(plain).get(aborted, 0) < before + 2:  # ended by the refusal, not run to their end
@@ -435,17 +530,22 @@ def test_a_refused_choice_refuses_the_request_and_aborts_the_others(plain, strea
 
 def test_disconnect_mid_stream_frees_the_slot(spec):
     before = metrics(spec).get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0)
-    with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
-                      json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 800,
-                            "ignore_eos": True, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        spec.url + "/v1/completions",
+        timeout=60,
+        json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 800, "ignore_eos": True, "stream": True},
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # got a chunk; leave
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         now = metrics(spec)
-        if now[("specserve:num_requests_running", ())] == 0 and \
-                now.get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0) == before + 1:
+        if (
+            now[("specserve:num_requests_running", ())] == 0
+            and now.get(("specserve:request_success_total", (("finished_reason", "abort"),)), 0) == before + 1
+        ):
             break
         time.sleep(0.1)
     else:
@@ -454,9 +554,19 @@ def test_disconnect_mid_stream_frees_the_slot(spec):
 
 
 def test_disconnect_from_n_choices_frees_every_slot(spec):
-    with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
-                      json={"model": "smol", "prompt": ["Once upon a time", "In a galaxy"], "n": 2,
-                            "max_tokens": 800, "ignore_eos": True, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        spec.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "smol",
+            "prompt": ["Once upon a time", "In a galaxy"],
+            "n": 2,
+            "max_tokens": 800,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # got a chunk; leave
@@ -474,16 +584,20 @@ def test_sixteen_concurrent_requests_each_get_their_solo_answer(spec):
 
     async def together() -> list[str]:
         async_client = openai.AsyncOpenAI(base_url=spec.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
         async def one(prompt: str, n: int, stream: bool) -> str:
             if stream:
-                chunks = await async_client.completions.create(model="smol", prompt=prompt, max_tokens=n,
-                                                               temperature=0, stream=True)
+                chunks = await async_client.completions.create(
+                    model="smol", prompt=prompt, max_tokens=n, temperature=0, stream=True
+                )
                 return "".join([c.choices[0].text async for c in chunks])
             result = await async_client.completions.create(model="smol", prompt=prompt, max_tokens=n, temperature=0)
             return result.choices[0].text
+
         return await asyncio.gather(*(one(p, n, i % 2 == 0) for i, (p, n) in enumerate(requests)))
 
     most_running = 0
+
     async def watch_and_run() -> list[str]:
         nonlocal most_running
         task = asyncio.ensure_future(together())
@@ -507,9 +621,11 @@ def test_sigterm_finishes_or_fails_requests_in_flight_and_exits(prepared_cache):
 
         async def long_stream() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-                async with http.stream("POST", "/v1/completions", json={
-                        "model": MODEL, "prompt": "Once", "max_tokens": 4000, "ignore_eos": True,
-                        "stream": True}) as response:
+                async with http.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True},
+                ) as response:
                     async for line in response.aiter_lines():
                         if line:
                             lines.append(line)
@@ -523,6 +639,6 @@ def test_sigterm_finishes_or_fails_requests_in_flight_and_exits(prepared_cache):
         assert "Finished server process" in server.log()
         assert time.monotonic() - started < 30
         assert lines[-1] == "data: [DONE]"
-        assert "shut down" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+        assert "shut down" in json.loads(lines[-2][len("data: ") :])["error"]["message"]
     finally:
         server.stop()

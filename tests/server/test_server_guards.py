@@ -31,17 +31,35 @@ SPEC = json.dumps({"model": MODEL, "num_speculative_tokens": 3, "adaptive": Fals
 
 @pytest.fixture(scope="module")
 def server(prepared_cache):
-    server = ServerProcess(MODEL, "--speculative-config", SPEC, "--max-num-seqs", "4", "--max-queue-len", "8",
-                           "--max-model-len", "1024", "--header-timeout", "1", "--body-timeout", "2",
-                           env={"SPECSERVE_API_KEY": KEY})
+    server = ServerProcess(
+        MODEL,
+        "--speculative-config",
+        SPEC,
+        "--max-num-seqs",
+        "4",
+        "--max-queue-len",
+        "8",
+        "--max-model-len",
+        "1024",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "2",
+        env={"SPECSERVE_API_KEY": KEY},
+    )
     yield server
     server.stop()
 
 
 def post(server: ServerProcess, body: dict | bytes, route: str = "completions", **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{server.url}/v1/{route}", content=content, timeout=60,
-                      headers={**AUTH, "Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+    return httpx.post(
+        f"{server.url}/v1/{route}",
+        content=content,
+        timeout=60,
+        headers={**AUTH, "Content-Type": "application/json", **kwargs.pop("headers", {})},
+        **kwargs,
+    )
 
 
 def counter(server: ServerProcess, name: str, labels: dict[str, str] | None = None) -> float:
@@ -76,8 +94,13 @@ EXTREME_SAMPLING = [
 
 def test_extreme_sampling_values_are_served_and_harm_no_neighbour(server):
     solo = post(server, greedy("Write a long story.", 120)).json()["choices"][0]["text"]
-    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=120,
-                      json=greedy("Write a long story.", 120, stream=True)) as running:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json=greedy("Write a long story.", 120, stream=True),
+    ) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
         for extra in EXTREME_SAMPLING:
@@ -90,29 +113,38 @@ def test_extreme_sampling_values_are_served_and_harm_no_neighbour(server):
     assert again == solo
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": [-1]}, "prompt"),
-    ({"prompt": [2**70]}, "prompt"),
-    ({"prompt": [[1, 2], [3, -5]]}, "prompt"),
-    ({"prompt": [1, 2], "echo": True, "max_tokens": 600_000}, None),
-    ({"prompt": "hi", "stop_token_ids": [2**70]}, None),
-    ({"prompt": "hi", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-    ({"prompt": "hi", "stop": ["a" * 2000]}, "stop"),
-    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [2**70]}, "prompt"),
+        ({"prompt": [[1, 2], [3, -5]]}, "prompt"),
+        ({"prompt": [1, 2], "echo": True, "max_tokens": 600_000}, None),
+        ({"prompt": "hi", "stop_token_ids": [2**70]}, None),
+        ({"prompt": "hi", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"prompt": "hi", "stop": ["a" * 2000]}, "stop"),
+        ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+    ],
+)
 def test_bad_ids_and_stop_conditions_get_400(server, body, param):
     response = post(server, {"model": MODEL, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("route, raw", [
-    ("completions", b'{"model": "smollm2-135m", "prompt": "Hi \\ud800", "max_tokens": 2}'),
-    ("completions", b'{"model": "smollm2-135m", "prompt": "Hi", "stop": ["\\udc00"], "max_tokens": 2}'),
-    ("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud83d"}]}'),
-    ("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": '
-                         b'[{"type": "text", "text": "ok \\udfff"}]}]}'),
-])
+@pytest.mark.parametrize(
+    "route, raw",
+    [
+        ("completions", b'{"model": "smollm2-135m", "prompt": "Hi \\ud800", "max_tokens": 2}'),
+        ("completions", b'{"model": "smollm2-135m", "prompt": "Hi", "stop": ["\\udc00"], "max_tokens": 2}'),
+        ("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud83d"}]}'),
+        (
+            "chat/completions",
+            b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": '
+            b'[{"type": "text", "text": "ok \\udfff"}]}]}',
+        ),
+    ],
+)
 def test_lone_surrogates_get_400_naming_the_field(server, route, raw):
     response = post(server, raw, route)
     assert response.status_code == 400, response.text
@@ -123,8 +155,9 @@ def test_lone_surrogates_get_400_naming_the_field(server, route, raw):
         assert post(server, paired, route).status_code == 200
 
 
-@pytest.mark.parametrize("header", ["Bearer s\u00e9cret".encode("latin-1"), "Bearer \u00e9".encode("utf-8"),
-                                    b"Bearer \xff\xfe"])
+@pytest.mark.parametrize(
+    "header", ["Bearer s\u00e9cret".encode("latin-1"), "Bearer \u00e9".encode("utf-8"), b"Bearer \xff\xfe"]
+)
 def test_non_ascii_keys_get_401(server, header):
     response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
@@ -138,6 +171,7 @@ def test_an_internal_error_answers_500_without_its_text():
 
 # ----- bodies, sockets, the event loop -----
 
+
 def test_a_chunked_body_past_the_limit_gets_413_and_the_server_goes_on(server):
     def chunks():
         yield b'{"model": "smollm2-135m", "prompt": "'
@@ -145,8 +179,12 @@ def test_a_chunked_body_past_the_limit_gets_413_and_the_server_goes_on(server):
             yield b"a" * (1 << 20)
         yield b'"}'
 
-    response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
-                          headers={**AUTH, "Content-Type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        timeout=60,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     assert response.status_code == 413, response.text
     assert post(server, greedy("Hi", 2)).status_code == 200
 
@@ -221,18 +259,27 @@ def test_a_disconnected_non_streamed_request_is_aborted(server):
     before = counter(server, "specserve:request_success_total", aborted)
     body = json.dumps(greedy("Once upon a time", 1000)).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         wait_until(lambda: counter(server, "specserve:num_requests_running") == 1, "the request did not start")
-    wait_until(lambda: counter(server, "specserve:request_success_total", aborted) == before + 1,
-               "the abandoned request was not aborted")
+    wait_until(
+        lambda: counter(server, "specserve:request_success_total", aborted) == before + 1,
+        "the abandoned request was not aborted",
+    )
     assert counter(server, "specserve:num_requests_running") == 0
 
 
 def test_silent_and_slow_connections_are_closed(server):
     """--header-timeout 1: a socket that sends nothing, or half a head, is closed; one
     whose body stalls gets 408 after --body-timeout 2."""
+
     def closed_within(conn: socket.socket, seconds: float) -> bytes:
         conn.settimeout(seconds)
         data = b""
@@ -246,8 +293,11 @@ def test_silent_and_slow_connections_are_closed(server):
         partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert closed_within(partial, 10) == b""
     with socket.create_connection(("127.0.0.1", server.port)) as stalled:
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                        + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
         reply = closed_within(stalled, 15).decode()
         assert reply.startswith("HTTP/1.1 408"), reply
     assert post(server, greedy("Hi", 2)).status_code == 200
@@ -256,8 +306,9 @@ def test_silent_and_slow_connections_are_closed(server):
 def test_queue_full_answers_429_with_retry_after(server):
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json=greedy("Once upon", 40))
-                                          for _ in range(20)))
+            return await asyncio.gather(
+                *(http.post("/v1/completions", json=greedy("Once upon", 40)) for _ in range(20))
+            )
 
     responses = asyncio.run(burst())
     refused = [r for r in responses if r.status_code == 429]
@@ -266,6 +317,7 @@ def test_queue_full_answers_429_with_retry_after(server):
 
 
 # ----- streaming one event per token -----
+
 
 def test_token_stream_mode_sends_one_event_per_token(prepared_cache):
     server = ServerProcess(MODEL, "--speculative-config", SPEC, "--stream-mode", "token")
@@ -286,11 +338,13 @@ def test_token_stream_mode_sends_one_event_per_token(prepared_cache):
 
 # ----- draining -----
 
+
 def test_draining_answers_503_while_requests_in_flight_finish(prepared_cache):
     server = ServerProcess(MODEL, "--shutdown-grace", "30")
     try:
-        with httpx.stream("POST", server.url + "/v1/completions", json=greedy("Once", 150, stream=True),
-                          timeout=120) as running:
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json=greedy("Once", 150, stream=True), timeout=120
+        ) as running:
             lines = running.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             server.terminate()

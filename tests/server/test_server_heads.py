@@ -24,16 +24,26 @@ def test_an_eagle3_server_answers_with_the_targets_text(prepared_cache, tmp_path
     engine, tokenizer = build_engine(MODEL)
     torch.manual_seed(0)
     save_head(EagleHead(EagleConfig.for_target(engine.target.config, 3, draft_vocab_size=4096)), tmp_path / "head")
-    spec = json.dumps({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
-                       "adaptive": False})
-    server = ServerProcess(MODEL, "--speculative-config", spec, "--max-model-len", "512",
-                           "--enable-prefix-caching", "--prefix-cache-space", "0.1")
+    spec = json.dumps(
+        {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive": False}
+    )
+    server = ServerProcess(
+        MODEL,
+        "--speculative-config",
+        spec,
+        "--max-model-len",
+        "512",
+        "--enable-prefix-caching",
+        "--prefix-cache-space",
+        "0.1",
+    )
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         for prompt in PROMPTS:
             answer = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24)
-            expected = run_one(engine, tokenizer, tokenizer.encode(prompt), SamplingParams(max_tokens=24,
-                                                                                           temperature=0))
+            expected = run_one(
+                engine, tokenizer, tokenizer.encode(prompt), SamplingParams(max_tokens=24, temperature=0)
+            )
             assert answer.choices[0].text == expected["text"]
             assert answer.model_extra["spec_decode"]["num_draft_tokens"] > 0
         assert answer.usage.prompt_tokens_details.cached_tokens > 0

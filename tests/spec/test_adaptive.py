@@ -70,8 +70,10 @@ def tiled_forward(rows: int) -> float:
 
 def drafts_seven_at(rate: float) -> bool:
     """Under tiled_forward and a draft of 1 + 6 ms a position, 7 is the best k."""
+
     def speedup(k: int) -> float:
         return (1 - rate ** (k + 1)) / (1 - rate) * tiled_forward(1) / (tiled_forward(k + 1) + 0.001 + 0.006 * k)
+
     return max(range(1, 16), key=speedup) == 7
 
 
@@ -251,8 +253,9 @@ def test_where_drafting_pays_the_batch_the_predictable_sequences_draft_most():
     def tokens_per_second(ks: list[int]) -> float:
         tokens = sum(E[k] for (E, _), k in zip(curves, ks))
         drafted = [D[k] for (_, D), k in zip(curves, ks)]
-        return tokens / (ctl.target_seconds(8 + sum(drafted)) + draft_fixed * (max(drafted) > 0)
-                         + per_position * max(drafted))
+        return tokens / (
+            ctl.target_seconds(8 + sum(drafted)) + draft_fixed * (max(drafted) > 0) + per_position * max(drafted)
+        )
 
     assert all(tokens_per_second(ks) > tokens_per_second([k] * 8) for k in range(16))
 
@@ -419,8 +422,13 @@ def test_seeded_sampling_keeps_the_fixed_k_and_repeats():
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
     runs = []
     for _ in range(2):
-        engine = Engine(target, eos_token_ids=[0], proposer=NgramProposer(1, 3), num_speculative_tokens=2,
-                        adaptive=FreeCosts(15, 0.5))
+        engine = Engine(
+            target,
+            eos_token_ids=[0],
+            proposer=NgramProposer(1, 3),
+            num_speculative_tokens=2,
+            adaptive=FreeCosts(15, 0.5),
+        )
         seq = engine.generate([5, 6, 7, 5, 6, 7, 5, 6], params)
         assert len(seq.spec.accepted_per_position) <= 2  # never more than the fixed k
         runs.append(seq.output_ids)

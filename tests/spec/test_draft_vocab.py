@@ -40,8 +40,10 @@ def layers() -> list:
         cases.append(pytest.param(lambda: FloatLinear(linear().bfloat16()), torch.bfloat16, id="bfloat16-ours"))
     if PackedLinear.available(torch.float32):
         cases.append(pytest.param(lambda: PackedLinear(linear()), torch.float32, id="onednn-packed"))
-    cases += [pytest.param(lambda: quantized_layer(8), torch.bfloat16, id="int8", marks=needs_kernel),
-              pytest.param(lambda: quantized_layer(4), torch.bfloat16, id="int4", marks=needs_kernel)]
+    cases += [
+        pytest.param(lambda: quantized_layer(8), torch.bfloat16, id="int8", marks=needs_kernel),
+        pytest.param(lambda: quantized_layer(4), torch.bfloat16, id="int4", marks=needs_kernel),
+    ]
     return cases
 
 
@@ -102,8 +104,10 @@ def test_each_sequence_guesses_over_the_common_ids_while_its_recent_text_keeps_t
     # A sequence whose text lies past the common ids may be guessed any id, beside one
     # that keeps to them, in one batch; each one's guesses are what it drafts alone.
     together = proposer.propose([View(1, high), View(2, low)], [6, 6])
-    alone = [DraftModelProposer(draft, special_ids=frozenset({95})).propose([View(i, t)], [6])[0]
-             for i, t in ((1, high), (2, low))]
+    alone = [
+        DraftModelProposer(draft, special_ids=frozenset({95})).propose([View(i, t)], [6])[0]
+        for i, t in ((1, high), (2, low))
+    ]
     assert [d.tokens.tolist() for d in together] == [d.tokens.tolist() for d in alone]
     assert max(together[1].tokens.tolist()) < 48
     assert max(together[0].tokens.tolist()) >= 48  # this draft's argmax lies past the common ids
@@ -113,11 +117,14 @@ def test_without_a_common_head_no_sequence_keeps_to_one():
     assert not DraftModelProposer(random_decoder("llama", seed=4)).keeps_to_common(View(0, [1, 2, 3]))
 
 
-@pytest.mark.parametrize("raw,words", [
-    ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, 'applies to "draft_model" only'),
-    ({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1, got 0"),
-    ({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": "65536"}, "integer >= 1, got '65536'"),
-])
+@pytest.mark.parametrize(
+    "raw,words",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, 'applies to "draft_model" only'),
+        ({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1, got 0"),
+        ({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": "65536"}, "integer >= 1, got '65536'"),
+    ],
+)
 def test_bad_draft_vocab_sizes_are_refused(raw, words):
     with pytest.raises(ConfigError, match=words):
         SpecConfig.parse(raw)
@@ -125,9 +132,13 @@ def test_bad_draft_vocab_sizes_are_refused(raw, words):
 
 def test_a_draft_model_has_common_ids_by_default_and_null_turns_them_off():
     assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3}).draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": None}).draft_vocab_size is None
+    assert (
+        SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": None}).draft_vocab_size is None
+    )
     assert SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3}).draft_vocab_size is None
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 1000}).draft_vocab_size == 1000
+    assert (
+        SpecConfig.parse({"model": "m", "num_speculative_tokens": 3, "draft_vocab_size": 1000}).draft_vocab_size == 1000
+    )
 
 
 def test_common_ids_at_or_past_the_vocabulary_mean_every_id():
@@ -169,4 +180,5 @@ def test_a_proposer_says_how_it_drafts():
     assert DraftModelProposer(draft).describe() == "the draft drafts step by step"
     draft.add_common_head(48)
     assert DraftModelProposer(draft).describe() == (
-        "the draft drafts step by step, guessing ids below 48 while a text keeps to them")
+        "the draft drafts step by step, guessing ids below 48 while a text keeps to them"
+    )

@@ -65,8 +65,9 @@ def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, float_tar
     lengths = []
     for step in range(6):
         wanted = [5, 3] if step % 3 else [0, 4]  # one sequence sits out a step, then catches up 3 tokens
-        drafts = {name: proposer.propose(views[name], wanted) for name, proposer in
-                  (("unfused", unfused), ("fused", fused))}
+        drafts = {
+            name: proposer.propose(views[name], wanted) for name, proposer in (("unfused", unfused), ("fused", fused))
+        }
         assert [d.tokens.tolist() for d in drafts["fused"]] == [d.tokens.tolist() for d in drafts["unfused"]]
         assert fused.last_catch_up == unfused.last_catch_up
         assert all(t < (head_size or 96) for t in drafts["fused"][0].tokens.tolist())
@@ -87,8 +88,11 @@ def test_fused_drafts_and_draft_caches_are_bitwise_the_unfused(target, float_tar
 
 
 @needs_kernel
-@pytest.mark.parametrize("adaptive, lookup_first", [(False, None), (True, None), (True, 1)],
-                         ids=["fixed-k", "adaptive", "adaptive-lookup-first"])
+@pytest.mark.parametrize(
+    "adaptive, lookup_first",
+    [(False, None), (True, None), (True, 1)],
+    ids=["fixed-k", "adaptive", "adaptive-lookup-first"],
+)
 def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_first, monkeypatch):
     """A ragged batch decoded with drafting and verification in one call per step (and,
     with lookup first, some sequences drafted by lookup in the same steps' forwards)."""
@@ -99,18 +103,26 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_
     monkeypatch.setattr(proposer, "speculate", lambda *args: calls.append(1) or speculate(*args))
     # Timed honestly, a draft as large as its target never pays and adaptive would only
     # decode plainly: with free costs its k follows acceptance, and rollbacks happen.
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
-                    adaptive=FreeCosts(8, prior_draft_cost_ratio=0.3) if adaptive else None,
-                    lookup_first=lookup_first)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=4,
+        adaptive=FreeCosts(8, prior_draft_cost_ratio=0.3) if adaptive else None,
+        lookup_first=lookup_first,
+    )
     lookups = log_lookups(engine)
     lengths = [24, 9, 17, 30]
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-            for p, n in zip(PROMPTS, lengths)]
+    seqs = [
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, n in zip(PROMPTS, lengths)
+    ]
     while engine.has_unfinished():
         engine.step()
     for seq, prompt, n in zip(seqs, PROMPTS, lengths):
-        assert seq.output_ids == plain_tokens(target, prompt, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                             ignore_eos=True))
+        assert seq.output_ids == plain_tokens(
+            target, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
     assert calls and bool(lookups) == bool(lookup_first)
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks were exercised
@@ -131,8 +143,13 @@ def test_a_batch_that_drafts_nothing_takes_one_forward_a_step(target, draft, mon
     reading the target's weights twice: the whole batch goes in one forward instead."""
     proposer = FusedDraftProposer(draft, target)
     monkeypatch.setattr(proposer, "speculate", lambda *args: pytest.fail("a fused call that drafts nothing"))
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4,
-                    adaptive=NeverDrafts(8, prior_draft_cost_ratio=0.3))
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=4,
+        adaptive=NeverDrafts(8, prior_draft_cost_ratio=0.3),
+    )
     forwards = []
     forward = engine._forward_and_verify
     monkeypatch.setattr(engine, "_forward_and_verify", lambda work: forwards.append(len(work)) or forward(work))
@@ -195,8 +212,9 @@ def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft)
 
 
 @needs_kernel
-@pytest.mark.parametrize("options", [{"logprobs": 2}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5}],
-                         ids=["logprobs", "penalties"])
+@pytest.mark.parametrize(
+    "options", [{"logprobs": 2}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5}], ids=["logprobs", "penalties"]
+)
 def test_greedy_requests_that_need_the_logits_take_the_unfused_path(target, draft, options, monkeypatch):
     """The fused call returns the raw logits' argmaxes only: a greedy request that wants
     logprobs or penalties is verified in the forward, beside one that decodes fused, and
@@ -205,8 +223,9 @@ def test_greedy_requests_that_need_the_logits_take_the_unfused_path(target, draf
     proposer = FusedDraftProposer(draft, target)
     fused_ids = []
     speculate = proposer.speculate
-    monkeypatch.setattr(proposer, "speculate", lambda seqs, *a: fused_ids.extend(s.seq_id for s in seqs)
-                        or speculate(seqs, *a))
+    monkeypatch.setattr(
+        proposer, "speculate", lambda seqs, *a: fused_ids.extend(s.seq_id for s in seqs) or speculate(seqs, *a)
+    )
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
     needs_logits = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **options)
     fused_seq = engine.add_request(PROMPTS[0], GREEDY)

@@ -43,8 +43,9 @@ PROMPTS = [[5, 9, 13, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77], list(range(10
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def proposer_of(head: EagleHead | MedusaHeads, target: Decoder, confidence_threshold: float = 0.0,
-                catch_up_chunk_size: int = 512) -> EagleProposer | MedusaProposer:
+def proposer_of(
+    head: EagleHead | MedusaHeads, target: Decoder, confidence_threshold: float = 0.0, catch_up_chunk_size: int = 512
+) -> EagleProposer | MedusaProposer:
     guesser = Guesser(target.config.vocab_size, confidence_threshold)
     if isinstance(head, MedusaHeads):
         return MedusaProposer(head, guesser)
@@ -161,8 +162,11 @@ def test_after_rejections_the_head_holds_the_verified_positions_alone(noisy, met
         assert run.origin == 0 and cache.length == run.start
         fresh = proposer.head.new_cache()
         head = proposer.head
-        head(torch.tensor(seq.token_ids[1 : run.start + 1]), head.project_target_features(features[: run.start]),
-             [Segment(fresh, run.start)])
+        head(
+            torch.tensor(seq.token_ids[1 : run.start + 1]),
+            head.project_target_features(features[: run.start]),
+            [Segment(fresh, run.start)],
+        )
         torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
         torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
     assert rejected > 0
@@ -176,12 +180,23 @@ def test_adaptive_k_lookups_penalties_and_logprobs_keep_the_targets_output(noisy
     # Costs as a quiet machine measures them (a draft position a tenth of a target row),
     # so that what adaptive chooses does not depend on how busy this one is.
     timed, observe_draft, observe_target = [], adaptive.observe_draft, adaptive.observe_target
-    adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, 1e-3 * positions))
+    adaptive.observe_draft = lambda positions, seconds: (
+        timed.append(positions),
+        observe_draft(positions, 1e-3 * positions),
+    )
     adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
-                    lookup_first=2, prefill_chunk_size=6)
-    penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                               frequency_penalty=0.2)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=3,
+        adaptive=adaptive,
+        lookup_first=2,
+        prefill_chunk_size=6,
+    )
+    penalised = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2
+    )
     with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     requests = [(PROMPTS[0], penalised), (PROMPTS[1], with_logprobs), (PROMPTS[3], GREEDY), (PROMPTS[2], penalised)]
     for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
@@ -200,8 +215,9 @@ def test_a_prefix_from_the_prefix_cache_is_not_read_and_the_output_stays_the_tar
     after it."""
     target, perm = noisy
     proposer = proposer_of(right_head(method, target, perm), target)
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3,
-                    prefix_cache=PrefixCache(4096))
+    engine = Engine(
+        target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefix_cache=PrefixCache(4096)
+    )
     shared = list(range(10, 60))  # longer than a prefix-cache block
     first = engine.generate(shared + [3], GREEDY)
     second = engine.add_request(shared + [4, 5], GREEDY)
@@ -249,25 +265,33 @@ def test_the_factory_loads_heads_and_refuses_what_does_not_fit(tmp_path):
     spec = SpecConfig.parse({"method": "medusa", "model": str(tmp_path / "medusa"), "max_speculative_tokens": 9})
     with pytest.raises(ConfigError, match="max_speculative_tokens is 9"):
         head_proposer(spec, target)
-    proposer, settled = head_proposer(SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"),
-                                                        "num_speculative_tokens": 7}), target)
+    proposer, settled = head_proposer(
+        SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 7}), target
+    )
     assert isinstance(proposer, EagleProposer) and proposer.head.config.version == 3
     assert settled.num_speculative_tokens == 7 and settled.prompt_lookup_first == 4  # lookups first, as drafts
     assert 0 < prior_cost_ratio(proposer, target) < 1
     with pytest.raises(ConfigError, match='use "method": "eagle3"'):
-        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle3"),
-                                        "num_speculative_tokens": 3}), target)
+        head_proposer(
+            SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}),
+            target,
+        )
     with pytest.raises(ModelLoadError, match="neither a head folder nor a head trained"):
-        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "absent"),
-                                        "num_speculative_tokens": 3}), target)
+        head_proposer(
+            SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "absent"), "num_speculative_tokens": 3}),
+            target,
+        )
     (tmp_path / "eagle" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelLoadError, match="cannot read"):
-        head_proposer(SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle"),
-                                        "num_speculative_tokens": 3}), target)
+        head_proposer(
+            SpecConfig.parse({"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 3}), target
+        )
     wider = Decoder(target_config(hidden_size=32, intermediate_size=64, head_dim=8)).eval()
     with pytest.raises(ConfigError, match="hidden size 64, the target has 32"):
-        head_proposer(SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"),
-                                        "num_speculative_tokens": 3}), wider)
+        head_proposer(
+            SpecConfig.parse({"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}),
+            wider,
+        )
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -280,8 +304,14 @@ def test_the_factory_quantizes_a_head_as_its_target_once(tmp_path, monkeypatch, 
     for method in METHODS:
         head = random_head(method, float_target.config, seed=1)
         save_head(head, tmp_path / method)
-        spec = SpecConfig.parse({"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3,
-                                 "max_speculative_tokens": 3})
+        spec = SpecConfig.parse(
+            {
+                "method": method,
+                "model": str(tmp_path / method),
+                "num_speculative_tokens": 3,
+                "max_speculative_tokens": 3,
+            }
+        )
         first, again = (head_proposer(spec, target, quantization=quantization)[0] for _ in range(2))
         assert capsys.readouterr().err.count(f"quantizing {method} to {quantization}") == 1
         expected = quantized(head, quantization)
@@ -295,8 +325,14 @@ def test_the_factory_quantizes_a_head_as_its_target_once(tmp_path, monkeypatch, 
         bits = {name: layer.bits for name, layer in loaded_head.named_modules() if isinstance(layer, QuantizedLinear)}
         if method == "eagle3":
             low = 4 if quantization == "int4" else 8
-            assert bits == {"fc": low, "layer.self_attn.qkv_proj": 8, "layer.self_attn.o_proj": low,
-                            "layer.mlp.gate_up_proj": low, "layer.mlp.down_proj": low, "lm_head": 8}
+            assert bits == {
+                "fc": low,
+                "layer.self_attn.qkv_proj": 8,
+                "layer.self_attn.o_proj": low,
+                "layer.mlp.gate_up_proj": low,
+                "layer.mlp.down_proj": low,
+                "lm_head": 8,
+            }
         if method == "medusa":
             assert {bits[f"lm_heads.{i}"] for i in range(NUM_MEDUSA_HEADS)} == {8}
     assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == len(METHODS)

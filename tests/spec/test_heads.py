@@ -54,11 +54,22 @@ def llama_layer(prefix: str, qkv_input: int) -> dict[str, torch.Tensor]:
 def llama_config(architecture: str, **extra) -> dict:
     """A head's config.json as the EAGLE repositories write it (no head_dim: H / heads)."""
     return {
-        "architectures": [architecture], "model_type": "llama", "hidden_size": H,
-        "intermediate_size": HEAD_INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 2048,
-        "vocab_size": V, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
-        "pad_token_id": 0, **extra,
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": HEAD_INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": V,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "pad_token_id": 0,
+        **extra,
     }
 
 
@@ -84,7 +95,9 @@ def eagle3_checkpoint(norm_before_residual: bool = False) -> tuple[dict, dict[st
 def eagle1_checkpoint() -> tuple[dict, dict[str, torch.Tensor]]:
     """SafeAILab's EAGLE-1/2 layout: fc with a bias, a layer without input norm, the embedding."""
     tensors = llama_layer("layers.0.", H) | {
-        "fc.weight": random(H, 2 * H), "fc.bias": 0.1 * torch.randn(H), "embed_tokens.weight": random(V, H),
+        "fc.weight": random(H, 2 * H),
+        "fc.bias": 0.1 * torch.randn(H),
+        "embed_tokens.weight": random(V, H),
     }
     return llama_config("LlamaForCausalLM", bias=True), tensors
 
@@ -97,8 +110,12 @@ def medusa_checkpoint(num_heads: int = 3, num_layers: int = 2) -> tuple[dict, di
             tensors[f"{i}.{j}.linear.weight"] = random(H, H)
             tensors[f"{i}.{j}.linear.bias"] = 0.1 * torch.randn(H)
         tensors[f"{i}.{num_layers}.weight"] = random(V, H)
-    config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
-              "base_model_name_or_path": "lmsys/vicuna-7b-v1.3", "transformers_version": "4.31.0"}
+    config = {
+        "medusa_num_heads": num_heads,
+        "medusa_num_layers": num_layers,
+        "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
+        "transformers_version": "4.31.0",
+    }
     return config, tensors
 
 
@@ -112,14 +129,26 @@ def vllm_medusa_checkpoint(shared: bool = False, truncated: int = 48) -> tuple[d
     for i in range(1 if shared else num_heads):
         tensors[f"lm_heads.{i}.weight"] = random(V, H)
     tensors["token_map"] = torch.randperm(V)[:truncated]
-    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": H, "vocab_size": V,
-              "num_heads": num_heads, "num_hidden_layers": 1, "medusa_fc_bias": True,
-              "original_lm_head": shared, "truncated_vocab_size": truncated}
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_heads": num_heads,
+        "num_hidden_layers": 1,
+        "medusa_fc_bias": True,
+        "original_lm_head": shared,
+        "truncated_vocab_size": truncated,
+    }
     return config, tensors
 
 
-def write(folder: Path, config: dict, tensors: dict[str, torch.Tensor], weights_file: str = "model.safetensors",
-          ) -> Path:
+def write(
+    folder: Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    weights_file: str = "model.safetensors",
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     if weights_file.endswith(".safetensors"):
@@ -210,11 +239,15 @@ def test_saved_eagle3_uses_the_published_names(tmp_path):
     assert written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
 
-@pytest.mark.parametrize("fresh", [
-    lambda: EagleHead(EagleConfig.for_target(TARGET, 3, DRAFT_VOCAB)),
-    lambda: EagleHead(EagleConfig.for_target(TARGET, 1)),
-    lambda: MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=H, vocab_size=V, bias=False)),
-], ids=["eagle3", "eagle1", "medusa"])
+@pytest.mark.parametrize(
+    "fresh",
+    [
+        lambda: EagleHead(EagleConfig.for_target(TARGET, 3, DRAFT_VOCAB)),
+        lambda: EagleHead(EagleConfig.for_target(TARGET, 1)),
+        lambda: MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=H, vocab_size=V, bias=False)),
+    ],
+    ids=["eagle3", "eagle1", "medusa"],
+)
 def test_new_heads_round_trip(tmp_path, fresh):
     torch.manual_seed(0)
     head = fresh().eval()
@@ -243,8 +276,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def reference_head(t: dict[str, torch.Tensor], version: int, embeddings: torch.Tensor, features: torch.Tensor,
-                   norm_before_residual: bool = False) -> torch.Tensor:
+def reference_head(
+    t: dict[str, torch.Tensor],
+    version: int,
+    embeddings: torch.Tensor,
+    features: torch.Tensor,
+    norm_before_residual: bool = False,
+) -> torch.Tensor:
     """The head's output features [L, H] for a whole history of pairs at positions 0..L-1,
     with full causal attention and nothing cached."""
     length = embeddings.shape[0]
@@ -272,8 +310,9 @@ def reference_head(t: dict[str, torch.Tensor], version: int, embeddings: torch.T
     return h + m @ t[f"{prefix}mlp.down_proj.weight"].T
 
 
-def reference_logits(t: dict[str, torch.Tensor], version: int, hidden: torch.Tensor,
-                     target_lm_head: nn.Linear) -> torch.Tensor:  # [R, V]
+def reference_logits(
+    t: dict[str, torch.Tensor], version: int, hidden: torch.Tensor, target_lm_head: nn.Linear
+) -> torch.Tensor:  # [R, V]
     if version == 1:
         return hidden @ target_lm_head.weight.T
     draft = rms_norm(hidden, t["norm.weight"]) @ t["lm_head.weight"].T  # [R, draft vocab]
@@ -298,8 +337,9 @@ def test_chain_drafting_with_rollback_matches_reference(tmp_path, variant):
         tokens.extend(new_tokens)
         reference_history.append(reference)
         with torch.no_grad():
-            expected = reference_head(t, version, embed(torch.tensor(tokens)), torch.cat(reference_history),
-                                      variant.endswith("residual"))[-len(new_tokens):]
+            expected = reference_head(
+                t, version, embed(torch.tensor(tokens)), torch.cat(reference_history), variant.endswith("residual")
+            )[-len(new_tokens) :]
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
         assert cache.length == len(tokens)
         return out, expected
@@ -356,11 +396,13 @@ def test_vllm_medusa_token_map_names_target_ids(tmp_path):
 
 def edited(make, config_edit=lambda config: None, tensors_edit=lambda tensors: None):
     """`make`'s checkpoint, changed in place by the edits."""
+
     def checkpoint():
         config, tensors = make()
         config_edit(config)
         tensors_edit(tensors)
         return config, tensors
+
     return checkpoint
 
 
@@ -371,63 +413,109 @@ def other_target(**overrides):
 # case: (method, checkpoint, target, error, what the message says)
 REFUSALS = {
     "hidden-size": (
-        "eagle3", eagle3_checkpoint, other_target(hidden_size=32), ConfigError,
+        "eagle3",
+        eagle3_checkpoint,
+        other_target(hidden_size=32),
+        ConfigError,
         "the head was made for hidden size 64, the target has 32",
     ),
     "vocabulary": (
-        "eagle", eagle1_checkpoint, other_target(vocab_size=100), ConfigError,
+        "eagle",
+        eagle1_checkpoint,
+        other_target(vocab_size=100),
+        ConfigError,
         "the head was made for a vocabulary of 96 ids, the target has 100",
     ),
     "medusa-hidden-size": (
-        "medusa", medusa_checkpoint, other_target(hidden_size=128), ConfigError,
+        "medusa",
+        medusa_checkpoint,
+        other_target(hidden_size=128),
+        ConfigError,
         "the head was made for hidden size 64, the target has 128",
     ),
     "medusa-vocabulary": (
-        "medusa", vllm_medusa_checkpoint, other_target(vocab_size=128), ConfigError,
+        "medusa",
+        vllm_medusa_checkpoint,
+        other_target(vocab_size=128),
+        ConfigError,
         "the head was made for a vocabulary of 96 ids, the target has 128",
     ),
     "head-width": (
-        "eagle3", edited(eagle3_checkpoint, lambda c: c.update(hidden_size=32, target_hidden_size=64)),
-        TARGET, ConfigError, "the head's layer is 32 wide, the target's embedding 64",
+        "eagle3",
+        edited(eagle3_checkpoint, lambda c: c.update(hidden_size=32, target_hidden_size=64)),
+        TARGET,
+        ConfigError,
+        "the head's layer is 32 wide, the target's embedding 64",
     ),
     "named-layers": (
-        "eagle3", edited(eagle3_checkpoint, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 9, 13])),
-        TARGET, ConfigError, "the head reads the inputs of target layers [2, 9, 13]; the target has 8 layers",
+        "eagle3",
+        edited(eagle3_checkpoint, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 9, 13])),
+        TARGET,
+        ConfigError,
+        "the head reads the inputs of target layers [2, 9, 13]; the target has 8 layers",
     ),
     "too-few-layers": (
-        "eagle3", eagle3_checkpoint, other_target(num_layers=2), ConfigError,
+        "eagle3",
+        eagle3_checkpoint,
+        other_target(num_layers=2),
+        ConfigError,
         "EAGLE-3 reads the inputs of target layers 2, N//2 and N-3; the target has 2 layers",
     ),
     "other-method": (
-        "eagle", eagle3_checkpoint, TARGET, ConfigError,
+        "eagle",
+        eagle3_checkpoint,
+        TARGET,
+        ConfigError,
         'the folder holds an EAGLE-3 head, not an EAGLE-1/2 head: use "method": "eagle3"',
     ),
     "unknown-architecture": (
-        "eagle", edited(eagle1_checkpoint, lambda c: c.update(architectures=["Qwen2ForCausalLM"])),
-        TARGET, ModelLoadError, "config.json names ['Qwen2ForCausalLM'], which is no head",
+        "eagle",
+        edited(eagle1_checkpoint, lambda c: c.update(architectures=["Qwen2ForCausalLM"])),
+        TARGET,
+        ModelLoadError,
+        "config.json names ['Qwen2ForCausalLM'], which is no head",
     ),
     "missing-key": (
-        "eagle3", edited(eagle3_checkpoint, tensors_edit=lambda t: t.pop("midlayer.hidden_norm.weight")),
-        TARGET, ModelLoadError, "the checkpoint has no tensor 'midlayer.hidden_norm.weight'",
+        "eagle3",
+        edited(eagle3_checkpoint, tensors_edit=lambda t: t.pop("midlayer.hidden_norm.weight")),
+        TARGET,
+        ModelLoadError,
+        "the checkpoint has no tensor 'midlayer.hidden_norm.weight'",
     ),
     "missing-d2t": (
-        "eagle3", edited(eagle3_checkpoint, tensors_edit=lambda t: t.pop("d2t")),
-        TARGET, ModelLoadError, "the checkpoint has no tensor 'd2t', which a draft vocabulary of 40 ids needs",
+        "eagle3",
+        edited(eagle3_checkpoint, tensors_edit=lambda t: t.pop("d2t")),
+        TARGET,
+        ModelLoadError,
+        "the checkpoint has no tensor 'd2t', which a draft vocabulary of 40 ids needs",
     ),
     "bad-shape": (
-        "eagle", edited(eagle1_checkpoint, tensors_edit=lambda t: t.update({"fc.weight": random(H, 3 * H)})),
-        TARGET, ModelLoadError, "tensor 'fc.weight' has shape (64, 192), the config implies (64, 128)",
+        "eagle",
+        edited(eagle1_checkpoint, tensors_edit=lambda t: t.update({"fc.weight": random(H, 3 * H)})),
+        TARGET,
+        ModelLoadError,
+        "tensor 'fc.weight' has shape (64, 192), the config implies (64, 128)",
     ),
     "extra-tensor": (
-        "medusa", edited(medusa_checkpoint, tensors_edit=lambda t: t.update({"3.0.linear.weight": random(H, H)})),
-        TARGET, ModelLoadError, "the checkpoint has tensors this head does not use, e.g. ['3.0.linear.weight']",
+        "medusa",
+        edited(medusa_checkpoint, tensors_edit=lambda t: t.update({"3.0.linear.weight": random(H, H)})),
+        TARGET,
+        ModelLoadError,
+        "the checkpoint has tensors this head does not use, e.g. ['3.0.linear.weight']",
     ),
     "d2t-out-of-range": (
-        "eagle3", edited(eagle3_checkpoint, tensors_edit=lambda t: t["d2t"].add_(V)),
-        TARGET, ModelLoadError, "'d2t' maps to target ids outside the vocabulary [0, 96)",
+        "eagle3",
+        edited(eagle3_checkpoint, tensors_edit=lambda t: t["d2t"].add_(V)),
+        TARGET,
+        ModelLoadError,
+        "'d2t' maps to target ids outside the vocabulary [0, 96)",
     ),
     "unknown-method": (
-        "mlp_speculator", eagle3_checkpoint, TARGET, ConfigError, "unknown head method 'mlp_speculator'",
+        "mlp_speculator",
+        eagle3_checkpoint,
+        TARGET,
+        ConfigError,
+        "unknown head method 'mlp_speculator'",
     ),
 }
 

@@ -76,9 +76,7 @@ ADVERSARIAL_TOP_P = Scenario(
 NEAR_DRAFT = Scenario("draft near the target", SamplingParams(top_k=5, top_p=0.95), 2, NEAR_TABLE)
 EQUAL_DRAFT = Scenario("draft equals target", SamplingParams(temperature=0.9, top_k=5), 2, TARGET_TABLE)
 # base[3] = 0.5: the target gives the proposed token about 5%.
-DETERMINISTIC_UNLIKELY = Scenario(
-    "deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3
-)
+DETERMINISTIC_UNLIKELY = Scenario("deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3)
 # top_k=3 removes base[4]: the target never emits the proposed token.
 DETERMINISTIC_IMPOSSIBLE = Scenario(
     "deterministic draft, token outside top-k",
@@ -111,8 +109,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def draw_drafts(scenario: Scenario, previous: torch.Tensor,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_drafts(
+    scenario: Scenario, previous: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """previous [B] -> draft_tokens [B, k], draft_probs [B, k, V] or None, drafted one
     token at a time the way a draft model does, through the same transform as the target."""
     tokens, probs = [], []
@@ -128,8 +127,9 @@ def draw_drafts(scenario: Scenario, previous: torch.Tensor,
     return torch.stack(tokens, dim=1), draft_probs
 
 
-def speculative_decode(verifier: Verifier, scenario: Scenario, num_samples: int, length: int,
-                       seed: int) -> torch.Tensor:
+def speculative_decode(
+    verifier: Verifier, scenario: Scenario, num_samples: int, length: int, seed: int
+) -> torch.Tensor:
     """Decode num_samples independent sequences from START_TOKEN until each has at least
     `length` tokens -> their first `length` tokens [num_samples, length]."""
     generator = torch.Generator().manual_seed(seed)
@@ -162,8 +162,7 @@ def target_joint_probs(params: SamplingParams, length: int) -> torch.Tensor:
     return joint
 
 
-def goodness_of_fit(verifier: Verifier, scenario: Scenario, num_samples: int = NUM_SAMPLES,
-                    seed: int = 0) -> float:
+def goodness_of_fit(verifier: Verifier, scenario: Scenario, num_samples: int = NUM_SAMPLES, seed: int = 0) -> float:
     """The smaller p-value of the first token's distribution and the first k+1 tokens'
     joint distribution against the target's."""
     length = scenario.k + 1  # covers every draft position and the bonus token
@@ -181,8 +180,7 @@ def _target_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.
     return logits_to_probs(target_logits.reshape(-1, vocab), params).view(batch, rows, vocab)
 
 
-def _resample_recovered(target_logits, draft_tokens, draft_probs, params, generator,
-                        drop_rejected_token: bool):
+def _resample_recovered(target_logits, draft_tokens, draft_probs, params, generator, drop_rejected_token: bool):
     """Run the real verifier, then redraw each recovered token from target_probs, with
     or without the rejected token."""
     target_probs = _target_probs(target_logits, params)
@@ -341,9 +339,14 @@ def test_chi_square_p_value_is_right_on_known_counts():
 # -- acceptance -----------------------------------------------------------------------
 
 
-def one_step(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-             draft_probs: torch.Tensor | None, params: SamplingParams, num_samples: int,
-             seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def one_step(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    num_samples: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same step repeated on num_samples sequences: [k+1, V] logits for all."""
     batch_logits = target_logits.expand(num_samples, *target_logits.shape)
     generator = torch.Generator().manual_seed(seed)
@@ -356,8 +359,9 @@ def test_mean_accepted_is_the_overlap_of_the_distributions():
     draft_row = logits_to_probs(ADVERSARIAL_TABLE[:1], params)  # [1, V]
     overlap = float(torch.minimum(logits_to_probs(target_logits[:1], params), draft_row).sum())
     num_samples = 40_000
-    draft_tokens = torch.multinomial(draft_row.expand(num_samples, -1), 1, replacement=True,
-                                     generator=torch.Generator().manual_seed(3))  # [N, 1]
+    draft_tokens = torch.multinomial(
+        draft_row.expand(num_samples, -1), 1, replacement=True, generator=torch.Generator().manual_seed(3)
+    )  # [N, 1]
     draft_probs = draft_row.expand(num_samples, 1, -1)  # [N, 1, V]
     _, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=4)
     standard_error = (overlap * (1 - overlap) / num_samples) ** 0.5
@@ -385,16 +389,11 @@ def test_draft_equal_to_target_is_always_accepted():
     num_samples = 5_000
     generator = torch.Generator().manual_seed(6)
     draft_tokens = torch.stack(
-        [
-            torch.multinomial(row, num_samples, replacement=True, generator=generator)
-            for row in target_probs[:2]
-        ],
+        [torch.multinomial(row, num_samples, replacement=True, generator=generator) for row in target_probs[:2]],
         dim=1,
     )  # [N, 2]
     draft_probs = target_probs[:2].expand(num_samples, 2, -1)
-    tokens, num_accepted = one_step(
-        target_logits, draft_tokens, draft_probs, params, num_samples, seed=7
-    )
+    tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=7)
     assert (num_accepted == 2).all()
     assert torch.equal(tokens[:, :2], draft_tokens)
 
@@ -405,9 +404,7 @@ def test_a_token_the_target_never_emits_is_always_rejected():
     num_samples = 2_000
     for draft_probs in (None, torch.full((num_samples, 1, VOCAB), 1 / VOCAB)):
         draft_tokens = torch.full((num_samples, 1), 4)
-        tokens, num_accepted = one_step(
-            target_logits, draft_tokens, draft_probs, params, num_samples, seed=8
-        )
+        tokens, num_accepted = one_step(target_logits, draft_tokens, draft_probs, params, num_samples, seed=8)
         assert (num_accepted == 0).all()
         assert set(tokens[:, 0].tolist()) == {0, 1}
         assert (tokens[:, 1] == PAD_TOKEN).all()
@@ -467,9 +464,7 @@ def test_same_seed_same_verdicts():
     assert run(0) != run(1)
 
 
-@pytest.mark.parametrize(
-    "target_shape, probs_shape", [((3, 6), (2, 6)), ((4, 6), (3, 5)), ((6,), None)]
-)
+@pytest.mark.parametrize("target_shape, probs_shape", [((3, 6), (2, 6)), ((4, 6), (3, 5)), ((6,), None)])
 def test_mismatched_shapes_are_refused(target_shape, probs_shape):
     draft_tokens = torch.zeros(3, dtype=torch.int64)
     draft = Draft(draft_tokens, None if probs_shape is None else torch.full(probs_shape, 0.2))
@@ -558,12 +553,16 @@ def test_common_prefix_length_stops_at_the_shorter_sequence():
 
 # ----- parameters at the edge of float32 -----
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1e-4),
-    SamplingParams(temperature=1.0, top_p=1e-300),
-    SamplingParams(temperature=0.7, top_p=1e-40, top_k=3),
-    SamplingParams(temperature=1e30),
-])
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-4),
+        SamplingParams(temperature=1.0, top_p=1e-300),
+        SamplingParams(temperature=0.7, top_p=1e-40, top_k=3),
+        SamplingParams(temperature=1e30),
+    ],
+)
 def test_any_valid_parameters_give_finite_probabilities(params):
     logits = torch.randn(4, 50) * 30
     logits[1, 7] = logits[1, 8] = logits[1].max() + 5  # a tie at the top

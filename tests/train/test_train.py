@@ -118,9 +118,28 @@ def test_instructions_are_varied_and_share_no_prompt_with_the_benchmark_suites()
 
 # ---- the command, end to end on SmolLM2-135M ----
 
-TINY_RUN = ["--quantization", "none", "--max-answers", "3", "--answer-rounds", "2", "--answer-tokens", "12", "--stdlib-tokens", "48",
-            "--draft-vocab-size", "256", "--ttt-length", "2", "--steps", "4", "--batch-tokens", "128",
-            "--max-minutes", "10"]
+TINY_RUN = [
+    "--quantization",
+    "none",
+    "--max-answers",
+    "3",
+    "--answer-rounds",
+    "2",
+    "--answer-tokens",
+    "12",
+    "--stdlib-tokens",
+    "48",
+    "--draft-vocab-size",
+    "256",
+    "--ttt-length",
+    "2",
+    "--steps",
+    "4",
+    "--batch-tokens",
+    "128",
+    "--max-minutes",
+    "10",
+]
 
 
 @pytest.fixture
@@ -164,12 +183,15 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
     assert "trained already" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, words", [
-    (["no-such-model"], "neither a catalogue model"),
-    (["smollm2-135m", "--max-minutes", "0"], "--max-minutes must be > 0"),
-    (["smollm2-135m", "--max-answers", "1"], "--max-answers must be >= 2"),
-    (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["no-such-model"], "neither a catalogue model"),
+        (["smollm2-135m", "--max-minutes", "0"], "--max-minutes must be > 0"),
+        (["smollm2-135m", "--max-answers", "1"], "--max-answers must be >= 2"),
+        (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
+    ],
+)
 def test_refusals_name_the_fix(prepared_cache, capsys, monkeypatch, args, words):
     monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
     assert main(["train-head", *args]) == 2
@@ -190,9 +212,15 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
     target = catalogue.load_model(str(smollm2), torch.float32)
     spec = METHODS[method_name]().feature_spec(target.config)
     settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0, rounds=2)
-    answers, stats = answer_instructions(target.decoder, target.tokenizer, settings, tmp_path / "answers.jsonl",
-                                         time.monotonic() + 600, recorder=AnswerRecorder(spec, top_k=8),
-                                         features_folder=tmp_path / "recorded")
+    answers, stats = answer_instructions(
+        target.decoder,
+        target.tokenizer,
+        settings,
+        tmp_path / "answers.jsonl",
+        time.monotonic() + 600,
+        recorder=AnswerRecorder(spec, top_k=8),
+        features_folder=tmp_path / "recorded",
+    )
     samples = dict(zip(stats.keys, answers))
     assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 6
     # The first instruction of the seeded order is held out, in every round; a round's seeds are its own.

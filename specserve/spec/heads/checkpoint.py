@@ -40,8 +40,7 @@ def load_head(path: str | Path, target: ModelConfig, method: str, dtype: torch.d
                 f"config.json names {named!r}, which is no head specserve reads; known: {LAYOUT_MARKERS}"
             )
         if layout != method:
-            raise ConfigError(
-                f'the folder holds {LAYOUTS[layout]}, not {LAYOUTS[method]}: use "method": "{layout}"')
+            raise ConfigError(f'the folder holds {LAYOUTS[layout]}, not {LAYOUTS[method]}: use "method": "{layout}"')
         return READERS[layout](config, Tensors(read_weights(folder), dtype), target)
     except SpecserveError as error:
         raise type(error)(f"head checkpoint {folder}: {error}") from None
@@ -88,5 +87,7 @@ def save_head(head: Head, folder: str | Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     # Copies: safetensors refuses tensors that share memory (q, k and v are views of one matrix).
-    save_file({name: t.detach().cpu().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()},
-              str(folder / checkpoint.WEIGHTS_FILE))
+    save_file(
+        {name: t.detach().cpu().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()},
+        str(folder / checkpoint.WEIGHTS_FILE),
+    )

@@ -49,8 +49,11 @@ def feature_layers_for(target: ModelConfig, named: Sequence[int] | None = None) 
     vLLM's choice (2, N//2, N-3). Refused where the target has no such layer."""
     layers = tuple(named or (2, target.num_layers // 2, target.num_layers - 3))
     if not all(0 <= i < target.num_layers for i in layers):
-        reads = f"the head reads the inputs of target layers {list(layers)}" if named else (
-            "EAGLE-3 reads the inputs of target layers 2, N//2 and N-3")
+        reads = (
+            f"the head reads the inputs of target layers {list(layers)}"
+            if named
+            else ("EAGLE-3 reads the inputs of target layers 2, N//2 and N-3")
+        )
         raise ConfigError(f"{reads}; the target has {target.num_layers} layers")
     return layers
 
@@ -156,9 +159,9 @@ class EagleHead(nn.Module):
         assert token_ids.shape[0] == sum(s.num_tokens for s in segments)
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
-        positions = torch.cat([
-            torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments
-        ])  # [T]
+        positions = torch.cat(
+            [torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments]
+        )  # [T]
         cos, rotated_sin = rope_rows(self.inv_freq, positions, self.dtype)  # [T, head_dim]
         embeddings = self.target.embed_tokens(token_ids).to(self.dtype)  # [T, H]
         qkv, residual = self.attention_inputs(embeddings, features)

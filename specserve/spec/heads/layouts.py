@@ -95,7 +95,8 @@ class Tensors:
         # A copy in memory of our own: MKL's float32 GEMM rounds differently at different
         # alignments, and a file's offsets would otherwise decide a head's last bits.
         return (tensor.to(self.dtype) if tensor.is_floating_point() else tensor).clone(
-            memory_format=torch.contiguous_format)
+            memory_format=torch.contiguous_format
+        )
 
     def take_if_present(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if name in self else None
@@ -135,8 +136,10 @@ def eagle_config(version: int, config: dict[str, Any], target: ModelConfig, fc_b
     hidden, vocab = required(config, "hidden_size"), required(config, "vocab_size")
     refuse_other_target(config.get("target_hidden_size") or hidden, vocab, target)
     if hidden != target.hidden_size:  # it reads tokens through the target's embedding
-        raise ConfigError(f"the head's layer is {hidden} wide, the target's embedding {target.hidden_size}: "
-                          "a head of its own width needs an embedding of its own, which specserve does not read")
+        raise ConfigError(
+            f"the head's layer is {hidden} wide, the target's embedding {target.hidden_size}: "
+            "a head of its own width needs an embedding of its own, which specserve does not read"
+        )
     if config.get("num_hidden_layers", 1) != 1:
         layers = config["num_hidden_layers"]
         raise ConfigError(f"EAGLE heads of {layers} layers are not supported (published ones have 1)")
@@ -152,8 +155,9 @@ def eagle_config(version: int, config: dict[str, Any], target: ModelConfig, fc_b
     draft_vocab = config.get("draft_vocab_size") or vocab
     if draft_vocab > vocab:
         raise ModelLoadError(f"draft_vocab_size {draft_vocab} exceeds the vocabulary's {vocab} ids")
-    return EagleConfig(3, layer, draft_vocab, feature_layers,
-                       norm_before_residual=bool(config.get("norm_before_residual", False)))
+    return EagleConfig(
+        3, layer, draft_vocab, feature_layers, norm_before_residual=bool(config.get("norm_before_residual", False))
+    )
 
 
 def read_layer(tensors: Tensors, prefix: str, layer: ModelConfig, qkv_input: int) -> dict[str, torch.Tensor]:
@@ -162,16 +166,20 @@ def read_layer(tensors: Tensors, prefix: str, layer: ModelConfig, qkv_input: int
     q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     attention, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
     return {
-        "layer.self_attn.qkv_proj.weight": torch.cat([
-            tensors.take(f"{attention}q_proj.weight", (q_size, qkv_input)),
-            tensors.take(f"{attention}k_proj.weight", (kv_size, qkv_input)),
-            tensors.take(f"{attention}v_proj.weight", (kv_size, qkv_input)),
-        ]),
+        "layer.self_attn.qkv_proj.weight": torch.cat(
+            [
+                tensors.take(f"{attention}q_proj.weight", (q_size, qkv_input)),
+                tensors.take(f"{attention}k_proj.weight", (kv_size, qkv_input)),
+                tensors.take(f"{attention}v_proj.weight", (kv_size, qkv_input)),
+            ]
+        ),
         "layer.self_attn.o_proj.weight": tensors.take(f"{attention}o_proj.weight", (hidden, q_size)),
-        "layer.mlp.gate_up_proj.weight": torch.cat([
-            tensors.take(f"{mlp}gate_proj.weight", (intermediate, hidden)),
-            tensors.take(f"{mlp}up_proj.weight", (intermediate, hidden)),
-        ]),
+        "layer.mlp.gate_up_proj.weight": torch.cat(
+            [
+                tensors.take(f"{mlp}gate_proj.weight", (intermediate, hidden)),
+                tensors.take(f"{mlp}up_proj.weight", (intermediate, hidden)),
+            ]
+        ),
         "layer.mlp.down_proj.weight": tensors.take(f"{mlp}down_proj.weight", (hidden, intermediate)),
         "layer.post_attention_layernorm.weight": tensors.take(f"{prefix}post_attention_layernorm.weight", (hidden,)),
     }
@@ -183,9 +191,12 @@ def layer_tensors(layer: Block, prefix: str) -> dict[str, torch.Tensor]:
     q, k, v = attention.qkv_proj.weight.split(attention.qkv_sizes)
     gate, up = mlp.gate_up_proj.weight.chunk(2)
     return {
-        f"{prefix}self_attn.q_proj.weight": q, f"{prefix}self_attn.k_proj.weight": k,
-        f"{prefix}self_attn.v_proj.weight": v, f"{prefix}self_attn.o_proj.weight": attention.o_proj.weight,
-        f"{prefix}mlp.gate_proj.weight": gate, f"{prefix}mlp.up_proj.weight": up,
+        f"{prefix}self_attn.q_proj.weight": q,
+        f"{prefix}self_attn.k_proj.weight": k,
+        f"{prefix}self_attn.v_proj.weight": v,
+        f"{prefix}self_attn.o_proj.weight": attention.o_proj.weight,
+        f"{prefix}mlp.gate_proj.weight": gate,
+        f"{prefix}mlp.up_proj.weight": up,
         f"{prefix}mlp.down_proj.weight": mlp.down_proj.weight,
         f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
     }
@@ -273,7 +284,11 @@ def read_medusa(config: dict[str, Any], tensors: Tensors, target: ModelConfig) -
         refuse_other_target(hidden, vocab, target)
         truncated = config.get("truncated_vocab_size")
         head_config = MedusaConfig(
-            num_heads, num_layers, hidden, vocab, bias=bool(config.get("medusa_fc_bias", False)),
+            num_heads,
+            num_layers,
+            hidden,
+            vocab,
+            bias=bool(config.get("medusa_fc_bias", False)),
             shared_lm_head=bool(config.get("original_lm_head", False)),
             truncated_vocab_size=None if truncated in (None, vocab) else truncated,
         )
