@@ -519,7 +519,7 @@ def quantize_head(head: nn.Module, folder: Path, quantization: str) -> None:
     """Swap the linear layers of a draft head (EAGLE, Medusa), loaded in float32 from
     `folder`, for int8/int4 ones as a quantized target's are (`quantized_state`), its
     other floating tensors for bfloat16: quantized once into the cache, as a model's
-    weights are (the 1.5B target's larger EAGLE-3 head takes about 25 s)."""
+    weights are."""
     from safetensors.torch import load_file
 
     path = _cached_quantized_state(folder, quantization, lambda: quantized_state(head, quantization))

@@ -147,86 +147,46 @@ def library() -> ctypes.CDLL | None:
 def load_library(path: Path) -> ctypes.CDLL:
     """A compiled kernel library with its functions' signatures declared."""
     lib = ctypes.CDLL(str(path))
+    # Each line of arguments keeps its comment, which the formatter would move.
+    # fmt: off
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,  # bits, gated, x, T, K
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,  # weights, scale, zero, bias
-        ctypes.c_int,
-        ctypes.c_void_p,  # N, y
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, gated, x, T, K
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
+        ctypes.c_int, ctypes.c_void_p,  # N, y
     ]
     lib.float_matmul.restype = None
     lib.float_matmul.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
     ]  # x, T, K, weights, bias, N, y
     lib.bf16_matmul.restype = ctypes.c_int
     lib.bf16_matmul.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_void_p,
     ]  # dot, gated, x, T, K, weights, bias, N, y
     lib.bf16_dot_available.restype = ctypes.c_int
     lib.bf16_dot_available.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # x, weight, T, D, eps, out
     lib.decode_blocks.restype = ctypes.c_int
     lib.decode_blocks.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
     ]  # model, cos, rotated_sin, h, T, segments, number of segments
     lib.speculate_greedy.restype = ctypes.c_int
     lib.speculate_greedy.argtypes = [
-        *[ctypes.c_void_p] * 7,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_void_p,
+        *[ctypes.c_void_p] * 7, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]  # draft, its cos and rotated_sin, target, its cos and rotated_sin, sequences, count, threshold, seconds
     lib.dot_peak.restype = ctypes.c_double
     lib.dot_peak.argtypes = [ctypes.c_int, ctypes.c_double]  # kind (DOT_KINDS), seconds
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,  # qkv, row, cos, rotated_sin
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_float,  # q_norm, k_norm, eps
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        *[ctypes.c_int] * 7,
-        ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,  # qkv, row, cos, rotated_sin
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,  # q_norm, k_norm, eps
+        ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 7, ctypes.c_void_p,
     ]  # keys, values, n, heads, kv_heads, D, capacity, start, bf16, out
+    # fmt: on
     return lib
 
 

@@ -112,12 +112,11 @@ def answer_instructions(
     deadline: float,  # time.monotonic() by which to stop asking
     on_answer: Callable[[int], None] = lambda num_tokens: None,
     recorder: AnswerRecorder | None = None,
-    features_folder: Path | None = None,
 ) -> tuple[list[Sample], AnswerStats]:
     """The target's answers (round by round, each in the seeded order), generating those
     not yet in `answers_file` until every one wanted is there or the deadline passes.
-    With a `recorder`, each new answer's features go to `features_folder` (as
-    `answer_key`) as it is written."""
+    With a `recorder`, each new answer's sample is saved (as `answer_key`) as it is
+    written."""
     instructions = load_instructions()
     order = seeded_order(len(instructions), settings.seed)[: settings.max_answers]
     held_out = {i: position % HOLDOUT_EVERY == 0 for position, i in enumerate(order)}
@@ -137,8 +136,6 @@ def answer_instructions(
                 logprobs=None if recorder is None else recorder.top_k,
             )
             asked[engine.add_request(prompt_ids, params).seq_id] = (r, i)
-    if recorder is not None:
-        features_folder.mkdir(parents=True, exist_ok=True)
     answers_file.parent.mkdir(parents=True, exist_ok=True)
     stats = AnswerStats()
     started = time.monotonic()
@@ -150,7 +147,7 @@ def answer_instructions(
                     r, i = asked[seq.seq_id]
                     key = answer_key(i, r)
                     if recorder is not None:  # before the answer's line: a resumed run reads it again if need be
-                        recorder.save(seq, held_out[i], features_folder / f"{key}.safetensors")
+                        recorder.save(seq, key, held_out[i])
                     record = {
                         "index": i,
                         "round": r,

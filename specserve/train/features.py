@@ -63,14 +63,29 @@ def sample_features(target: Decoder, sample: Sample, spec: FeatureSpec, top_k: i
         top_ids.append(top.cpu())
         top_probs.append(probs.cpu())
     cache.release()
+    return sample_tensors(ids, torch.cat(features), torch.cat(top_ids), torch.cat(top_probs), sample)
+
+
+def sample_tensors(
+    token_ids: torch.Tensor,  # [T] int64
+    features: torch.Tensor,  # [T, F]
+    top_ids: torch.Tensor,  # [T, k] int64
+    top_probs: torch.Tensor,  # [T, k] float32
+    sample: Sample,
+) -> dict[str, torch.Tensor]:
+    """What a sample's file holds (`FeatureSet.load` reads it), on the CPU, features in bfloat16."""
     return {
-        "token_ids": ids.cpu(),
-        "features": torch.cat(features),
-        "top_ids": torch.cat(top_ids),
-        "top_probs": torch.cat(top_probs),
+        "token_ids": token_ids.cpu(),
+        "features": features.to(torch.bfloat16).cpu(),
+        "top_ids": top_ids.cpu(),
+        "top_probs": top_probs.cpu(),
         "first_trained": torch.tensor([sample.first_trained]),
         "held_out": torch.tensor([sample.held_out]),
     }
+
+
+def sample_path(folder: Path, key: str) -> Path:
+    return folder / f"{key}.safetensors"
 
 
 def save_sample(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -83,11 +98,13 @@ def save_sample(tensors: dict[str, torch.Tensor], path: Path) -> None:
 class AnswerRecorder:
     """A proposer that drafts nothing (Proposer protocol, in an Engine with k = 0): it
     keeps each sequence's features as the target computes them, so that a finished answer
-    with its logprobs (`top_k` of them a token) is a sample's tensors (`save`)."""
+    with its logprobs (`top_k` of them a token) is a sample's file in `folder` (`save`)."""
 
-    def __init__(self, spec: FeatureSpec, top_k: int):
+    def __init__(self, spec: FeatureSpec, top_k: int, folder: Path):
         assert not (spec.layers and spec.final), "TargetFeatures reads one kind of feature"
         self.top_k = top_k
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
         self.features = TargetFeatures(spec.layers)
         self.last_catch_up = self.last_tokens_read = 0
         self.finished: dict[int, FeatureRun] = {}  # runs of sequences the engine freed, until saved
@@ -106,8 +123,8 @@ class AnswerRecorder:
         if run is not None:
             self.finished[seq_id] = run
 
-    def save(self, seq: Sequence, held_out: bool, path: Path) -> bool:
-        """Write a finished answer's sample (as `sample_features` would) to `path`; False
+    def save(self, seq: Sequence, key: str, held_out: bool) -> bool:
+        """Write a finished answer's sample (as `sample_features` would) as `key`; False
         where its features do not cover every fed position (nothing written)."""
         run = self.finished.pop(seq.seq_id, None)
         fed = len(seq.token_ids) - 1  # the last token was never fed
@@ -124,17 +141,14 @@ class AnswerRecorder:
             ids, values = zip(*logprob.top)
             top_ids[first + j] = torch.tensor(ids)
             top_probs[first + j] = torch.tensor(values).exp()
-        save_sample(
-            {
-                "token_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
-                "features": torch.cat([features, features.new_zeros(1, features.shape[1])]).to(torch.bfloat16).cpu(),
-                "top_ids": top_ids,
-                "top_probs": top_probs,
-                "first_trained": torch.tensor([seq.num_prompt_tokens]),
-                "held_out": torch.tensor([held_out]),
-            },
-            path,
+        tensors = sample_tensors(
+            torch.tensor(seq.token_ids, dtype=torch.int64),
+            torch.cat([features, features.new_zeros(1, features.shape[1])]),
+            top_ids,
+            top_probs,
+            Sample(seq.token_ids, seq.num_prompt_tokens, held_out),
         )
+        save_sample(tensors, sample_path(self.folder, key))
         return True
 
 
@@ -152,7 +166,7 @@ def compute_features(
     folder.mkdir(parents=True, exist_ok=True)
     done = []
     for key, sample in samples.items():
-        path = folder / f"{key}.safetensors"
+        path = sample_path(folder, key)
         if not path.is_file():
             if time.monotonic() >= deadline:
                 break
@@ -175,7 +189,7 @@ class FeatureSet:
 
     @classmethod
     def load(cls, folder: Path, keys: list[str]) -> FeatureSet:
-        parts = [load_file(str(folder / f"{key}.safetensors")) for key in keys]
+        parts = [load_file(str(sample_path(folder, key))) for key in keys]
         samples, trained, start = [], [], 0
         for part in parts:
             length = len(part["token_ids"])

@@ -264,7 +264,7 @@ class Run:
                 bar.set_postfix(tokens=sum(answered_tokens))
                 bar.update()
 
-            recorder = AnswerRecorder(self.method.feature_spec(target.config), settings.top_k)
+            recorder = AnswerRecorder(self.method.feature_spec(target.config), settings.top_k, self.work / "features")
             answers, stats = answer_instructions(
                 target.decoder,
                 target.tokenizer,
@@ -273,7 +273,6 @@ class Run:
                 self.clock.at(DATA_END),
                 on_answer,
                 recorder,
-                self.work / "features",
             )
         if len(answers) < MIN_ANSWERS:
             seconds_per_answer = stats.seconds_per_step * settings.answer_tokens if stats.steps else None

@@ -246,8 +246,8 @@ def test_llama_cpp_acceptance_is_counted_from_its_proposals(peers_module):
         (4, [11, 12, 99]),  # after 1 output token: 2 accepted, then a miss
         (7, []),  # no n-gram match: not a draft
         (7, [14, 15, 16]),  # the output ends after 2 of them
-        (9, [16]),
-    ]  # after the last kept token: never verified
+        (9, [16]),  # after the last kept token: never verified
+    ]
     stats = peers_module.lookup_stats(proposals, prompt_len=3, tokens=tokens)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 4)
     assert stats.mean_acceptance_length == 3.0

@@ -218,8 +218,7 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
         settings,
         tmp_path / "answers.jsonl",
         time.monotonic() + 600,
-        recorder=AnswerRecorder(spec, top_k=8),
-        features_folder=tmp_path / "recorded",
+        recorder=AnswerRecorder(spec, top_k=8, folder=tmp_path / "recorded"),
     )
     samples = dict(zip(stats.keys, answers))
     assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 6
