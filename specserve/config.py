@@ -274,7 +274,9 @@ class SpecConfig:
         adaptive = raw.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
-        max_k = raw.get("max_speculative_tokens", None if k is None else max(15, k) if adaptive else k)
+        # Unstated for "medusa": the heads bound it (`for_medusa_heads`), whatever k is.
+        unstated_max = None if k is None or method == "medusa" else max(15, k) if adaptive else k
+        max_k = raw.get("max_speculative_tokens", unstated_max)
         if max_k is not None:
             check_int(
                 max_k,

@@ -259,6 +259,11 @@ def test_the_factory_loads_heads_and_refuses_what_does_not_fit(tmp_path):
     proposer, settled = head_proposer(spec, target)
     assert isinstance(proposer, MedusaProposer)
     assert settled.num_speculative_tokens == settled.max_speculative_tokens == NUM_MEDUSA_HEADS
+    for adaptive in (True, False):  # a k within the heads, adaptive or not, needs no max_speculative_tokens
+        raw = {"method": "medusa", "model": str(tmp_path / "medusa"), "num_speculative_tokens": 3, "adaptive": adaptive}
+        _, settled = head_proposer(SpecConfig.parse(raw), target)
+        most = NUM_MEDUSA_HEADS if adaptive else 3
+        assert (settled.num_speculative_tokens, settled.max_speculative_tokens) == (3, most)
     spec = SpecConfig.parse({"method": "medusa", "model": str(tmp_path / "medusa"), "num_speculative_tokens": 8})
     with pytest.raises(ConfigError, match="num_speculative_tokens is 8, but the Medusa checkpoint has 7 heads"):
         head_proposer(spec, target)
