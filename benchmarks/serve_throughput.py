@@ -1,16 +1,20 @@
 """Serving throughput with and without speculation, side by side in one run.
 
-Starts `specserve serve` for the plain target, then for the target with its draft at
-a fixed k, then with adaptive speculation (k per request and step, falling with the
-batch), and at each concurrency level keeps that many streaming chat requests in flight over
-the structured and open-ended prompts (temperature 0, so both variants generate the
-same tokens). Output tokens come from the server's `usage`, never from counting SSE
-chunks; requests go through `specserve bench`'s streaming client. Prints output
-throughput, TTFT, inter-token latency and acceptance, with the speculative/plain ratio
-per level.
+Starts `specserve serve` once per variant (the plain target, the target with its draft
+at a fixed k or adaptive, or with an EAGLE-3 or Medusa head), all of them up at once
+and one under load at a time. At each concurrency level it keeps that many streaming
+chat requests in flight over the structured and open-ended prompts (temperature 0, so
+every variant generates the same tokens), variant after variant, round after round, the
+order reversed every other round so that a slow minute of the machine falls on all of
+them. Output tokens come from the server's `usage`, never from counting SSE chunks;
+requests go through `specserve bench`'s streaming client. Prints, per variant and
+level, the median over rounds of output throughput, TTFT p50 and inter-token latency
+p50, the acceptance, and the ratio to plain (median of the rounds' ratios, and their
+range).
 
-    .venv/bin/python benchmarks/serve_throughput.py                       # default pair, k=7
-    .venv/bin/python benchmarks/serve_throughput.py --concurrency 1,4,8 --max-tokens 128 --quantization int4
+    .venv/bin/python benchmarks/serve_throughput.py                       # default pair, float32
+    .venv/bin/python benchmarks/serve_throughput.py --concurrency 2,4,8 --quantization int4 --rounds 3
+    .venv/bin/python benchmarks/serve_throughput.py --quantization int4 --variants plain,adaptive,adaptive-eagle3
     .venv/bin/python benchmarks/serve_throughput.py --quantization int4 --fused      # drafting in one C call
 """
 
@@ -31,6 +35,7 @@ from specserve.bench.client import ENDPOINTS, open_session, stream_request
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.spec_metrics import spec_figures
 from specserve.bench.suites import prompts_of
+from specserve.bench.variants import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEAD, VARIANTS, speculative_config
 from specserve.model.quant import QUANTIZATIONS
 
 
@@ -72,47 +77,64 @@ async def run_level(url: str, prompts: list[str], concurrency: int, num_requests
     }
 
 
-def measure(variant: str, serve_args: list[str], args, prompts: list[str]) -> list[dict]:
+PROMPT_FOR_WARM_UP = "Say hello."
+
+
+def variant_config(variant: str, args) -> dict | None:
+    draft_keys = {"quantization": args.draft_quantization, "fused": True if args.fused else None}
+    return speculative_config(variant, args.k, args.draft, args.eagle_head, args.medusa_head, **draft_keys)
+
+
+def start_server(variant: str, args) -> ServerProcess:
     print(f"starting {variant} server ...", file=sys.stderr, flush=True)
+    flags = ["--quantization", args.quantization, "--device", args.device]
+    config = variant_config(variant, args)
+    if config is not None:
+        flags += ["--speculative-config", json.dumps(config)]
     server = ServerProcess(
         args.target,
         "--max-num-seqs",
         str(max(args.levels)),
         "--log-stats-interval",
         "0",
-        *serve_args,
-        startup_timeout_s=600,
+        *flags,
+        startup_timeout_s=1800,
     )
-    rows = []
-    try:
-        asyncio.run(run_level(server.url, prompts[:1], 1, 1, 8))  # warm-up
-        for level in args.levels:
-            before = httpx.get(server.url + "/metrics").text
-            num_requests = max(len(prompts), args.requests_per_level * level)  # every prompt at least once
-            row = asyncio.run(run_level(server.url, prompts, level, num_requests, args.max_tokens))
-            spec = spec_figures(before, httpx.get(server.url + "/metrics").text)
-            row.update(
-                variant=variant,
-                acceptance_rate=spec["results_spec_acceptance_rate"],
-                mean_acceptance_length=spec["results_spec_mean_acceptance_length"],
-            )
-            rows.append(row)
-            print(f"  {variant} c={level}: {row['output_tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
-    finally:
-        server.stop()
-    return rows
+    asyncio.run(run_level(server.url, [PROMPT_FOR_WARM_UP], 1, 1, 8))
+    return server
+
+
+def measure(server: ServerProcess, level: int, args, prompts: list[str]) -> dict:
+    """One run of a level against one server: its throughput, latencies and acceptance."""
+    before = httpx.get(server.url + "/metrics").text
+    num_requests = max(len(prompts), args.requests_per_level * level)  # every prompt at least once
+    row = asyncio.run(run_level(server.url, prompts, level, num_requests, args.max_tokens))
+    spec = spec_figures(before, httpx.get(server.url + "/metrics").text)
+    row.update(
+        acceptance_rate=spec["results_spec_acceptance_rate"],
+        mean_acceptance_length=spec["results_spec_mean_acceptance_length"],
+    )
+    return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
     parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
-    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD, help="the eagle3 variants'")
+    parser.add_argument("--medusa-head", default=DEFAULT_MEDUSA_HEAD, help="the medusa variants'")
+    parser.add_argument("--k", type=int, default=7, help="k of the draft and eagle3 variants")
+    parser.add_argument(
+        "--variants",
+        default="plain,k=7,adaptive",
+        help=f"comma-separated, plain first: plain, k=N (the draft at a fixed k), {', '.join(VARIANTS[1:])}",
+    )
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per concurrent slot")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every level and variant, the order alternating")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--suites", default="structured,open-ended")
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="both servers' weights")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="every server's weights")
     parser.add_argument("--device", default="auto", help="the servers' --device: auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--draft-quantization",
@@ -121,50 +143,79 @@ def main() -> int:
         help="the draft's own weight format (default: --quantization's)",
     )
     parser.add_argument(
-        "--fused", action="store_true", help='both speculative servers with "fused": true (needs a quantized draft)'
+        "--fused", action="store_true", help='the draft\'s servers with "fused": true (needs a quantized draft)'
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
+    variants = args.variants.split(",")
+    if variants[0] != "plain" or len(set(variants)) < len(variants):
+        raise SystemExit("--variants must start with plain (the ratios' base) and name each variant once")
+    for variant in variants:
+        try:
+            variant_config(variant, args)  # an unknown name fails before any server starts
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     prompts = list(prompts_of(args.suites).values())
 
-    draft = {"model": args.draft, "num_speculative_tokens": args.k}
-    if args.draft_quantization is not None:
-        draft["quantization"] = args.draft_quantization
-    if args.fused:
-        draft["fused"] = True
-    fixed = json.dumps(draft | {"adaptive": False})
-    adaptive = json.dumps(draft)
-    common = ["--quantization", args.quantization, "--device", args.device]
-    rows = (
-        measure("plain", common, args, prompts)
-        + measure(f"draft k={args.k}", [*common, "--speculative-config", fixed], args, prompts)
-        + measure("adaptive", [*common, "--speculative-config", adaptive], args, prompts)
-    )
+    servers: dict[str, ServerProcess] = {}
+    runs: dict[tuple[str, int], list[dict]] = {(v, level): [] for v in variants for level in args.levels}
+    try:
+        for variant in variants:
+            servers[variant] = start_server(variant, args)
+        for round_ in range(args.rounds):
+            for level in args.levels:
+                for variant in variants if round_ % 2 == 0 else variants[::-1]:
+                    row = measure(servers[variant], level, args, prompts)
+                    runs[variant, level].append(row)
+                    print(
+                        f"  round {round_} {variant} c={level}: {row['output_tokens_per_s']:.2f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        for server in servers.values():
+            server.stop()
     if args.json:
-        for row in rows:
-            print(json.dumps(row))
+        for (variant, level), rows in runs.items():
+            for round_, row in enumerate(rows):
+                print(json.dumps(row | {"variant": variant, "round": round_}))
         return 0
-    plain = {r["concurrency"]: r for r in rows if r["variant"] == "plain"}
+    report(args, variants, runs)
+    return 0
+
+
+def report(args, variants: list[str], runs: dict[tuple[str, int], list[dict]]) -> None:
     draft_format = args.draft_quantization or args.quantization
     print(
-        f"\n{args.target} (draft {args.draft}, {draft_format}), {args.quantization} weights, "
-        f"{args.max_tokens} max tokens, "
-        f"suites {args.suites}, temperature 0\n"
+        f"\n{args.target} (draft {args.draft}, {draft_format}; heads {args.eagle_head}, {args.medusa_head}), "
+        f"{args.quantization} weights, {args.max_tokens} max tokens, suites {args.suites}, temperature 0, "
+        f"{args.rounds} rounds: medians over rounds\n"
     )
     print(
-        f"{'variant':<12}{'conc':>5}{'reqs':>6}{'out tok':>9}{'tok/s':>9}{'x plain':>9}"
+        f"{'variant':<17}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'x plain':>9}{'range':>13}"
         f"{'ttft p50 s':>12}{'itl p50 ms':>12}{'accept':>8}{'mean len':>9}"
     )
-    for r in rows:
-        ratio = r["output_tokens_per_s"] / plain[r["concurrency"]]["output_tokens_per_s"]
-        rate, length = r["acceptance_rate"], r["mean_acceptance_length"]
-        print(
-            f"{r['variant']:<12}{r['concurrency']:>5}{r['requests']:>6}{r['output_tokens']:>9}"
-            f"{r['output_tokens_per_s']:>9.2f}{ratio:>8.2f}x{r['ttft_s_p50']:>12.2f}{r['itl_s_p50'] * 1000:>12.0f}"
-            f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}"
-        )
-    return 0
+    for level in args.levels:
+        plain = runs["plain", level]
+        for variant in variants:
+            rows = runs[variant, level]
+            ratios = [r["output_tokens_per_s"] / p["output_tokens_per_s"] for r, p in zip(rows, plain)]
+            rate = median_or_none(r["acceptance_rate"] for r in rows)
+            length = median_or_none(r["mean_acceptance_length"] for r in rows)
+            print(
+                f"{variant:<17}{level:>5}{rows[0]['requests']:>6}"
+                f"{statistics.median(r['output_tokens_per_s'] for r in rows):>9.2f}"
+                f"{statistics.median(ratios):>8.3f}x{min(ratios):>7.3f}-{max(ratios):.3f}"
+                f"{statistics.median(r['ttft_s_p50'] for r in rows):>12.2f}"
+                f"{statistics.median(r['itl_s_p50'] for r in rows) * 1000:>12.0f}"
+                f"{'' if rate is None else f'{rate:.0%}':>8}{'' if length is None else f'{length:.2f}':>9}"
+            )
+
+
+def median_or_none(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Time to first token under Poisson load, plain against speculative, in one run.
 
-Starts `specserve serve` for the plain target and for the target with its draft (both
-stay up; only one is under load at a time), then for each request rate and prompt
+Starts `specserve serve` for the plain target and for a speculative variant (the draft
+at k = 7, adaptive, by default; or an EAGLE-3 or Medusa head: `--variant`; both stay
+up, only one under load at a time), then for each request rate and prompt
 length runs `specserve bench`'s sonnet workload against each in turn, round after
 round. A round's two runs send the same prompts at the same arrival times (one seed),
 and rounds alternate which server goes first, so a slow minute of a shared machine
@@ -11,6 +12,7 @@ throughput, and the speculative/plain ratio of each (median, and the range over 
 
     .venv/bin/python benchmarks/ttft_under_load.py                        # int4 pair, 550 tokens, 0.1 and 0.2 req/s
     .venv/bin/python benchmarks/ttft_under_load.py --rates 0.05,0.1 --input-tokens 2000 --requests 16 --rounds 2
+    .venv/bin/python benchmarks/ttft_under_load.py --variant adaptive-eagle3 --rates 0.2
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from specserve import catalogue
 from specserve.bench import benchmark
 from specserve.bench.local_server import ServerProcess
 from specserve.bench.options import add_bench_flags, options_from_args
+from specserve.bench.variants import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEAD, VARIANTS, speculative_config
 
 FIGURES = {  # label: (summary key, scale)
     "TTFT mean s": ("results_ttft_s_mean", 1),
@@ -84,6 +87,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
     parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
+    parser.add_argument(
+        "--variant",
+        default="adaptive",
+        help=f"the speculative server: k=N (the draft at a fixed k) or one of {VARIANTS[1:]}",
+    )
+    parser.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD)
+    parser.add_argument("--medusa-head", default=DEFAULT_MEDUSA_HEAD)
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--rates", default="0.1,0.2", help="requests/s, comma-separated")
@@ -95,7 +105,12 @@ def main() -> int:
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
-    spec = json.dumps({"model": args.draft, "num_speculative_tokens": 7})
+    if args.variant == "plain":
+        raise SystemExit("--variant names the speculative server; plain is the other one")
+    try:
+        spec = json.dumps(speculative_config(args.variant, 7, args.draft, args.eagle_head, args.medusa_head))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     common = [
         "--quantization",
         args.quantization,
@@ -133,7 +148,8 @@ def main() -> int:
 
 def report(rate: float, args, runs: dict[str, list[dict]]) -> None:
     print(
-        f"\n{args.target} + {args.draft} (k=7, adaptive), {args.quantization}, --max-num-seqs {args.max_num_seqs}; "
+        f"\n{args.target}, {args.variant} ({args.draft} or the head, k=7), {args.quantization}, "
+        f"--max-num-seqs {args.max_num_seqs}; "
         f"{rate} req/s Poisson, {args.input_tokens}-token prompts, {args.output_tokens} output tokens, "
         f"{args.requests} requests x {args.rounds} rounds; medians over rounds"
     )

@@ -54,6 +54,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's: special tokens (EOS, chat markers) left out of the text; their ids still count.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks = [  # (parameter, within its range, the range)

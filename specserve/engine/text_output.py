@@ -23,8 +23,9 @@ class TextOutput:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
+        skip_special_tokens: bool = True,
     ):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._hold_back = max((len(s) for s in self._stop), default=1) - 1
         self._stop_token_ids = stop_token_ids

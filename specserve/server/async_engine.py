@@ -268,7 +268,9 @@ class AsyncEngine:
             request.post(e)
             return
         request.seq = seq
-        request.text = TextOutput(self.tokenizer, request.prompt_ids, request.stop, seq.stop_token_ids)
+        request.text = TextOutput(
+            self.tokenizer, request.prompt_ids, request.stop, seq.stop_token_ids, request.params.skip_special_tokens
+        )
         self._requests[seq.seq_id] = request
 
     def _abort(self, request: _Request) -> None:

@@ -97,6 +97,7 @@ class _Sampling(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension: 1 = off
+    skip_special_tokens: bool = True  # vLLM's extension: False puts special tokens' text in the output
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -139,6 +140,7 @@ class _Sampling(_Body):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used

@@ -52,6 +52,17 @@ def test_deltas_join_to_the_decoded_ids_without_stops(tokenizer, step):
     assert output.stop_reason is None
 
 
+def test_special_tokens_are_text_only_when_not_skipped(tokenizer):
+    eos = tokenizer.eos_token_ids[0]
+    ids = [*tokenizer.encode("the quick"), eos, *tokenizer.encode(" fox")]  # ignore_eos: the EOS is output
+    assert "".join(stream(TextOutput(tokenizer, []), ids)) == "the quick fox"
+    kept = "".join(stream(TextOutput(tokenizer, [], skip_special_tokens=False), ids))
+    assert kept == f"the quick{EOS} fox"
+    # A stop id still ends the text without its own, as vLLM leaves out EOS.
+    stopped = TextOutput(tokenizer, [], stop_token_ids={eos}, skip_special_tokens=False)
+    assert "".join(stream(stopped, ids)) == "the quick" and stopped.stop_reason == eos
+
+
 def test_stop_string_spanning_two_steps_is_never_sent(tokenizer):
     stop = "k bro"  # 'ick' + ' br' + 'own': it starts in one token and ends two tokens later
     ids = tokenizer.encode("the quick brown fox jumps")

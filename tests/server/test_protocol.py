@@ -226,6 +226,7 @@ def test_sampling_params_carry_the_body():
         presence_penalty=0.5,
         frequency_penalty=0.25,
         repetition_penalty=1.2,
+        skip_special_tokens=False,
     )
     assert body.sampling_params(5) == SamplingParams(
         max_tokens=5,
@@ -238,6 +239,7 @@ def test_sampling_params_carry_the_body():
         presence_penalty=0.5,
         frequency_penalty=0.25,
         repetition_penalty=1.2,
+        skip_special_tokens=False,
     )
 
 
