@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--drafts",
         default=catalogue.DEFAULT_DRAFT,
-        help=f"comma-separated drafts: catalogue names, paths and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})",
+        help="comma-separated drafts: catalogue names (a head's too), paths, METHOD:FOLDER for a head "
+        f"(eagle3:, eagle:, medusa:) and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})",
     )
     tune.add_argument(
         "--k",

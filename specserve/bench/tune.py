@@ -1,8 +1,12 @@
 """`specserve tune`: which draft and which k pay, per test case, measured in-process.
 
-The target and every draft are loaded once; each configuration (plain, then every
-draft with every k) decodes the same prompts of the chosen suites at temperature 0,
-one request at a time, so the figures are the decode speed a lone user sees. For each
+A draft is a draft model, `ngram`, or an EAGLE or Medusa head: a catalogue head's name
+or METHOD:FOLDER (`eagle3:heads/mine`); a Medusa checkpoint is swept at the ks its
+heads reach. The target and every draft are loaded once; each configuration (plain,
+every draft with every k, every draft adaptive) decodes the same prompts of the chosen
+suites at temperature 0, one request at a time, so the figures are the decode speed a
+lone user sees; the configurations take turns prompt by prompt, so the machine's swings
+in speed fall on all of them (`Tuner.measure`). For each
 configuration and test case (and each draft with adaptive k, as served by default:
 spec/adaptive.py) the table gives acceptance, inter-token latency, output
 throughput, the speedup of the decode rate over the plain target, and beside it the
@@ -37,8 +41,8 @@ import torch
 from specserve.bench import measured_ceiling
 from specserve.bench.roofline import arithmetic_of, ceiling, measure_dot_peaks, measure_read_bandwidth
 from specserve.bench.suites import SUITES
-from specserve.catalogue import LoadedModel, load_model
-from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, SpecConfig
+from specserve.catalogue import HEADS, LoadedModel, load_model
+from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, HEAD_METHODS, SpecConfig
 from specserve.engine.build import encode_prompt, run_one
 from specserve.engine.engine import Engine
 from specserve.model.device import CPU
@@ -46,8 +50,9 @@ from specserve.model.footprint import multiply_adds_per_token, weight_bytes_per_
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.cost import draft_bytes_per_position, prior_cost_ratio
-from specserve.spec.factory import check_same_vocabulary, draft_format, draft_proposer
+from specserve.spec.factory import check_same_vocabulary, draft_format, draft_proposer, head_proposer
 from specserve.spec.ngram import NgramProposer
+from specserve.spec.proposer import Proposer
 from specserve.spec.stats import SpecStats
 
 NGRAM = "ngram"
@@ -85,6 +90,15 @@ def predicted_speedup(alpha: float | None, k: float, cost_ratio: float) -> float
     return tokens_per_step / (k * cost_ratio + 1)
 
 
+def head_of(name: str) -> tuple[str, str] | None:
+    """(method, head) where `name` is an EAGLE or Medusa head: a catalogue head's name, or
+    METHOD:FOLDER; None for a draft model or `ngram`."""
+    if name in HEADS:
+        return HEADS[name].method, name
+    method, colon, folder = name.partition(":")
+    return (method, folder) if colon and method in HEAD_METHODS else None
+
+
 def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: int) -> float:
     """Seconds per decode step of `model` alone, plain, after its first token."""
     engine = Engine(model.decoder, eos_token_ids=())
@@ -112,10 +126,19 @@ class Tuner:
         """Sweeps plain, then each draft with each k, then each draft with adaptive k up
         to max(ks), as served by default."""
         self.target = load_model(target, dtype, quantization, batch_invariant, device=device)
-        self.drafts: dict[str, LoadedModel | None] = {}
+        self.quantization = quantization
+        self.drafts: dict[str, LoadedModel | None] = {}  # None: ngram, or a head (`heads`)
+        self.heads: dict[str, tuple[str, str]] = {}  # name -> (method, head)
+        self.head_counts: dict[str, int] = {}  # a Medusa checkpoint's heads: the most it drafts
         for name in drafts:
-            if name == NGRAM:
+            head = head_of(name)
+            if name == NGRAM or head is not None:
                 self.drafts[name] = None
+                if head is not None:  # loaded now, so that a head that does not fit fails first
+                    self.heads[name] = head
+                    _, settled = self._head_proposer(name, None if head[0] == "medusa" else 1)
+                    if head[0] == "medusa":
+                        self.head_counts[name] = settled.num_speculative_tokens
                 continue
             draft = load_model(name, *draft_format(draft_quantization, dtype, quantization), device=device)
             check_same_vocabulary(self.target, draft)
@@ -130,44 +153,91 @@ class Tuner:
             suite: [encode_prompt(tokenizer, chat=text) for text in SUITES[suite].values()] for suite in suites
         }
 
-    def measure(self, proposer_name: str, k: int | str) -> dict[str, Measurement]:
-        """k: a fixed number of drafted tokens, or ADAPTIVE (up to max(ks))."""
+    def _head_proposer(self, name: str, k: int | None, always: bool = False) -> tuple[Proposer, SpecConfig]:
+        """A head's proposer drafting up to k (None: a Medusa checkpoint's head count), as
+        served by default, or `always` drafting k (`measured_ceiling.always_drafting`)."""
+        method, head = self.heads[name]
+        if always:
+            spec = measured_ceiling.always_drafting(head, k, method)
+        else:
+            spec = SpecConfig.parse({"method": method, "model": head, "num_speculative_tokens": k})
+        return head_proposer(spec, self.target.decoder, quantization=self.quantization)
+
+    def ks_of(self, name: str) -> list[int]:
+        """The ks swept for a draft: a Medusa checkpoint's stop at its head count (or are
+        its head count, where every k asked for passes it)."""
+        heads = self.head_counts.get(name)
+        return [k for k in self.ks if heads is None or k <= heads] or [heads]
+
+    def most_k(self, name: str) -> int:
+        """The largest k a draft's adaptive rows and full-acceptance bound reach."""
+        return min(max(self.ks), self.head_counts.get(name, max(self.ks)))
+
+    def engine(self, proposer_name: str, k: int | str) -> Engine:
+        """The engine of one configuration, on the shared target; k: a fixed number of
+        drafted tokens, or ADAPTIVE (up to `most_k`)."""
         proposer = None
         if proposer_name == NGRAM:
             proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
+        elif proposer_name in self.heads:
+            proposer, _ = self._head_proposer(proposer_name, self.most_k(proposer_name) if k == ADAPTIVE else k)
         elif proposer_name != PLAIN:
             served = SpecConfig.parse({"model": proposer_name, "num_speculative_tokens": 1})  # the defaults
             proposer = draft_proposer(served, self.drafts[proposer_name].decoder, self.target)
         adaptive = None
         if k == ADAPTIVE:
-            k = max(self.ks)
+            k = self.most_k(proposer_name)
             adaptive = AdaptiveSpecLength(k, prior_cost_ratio(proposer, self.target.decoder))
-        engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, k, adaptive=adaptive)
+        return Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, k, adaptive=adaptive)
+
+    def measure(self, configs: list[tuple[str, int | str]]) -> dict[tuple[str, int | str], dict[str, Measurement]]:
+        """Every configuration on every test case. The configurations take turns prompt
+        by prompt (the order reversed at each prompt), so that a slow phase of the
+        machine falls on all of them and the ratios to plain hold."""
+        engines = {config: self.engine(*config) for config in configs}
         params = SamplingParams(max_tokens=self.max_tokens, temperature=0)
         first = next(iter(self.prompts.values()))[0]
-        run_one(engine, self.target.tokenizer, first, SamplingParams(max_tokens=2, temperature=0))  # warm-up
-        by_suite = {}
+        for engine in engines.values():
+            run_one(engine, self.target.tokenizer, first, SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        found: dict[tuple[str, int | str], dict[str, Measurement]] = {config: {} for config in configs}
+        turn = 0
         for suite, prompts in self.prompts.items():
-            total = Measurement()
-            spec_before = engine.spec_stats.copy()
             for ids in prompts:
-                result = run_one(engine, self.target.tokenizer, ids, params)
-                total.output_tokens += result["num_output_tokens"]
-                total.decode_tokens += result["num_output_tokens"] - 1
-                total.decode_s += result["e2e_s"] - result["ttft_s"]
-                total.e2e_s += result["e2e_s"]
-            total.spec = engine.spec_stats - spec_before
-            by_suite[suite] = total
-        return by_suite
+                print(
+                    f"tune: {suite} prompt {turn + 1}, {len(configs)} configurations ...", file=sys.stderr, flush=True
+                )
+                for config in configs if turn % 2 == 0 else configs[::-1]:
+                    engine, total = engines[config], found[config].setdefault(suite, Measurement())
+                    spec_before = engine.spec_stats.copy()
+                    result = run_one(engine, self.target.tokenizer, ids, params)
+                    total.output_tokens += result["num_output_tokens"]
+                    total.decode_tokens += result["num_output_tokens"] - 1
+                    total.decode_s += result["e2e_s"] - result["ttft_s"]
+                    total.e2e_s += result["e2e_s"]
+                    total.spec = total.spec + (engine.spec_stats - spec_before)
+                turn += 1
+        return found
 
     def cost_ratios(self) -> dict[str, float]:
-        """Draft decode step / target decode step, per draft (n-gram lookup costs ~0)."""
+        """Draft decode step / target decode step, per draft model (measured), per head
+        (its weight bytes per position against the target's: `prior_cost_ratio`); an
+        n-gram lookup costs ~0."""
         ids = next(iter(self.prompts.values()))[0]
         target_s = decode_step_seconds(self.target, ids, 32)
-        return {
-            name: 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
-            for name, draft in self.drafts.items()
-        }
+        ratios = {}
+        for name, draft in self.drafts.items():
+            if name in self.heads:
+                ratios[name] = prior_cost_ratio(self._head_proposer(name, 1)[0], self.target.decoder)
+            else:
+                ratios[name] = 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
+        return ratios
+
+    def _bytes_per_position(self, name: str) -> int:
+        """Weight bytes one draft position reads."""
+        if name in self.heads:
+            return self._head_proposer(name, 1)[0].bytes_per_position()
+        draft = self.drafts[name]
+        return 0 if draft is None else draft_bytes_per_position(draft.decoder)
 
     def ceilings(self) -> dict[str, dict[str, float]] | None:
         """Per draft: the most any k could gain with every guess accepted, on this
@@ -184,28 +254,32 @@ class Tuner:
             name: ceiling(
                 target_bytes,
                 target_macs,
-                0 if draft is None else draft_bytes_per_position(draft.decoder),
+                self._bytes_per_position(name),
                 bandwidth,
                 peaks[0][self.arithmetic],
             )
-            for name, draft in self.drafts.items()
+            for name in self.drafts
         }
 
     def full_acceptance(self) -> dict[str, dict[str, Any]]:
-        """Per draft model: each k's speed were every draft accepted, from the engine's
-        own steps with the draft always drafting k (`specserve.bench.measured_ceiling`):
-        the bound the serving code reaches on this machine at any acceptance. The
-        n-gram proposer is left out: it drafts nothing where its lookup finds nothing."""
+        """Per draft model and head: each k's speed were every draft accepted, from the
+        engine's own steps with the draft always drafting k
+        (`specserve.bench.measured_ceiling`): the bound the serving code reaches on this
+        machine at any acceptance. The n-gram proposer is left out: it drafts nothing
+        where its lookup finds nothing."""
         ids = next(iter(self.prompts.values()))[0]
-        most = max(self.ks)
-        tokens = max(self.max_tokens, 4 * (most + 1) + 2)  # a few whole steps of the longest draft
         found = {}
         for name, draft in self.drafts.items():
-            if draft is None:
+            most = self.most_k(name)
+            tokens = max(self.max_tokens, 4 * (most + 1) + 2)  # a few whole steps of the longest draft
+            if name in self.heads:
+                proposer, _ = self._head_proposer(name, most, always=True)
+            elif draft is not None:
+                proposer = draft_proposer(measured_ceiling.always_drafting(name, most), draft.decoder, self.target)
+            else:
                 continue
-            proposer = draft_proposer(measured_ceiling.always_drafting(name, most), draft.decoder, self.target)
             engine = Engine(self.target.decoder, self.target.tokenizer.eos_token_ids, proposer, most)
-            rows = measured_ceiling.measure(engine, ids, self.ks, FULL_ACCEPTANCE_ROUNDS, tokens)
+            rows = measured_ceiling.measure(engine, ids, self.ks_of(name), FULL_ACCEPTANCE_ROUNDS, tokens)
             top = measured_ceiling.best(rows)
             found[name] = {
                 "max_speedup": top["full_acceptance_speedup"],
@@ -218,15 +292,13 @@ class Tuner:
 
     def run(self) -> list[dict[str, Any]]:
         ratios = self.cost_ratios()
-        configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks]
+        configs = [(PLAIN, 0)] + [(name, k) for name in self.drafts for k in self.ks_of(name)]
         configs += [(name, ADAPTIVE) for name in self.drafts]
         rows = []
-        plain: dict[str, Measurement] = {}
+        found = self.measure(configs)
+        plain = found[PLAIN, 0]
         for name, k in configs:
-            print(f"tune: {name} k={k} ...", file=sys.stderr, flush=True)
-            for suite, m in self.measure(name, k).items():
-                if name == PLAIN:
-                    plain[suite] = m
+            for suite, m in found[name, k].items():
                 speedup = m.decode_tokens_per_s / plain[suite].decode_tokens_per_s
                 rows.append(
                     {

@@ -104,6 +104,38 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
 
 
+def test_tune_sweeps_heads_within_their_reach(prepared_cache, tmp_path, capsys):
+    from specserve import catalogue
+    from specserve.config import ModelConfig
+    from specserve.spec.heads.checkpoint import save_head
+    from tests.head_models import NUM_MEDUSA_HEADS, random_head
+
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    config = ModelConfig.from_hf(json.loads((catalogue.prepared_dir("smollm2-135m") / "config.json").read_text()))
+    for method in ("eagle3", "medusa"):
+        save_head(random_head(method, config, seed=3), tmp_path / method)
+    eagle, medusa = f"eagle3:{tmp_path / 'eagle3'}", f"medusa:{tmp_path / 'medusa'}"
+    too_deep = NUM_MEDUSA_HEADS + 2
+    argv = ["tune", "smollm2-135m", "--drafts", f"{eagle},{medusa}", "--k", f"1,{too_deep}"]
+    argv += ["--suites", "structured", "--max-tokens", "12", "--results-dir", str(tmp_path / "out"), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["proposer"], r["k"]) for r in report["rows"]] == [
+        ("plain", 0),
+        (eagle, 1),
+        (eagle, too_deep),
+        (medusa, 1),  # k past its heads is not swept
+        (eagle, "adaptive"),
+        (medusa, "adaptive"),
+    ]
+    assert all(0 < r["cost_ratio"] < 1 for r in report["rows"][1:])  # one layer against the target's 30
+    measured = report["full_acceptance"]
+    assert [row["k"] for row in measured[eagle]["rows"]] == [0, 1, too_deep]
+    assert [row["k"] for row in measured[medusa]["rows"]] == [0, 1]
+    if report["ceiling"] is not None:
+        assert set(report["ceiling"]) == {eagle, medusa}
+
+
 def test_tune_refuses_bad_flags_in_one_line(capsys):
     assert main(["tune", "smollm2-135m", "--k", "one"]) == 2
     assert "--k takes comma-separated integers" in capsys.readouterr().err
