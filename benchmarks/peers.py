@@ -305,6 +305,42 @@ def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report
             )
         )
     note_our_models(args, run, engine, report)
+    if device_of(args).type == "cpu" and huge_pages.unavailable_reason() is None:
+        placed, weights = anon_huge_pages_mb(), weight_bytes_per_token(engine.target) / 1e6
+        for row in report.rows:  # this unit's, in a process of its own
+            row.update(huge_pages_mb=placed, weights_mb=weights)
+
+
+# A unit whose huge pages hold less than this share of its target's weights ran partly
+# on 4 KB pages, ~9% slower to stream (specserve/model/huge_pages.py).
+HUGE_PAGES_SHARE = 0.9
+
+
+def anon_huge_pages_mb() -> float | None:
+    """MB of this process's memory in transparent huge pages; None where Linux does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1e3
+    except OSError:
+        pass
+    return None
+
+
+def short_of_huge_pages(rows: list[dict]) -> list[str]:
+    """Our modes that ran, in some round, with their target's weights not all in huge
+    pages (memory too fragmented to give them): their speed is not comparable with the
+    other rows'."""
+    least: dict[str, tuple[float, float]] = {}  # mode -> (fewest MB placed, its target's MB)
+    for row in rows:
+        placed, weights = row.get("huge_pages_mb"), row.get("weights_mb")
+        if placed is not None and weights and placed < HUGE_PAGES_SHARE * weights:
+            least[row["mode"]] = min((placed, weights), least.get(row["mode"], (placed, weights)))
+    return [
+        f"{mode}: in some round only {placed:.0f} MB of its target's {weights:.0f} MB of weights in huge pages, "
+        "so its speed is not comparable (memory too fragmented; echo 1 > /proc/sys/vm/compact_memory may help)"
+        for mode, (placed, weights) in least.items()
+    ]
 
 
 def our_first_token_s(engine, ids: list[int], params: SamplingParams) -> float:
@@ -957,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpecserveError as e:
         print(f"peers.py: error: {e}", file=sys.stderr)
         return 1
+    for warning in short_of_huge_pages(report.rows):
+        print(f"peers.py: warning: {warning}", file=sys.stderr)
     report.keep_median_rounds()
     compare_with_plain(report.rows)
     fmt = format_of(dtype_of(args), args.quantization)

@@ -280,6 +280,22 @@ def test_rounds_keep_each_rows_median_round(peers_module):
     assert len(report.models) == 1
 
 
+def test_units_short_of_huge_pages_are_named(peers_module, rows):
+    from specserve.model import huge_pages
+
+    ours = [r for r in rows if r["system"] == "specserve"]
+    if huge_pages.unavailable_reason() is None and peers_module.anon_huge_pages_mb() is not None:
+        assert all(r["weights_mb"] > 0 and r["huge_pages_mb"] is not None for r in ours)  # measured per unit
+
+    def row(mode: str, placed: float) -> dict:
+        return {"system": "specserve", "mode": mode, "huge_pages_mb": placed, "weights_mb": 1000.0}
+
+    synthetic = [row("plain", 1500.0), row("draft", 1400.0), row("draft", 300.0), row("adaptive", 950.0)]
+    synthetic.append({"system": "llama.cpp", "mode": "plain"})  # theirs: not placed by us
+    (warning,) = peers_module.short_of_huge_pages(synthetic)
+    assert warning.startswith("draft: in some round only 300 MB of its target's 1000 MB")
+
+
 # ------------------------------------------------------------------ roofline, GGUF
 
 
