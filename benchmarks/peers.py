@@ -64,6 +64,7 @@ from specserve.bench.roofline import (
     measure_read_bandwidth,
 )
 from specserve.bench.suites import SUITES, prompts_of
+from specserve.bench.variants import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEAD, speculative_config
 from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.engine.build import build_engine, encode_prompt, run_one
@@ -226,17 +227,10 @@ class OurRun:
 def our_spec(mode: str, args) -> SpecConfig | None:
     if mode in ("plain", "plain-compiled", FLOAT32_PLAIN):
         return None
-    raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     if mode in HEAD_MODES:
-        method = mode.removeprefix("adaptive-")
-        raw.update(
-            method=method,
-            model=args.eagle_head if method == "eagle3" else args.medusa_head,
-            adaptive=mode.startswith("adaptive"),
-        )
-        if method == "medusa":
-            del raw["num_speculative_tokens"]  # one per head
-        return SpecConfig.parse(raw)
+        heads = {"eagle_head": args.eagle_head, "medusa_head": args.medusa_head}
+        return SpecConfig.parse(speculative_config(mode, args.k, **heads))
+    raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:
         raw["quantization"] = args.draft_quantization
@@ -796,12 +790,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--k", type=positive_int, default=7, help="tokens drafted per step (fixed-k rows)")
     parser.add_argument(
         "--eagle-head",
-        default=f"{catalogue.DEFAULT_TARGET}-eagle3",
+        default=DEFAULT_EAGLE_HEAD,
         help="the eagle3 rows' head: a trained head's name or a checkpoint folder",
     )
     parser.add_argument(
         "--medusa-head",
-        default=f"{catalogue.DEFAULT_TARGET}-medusa",
+        default=DEFAULT_MEDUSA_HEAD,
         help="the medusa rows' heads: a trained head's name or a checkpoint folder",
     )
     parser.add_argument("--max-tokens", type=positive_int, default=256)

@@ -130,13 +130,15 @@ class Tuner:
         self.drafts: dict[str, LoadedModel | None] = {}  # None: ngram, or a head (`heads`)
         self.heads: dict[str, tuple[str, str]] = {}  # name -> (method, head)
         self.head_counts: dict[str, int] = {}  # a Medusa checkpoint's heads: the most it drafts
+        self.loaded_heads: dict[str, Proposer] = {}  # one proposer per head, for its costs
         for name in drafts:
             head = head_of(name)
             if name == NGRAM or head is not None:
                 self.drafts[name] = None
                 if head is not None:  # loaded now, so that a head that does not fit fails first
                     self.heads[name] = head
-                    _, settled = self._head_proposer(name, None if head[0] == "medusa" else 1)
+                    proposer, settled = self._head_proposer(name, None if head[0] == "medusa" else 1)
+                    self.loaded_heads[name] = proposer
                     if head[0] == "medusa":
                         self.head_counts[name] = settled.num_speculative_tokens
                 continue
@@ -227,7 +229,7 @@ class Tuner:
         ratios = {}
         for name, draft in self.drafts.items():
             if name in self.heads:
-                ratios[name] = prior_cost_ratio(self._head_proposer(name, 1)[0], self.target.decoder)
+                ratios[name] = prior_cost_ratio(self.loaded_heads[name], self.target.decoder)
             else:
                 ratios[name] = 0.0 if draft is None else decode_step_seconds(draft, ids, 32) / target_s
         return ratios
@@ -235,7 +237,7 @@ class Tuner:
     def _bytes_per_position(self, name: str) -> int:
         """Weight bytes one draft position reads."""
         if name in self.heads:
-            return self._head_proposer(name, 1)[0].bytes_per_position()
+            return self.loaded_heads[name].bytes_per_position()
         draft = self.drafts[name]
         return 0 if draft is None else draft_bytes_per_position(draft.decoder)
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from specserve import catalogue
 
-HEAD_METHODS = ("eagle3", "medusa")
 VARIANTS = ("plain", "adaptive", "eagle3", "adaptive-eagle3", "medusa", "adaptive-medusa")  # and k=N
 DEFAULT_EAGLE_HEAD = f"{catalogue.DEFAULT_TARGET}-eagle3"
 DEFAULT_MEDUSA_HEAD = f"{catalogue.DEFAULT_TARGET}-medusa"
@@ -29,10 +28,11 @@ def speculative_config(
         return None
     adaptive = variant.startswith("adaptive")
     method = variant.removeprefix("adaptive").removeprefix("-")
-    if method in HEAD_METHODS:
-        config: dict[str, Any] = {"method": method, "model": eagle_head if method == "eagle3" else medusa_head}
+    heads = {"eagle3": eagle_head, "medusa": medusa_head}
+    if method in heads:
+        config: dict[str, Any] = {"method": method, "model": heads[method]}
         if method == "eagle3":
-            config["num_speculative_tokens"] = k
+            config["num_speculative_tokens"] = k  # Medusa: one per head
         return config | {"adaptive": adaptive}
     fixed_k = variant.removeprefix("k=")
     if variant != "adaptive" and not (variant.startswith("k=") and fixed_k.isdigit() and int(fixed_k) >= 1):
