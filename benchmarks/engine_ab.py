@@ -10,7 +10,9 @@ those per-round ratios, with their range, are what to quote: the machines are sh
 and their memory's speed moves by 30-70% from minute to minute.
 
 Every build must produce the same tokens as the other (greedy decoding): the script
-says so where they differ, which for a speed change is a bug.
+says so where they differ, which for a speed change is a bug. With --temperature the
+requests sample, seeded, so each build's text is the same every round; the two builds'
+differ only where the change draws its random numbers otherwise (a change to the sampler).
 
 A build is a git revision, extracted into a scratch folder, or `worktree` (this
 checkout). Where the two revisions' kernel sources differ, each build's kernels are
@@ -20,6 +22,7 @@ recompile over each other's cache.
     .venv/bin/python benchmarks/engine_ab.py                               # HEAD vs the working tree
     .venv/bin/python benchmarks/engine_ab.py --a HEAD~1 --b HEAD --rounds 5 --modes k=7,adaptive
     .venv/bin/python benchmarks/engine_ab.py --prompts count,meaning --max-tokens 128
+    .venv/bin/python benchmarks/engine_ab.py --modes plain --temperature 0.8 --top-p 0.95
     .venv/bin/python benchmarks/engine_ab.py --concurrency 8 --requests 28 --max-tokens 128 --modes plain,adaptive
 
 With --concurrency C, each mode's engine serves --requests R instead (the prompts in
@@ -107,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         for name in names:
             ids = encode_prompt(tokenizer, chat=prompts[name])
             run_one(engine, tokenizer, ids, SamplingParams(max_tokens=8, temperature=0.0))
-            result = run_one(engine, tokenizer, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+            result = run_one(engine, tokenizer, ids, sampling(args, SamplingParams))
             tokens = result["token_ids"]
             decode_s = result["e2e_s"] - result["ttft_s"]
             print(
@@ -125,6 +128,12 @@ def worker(args: argparse.Namespace) -> None:
         del engine
 
 
+def sampling(args: argparse.Namespace, params_class):
+    """The measured requests' SamplingParams (the worker's build's class): greedy by
+    default; with --temperature, seeded, so a build samples the same text every round."""
+    return params_class(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=0)
+
+
 def serve_requests(engine, prompt_ids: list[list[int]], mode: str, args: argparse.Namespace) -> None:
     """--concurrency: args.requests requests (the prompts in turn) queued at once, the
     engine running args.concurrency at a time; prints the mode's one line, its output
@@ -135,7 +144,7 @@ def serve_requests(engine, prompt_ids: list[list[int]], mode: str, args: argpars
         engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = sampling(args, SamplingParams)
     seqs = [engine.add_request(prompt_ids[i % len(prompt_ids)], params) for i in range(args.requests)]
     started = time.perf_counter()
     while engine.has_unfinished():
@@ -234,6 +243,8 @@ def main() -> None:
     parser.add_argument("--suites", default="structured,open-ended")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt names of the suites (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="of the measured requests (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="of the measured requests")
     parser.add_argument("--rounds", type=int, default=3, help="processes per build, taking turns")
     parser.add_argument(
         "--concurrency", type=int, default=1, help="above 1: serve --requests requests, this many at a time, per mode"

@@ -27,6 +27,8 @@ GREEDY_TEMPERATURE = 1e-5
 # finite there (1e-300 rounds to 0, and a logit divided by it to infinity).
 FLOAT32_TINY, FLOAT32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
+# Candidates top-p looks among before it sorts every id (`top_p_kept`).
+TOP_P_CANDIDATES = (256, 4096)
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -112,18 +114,52 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens before it already cover top_p; the first always
-        # stays (a top_p that rounds to 0 in float32 would drop it too).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        dropped = mass_before >= params.top_p  # [n, V]
-        dropped[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        logits = logits.masked_fill(~top_p_kept(logits.softmax(dim=-1), params.top_p), float("-inf"))
     return logits.softmax(dim=-1)
 
 
+def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [n, V] -> [n, V] bool: the ids top-p keeps. Likeliest first (ties: the lower
+    id first, as argmax), an id is dropped once the ids before it already cover top_p; the
+    first always stays (a top_p that rounds to 0 in float32 would drop it too).
+
+    The ids kept nearly always lie among the likeliest few hundred, which topk finds ~50x
+    faster than a sort of 152k ids on a CPU (40 ms for 8 rows): the candidates widen
+    (TOP_P_CANDIDATES) until their mass covers top_p in every row, and the full sort is
+    the last resort. Ids past the candidates would be dropped by the full sort too: the
+    mass before each of them is at least the candidates'."""
+    vocab = probs.shape[-1]
+    for count in TOP_P_CANDIDATES:
+        if count >= vocab:
+            continue
+        values, ids = probs.topk(count, dim=-1, sorted=False)  # [n, count]
+        ids, by_id = ids.sort(dim=-1)
+        values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids, cumulative = ids.gather(-1, order), values.cumsum(dim=-1)
+        if bool((cumulative[:, -1] >= top_p).all()):
+            break
+    else:
+        values, ids = probs.sort(dim=-1, descending=True, stable=True)  # [n, V]
+        cumulative = values.cumsum(dim=-1)
+    kept = cumulative - values < top_p  # [n, count]: the mass before each id is short of top_p
+    kept[:, 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, kept)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """probs [n, V] -> token ids [n] int64, one draw per row from the request's stream."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """probs [n, V] (non-negative; a row need not sum to 1) -> token ids [n] int64, one
+    draw per row from the request's stream, by the inverse of the cumulative distribution:
+    one uniform a row, where torch.multinomial draws V exponentials (2.3 ms a row over
+    152k ids on a CPU core, against 0.13 ms here). An id of zero probability is never
+    drawn; the cumulative sum is float32 rounded from a float64 running total on the CPU,
+    so a boundary is off by at most ~6e-8 of the row's mass. A row with no mass (or a NaN)
+    raises, as torch.multinomial does."""
+    cumulative = probs.float().cumsum(dim=-1)  # [n, V]
+    total = cumulative[:, -1:]  # [n, 1]
+    if not bool((total > 0).all()):
+        raise ValueError("sampling from a distribution with no mass (all zero, or NaN)")
+    u = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=total.device) * total  # [n, 1]
+    # u < total, also where the product rounds up: the first id whose cumulative exceeds
+    # u then has mass of its own.
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, u, right=True).squeeze(-1)

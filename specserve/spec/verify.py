@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from specserve.sampling import SamplingParams, logits_to_probs
+from specserve.sampling import SamplingParams, logits_to_probs, sample
 from specserve.spec.proposer import Draft
 
 # Fills the batched token matrix after each sequence's emitted tokens.
@@ -118,6 +118,8 @@ def rejection_sample(
         raise ValueError(f"draft_tokens must be [B, k] = [{batch}, {k}], got {list(draft_tokens.shape)}")
     if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
         raise ValueError(f"draft_probs must be [B, k, V] = [{batch}, {k}, {vocab}], got {list(draft_probs.shape)}")
+    if k == 0:  # plain sampling: the draw the general path makes, without its [B, V] passes
+        return sample(target_probs[:, 0], generator).unsqueeze(1), draft_tokens.new_zeros(batch)
     seq_index = torch.arange(batch, device=target_probs.device)  # [B]
 
     # Accept draft x at row i with probability min(1, target_probs / draft_probs), written
@@ -147,7 +149,7 @@ def rejection_sample(
     residual = (target_row - draft_row).clamp_min(0)  # [B, V]
     negligible = residual.sum(dim=1, keepdim=True) <= NEGLIGIBLE_RESIDUAL_MASS  # [B, 1]
     residual = torch.where(negligible, target_row, residual)
-    recovered_or_bonus = torch.multinomial(residual, 1, generator=generator)  # [B, 1]
+    recovered_or_bonus = sample(residual, generator).unsqueeze(1)  # [B, 1]
 
     drafts_then_own = torch.cat([draft_tokens, recovered_or_bonus], dim=1)  # [B, k+1]
     tokens = drafts_then_own.scatter(1, num_accepted.unsqueeze(1), recovered_or_bonus)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specserve.penalties import apply_penalties
-from specserve.sampling import InvalidSamplingValue, SamplingParams, logits_to_probs, sample
+from specserve.sampling import InvalidSamplingValue, SamplingParams, logits_to_probs, sample, top_p_kept
 from specserve.spec.proposer import Draft
 from specserve.spec.verify import (
     PAD_TOKEN,
@@ -589,3 +589,41 @@ def test_the_smallest_repetition_penalty_still_gives_finite_probabilities():
     penalised = apply_penalties(logits, params, [1, 2, 3], [4, 5], [6])
     assert torch.isfinite(penalised).all()
     assert torch.isfinite(logits_to_probs(penalised, params)).all()
+
+
+def test_sample_draws_each_id_as_often_as_its_probability():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.0, 0.05])  # [V], zeros between and at the end
+    rows = (probs * 3).expand(4000, -1)  # [N, V]: unnormalised rows draw alike
+    drawn = sample(rows, torch.Generator().manual_seed(0))  # [N]
+    assert chi_square_p_value(drawn.unsqueeze(1), probs) > 1e-3
+
+
+def test_sample_never_draws_an_id_without_mass_when_the_uniform_reaches_the_total(monkeypatch):
+    # A uniform of exactly 1 (a bound some generators include) lands on the last id with mass.
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    assert sample(probs, torch.Generator()).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5]])
+def test_sample_refuses_a_row_without_mass(row):
+    with pytest.raises(ValueError, match="no mass"):
+        sample(torch.tensor([row]), torch.Generator())
+
+
+@pytest.mark.parametrize("scale", [30.0, 3.0, 0.1])  # the nucleus: a few ids, hundreds, most of them
+@pytest.mark.parametrize("top_p", [0.3, 0.9])
+def test_top_p_keeps_the_likeliest_ids_that_cover_it(scale, top_p):
+    probs = (torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)) * scale).softmax(-1)  # [n, V]
+    kept = top_p_kept(probs, top_p)
+    least_kept = probs.where(kept, torch.inf).amin(-1)
+    assert (least_kept >= probs.where(~kept, -torch.inf).amax(-1)).all()
+    mass = (probs * kept).sum(-1)
+    assert (mass >= top_p - 1e-5).all() and (mass - least_kept < top_p + 1e-5).all()
+
+
+@pytest.mark.parametrize("vocab", [3, 300])  # a full sort; the candidates
+def test_top_p_breaks_ties_towards_the_lower_id(vocab):
+    probs = torch.zeros(1, vocab)
+    probs[0, :3] = torch.tensor([0.3, 0.3, 0.4])
+    assert top_p_kept(probs, 0.5)[0, :3].tolist() == [True, False, True]
