@@ -95,6 +95,38 @@ class Trace:
     match: list[bool]
     confidence: list[float]
     max_tokens: int = 256  # the request's: every trace so far was recorded with 256
+    # A head's trace (`head_chains`): chain[i] how many guesses of the chain drafted at
+    # output position i (guessing i, i + 1, ...) the target's tokens match in a row,
+    # chain_confidence[i] the head's probability of each of that chain's guesses. A head
+    # guesses deeper positions from its own features, not the target's, so a draft
+    # model's per-position view (match) would overrate them. None: a draft model's trace.
+    chain: list[int] | None = None
+    chain_confidence: list[list[float]] | None = None
+
+    def drafted_and_accepted(self, position: int, want: int, threshold: float) -> tuple[int, int]:
+        """A draft of up to `want` tokens at output `position` (a head's, at most its
+        recorded depth: a Medusa checkpoint's heads): how many are drafted (a guess less
+        sure than `threshold` is the last) and accepted."""
+        n, drafted = len(self.match), 0
+        if self.chain_confidence is not None:
+            want = min(want, len(self.chain_confidence[0]))
+        while drafted < want:
+            drafted += 1
+            # Past the answer's end the draft goes on guessing (it has no end to guess)
+            if position >= n:
+                continue
+            if self.chain_confidence is None:
+                sure = self.confidence[position + drafted - 1] >= threshold if position + drafted - 1 < n else True
+            else:
+                sure = self.chain_confidence[position][drafted - 1] >= threshold
+            if not sure:
+                break
+        if self.chain is not None:
+            return drafted, min(drafted, self.chain[position]) if position < n else 0
+        accepted = 0
+        while accepted < drafted and position + accepted < n and self.match[position + accepted]:
+            accepted += 1
+        return drafted, accepted
 
 
 @dataclass
@@ -138,14 +170,7 @@ def replay(
         want = max(0, min(want, remaining - 1))
         drafted = accepted = 0
         if want:
-            while drafted < want:
-                position = emitted + drafted
-                drafted += 1
-                # Past the answer's end the draft goes on guessing (it has no end to guess)
-                if position < n and trace.confidence[position] < threshold:
-                    break
-            while accepted < drafted and emitted + accepted < n and trace.match[emitted + accepted]:
-                accepted += 1
+            drafted, accepted = trace.drafted_and_accepted(emitted, want, threshold)
             drafting = costs.draft_fixed + costs.draft_per_position * drafted
             # As the engine times it: a call that first reads a backlog is a reading sample.
             reading = costs.read_per_token * unread if unread > MAX_CATCH_UP else 0.0
@@ -294,45 +319,116 @@ def forward_seconds(decoder, max_rows: int, passes: int = 8, context: int = 100)
     return {rows: statistics.median(seconds) for rows, seconds in times.items()}
 
 
-def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[str, Any]:
-    """Run the pair on every suite prompt: the traces, and the costs fitted on the way."""
+def draft_guesses(draft_model, prompt_ids: list[int], output: list[int]) -> dict[str, list]:
+    """A draft model's greedy guess for each output token after the target's tokens before
+    it: whether it is that token (match), and the draft's probability of it."""
+    import torch
+
+    from specserve.model.decoder import Segment
+
+    cache = draft_model.new_cache()
+    ids = torch.tensor(prompt_ids + output[:-1], dtype=torch.int64)
+    rows = torch.arange(len(prompt_ids) - 1, len(ids))  # the guess for each output token
+    probs = draft_model(ids, [Segment(cache, len(ids))], rows).softmax(dim=-1)  # [len(output), V]
+    confidence, guess = probs.max(dim=-1)
+    return {"match": [g == t for g, t in zip(guess.tolist(), output)], "confidence": confidence.tolist()}
+
+
+def chain_guesses(proposer, target, prompt_ids: list[int], output: list[int], depth: int) -> tuple[list, list]:
+    """The chain a head proposer drafts (greedy, `depth` guesses; a Medusa checkpoint's
+    heads at most) at each output position i, after the target's tokens before it, the
+    target's features read teacher-forced: (guesses [outputs][depth] as token ids, the
+    head's probability of each)."""
+    import torch
+
+    from specserve.model.decoder import Segment
+    from specserve.spec.medusa import MedusaProposer
+
+    ids = prompt_ids + output
+    fed = len(ids) - 1
+    capture = proposer.features.new_capture()
+    target(torch.tensor(ids[:-1]), [Segment(target.new_cache(), fed)], torch.tensor([fed - 1]), capture=capture)
+    features = capture.layer_inputs if capture.layers else capture.final_hidden  # [fed, F]: positions 0..fed-1
+    first = len(prompt_ids)  # output i is token first + i, guessed from the feature at first + i - 2
+    if isinstance(proposer, MedusaProposer):
+        heads = proposer.heads
+        scores = heads(features[first - 2 : first - 2 + len(output)], min(depth, heads.config.num_heads))
+        probs, rows = scores.softmax(dim=-1).max(dim=-1)  # [heads, outputs]
+        return heads.to_target_ids(rows).T.tolist(), probs.T.tolist()
+    head = proposer.head
+    cache = head.new_cache()
+    # Every pair (feature of p, token p + 1) up to the last output's, read once; a chain at
+    # output i starts after pair first + i - 2 and feeds its own features and guesses.
+    pairs = len(ids) - 2
+    read = head(torch.tensor(ids[1:-1]), head.project_target_features(features[:pairs]), [Segment(cache, pairs)])
+    guesses, confidences = [], []
+    for i in range(len(output)):
+        cache.truncate(first + i - 1)
+        hidden, chain, sure = read[first + i - 2 : first + i - 1], [], []  # [1, H]
+        for _ in range(depth):
+            probs = head.draft_logits(hidden).softmax(dim=-1)  # [1, draft_vocab]
+            confidence, row = probs.max(dim=-1)
+            chain.append(int(head.to_target_ids(row)))
+            sure.append(float(confidence))
+            hidden = head(torch.tensor(chain[-1:]), hidden, [Segment(cache, 1)])
+        guesses.append(chain)
+        confidences.append(sure)
+    return guesses, confidences
+
+
+def head_chains(proposer, target, prompt_ids: list[int], output: list[int], depth: int) -> dict[str, list]:
+    """A head's trace fields (see `Trace`) from `chain_guesses`: its first guess's match
+    and probability, each chain's run of matches and its guesses' probabilities."""
+    guesses, confidences = chain_guesses(proposer, target, prompt_ids, output, depth)
+    chains = []
+    for i, chain in enumerate(guesses):
+        wanted = output[i : i + len(chain)]
+        chains.append(next((d for d, (g, t) in enumerate(zip(chain, wanted)) if g != t), len(wanted)))
+    return {
+        "match": [chain[0] == token for chain, token in zip(guesses, output)],
+        "confidence": [sure[0] for sure in confidences],
+        "chain": chains,
+        "chain_confidence": [[round(c, 4) for c in sure] for sure in confidences],
+    }
+
+
+def record(target: str, draft: str, quantization: str, max_tokens: int, head: str | None = None) -> dict[str, Any]:
+    """Run the pair (the target and a draft model, or `head`: METHOD:NAME) on every
+    suite prompt: the traces, and the costs fitted on the way."""
     import torch
 
     from specserve.bench.suites import SUITES
     from specserve.engine.build import build_engine, encode_prompt, run_one
-    from specserve.model.decoder import Segment
     from specserve.sampling import SamplingParams
 
-    spec = SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
+    if head is None:
+        spec = SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
+    else:
+        method, _, name = head.partition(":")
+        depth = {} if method == "medusa" else {"num_speculative_tokens": 7}  # Medusa: its heads
+        spec = SpecConfig.parse({"method": method, "model": name, **depth})
     dtype = torch.bfloat16 if quantization != "none" else torch.float32
     engine, tokenizer = build_engine(target, spec, dtype, quantization=quantization)
     fits = engine.adaptive
     # Random k (0 included) so the fits see steps of every shape, past 8 rows too.
     rng = random.Random(0)
-    fits.choose = lambda seq_ids, *args, **kwargs: [rng.choice((0, 1, 2, 3, 5, 7, 11, 15)) for _ in seq_ids]
-    draft_model = engine.proposer.draft
+    ks = [k for k in (0, 1, 2, 3, 5, 7, 11, 15) if k <= fits.max_k]
+    fits.choose = lambda seq_ids, *args, **kwargs: [rng.choice(ks) for _ in seq_ids]
     traces = []
     for suite, prompts in SUITES.items():
         for name, text in prompts.items():
             prompt_ids = encode_prompt(tokenizer, chat=text)
             out = run_one(engine, tokenizer, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
             output = out["token_ids"]
-            cache = draft_model.new_cache()
-            ids = torch.tensor(prompt_ids + output[:-1], dtype=torch.int64)
-            rows = torch.arange(len(prompt_ids) - 1, len(ids))  # the guess for each output token
-            probs = draft_model(ids, [Segment(cache, len(ids))], rows).softmax(dim=-1)  # [len(output), V]
-            confidence, guess = probs.max(dim=-1)
+            if head is None:
+                guesses = draft_guesses(engine.proposer.draft, prompt_ids, output)
+            else:
+                guesses = head_chains(engine.proposer, engine.target, prompt_ids, output, fits.max_k)
+            guesses["confidence"] = [round(c, 4) for c in guesses["confidence"]]
             traces.append(
-                {
-                    "name": name,
-                    "suite": suite,
-                    "prompt_tokens": len(prompt_ids),
-                    "max_tokens": max_tokens,
-                    "match": [g == t for g, t in zip(guess.tolist(), output)],
-                    "confidence": [round(c, 4) for c in confidence.tolist()],
-                }
+                {"name": name, "suite": suite, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, **guesses}
             )
-            print(f"{name}: {len(output)} tokens, draft agrees on {sum(traces[-1]['match'])}", file=sys.stderr)
+            print(f"{name}: {len(output)} tokens, draft agrees on {sum(guesses['match'])}", file=sys.stderr)
     forwards = forward_seconds(engine.target, fits.max_k + 1)
     # The line, for row counts past those measured: least squares through the measured ones
     # (the policy prices each count as measured, so it has no line of its own to record).
@@ -341,7 +437,7 @@ def record(target: str, draft: str, quantization: str, max_tokens: int) -> dict[
     by_rows = {str(rows): seconds for rows, seconds in forwards.items()}
     costs = Costs(target_fixed, per_row, draft_fixed, per_position, fits.read_costs()[1], by_rows)
     return {
-        "pair": {"target": target, "draft": draft, "quantization": quantization},
+        "pair": {"target": target, "draft": head or draft, "quantization": quantization},
         "costs": costs.__dict__,
         "traces": traces,
     }
@@ -353,6 +449,7 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--head", default=None, help="record a head instead of the draft: METHOD:NAME (eagle3:HEAD)")
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument(
@@ -372,7 +469,7 @@ def main() -> None:
             )
         return
     if args.record:
-        data = record(args.target, args.draft, args.quantization, args.max_tokens)
+        data = record(args.target, args.draft, args.quantization, args.max_tokens, args.head)
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     costs, traces = load_traces(args.traces)

@@ -143,3 +143,53 @@ def test_recording_gives_traces_and_costs_the_replay_reads(prepared_cache, tmp_p
     assert costs.target_per_row >= 0 and costs.forward(1) > 0 and costs.forward(64) > 0
     assert costs.draft_per_position >= 0
     replay(traces[0], costs, None)  # the replay runs on what was recorded
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_a_recorded_head_chain_is_the_chain_its_proposer_drafts(method):
+    """Every draft the engine's proposer makes, after the target's own tokens, is the
+    chain `chain_guesses` recorded at that output position."""
+    import torch
+
+    from benchmarks.adaptive_replay import chain_guesses, head_chains
+    from specserve.engine.engine import Engine
+    from tests.head_models import permutation_target, right_head
+    from tests.spec.test_head_proposers import EOS, GREEDY, proposer_of
+
+    target, perm = permutation_target(noise=0.18)
+    prompt, depth = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 3
+    output = Engine(target, eos_token_ids=[EOS]).generate(prompt, GREEDY).output_ids
+    proposer = proposer_of(right_head(method, target, perm), target)
+    guesses, _ = chain_guesses(proposer, target, prompt, output, depth)
+    drafted = []  # (output position, the draft's tokens)
+    propose = proposer.propose
+
+    def recording(seqs, num_tokens):
+        drafts = propose(seqs, num_tokens)
+        drafted.extend((len(s.token_ids) - len(prompt), d.tokens.tolist()) for s, d in zip(seqs, drafts))
+        return drafts
+
+    proposer.propose = recording
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=depth)
+    assert engine.generate(prompt, GREEDY).output_ids == output
+    assert len(drafted) > 3 and all(tokens == guesses[i][: len(tokens)] for i, tokens in drafted if tokens)
+    assert any(tokens != output[i : i + len(tokens)] for i, tokens in drafted)  # rejections happened
+    fields = head_chains(proposer, target, prompt, output, depth)
+    assert fields["chain"][: len(output)] == [
+        next((d for d, (g, t) in enumerate(zip(chain, output[i:])) if g != t), min(depth, len(output) - i))
+        for i, chain in enumerate(guesses)
+    ]
+    assert fields["match"] == [chain[0] == token for chain, token in zip(guesses, output)]
+    assert torch.tensor(fields["chain_confidence"]).shape == (len(output), depth)
+
+
+def test_a_head_trace_drafts_its_chain_and_accepts_its_run_of_matches():
+    trace = Trace(
+        "t", "structured", 5, match=[True] * 4, confidence=[1.0] * 4,
+        chain=[0, 3, 1, 0], chain_confidence=[[0.9, 0.9, 0.9], [0.9, 0.2, 0.9], [0.9, 0.9, 0.9], [0.9, 0.9, 0.9]],
+    )  # fmt: skip
+    assert trace.drafted_and_accepted(0, 3, threshold=0.5) == (3, 0)  # the first guess misses
+    assert trace.drafted_and_accepted(1, 3, threshold=0.5) == (2, 2)  # an unsure second guess is the last
+    assert trace.drafted_and_accepted(2, 2, threshold=0.5) == (2, 1)
+    assert trace.drafted_and_accepted(3, 5, threshold=0.5) == (3, 0)  # at most the recorded depth
+    assert trace.drafted_and_accepted(4, 2, threshold=0.5) == (2, 0)  # past the answer's end: guesses on
