@@ -1,0 +1,147 @@
+"""Training recipes for a head compared on one set of data: which recipe generalises best?
+
+`specserve train-head` spends most of its budget making data (the target's answers and
+features), which ties every recipe change to a fresh half hour and to data that differs
+from run to run. This script makes the data once, as `train-head --max-minutes
+DATA_MINUTES` would up to the end of its features phase, keeps it in the cache
+(`head-recipes/TARGET-METHOD-MINUTES/`, reused by later runs), and then trains each recipe
+from the same seed for the same number of steps, measuring held-out top-1 agreement per
+unrolled step (and the training batches' top-1) every --eval-every steps. No figure here
+is a speed: a fixed step count, not a time budget, so a loaded machine changes nothing
+but how long it takes.
+
+    .venv/bin/python benchmarks/head_recipes.py --steps 700 \\
+        --recipes 'base;decay:weight_decay=0.1;vocab16k:draft_vocab_size=16384;answers-only:text=0'
+
+A recipe is `NAME:key=value,...` over the keys of `TrainHeadSettings` that shape the head
+(draft_vocab_size, head_intermediate_size, ttt_length, num_heads) and of `LoopSettings`
+(lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip), and `text=0` to train
+on the answers alone (no standard-library text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specserve import catalogue
+from specserve.model.device import CPU, default_dtype
+from specserve.train.features import FeatureSet
+from specserve.train.loop import Trainer
+from specserve.train.objective import DraftVocab
+from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, lm_head_weight, make_method
+
+HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
+LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip")
+
+
+def parse_recipes(text: str) -> dict[str, dict[str, float]]:
+    recipes = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, assignments = part.partition(":")
+        values = {}
+        for assignment in filter(None, assignments.split(",")):
+            key, _, value = assignment.partition("=")
+            if key not in HEAD_KEYS + LOOP_KEYS + ("text",):
+                known = ", ".join(HEAD_KEYS + LOOP_KEYS + ("text",))
+                raise SystemExit(f"recipe {name!r}: unknown key {key!r}; keys: {known}")
+            values[key] = float(value)
+        recipes[name] = values
+    return recipes
+
+
+def make_data(settings: TrainHeadSettings, work: Path) -> tuple[catalogue.LoadedModel, list[str]]:
+    """The target, and the keys of the samples whose features are in work/features."""
+    catalogue.prepare_quantized(settings.target, settings.quantization)
+    check_same_run(work, settings)
+    target = catalogue.load_model(settings.target, default_dtype(CPU, settings.quantization), settings.quantization)
+    run = Run(settings, work, Clock(settings.max_minutes, work / "minutes.json"))
+    samples = run.samples(target)
+    folder = work / "features"
+    run.features(target, samples)
+    return target, [key for key in samples if (folder / f"{key}.safetensors").is_file()]
+
+
+def train_recipe(
+    name: str,
+    values: dict[str, float],
+    settings: TrainHeadSettings,
+    target: catalogue.LoadedModel,
+    keys: list[str],
+    work: Path,
+    steps: int,
+    eval_every: int,
+) -> list[dict]:
+    head_values = {k: int(v) for k, v in values.items() if k in HEAD_KEYS}
+    whole = ("batch_tokens", "window", "warmup_steps")
+    loop_values = {k: (int(v) if k in whole else v) for k, v in values.items() if k in LOOP_KEYS}
+    recipe = dataclasses.replace(settings, **head_values)
+    loop = dataclasses.replace(settings.loop, steps=steps, seed=settings.seed, **loop_values)
+    if values.get("text", 1) == 0:
+        keys = [key for key in keys if key.startswith("answer-")]
+    data = FeatureSet.load(work / "features", keys)
+    method = make_method(recipe)
+    vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), recipe.draft_vocab_size)
+    torch.manual_seed(settings.seed)
+    lm_head_rows = lm_head_weight(catalogue.resolve(settings.target))[vocab.target_ids]
+    head = method.new_head(target.config, target.decoder.embed_tokens, vocab, lm_head_rows)
+    checkpoint = work / f"recipe-{name}.pt"
+    checkpoint.unlink(missing_ok=True)
+    trainer = Trainer(method, head, data, vocab, loop, checkpoint)
+    rows, correct, counted, started = [], [0], [0], time.monotonic()
+    while trainer.position.step < steps:
+        figures = trainer.train_step()
+        correct[0] += figures.correct[0]
+        counted[0] += figures.counted[0]
+        if trainer.position.step % eval_every == 0 or trainer.position.step == steps:
+            agreement = trainer.evaluate(held_out=True)
+            row = {
+                "recipe": name,
+                "step": trainer.position.step,
+                "epochs": round(trainer.position.epoch + trainer.position.index / len(trainer.windows), 2),
+                "held_out_top1": [round(r, 4) for r in agreement.rates],
+                "train_top1": round(correct[0] / max(counted[0], 1), 4),  # first step, batches since the last row
+                "minutes": round((time.monotonic() - started) / 60, 2),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            correct, counted = [0], [0]
+    checkpoint.unlink(missing_ok=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--method", default="eagle3", choices=("eagle3", "eagle", "medusa"))
+    parser.add_argument("--data-minutes", type=float, default=30.0, help="the train-head budget whose data to make")
+    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--recipes", default="base")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="a JSON-lines file for every row")
+    args = parser.parse_args()
+    recipes = parse_recipes(args.recipes)
+    settings = TrainHeadSettings(args.target, args.method, max_minutes=args.data_minutes, seed=args.seed)
+    settings.check()
+    work = catalogue.cache_root() / "head-recipes" / f"{settings.head_name}-{args.data_minutes:g}"
+    target, keys = make_data(settings, work)
+    rows = []
+    for name, values in recipes.items():
+        rows += train_recipe(name, values, settings, target, keys, work, args.steps, args.eval_every)
+        if args.out:
+            args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print("| recipe | step | epochs | held-out top-1 per step | training top-1 |")
+    print("|---|---:|---:|---|---:|")
+    for row in rows:
+        per_step = ", ".join(f"{r:.3f}" for r in row["held_out_top1"])
+        print(f"| {row['recipe']} | {row['step']} | {row['epochs']} | {per_step} | {row['train_top1']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
