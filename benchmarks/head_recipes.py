@@ -27,14 +27,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from specserve import catalogue
 from specserve.model.device import CPU, default_dtype
 from specserve.train.features import FeatureSet
-from specserve.train.loop import Trainer
-from specserve.train.objective import DraftVocab
-from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, lm_head_weight, make_method
+from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, make_method, new_trainer
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip")
@@ -80,19 +76,13 @@ def train_recipe(
     head_values = {k: int(v) for k, v in values.items() if k in HEAD_KEYS}
     whole = ("batch_tokens", "window", "warmup_steps")
     loop_values = {k: (int(v) if k in whole else v) for k, v in values.items() if k in LOOP_KEYS}
-    recipe = dataclasses.replace(settings, **head_values)
-    loop = dataclasses.replace(settings.loop, steps=steps, seed=settings.seed, **loop_values)
+    loop = dataclasses.replace(settings.loop, steps=steps, **loop_values)
+    recipe = dataclasses.replace(settings, loop=loop, **head_values)
     if values.get("text", 1) == 0:
         keys = [key for key in keys if key.startswith("answer-")]
-    data = FeatureSet.load(work / "features", keys)
-    method = make_method(recipe)
-    vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), recipe.draft_vocab_size)
-    torch.manual_seed(settings.seed)
-    lm_head_rows = lm_head_weight(catalogue.resolve(settings.target))[vocab.target_ids]
-    head = method.new_head(target.config, target.decoder.embed_tokens, vocab, lm_head_rows)
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
-    trainer = Trainer(method, head, data, vocab, loop, checkpoint)
+    trainer = new_trainer(make_method(recipe), recipe, target, FeatureSet.load(work / "features", keys), checkpoint)
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:
         figures = trainer.train_step()

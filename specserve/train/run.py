@@ -213,33 +213,20 @@ class Run:
         auto = settings.dtype == "auto"
         dtype = default_dtype(CPU, settings.quantization) if auto else getattr(torch, settings.dtype)
         target = catalogue.load_model(settings.target, dtype, settings.quantization)
-        target_folder = catalogue.resolve(settings.target)
         clock.phase_done("load")
         samples = self.samples(target)
         clock.phase_done("data")
         data = self.features(target, samples)
         clock.phase_done("features")
-        vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), settings.draft_vocab_size)
-        torch.manual_seed(settings.seed)
-        head = self.method.new_head(
-            target.config, target.decoder.embed_tokens, vocab, lm_head_weight(target_folder)[vocab.target_ids]
-        )
-        trainer = Trainer(
-            self.method,
-            head,
-            data,
-            vocab,
-            dataclasses.replace(settings.loop, seed=settings.seed),
-            self.work / "checkpoint.pt",
-        )
+        trainer = new_trainer(self.method, settings, target, data, self.work / "checkpoint.pt")
         self.run_training(trainer)
         clock.phase_done("train")
         agreement = trainer.evaluate(held_out=True)
         clock.phase_done("measure")
-        report = self.report(data, vocab, trainer, agreement, samples)
+        report = self.report(data, trainer.vocab, trainer, agreement, samples)
         staging = folder.with_name(f"{folder.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        save_head(head, staging)
+        save_head(trainer.head, staging)
         (staging / "training.json").write_text(json.dumps(report, indent=2))
         staging.rename(folder)
         shutil.rmtree(self.work)
@@ -368,6 +355,19 @@ class Run:
             "minutes": {phase: round(m, 2) for phase, m in minutes.items()},
             "max_minutes": settings.max_minutes,
         }
+
+
+def new_trainer(
+    method: HeadMethod, settings: TrainHeadSettings, target: catalogue.LoadedModel, data: FeatureSet, checkpoint: Path
+) -> Trainer:
+    """A new head for `target` (from the seeded RNG, over the data's most frequent ids,
+    its LM head rows the target's) and the Trainer of `settings.loop` for it, resuming
+    from `checkpoint` where one exists."""
+    vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), settings.draft_vocab_size)
+    torch.manual_seed(settings.seed)
+    lm_head_rows = lm_head_weight(catalogue.resolve(settings.target))[vocab.target_ids]
+    head = method.new_head(target.config, target.decoder.embed_tokens, vocab, lm_head_rows)
+    return Trainer(method, head, data, vocab, dataclasses.replace(settings.loop, seed=settings.seed), checkpoint)
 
 
 def lm_head_weight(folder: Path) -> torch.Tensor:  # [vocab, H] float32
