@@ -65,7 +65,7 @@ from specserve.bench.roofline import (
 )
 from specserve.bench.suites import SUITES, prompts_of
 from specserve.bench.variants import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEAD, speculative_config
-from specserve.cli import DTYPE_CHOICES, device_of, dtype_of
+from specserve.cli import DTYPE_CHOICES, cuda_graphs_of, device_of, dtype_of
 from specserve.config import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_PROMPT_LOOKUP_FIRST, SpecConfig
 from specserve.engine.build import build_engine, encode_prompt, run_one
 from specserve.errors import SpecserveError
@@ -275,7 +275,7 @@ def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report
         quantization=run.quantization,
         batch_invariant=args.batch_invariant,
         compile=run.compile,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=cuda_graphs_of(args),
         max_num_seqs=1,
         device=device_of(args),
     )
@@ -814,11 +814,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         "--quantization", choices=QUANTIZATIONS, default="none", help="weight-only quantization of our target and draft"
     )
     parser.add_argument("--batch-invariant", action="store_true", help="our target's --batch-invariant")
-    parser.add_argument(
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="our rows on CUDA graphs (specserve's --cuda-graphs; --device cuda, not with plain-compiled)",
+        help="our rows on CUDA graphs, an error where they cannot run (the default on a GPU; --device cuda)",
     )
+    graphs.add_argument("--enforce-eager", action="store_true", help="our rows without CUDA graphs on a GPU")
     parser.add_argument(
         "--draft-quantization",
         choices=QUANTIZATIONS,
@@ -880,8 +882,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         check_device_format(device_of(args), args.quantization, args.batch_invariant)
     except SpecserveError as e:
         parser.error(str(e))
-    if args.cuda_graphs and (device_of(args).type != "cuda" or "plain-compiled" in args.modes):
-        parser.error("--cuda-graphs needs --device cuda (or auto on a GPU) and no plain-compiled row")
+    if args.cuda_graphs and device_of(args).type != "cuda":
+        parser.error("--cuda-graphs needs --device cuda (or auto on a GPU)")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2: the decode rate counts tokens after the first")
     try:

@@ -92,6 +92,13 @@ def device_of(args: argparse.Namespace) -> torch.device:
     return resolve_device(args.device)
 
 
+def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
+    """build_engine's cuda_graphs: True asked for, False refused, None the device's default."""
+    if args.enforce_eager:
+        return False
+    return True if args.cuda_graphs else None
+
+
 def dtype_of(args: argparse.Namespace) -> torch.dtype:
     if args.dtype == "auto":
         return default_dtype(device_of(args), args.quantization)
@@ -122,16 +129,23 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         "--compile",
         action="store_true",
         help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
-        "load (tens of seconds); no effect where our C kernels run (--quantization). Measured "
-        "~6%% slower on a 2-core CPU in float32: see benchmarks/EXPERIMENTS.md",
+        "load (tens of seconds); on a GPU the compiled layers run inside the CUDA graphs; no "
+        "effect where our C kernels run (--quantization). Measured ~6%% slower on a 2-core CPU "
+        "in float32: see benchmarks/EXPERIMENTS.md",
     )
-    parser.add_argument(
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="on a CUDA GPU, replay each decode step and verification of the target and the "
-        "draft as a CUDA graph (one launch instead of hundreds); preallocates the KV caches of "
-        "--max-num-seqs sequences of --max-model-len tokens. Experimental: not yet measured "
-        "on a GPU, see benchmarks/README.md",
+        help="replay each decode step and verification of the target and the draft as a CUDA "
+        "graph (one launch instead of hundreds), with the KV caches of --max-num-seqs sequences "
+        "of --max-model-len tokens preallocated. The default on a CUDA GPU where the caches fit; "
+        "this flag makes it an error where they do not, or where the models run on the CPU",
+    )
+    graphs.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs on a GPU: every step launches its kernels from Python (vLLM's flag)",
     )
 
 
@@ -476,7 +490,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.batch_invariant,
         compile=args.compile,
         device=device_of(args),
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=cuda_graphs_of(args),
         max_num_seqs=1,
     )
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
@@ -514,7 +528,7 @@ def run_serve(args: argparse.Namespace) -> int:
             batch_invariant=args.batch_invariant,
             compile=args.compile,
             device=device_of(args),
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=cuda_graphs_of(args),
             prefix_cache_space=prefix_cache_space,
             host=args.host,
             port=args.port,
@@ -702,6 +716,7 @@ def run_ab(args: argparse.Namespace) -> int:
         str(args.max_num_seqs),
     ] + ["--batch-invariant"] * args.batch_invariant
     serve_args += ["--compile"] * args.compile + ["--cuda-graphs"] * args.cuda_graphs
+    serve_args += ["--enforce-eager"] * args.enforce_eager
     if args.max_model_len is not None:
         serve_args += ["--max-model-len", str(args.max_model_len)]
     if (prefix_cache_space := prefix_cache_space_of(args)) is not None:

@@ -6,6 +6,7 @@ numbers in the same words.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -14,8 +15,9 @@ from specserve.catalogue import load_model
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
+from specserve.model.decoder import Decoder
 from specserve.model.device import CPU
-from specserve.model.kv_cache import bytes_per_position
+from specserve.model.kv_cache import CachePool, bytes_per_position
 from specserve.model.prefix_cache import BLOCK, PrefixCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -23,6 +25,10 @@ from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.factory import make_proposer
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("specserve")
+
+GRAPH_MEMORY_SHARE = 0.9  # of the GPU's free memory that the cache pools may take
 
 
 def build_engine(
@@ -34,7 +40,7 @@ def build_engine(
     batch_invariant: bool = False,
     compile: bool = False,
     device: torch.device = CPU,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
     prefix_cache_space: float | None = None,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
@@ -42,12 +48,12 @@ def build_engine(
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
     to both (`Decoder.use_torch_compile`), device and cuda_graphs to both
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
+    cuda_graphs: True asks for them (an error where they cannot run), False refuses them
+    (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
     prefix_cache_space: GiB of keys and values kept for prefix caching
     (model/prefix_cache.py), the target's and a draft model's together; None: off."""
     if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
-    if cuda_graphs and compile:
-        raise ConfigError("--cuda-graphs and --compile do not go together; choose one")
     target = load_model(model, dtype, quantization, batch_invariant, compile, device)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(
@@ -59,11 +65,10 @@ def build_engine(
     if spec is not None:
         proposer, spec = make_proposer(spec, target, dtype, chunk, quantization, compile)
     decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
-    if cuda_graphs:
+    if cuda_graphs is not False and device.type == "cuda":
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         positions = max_model_len or target.config.max_position_embeddings
-        for decoder in decoders:
-            decoder.use_cuda_graphs(slots, positions)
+        use_cuda_graphs(decoders, slots, positions, asked=bool(cuda_graphs))
     prefix_cache = None
     if prefix_cache_space is not None:
         max_tokens = int(prefix_cache_space * 2**30) // sum(bytes_per_position(d.config, d.dtype) for d in decoders)
@@ -90,6 +95,24 @@ def build_engine(
         **engine_options,
     )
     return engine, target.tokenizer
+
+
+def use_cuda_graphs(decoders: list[Decoder], slots: int, positions: int, asked: bool) -> None:
+    """CUDA graphs for every decoder; where their cache pools do not fit the GPU, an
+    error if they were asked for, else a warning and eager steps."""
+    needed = sum(CachePool.bytes_needed(d.config, d.dtype, slots, positions) for d in decoders)
+    free, _ = torch.cuda.mem_get_info(decoders[0].device)
+    if needed > GRAPH_MEMORY_SHARE * free:
+        message = (
+            f"CUDA graphs preallocate the KV caches: {needed / 2**30:.1f} GiB for {slots} sequences of "
+            f"{positions} tokens, where {free / 2**30:.1f} GiB of GPU memory are free"
+        )
+        if asked:
+            raise ConfigError(f"{message}; lower --max-num-seqs or --max-model-len")
+        log.warning("%s: running eagerly (lower --max-num-seqs or --max-model-len to use them)", message)
+        return
+    for decoder in decoders:
+        decoder.use_cuda_graphs(slots, positions)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None) -> list[int]:

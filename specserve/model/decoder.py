@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import native
-from specserve.model.kv_cache import CachePool, KVCache
+from specserve.model.kv_cache import KVCache
 from specserve.model.quant import QuantizedLinear, silu_and_mul
 
 if TYPE_CHECKING:
@@ -524,6 +524,15 @@ class Decoder(nn.Module):
             h = h[logits_rows]  # [R, hidden]
         return self.score(h, common)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(device or dtype)` and friends: the common head holds views of the old
+        lm_head, not a submodule, so it is cut again from the moved one."""
+        super()._apply(fn, recurse)
+        if self.common is not None:
+            self.common = (self.common[0], first_rows(self.lm_head, self.common[0]))
+            self.__dict__.pop("_in_c_common", None)
+        return self
+
     def score(self, h: torch.Tensor, common: list[bool] | None = None) -> torch.Tensor:
         """h [R, hidden] -> logits [R, width] float32 of token ids [0, width): every id,
         or, where the model has a common head and every row is `common`, the common ids
@@ -592,21 +601,12 @@ class Decoder(nn.Module):
     def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
         """Run decode steps and verifications as CUDA graphs (model/graphs.py): every
         cache made after this is a slot of one pool of `num_slots` caches of `capacity`
-        positions, allocated now. On a CPU the same static steps run eagerly (no graphs
-        exist there; tests use this)."""
+        positions, allocated now (build_engine checks first that the pools fit). On a CPU
+        the same static steps run eagerly (no graphs exist there; tests use this)."""
         if self.static is not None:
             raise ConfigError("CUDA graphs are on already")
         if num_slots < 1 or capacity < 1:
             raise ConfigError(f"a cache pool needs at least one slot and position, got {num_slots} and {capacity}")
-        if self.device.type == "cuda":
-            needed = CachePool.bytes_needed(self.config, self.dtype, num_slots, capacity)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if needed > 0.9 * free:
-                raise ConfigError(
-                    f"--cuda-graphs preallocates the KV caches: {needed / 2**30:.1f} GiB for {num_slots} sequences "
-                    f"of {capacity} tokens, where {free / 2**30:.1f} GiB of GPU memory are free; lower "
-                    "--max-num-seqs or --max-model-len"
-                )
         from specserve.model.graphs import StaticDecode  # graphs.py builds on this module
 
         self.static = StaticDecode(self, num_slots, capacity)

@@ -40,7 +40,7 @@ class ServerConfig:
     quantization: str = "none"
     batch_invariant: bool = False
     compile: bool = False  # see Decoder.use_torch_compile
-    cuda_graphs: bool = False  # see Decoder.use_cuda_graphs
+    cuda_graphs: bool | None = None  # see build_engine
     prefix_cache_space: float | None = None  # GiB for prefix caching (model/prefix_cache.py); None: off
     device: torch.device = CPU  # see specserve.model.device
     host: str = "0.0.0.0"

@@ -168,11 +168,30 @@ def test_a_pool_refuses_more_positions_than_its_capacity():
         model.use_cuda_graphs(num_slots=1, capacity=16)
 
 
-def test_cuda_graphs_are_refused_off_a_gpu_and_with_compile(capsys):
+def test_cuda_graphs_are_refused_off_a_gpu_and_with_enforce_eager(capsys):
     with pytest.raises(ConfigError, match="--cuda-graphs needs a CUDA GPU.*--device cuda"):
         build_engine("no-such-model", cuda_graphs=True)
-    with pytest.raises(ConfigError, match="--cuda-graphs and --compile"):
-        build_engine("no-such-model", cuda_graphs=True, compile=True, device=torch.device("cuda"))
     assert main(["generate", "--model", "no-such-model", "--device", "cpu", "--cuda-graphs", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specserve: error: --cuda-graphs needs a CUDA GPU") and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--cuda-graphs", "--enforce-eager", "--prompt", "hi"])
+    assert "not allowed with argument --cuda-graphs" in capsys.readouterr().err
+
+
+def test_graphs_are_the_default_where_the_cache_pools_fit(monkeypatch, caplog):
+    """build_engine's graphs on a GPU: the pools of every decoder must fit in 90% of the
+    free memory; else an error if --cuda-graphs asked for them, a warning and eager
+    steps if they were only the default."""
+    from specserve.engine.build import use_cuda_graphs
+
+    target, draft = random_decoder("llama", seed=5), random_decoder("llama", seed=6)
+    per_slot = 2 * 64 * (2 * 2 * 2 * 16 * 4)  # the two pools' bytes for one slot of 64 positions
+    free = {"bytes": 10 * per_slot}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 2 * free["bytes"]))
+    with pytest.raises(ConfigError, match=r"15 sequences of 64 tokens.*lower --max-num-seqs or --max-model-len"):
+        use_cuda_graphs([target, draft], slots=15, positions=64, asked=True)  # 15 slots + the scratch one
+    use_cuda_graphs([target, draft], slots=15, positions=64, asked=False)
+    assert "running eagerly" in caplog.text and target.static is None and draft.static is None
+    use_cuda_graphs([target, draft], slots=8, positions=64, asked=False)  # 9 slots of 10 fit 90%
+    assert target.static.pool.capacity == draft.static.pool.capacity == 64

@@ -80,6 +80,21 @@ def test_a_common_head_scores_its_rows_as_the_whole_head_does_and_mixed_calls_to
     assert torch.isneginf(mixed[0::2, 48:]).all()
 
 
+def test_a_common_head_moves_with_its_decoder():
+    """`.to()` cuts the common head again from the moved lm_head (a draft moved to a GPU
+    after add_common_head once kept a CPU head)."""
+    draft = random_decoder("qwen2", seed=1)
+    draft.add_common_head(48)
+    draft.to(torch.float64)
+    num_common, head = draft.common
+    assert num_common == 48 and head.weight.dtype == torch.float64
+    assert head.weight.data_ptr() == draft.lm_head.weight.data_ptr()  # a view of the moved head, no copy
+    tokens = torch.tensor([5, 60, 7])
+    whole = draft(tokens, [Segment(draft.new_cache(), 3)])
+    common = draft(tokens, [Segment(draft.new_cache(), 3)], common=[True] * 3)
+    torch.testing.assert_close(common, whole[:, :48])
+
+
 def test_greedy_output_stays_the_targets_when_the_draft_guesses_half_the_ids():
     target = random_decoder("qwen2", seed=1)
     draft = perturbed(target, 0.3, seed=2)
