@@ -258,11 +258,20 @@ def grouped_attention(
     return batched_grouped_attention(q[None], keys[None], values[None], None if mask is None else mask[None])[0]
 
 
+def grouped_mask(
+    mask: torch.Tensor,  # [B, n, L] bool, True = may attend
+    group: int,  # query heads per kv head
+) -> torch.Tensor:  # [B, 1, group * n, L]: the mask of batched_grouped_attention's queries
+    batch, n, length = mask.shape
+    return mask[:, None, None].expand(batch, 1, group, n, length).reshape(batch, 1, group * n, length)
+
+
 def batched_grouped_attention(
     q: torch.Tensor,  # [B, heads, n, head_dim]
     keys: torch.Tensor,  # [B, kv_heads, L, head_dim]
     values: torch.Tensor,  # [B, kv_heads, L, head_dim]
     mask: torch.Tensor | None = None,  # [B, n, L] bool, True = may attend; None = all
+    grouped: torch.Tensor | None = None,  # the mask as grouped_mask gives it, in its place
 ) -> torch.Tensor:  # [B, heads, n, head_dim]
     """Grouped-query attention without copying the cache per query head.
 
@@ -272,15 +281,12 @@ def batched_grouped_attention(
     kv_heads), so each kv head's g heads go in as g*n queries of one head.
     """
     batch, heads, n, head_dim = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
-    grouped_mask = (
-        None
-        if mask is None
-        else (mask[:, None, None].expand(batch, 1, group, n, length).reshape(batch, 1, group * n, length))
-    )
+    if mask is not None:
+        grouped = grouped_mask(mask, group)
     out = F.scaled_dot_product_attention(
-        q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=grouped_mask
+        q.reshape(batch, kv_heads, group * n, head_dim), keys, values, attn_mask=grouped
     )  # [B, kv_heads, group * n, head_dim]
     # reshape, not view: CUDA's fused kernels may hand back a non-contiguous layout.
     return out.reshape(batch, heads, n, head_dim)
@@ -416,6 +422,12 @@ class Block(nn.Module):
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, q_size + 2 kv_size]
         return self.self_attn.qkv_proj(self.input_layernorm(h))
 
+    def project_rotated_qkv(self, h: torch.Tensor, cos: torch.Tensor, rotated_sin: torch.Tensor):
+        """project_qkv, then Attention.rotated_qkv: what the static step (model/graphs.py)
+        computes before the cache, in one piece for torch.compile to fuse."""
+        attn = self.self_attn
+        return attn.rotated_qkv(attn.qkv_proj(self.input_layernorm(h)), cos, rotated_sin)
+
     def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:  # -> [T, hidden]
         h = h + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -444,6 +456,7 @@ class Decoder(nn.Module):
         # attribute, not a submodule, so its views of lm_head are not counted twice.
         self.common: tuple[int, nn.Module] | None = None
         self.batch_invariant = False
+        self.compiled = False  # see use_torch_compile
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see rope_table
         self.static: StaticDecode | None = None  # see use_cuda_graphs
 
@@ -587,8 +600,10 @@ class Decoder(nn.Module):
         inductor cannot build (no C++ compiler) says so at once."""
         for block in self.layers:
             block.project_qkv = torch.compile(block.project_qkv, dynamic=True)
+            block.project_rotated_qkv = torch.compile(block.project_rotated_qkv, dynamic=True)  # static steps'
             block.finish = torch.compile(block.finish, dynamic=True)
         self.score_every_id = torch.compile(self.score_every_id, dynamic=True)  # a common head's rows run eagerly
+        self.compiled = True
         cache = self.new_cache()
         try:
             self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
@@ -610,6 +625,8 @@ class Decoder(nn.Module):
         from specserve.model.graphs import StaticDecode  # graphs.py builds on this module
 
         self.static = StaticDecode(self, num_slots, capacity)
+        if self.compiled:  # compile the static step's pieces now, not in a request
+            self.static.warm_up()
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specserve.model.decoder import batched_grouped_attention
+from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask
 from specserve.model.kv_cache import CachePool
 
 if TYPE_CHECKING:
@@ -69,18 +69,18 @@ def static_forward(
     row_positions = positions.flatten()  # [B n]
     cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
     visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
+    config = decoder.config
+    grouped = grouped_mask(visible, config.num_heads // config.num_kv_heads)  # [B, 1, g n, bucket]: every layer's
     h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
     for i, block in enumerate(decoder.layers):
-        q, k, v = block.self_attn.rotated_qkv(
-            block.project_qkv(h), cos, rotated_sin
-        )  # [B n, heads or kv_heads, head_dim]
+        q, k, v = block.project_rotated_qkv(h, cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
         layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
         layer_keys[row_slots, :, row_positions] = k
         layer_values[row_slots, :, row_positions] = v
         keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
         values = layer_values[:, :, :bucket][slots]
         heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
-        out = batched_grouped_attention(heads_first, keys, values, visible)  # [B, heads, n, head_dim]
+        out = batched_grouped_attention(heads_first, keys, values, grouped=grouped)  # [B, heads, n, head_dim]
         h = block.finish(h, out.transpose(1, 2).reshape(batch * n, -1))  # [B n, hidden]
     return decoder.score(h)
 
@@ -169,6 +169,18 @@ class StaticDecode:
         self.capture = decoder.device.type == "cuda"
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[tuple[int, int, int], _Step] = {}
+
+    def warm_up(self) -> None:
+        """Build the steps of one sequence decoding and verifying one draft, so that
+        whatever a first step compiles (`Decoder.use_torch_compile`) and captures
+        happens here; on the CPU, where nothing is captured, by running them once."""
+        bucket = min(MIN_BUCKET, self.pool.capacity)
+        with torch.inference_mode(), attention_backends(self.decoder.device):  # as Decoder.forward runs them
+            for rows in (1, 2):
+                key = (1, rows, bucket)
+                self.steps[key] = step = _Step(self, *key)
+                if step.graph is None:
+                    step.forward()
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
