@@ -728,6 +728,29 @@ class Decoder(nn.Module):
         model.load_hf_state_dict(weights, dtype)
         return model.eval()
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names (what load_hf_state_dict takes): q/k/v and
+        gate/up split again, a tied head left out. Views of this model's own tensors."""
+        weights = {}
+        for name, tensor in self.state_dict().items():
+            if name == "lm_head.weight":
+                if not self.config.tie_word_embeddings:
+                    weights[name] = tensor
+                continue
+            prefix, _, kind = name.rpartition(".")  # kind: weight or bias
+            if prefix.endswith("self_attn.qkv_proj"):
+                attn = prefix.removesuffix("qkv_proj")
+                sizes = self.layers[0].self_attn.qkv_sizes
+                for p, part in zip("qkv", tensor.split(sizes)):
+                    weights[f"model.{attn}{p}_proj.{kind}"] = part
+            elif prefix.endswith("mlp.gate_up_proj"):
+                mlp = prefix.removesuffix("gate_up_proj")
+                gate, up = tensor.chunk(2)
+                weights[f"model.{mlp}gate_proj.{kind}"], weights[f"model.{mlp}up_proj.{kind}"] = gate, up
+            else:
+                weights[f"model.{name}"] = tensor
+        return weights
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Take Hugging Face-named weights, checking every name and shape, fusing q/k/v
         and gate/up. Raises ModelLoadError naming what is missing, extra or misshapen."""

@@ -57,6 +57,18 @@ def test_logits_match_transformers(arch, overrides):
     torch.testing.assert_close(prefill(ours, PROMPT), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_state_dict_gives_back_the_checkpoints_tensors(arch, tied):
+    """Decoder.hf_state_dict undoes load_hf_state_dict's fusing: the reference's own
+    names and values, a tied head left out."""
+    reference, ours = reference_and_ours(tiny_config(arch, tie_word_embeddings=tied))
+    expected = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+    got = ours.hf_state_dict()
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_captured_features_are_the_references_hidden_states(arch):
     """Capture.layers: the residual stream entering those layers (transformers'
     hidden_states[i]); Capture.final: the last one after the final norm."""

@@ -1,0 +1,441 @@
+"""One check of a GPU machine, in one table: the CUDA tests, decode speed against the
+memory roofline (eager, CUDA graphs, graphs with --compile), long contexts, the ceiling
+of speculation with every draft accepted, transformers' static cache, and a streamed
+chat through `specserve serve`.
+
+Speed does not depend on the weights' values, so every model here has random weights of
+a catalogue model's shapes: only its config.json is read, and the served model's
+tokenizer files. They come from the prepared catalogue folders, or from `--models DIR`
+holding a folder per catalogue name with those files alone, which is all a GPU machine
+without the weights needs. Acceptance needs the real weights (`specserve models export`
+writes their GGUF files): not measured here.
+
+    python benchmarks/gpu_check.py                                # every section
+    python benchmarks/gpu_check.py --sections plain,ceiling --batches 1,8
+    python benchmarks/gpu_check.py --models /tmp/shapes --json-out check.json
+
+Each section runs on its own: one that fails prints its error in the table and the
+others go on. Rates are decode tokens a second after each sequence's first token, every
+sequence of a batch together; a setting's first run warms it up (captures its graphs)
+and its second is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from specserve import catalogue  # noqa: E402
+from specserve.bench.measured_ceiling import best, measure  # noqa: E402
+from specserve.bench.roofline import measure_read_bandwidth  # noqa: E402
+from specserve.config import ModelConfig  # noqa: E402
+from specserve.engine.engine import Engine  # noqa: E402
+from specserve.model import checkpoint  # noqa: E402
+from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
+from specserve.sampling import SamplingParams  # noqa: E402
+from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
+
+SECTIONS = ("tests", "plain", "ceiling", "long", "serve", "transformers")  # the default order
+MODES = ("eager", "graphs", "graphs+compile")
+CUDA_TESTS = [
+    "tests/model/test_graphs.py",
+    "tests/model/test_device.py",
+    "tests/engine/test_engine.py",
+    "tests/spec/test_draft_vocab.py",
+]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+PROMPT_TOKENS = 32
+DTYPE = torch.bfloat16
+
+
+class Table:
+    """The one table: section, what, figure, note; and the same rows as JSON."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, section: str, what: str, figure: str, note: str = "", **values) -> None:
+        row = {"section": section, "what": what, "figure": figure, "note": note, **values}
+        self.rows.append(row)
+        print(f"[{section}] {what}: {figure} {note}", flush=True)
+
+    def print(self) -> None:
+        print("\n| section | what | figure | note |\n|---|---|---:|---|")
+        for r in self.rows:
+            print(f"| {r['section']} | {r['what']} | {r['figure']} | {r['note']} |")
+
+
+def model_files(models: Path | None, name: str) -> Path:
+    """The folder with `name`'s config.json (and tokenizer files)."""
+    folder = (models / name) if models is not None else catalogue.prepared_dir(name)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(
+            f"gpu_check: no {folder / 'config.json'}; prepare {name} (`specserve models prepare {name}`) "
+            "or pass --models DIR holding NAME/config.json"
+        )
+    return folder
+
+
+def random_decoder(config: ModelConfig, device: torch.device, seed: int) -> Decoder:
+    """A decoder of these shapes with random bfloat16 weights (std 0.02, norms 1), made
+    on the device; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Decoder(config)
+    model.to(DTYPE).eval()
+    model.inv_freq = rope_inverse_frequencies(config).to(device)  # float32, as a loaded model keeps it
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capacity: int, seed: int) -> Decoder:
+    model = random_decoder(config, device, seed)
+    if mode == "graphs+compile":
+        model.use_torch_compile()
+    if mode != "eager":
+        model.use_cuda_graphs(slots, capacity)
+    return model
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(97 * b + 31 * i) % (vocab - 1000) + 100 for i in range(length)] for b in range(batch)]
+
+
+def decode_rate(engine: Engine, batch: int, prompt_len: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """(decode tokens a second over the batch, each sequence's tokens): every sequence
+    prefilled and given its first token, then the rest timed to the end."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    synchronize()
+    done = sum(s.num_output_tokens for s in seqs)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    synchronize()
+    elapsed = time.perf_counter() - start
+    return (sum(s.num_output_tokens for s in seqs) - done) / elapsed, [s.output_ids for s in seqs]
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model: Decoder) -> int:
+    """Bytes a decode step reads of the weights (a tied head counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def run_section(table: Table, section: str, fn, *args) -> None:
+    started = time.perf_counter()
+    try:
+        fn(table, *args)
+    except Exception as error:  # a broken section is a result: the others still run
+        traceback.print_exc()
+        table.add(section, "failed", type(error).__name__, str(error).splitlines()[0][:160] if str(error) else "")
+    print(f"[{section}] {time.perf_counter() - started:.0f} s", flush=True)
+    release_memory()
+
+
+def release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def section_tests(table: Table, args) -> None:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", args.tests_filter, *CUDA_TESTS]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.tests_timeout)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
+    failed = re.findall(r"^FAILED (\S+)", done.stdout, re.MULTILINE)
+    print(done.stdout[-4000:], flush=True)
+    table.add("tests", f"pytest -k {args.tests_filter}", summary.strip("= "), "; ".join(failed)[:300])
+
+
+def section_plain(table: Table, args, config: ModelConfig, device: torch.device, bandwidth: float) -> None:
+    slots = max(args.batches)
+    tokens_of = {b: args.tokens if b == 1 else args.batch_tokens for b in args.batches}
+    reference: dict[int, list[list[int]]] = {}
+    for mode in args.modes:
+        loaded = time.perf_counter()
+        model = build(config, device, mode, slots, args.capacity, seed=0)
+        load_s = time.perf_counter() - loaded
+        roofline = bandwidth / weight_bytes(model)
+        for batch in args.batches:
+            engine = Engine(model, eos_token_ids=[], max_num_seqs=batch)
+            decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])  # warm-up: captures this batch's graphs
+            rate, outputs = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])
+            same = ""
+            if mode == "eager":
+                reference[batch] = outputs
+            elif batch in reference:
+                agree = sum(first_difference(a, b) for a, b in zip(outputs, reference[batch]))
+                same = f"; tokens equal to eager's before the first difference: {agree}/{sum(map(len, outputs))}"
+            share = f"{rate / roofline:.0%} of the {roofline:.0f} tok/s roofline" if batch == 1 else ""
+            table.add(
+                "plain",
+                f"{mode}, batch {batch}",
+                f"{rate:.0f} tok/s",
+                f"{share}{same}; set-up {load_s:.0f} s",
+                mode=mode,
+                batch=batch,
+                tokens_per_s=rate,
+                roofline_tokens_per_s=roofline,
+            )
+        del model
+        release_memory()
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def section_long(table: Table, args, config: ModelConfig, device: torch.device) -> None:
+    capacity = max(args.contexts) + args.batch_tokens + 64
+    for mode in args.long_modes:
+        model = build(config, device, mode, 1, capacity, seed=0)
+        for context in args.contexts:
+            engine = Engine(model, eos_token_ids=[], max_num_seqs=1, prefill_chunk_size=1024)
+            decode_rate(engine, 1, context, args.batch_tokens)
+            rate, _ = decode_rate(engine, 1, context, args.batch_tokens)
+            table.add("long", f"{mode}, batch 1, {context} positions", f"{rate:.0f} tok/s", mode=mode, context=context)
+        del model
+        release_memory()
+
+
+def section_ceiling(table: Table, args, target_config: ModelConfig, draft_config: ModelConfig, device) -> None:
+    for mode in args.ceiling_modes:
+        target = build(target_config, device, mode, 1, args.capacity, seed=0)
+        draft = build(draft_config, device, mode, 1, args.capacity, seed=1)
+        proposer = DraftModelProposer(draft, confidence_threshold=0.0)
+        engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.ks), max_num_seqs=1)
+        ids = prompts(1, PROMPT_TOKENS, target_config.vocab_size)[0]
+        rows = measure(engine, ids, args.ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
+        plain = rows[0]["step_s"]
+        for row in rows[1:]:
+            position = row["drafting_s"] / row["k"] / plain
+            table.add(
+                "ceiling",
+                f"{mode}, draft model k = {row['k']}",
+                f"{row['full_acceptance_speedup']:.2f}x",
+                f"step {row['step_s'] * 1e3:.2f} ms (plain {plain * 1e3:.2f}); a draft position {position:.2f} "
+                f"of a plain step; break-even {row['break_even_tokens']:.2f} tokens",
+                mode=mode,
+                k=row["k"],
+                full_acceptance_speedup=row["full_acceptance_speedup"],
+                draft_position_share=position,
+            )
+        top = best(rows)
+        table.add("ceiling", f"{mode}, best k", f"{top['full_acceptance_speedup']:.2f}x", f"k = {top['k']}")
+        del target, draft, engine, proposer
+        release_memory()
+
+
+def section_transformers(table: Table, args, files: Path, device: torch.device) -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    hf_config = transformers.AutoConfig.from_pretrained(files)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=DTYPE).eval()
+    ids = torch.tensor(prompts(1, PROMPT_TOKENS, hf_config.vocab_size), device=device)  # [1, prompt]
+
+    def generate(tokens: int, **options) -> float:
+        synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, **options
+            )
+        synchronize()
+        return time.perf_counter() - start
+
+    for name, options in (("static cache", {"cache_implementation": "static"}), ("dynamic cache", {})):
+        compiled = time.perf_counter()
+        generate(args.tokens, **options)  # warm-up (the static cache compiles here)
+        warm_s = time.perf_counter() - compiled
+        first, whole = generate(1, **options), generate(args.tokens, **options)
+        rate = (args.tokens - 1) / (whole - first)
+        table.add(
+            "transformers",
+            f"{name}, batch 1",
+            f"{rate:.0f} tok/s",
+            f"transformers {transformers.__version__}; warm-up {warm_s:.0f} s",
+            tokens_per_s=rate,
+        )
+
+
+def section_serve(table: Table, args, config: ModelConfig, files: Path, device: torch.device) -> None:
+    """A random checkpoint of the draft's shapes (the smaller) with the target's
+    tokenizer, served as a user would; one streamed chat request."""
+    import httpx
+
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-served-"))
+    try:
+        model = random_decoder(config, device, seed=2)
+        checkpoint.write_checkpoint(folder, config, {k: v.cpu() for k, v in model.hf_state_dict().items()})
+        del model
+        release_memory()
+        for name in TOKENIZER_FILES:
+            if (files / name).is_file():
+                shutil.copy(files / name, folder / name)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command = [sys.executable, "-m", "specserve.cli", "serve", str(folder), "--device", str(device)]
+        command += ["--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048"]
+        started = time.perf_counter()
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            while time.perf_counter() - started < args.serve_timeout:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited ({server.returncode}): {server.stdout.read()[-500:]}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            else:
+                raise TimeoutError(f"no /health in {args.serve_timeout} s")
+            ready_s = time.perf_counter() - started
+            body = {
+                "model": str(folder),
+                "messages": [{"role": "user", "content": "Write a haiku about graphs."}],
+                "max_tokens": 64,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            chunks, done, first_s = 0, False, None
+            sent = time.perf_counter()
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunks += 1
+                        first_s = first_s or time.perf_counter() - sent
+            total_s = time.perf_counter() - sent
+            table.add(
+                "serve",
+                "streamed chat, 64 tokens",
+                "ok" if done and chunks > 1 else "incomplete",
+                f"{chunks} chunks, first after {1e3 * (first_s or 0):.0f} ms, all in {total_s:.2f} s; "
+                f"server ready in {ready_s:.0f} s",
+            )
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def int_list(value: str) -> list[int]:
+    return [int(v) for v in value.split(",") if v]
+
+
+def name_list(known: tuple[str, ...]):
+    def parse(value: str) -> list[str]:
+        names = [v for v in value.split(",") if v]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
+    parser.add_argument("--models", type=Path, default=None, help="a folder of NAME/config.json (+ tokenizer files)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sections", type=name_list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--modes", type=name_list(MODES), default=list(MODES), help="plain decoding's settings")
+    parser.add_argument("--long-modes", type=name_list(MODES), default=["eager", "graphs"])
+    parser.add_argument("--ceiling-modes", type=name_list(MODES), default=["graphs"])
+    parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int_list, default=[4096, 16384], help="positions before decoding (long)")
+    parser.add_argument("--ks", type=int_list, default=[1, 3, 5, 7, 11, 15])
+    parser.add_argument("--tokens", type=int, default=128, help="tokens a batch-1 run decodes")
+    parser.add_argument("--batch-tokens", type=int, default=64, help="tokens each sequence of a batch decodes")
+    parser.add_argument("--ceiling-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the ceiling's settings")
+    parser.add_argument("--capacity", type=int, default=1024, help="positions a cache slot holds")
+    parser.add_argument("--tests-filter", default="cuda")
+    parser.add_argument("--tests-timeout", type=float, default=240)
+    parser.add_argument("--serve-timeout", type=float, default=180)
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument(
+        "--deadline", type=float, default=480, help="seconds after which sections not yet begun are skipped"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    target_files, draft_files = model_files(args.models, args.target), model_files(args.models, args.draft)
+    target_config, draft_config = checkpoint.read_config(target_files), checkpoint.read_config(draft_files)
+    table = Table()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    bandwidth, how = measure_read_bandwidth(device=device, gib=None if device.type == "cuda" else 0.25)
+    table.add("machine", name, f"{bandwidth / 1e12:.2f} TB/s read", f"{how}; torch {torch.__version__}")
+    sections = {
+        "tests": (section_tests, args),
+        "plain": (section_plain, args, target_config, device, bandwidth),
+        "long": (section_long, args, target_config, device),
+        "ceiling": (section_ceiling, args, target_config, draft_config, device),
+        "transformers": (section_transformers, args, target_files, device),
+        "serve": (section_serve, args, draft_config, target_files, device),
+    }
+    started = time.perf_counter()
+    for section in args.sections:
+        if time.perf_counter() - started > args.deadline:
+            table.add(section, "skipped", "-", f"past --deadline {args.deadline:g} s")
+            continue
+        fn, *rest = sections[section]
+        run_section(table, section, fn, *rest)
+        if args.json_out is not None:  # after every section: a run cut short keeps what it measured
+            args.json_out.write_text(json.dumps(table.rows, indent=1))
+    table.print()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
