@@ -49,8 +49,8 @@ from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E
 from specserve.sampling import SamplingParams  # noqa: E402
 from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
 
-SECTIONS = ("tests", "plain", "ceiling", "long", "serve", "transformers")  # the default order
-MODES = ("eager", "graphs", "graphs+compile")
+SECTIONS = ("tests", "plain", "profile", "ceiling", "long", "serve", "transformers")  # the default order
+MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather")  # gather: no in-place attention
 CUDA_TESTS = [
     "tests/model/test_graphs.py",
     "tests/model/test_device.py",
@@ -107,10 +107,12 @@ def random_decoder(config: ModelConfig, device: torch.device, seed: int) -> Deco
 
 def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capacity: int, seed: int) -> Decoder:
     model = random_decoder(config, device, seed)
-    if mode == "graphs+compile":
+    flags = mode.split("+")
+    if "compile" in flags:
         model.use_torch_compile()
-    if mode != "eager":
+    if "graphs" in flags:
         model.use_cuda_graphs(slots, capacity)
+        model.static.in_place = model.static.in_place and "gather" not in flags
     return model
 
 
@@ -170,12 +172,24 @@ def release_memory() -> None:
 
 
 def section_tests(table: Table, args) -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", args.tests_filter, *CUDA_TESTS]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.tests_timeout)
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
-    failed = re.findall(r"^FAILED (\S+)", done.stdout, re.MULTILINE)
-    print(done.stdout[-4000:], flush=True)
-    table.add("tests", f"pytest -k {args.tests_filter}", summary.strip("= "), "; ".join(failed)[:300])
+    import importlib.util
+
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", args.tests_filter]
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", str(args.tests_workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command += ["--timeout", str(int(args.tests_timeout / 2))]
+    with tempfile.TemporaryFile("w+") as output:
+        try:
+            subprocess.run(command + CUDA_TESTS, stdout=output, stderr=subprocess.STDOUT, timeout=args.tests_timeout)
+        finally:
+            output.seek(0)
+            text = output.read()
+            print(text[-6000:], flush=True)
+    lines = text.strip().splitlines()
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.MULTILINE)
+    summary = lines[-1].strip("= ") if lines else "-"
+    table.add("tests", f"pytest -k '{args.tests_filter}'", summary, "; ".join(failed)[:300])
 
 
 def section_plain(table: Table, args, config: ModelConfig, device: torch.device, bandwidth: float) -> None:
@@ -214,6 +228,46 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
 
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def section_profile(table: Table, args, config: ModelConfig, device: torch.device) -> None:
+    """Where a graphed decode step's time goes, batch 1: the graph's replays alone
+    against the engine's whole step (the rest is the host's), and the kernels of one
+    static step run uncaptured (the same kernels a replay runs)."""
+    if device.type != "cuda":
+        table.add("profile", "skipped", "-", "needs a GPU")
+        return
+    model = build(config, device, args.profile_mode, 1, args.capacity, seed=0)
+    engine = Engine(model, eos_token_ids=[], max_num_seqs=1)
+    rate, _ = decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)
+    (key, step), *_ = [(key, step) for key, step in model.static.steps.items() if key[:2] == (1, 1)]
+    replays = 50
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        step.graph.replay()
+    synchronize()
+    replay_s = (time.perf_counter() - start) / replays
+    table.add(
+        "profile",
+        f"{args.profile_mode}, batch 1: a replay alone",
+        f"{replay_s * 1e3:.2f} ms",
+        f"of the engine's {1e3 / rate:.2f} ms a token; bucket {key[2]}",
+    )
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step.forward()
+        synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    launches = sum(e.count for e in kernels) / 3
+    busy = sum(e.device_time_total for e in kernels) / 3  # us
+    table.add("profile", "kernels a step, uncaptured", f"{launches:.0f}", f"GPU busy {busy / 1e3:.2f} ms a step")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.profile_top]:
+        table.add("profile", e.key[:70], f"{e.device_time_total / 3:.0f} us", f"{e.count / 3:.0f} launches a step")
+    del model, engine
+    release_memory()
 
 
 def section_long(table: Table, args, config: ModelConfig, device: torch.device) -> None:
@@ -386,8 +440,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--sections", type=name_list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--modes", type=name_list(MODES), default=list(MODES), help="plain decoding's settings")
-    parser.add_argument("--long-modes", type=name_list(MODES), default=["eager", "graphs"])
-    parser.add_argument("--ceiling-modes", type=name_list(MODES), default=["graphs"])
+    parser.add_argument(
+        "--long-modes", type=name_list(MODES), default=["eager", "graphs+compile", "graphs+compile+gather"]
+    )
+    parser.add_argument("--ceiling-modes", type=name_list(MODES), default=["graphs+compile"])
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
     parser.add_argument("--contexts", type=int_list, default=[4096, 16384], help="positions before decoding (long)")
     parser.add_argument("--ks", type=int_list, default=[1, 3, 5, 7, 11, 15])
@@ -396,7 +452,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ceiling-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the ceiling's settings")
     parser.add_argument("--capacity", type=int, default=1024, help="positions a cache slot holds")
+    parser.add_argument("--profile-mode", choices=MODES, default="graphs+compile")
+    parser.add_argument("--profile-top", type=int, default=12, help="kernels listed by GPU time")
     parser.add_argument("--tests-filter", default="cuda")
+    parser.add_argument("--tests-workers", type=int, default=6, help="pytest-xdist workers, where it is installed")
     parser.add_argument("--tests-timeout", type=float, default=240)
     parser.add_argument("--serve-timeout", type=float, default=180)
     parser.add_argument("--json-out", type=Path, default=None)
@@ -418,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "tests": (section_tests, args),
         "plain": (section_plain, args, target_config, device, bandwidth),
+        "profile": (section_profile, args, target_config, device),
         "long": (section_long, args, target_config, device),
         "ceiling": (section_ceiling, args, target_config, draft_config, device),
         "transformers": (section_transformers, args, target_files, device),

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from specserve.config import ModelConfig
 
 torch.set_num_threads(2)
+
+# Without a GPU, Triton's kernels (model/slot_attention.py) run on Triton's interpreter.
+# It is read when triton is first imported, which torch.compile may do, so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_config(arch: str, **overrides) -> ModelConfig:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask
 from specserve.model.kv_cache import CachePool
 
@@ -53,6 +54,7 @@ def static_forward(
     lengths: torch.Tensor,  # [B] int64: each sequence's new tokens (the rest of its n rows pad)
     bucket: int,  # positions of each slot that attention reads: >= every start + length
     scratch: int,  # the pool's scratch slot
+    in_place: bool = False,  # attention reads the pool where it lies (slot_attention.py), not a gathered copy
 ) -> torch.Tensor:  # [B n, head_size] float32: every row's logits
     """Decoder.forward for B sequences of up to n new tokens each, with shapes that
     depend on (B, n, bucket) only: no host syncs, no Python branch on a tensor's value.
@@ -68,15 +70,20 @@ def static_forward(
     row_slots = torch.where(real, slots[:, None], scratch).flatten()  # [B n]
     row_positions = positions.flatten()  # [B n]
     cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
-    visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
     config = decoder.config
-    grouped = grouped_mask(visible, config.num_heads // config.num_kv_heads)  # [B, 1, g n, bucket]: every layer's
+    if not in_place:  # the gathered copy's mask, [B, 1, g n, bucket]: built once for every layer
+        visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
+        grouped = grouped_mask(visible, config.num_heads // config.num_kv_heads)
     h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
     for i, block in enumerate(decoder.layers):
         q, k, v = block.project_rotated_qkv(h, cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
         layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
         layer_keys[row_slots, :, row_positions] = k
         layer_values[row_slots, :, row_positions] = v
+        if in_place:
+            out = slot_attention.slot_attention(q, layer_keys, layer_values, row_slots, row_positions, bucket)
+            h = block.finish(h, out.view(batch * n, -1))  # [B n, hidden]
+            continue
         keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
         values = layer_values[:, :, :bucket][slots]
         heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
@@ -98,7 +105,16 @@ class _Step:
         def forward() -> torch.Tensor:
             starts, slots, lengths = self.index
             return static_forward(
-                static.decoder, static.pool, static.rope, self.input_ids, starts, slots, lengths, bucket, self.scratch
+                static.decoder,
+                static.pool,
+                static.rope,
+                self.input_ids,
+                starts,
+                slots,
+                lengths,
+                bucket,
+                self.scratch,
+                static.in_place,
             )
 
         self.forward: Callable[[], torch.Tensor] = forward
@@ -167,6 +183,10 @@ class StaticDecode:
         self.pool = CachePool(decoder.config, decoder.dtype, decoder.device, num_slots, capacity)
         self.rope = decoder.rope_table(capacity)  # held here: a graph reads these addresses
         self.capture = decoder.device.type == "cuda"
+        # Attention in place where Triton runs it (CUDA); tests set it on the CPU under Triton's interpreter.
+        self.in_place = (
+            self.capture and slot_attention.available() and slot_attention.works_on(decoder.device, decoder.dtype)
+        )
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[tuple[int, int, int], _Step] = {}
 

@@ -15,8 +15,8 @@ from specserve.cli import main
 from specserve.engine.build import build_engine
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
-from specserve.model import graphs
-from specserve.model.decoder import Decoder, Segment
+from specserve.model import graphs, slot_attention
+from specserve.model.decoder import Decoder, Segment, grouped_attention
 from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -60,6 +60,54 @@ def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     for cache, prompt, n in zip(caches, prompts, new_tokens):  # nothing written past each sequence's rows
         assert cache.keys[:, :, len(prompt) + n :].abs().sum() == 0
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where Triton's kernels run here: the GPU, else the CPU under Triton's interpreter
+    (tests/conftest.py turns it on where there is no GPU)."""
+    if not slot_attention.available():
+        pytest.skip("Triton is not installed")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("positions", [[5, 6, 7, 2], [300, 301, 612, 1]], ids=["one-split", "several-splits"])
+def test_slot_attention_reads_each_rows_slot_in_place(triton_device, positions):
+    """Each row against its own slot's keys 0 ..= its position, read where they lie in
+    one layer of the pool (a strided view), split over 256 positions and combined:
+    grouped-query attention's numbers, rows of one sequence included."""
+    torch.manual_seed(0)
+    slots, layers, kv_heads, capacity, head_dim, heads = 3, 2, 2, 640, 16, 6
+    pool_keys, pool_values = (torch.randn(slots + 1, layers, kv_heads, capacity, head_dim) for _ in range(2))
+    keys, values = pool_keys[:, 1], pool_values[:, 1]  # [slots + 1, kv_heads, capacity, head_dim]
+    row_slots, row_positions = torch.tensor([0, 0, 2, 3]), torch.tensor(positions)
+    q = torch.randn(4, heads, head_dim)
+    on = [t.to(triton_device) for t in (q, keys, values, row_slots, row_positions)]
+    got = slot_attention.slot_attention(*on, bucket=640).cpu()  # [4, heads, hd]
+    for row, (slot, position) in enumerate(zip(row_slots, row_positions)):
+        seen = slice(0, position + 1)
+        expected = grouped_attention(q[row][:, None], keys[slot][:, seen], values[slot][:, seen])[:, 0]
+        torch.testing.assert_close(got[row], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("new_tokens", [(1, 1, 1), (1, 4, 3)])
+def test_a_static_step_attending_in_place_gives_the_gathered_steps_logits(triton_device, new_tokens):
+    model = on(random_decoder("qwen2", seed=3), triton_device)
+    model.use_cuda_graphs(num_slots=4, capacity=64)
+    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]
+    new = [[11 + i + j for j in range(n)] for i, n in enumerate(new_tokens)]
+    logits = {}
+    for in_place in (False, True):
+        model.static.in_place = in_place
+        model.static.steps.clear()  # a captured graph keeps the attention it was captured with
+        caches = [model.new_cache() for _ in prompts]
+        prompt_ids = torch.tensor([t for p in prompts for t in p], device=triton_device)
+        model(prompt_ids, [Segment(c, len(p)) for c, p in zip(caches, prompts)])
+        ids = torch.tensor([t for tokens in new for t in tokens], device=triton_device)
+        logits[in_place] = model(ids, [Segment(c, len(t)) for c, t in zip(caches, new)]).cpu()
+        for cache in caches:
+            cache.release()
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-5, rtol=1e-5)
 
 
 def test_padding_rows_never_touch_a_sequences_cache():
