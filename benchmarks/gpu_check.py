@@ -181,7 +181,9 @@ def section_tests(table: Table, args) -> None:
         command += ["--timeout", str(int(args.tests_timeout / 2))]
     with tempfile.TemporaryFile("w+") as output:
         try:
-            subprocess.run(command + CUDA_TESTS, stdout=output, stderr=subprocess.STDOUT, timeout=args.tests_timeout)
+            subprocess.run(
+                command + args.test_files, stdout=output, stderr=subprocess.STDOUT, timeout=args.tests_timeout
+            )
         finally:
             output.seek(0)
             text = output.read()
@@ -454,7 +456,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=1024, help="positions a cache slot holds")
     parser.add_argument("--profile-mode", choices=MODES, default="graphs+compile")
     parser.add_argument("--profile-top", type=int, default=12, help="kernels listed by GPU time")
-    parser.add_argument("--tests-filter", default="cuda")
+    parser.add_argument("--test-files", type=lambda v: v.split(","), default=CUDA_TESTS, help="comma-separated")
+    parser.add_argument("--tests-filter", default="cuda or slot_attention or in_place or store_keys")
     parser.add_argument("--tests-workers", type=int, default=6, help="pytest-xdist workers, where it is installed")
     parser.add_argument("--tests-timeout", type=float, default=240)
     parser.add_argument("--serve-timeout", type=float, default=180)

@@ -78,12 +78,13 @@ def static_forward(
     for i, block in enumerate(decoder.layers):
         q, k, v = block.project_rotated_qkv(h, cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
         layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
-        layer_keys[row_slots, :, row_positions] = k
-        layer_values[row_slots, :, row_positions] = v
         if in_place:
+            slot_attention.store_keys_and_values(k, v, layer_keys, layer_values, row_slots, row_positions)
             out = slot_attention.slot_attention(q, layer_keys, layer_values, row_slots, row_positions, bucket)
             h = block.finish(h, out.view(batch * n, -1))  # [B n, hidden]
             continue
+        layer_keys[row_slots, :, row_positions] = k
+        layer_values[row_slots, :, row_positions] = v
         keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
         values = layer_values[:, :, :bucket][slots]
         heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]

@@ -27,8 +27,12 @@ import torch
 
 log = logging.getLogger("specserve")
 
-SPLIT_POSITIONS = 256  # positions one program reads: 64 programs a kv head at 16k positions
-BLOCK_POSITIONS = 32  # positions a program's loop reads at once
+# Positions one program reads: at least MIN_SPLIT (a short sequence's few positions still
+# spread over several programs: one program's loop waits on each block's loads in turn),
+# and no more than MAX_SPLITS splits (the combining kernel holds every split's output).
+MIN_SPLIT = 64
+MAX_SPLITS = 64
+BLOCK_POSITIONS = 64  # positions a program's loop reads at once
 
 
 def available() -> bool:
@@ -78,8 +82,8 @@ def slot_attention(
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    splits = math.ceil(bucket / SPLIT_POSITIONS)
-    q = q.contiguous()
+    split = max(MIN_SPLIT, math.ceil(bucket / MAX_SPLITS))
+    splits = math.ceil(bucket / split)
     partial_max = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)  # [R, H, S]
     partial_sum = torch.empty_like(partial_max)  # [R, H, S]
     partial_out = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)  # [R, H, S, D]
@@ -99,11 +103,12 @@ def slot_attention(
         GROUP=group,
         GROUP_PADDED=max(16, 1 << (group - 1).bit_length()),  # tl.dot takes 16 rows at the least
         HEAD_DIM=head_dim,
-        SPLIT=SPLIT_POSITIONS,
+        SPLIT=split,
         SPLITS=splits,
         BLOCK=BLOCK_POSITIONS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exactly (tf32: a 16-bit dot's default)
     )
-    out = torch.empty_like(q)  # [R, H, D]
+    out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # [R, H, D]
     kernels.combine[(rows, heads)](
         partial_max,
         partial_sum,
@@ -115,6 +120,32 @@ def slot_attention(
         SPLITS_PADDED=1 << (splits - 1).bit_length(),
     )
     return out
+
+
+def store_keys_and_values(
+    k: torch.Tensor,  # [R, kv_heads, head_dim]: every row's new keys (any strides but the last)
+    v: torch.Tensor,  # [R, kv_heads, head_dim]
+    keys: torch.Tensor,  # [slots + 1, kv_heads, capacity, head_dim]: one layer of the pool (a view)
+    values: torch.Tensor,
+    row_slots: torch.Tensor,  # [R] int64
+    row_positions: torch.Tensor,  # [R] int64
+) -> None:
+    """keys[slot, :, position] = k and values[...] = v for every row, in one launch
+    (indexed assignment takes two kernels a tensor, and a copy of a strided k or v)."""
+    rows, kv_heads, head_dim = k.shape
+    _kernels().store[(rows, kv_heads)](
+        k,
+        v,
+        keys,
+        values,
+        row_slots,
+        row_positions,
+        *k.stride()[:2],
+        *v.stride()[:2],
+        *keys.stride()[:3],
+        *values.stride()[:3],
+        HEAD_DIM=head_dim,
+    )
 
 
 @functools.cache
@@ -148,6 +179,7 @@ def _kernels():
         SPLIT: tl.constexpr,
         SPLITS: tl.constexpr,
         BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slots_ptr + row)
@@ -172,13 +204,13 @@ def _kernels():
             seen = p < end
             k = tl.load(k_base + p[:, None] * stride_k_pos + d[None, :], mask=seen[:, None], other=0.0)  # [N, D]
             v = tl.load(v_base + p[:, None] * stride_v_pos + d[None, :], mask=seen[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G, N]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
             scores = tl.where(seen[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, 1))  # [G]: finite, the block holds a seen key
             weights = tl.exp(scores - new_max[:, None])  # [G, N]
             rescale = tl.exp(running_max - new_max)
             running_sum = running_sum * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             running_max = new_max
         at = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split  # [G]: index of (row, head, split)
         live = g < GROUP
@@ -212,9 +244,41 @@ def _kernels():
         out = tl.sum(weights[:, None] * parts, 0) / total  # [D]
         tl.store(out_ptr + row * stride_out_row + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
-    return _Kernels(attend, combine)
+    @triton.jit
+    def store(
+        k_ptr,
+        v_ptr,
+        keys_ptr,
+        values_ptr,
+        slots_ptr,
+        positions_ptr,
+        stride_k_row,
+        stride_k_head,
+        stride_v_row,
+        stride_v_head,
+        stride_keys_slot,
+        stride_keys_head,
+        stride_keys_pos,
+        stride_values_slot,
+        stride_values_head,
+        stride_values_pos,
+        HEAD_DIM: tl.constexpr,
+    ):
+        row, kv_head = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(slots_ptr + row)
+        position = tl.load(positions_ptr + row)
+        d = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_ptr + row * stride_k_row + kv_head * stride_k_head + d)
+        v = tl.load(v_ptr + row * stride_v_row + kv_head * stride_v_head + d)
+        at_keys = slot * stride_keys_slot + kv_head * stride_keys_head + position * stride_keys_pos
+        at_values = slot * stride_values_slot + kv_head * stride_values_head + position * stride_values_pos
+        tl.store(keys_ptr + at_keys + d, k)
+        tl.store(values_ptr + at_values + d, v)
+
+    return _Kernels(attend, combine, store)
 
 
 class _Kernels(NamedTuple):
     attend: Callable
     combine: Callable
+    store: Callable

@@ -74,7 +74,7 @@ def triton_device() -> str:
 @pytest.mark.parametrize("positions", [[5, 6, 7, 2], [300, 301, 612, 1]], ids=["one-split", "several-splits"])
 def test_slot_attention_reads_each_rows_slot_in_place(triton_device, positions):
     """Each row against its own slot's keys 0 ..= its position, read where they lie in
-    one layer of the pool (a strided view), split over 256 positions and combined:
+    one layer of the pool (a strided view), split over 64 positions and combined:
     grouped-query attention's numbers, rows of one sequence included."""
     torch.manual_seed(0)
     slots, layers, kv_heads, capacity, head_dim, heads = 3, 2, 2, 640, 16, 6
@@ -90,23 +90,37 @@ def test_slot_attention_reads_each_rows_slot_in_place(triton_device, positions):
         torch.testing.assert_close(got[row], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_store_keys_and_values_writes_each_rows_position(triton_device):
+    torch.manual_seed(1)
+    pool_keys, pool_values = (torch.randn(4, 2, 2, 32, 16, device=triton_device) for _ in range(2))
+    keys, values = pool_keys[:, 1], pool_values[:, 1]  # [slots + 1, kv_heads, capacity, head_dim]
+    kv = torch.randn(3, 4, 16, device=triton_device)  # keys and values side by side, as the projection gives them
+    k, v = kv.split(2, dim=1)  # [3, 2, 16] each: strided views
+    row_slots, row_positions = (
+        torch.tensor([0, 0, 3], device=triton_device),
+        torch.tensor([4, 5, 0], device=triton_device),
+    )
+    expected_keys, expected_values, other_layer = keys.clone(), values.clone(), pool_keys[:, 0].clone()
+    expected_keys[row_slots, :, row_positions], expected_values[row_slots, :, row_positions] = k, v
+    slot_attention.store_keys_and_values(k, v, keys, values, row_slots, row_positions)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    assert torch.equal(pool_keys[:, 0], other_layer)  # another layer is not touched
+
+
 @pytest.mark.parametrize("new_tokens", [(1, 1, 1), (1, 4, 3)])
 def test_a_static_step_attending_in_place_gives_the_gathered_steps_logits(triton_device, new_tokens):
-    model = on(random_decoder("qwen2", seed=3), triton_device)
-    model.use_cuda_graphs(num_slots=4, capacity=64)
     prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]
     new = [[11 + i + j for j in range(n)] for i, n in enumerate(new_tokens)]
     logits = {}
     for in_place in (False, True):
+        model = on(random_decoder("qwen2", seed=3), triton_device)
+        model.use_cuda_graphs(num_slots=4, capacity=64)
         model.static.in_place = in_place
-        model.static.steps.clear()  # a captured graph keeps the attention it was captured with
         caches = [model.new_cache() for _ in prompts]
         prompt_ids = torch.tensor([t for p in prompts for t in p], device=triton_device)
         model(prompt_ids, [Segment(c, len(p)) for c, p in zip(caches, prompts)])
         ids = torch.tensor([t for tokens in new for t in tokens], device=triton_device)
         logits[in_place] = model(ids, [Segment(c, len(t)) for c, t in zip(caches, new)]).cpu()
-        for cache in caches:
-            cache.release()
     torch.testing.assert_close(logits[True], logits[False], atol=2e-5, rtol=1e-5)
 
 
