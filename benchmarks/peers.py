@@ -274,7 +274,7 @@ def run_ours(args, run: OurRun, prompt_ids: dict[str, list[int]], report: Report
         run.dtype,
         quantization=run.quantization,
         batch_invariant=args.batch_invariant,
-        compile=run.compile,
+        compile=True if run.compile else (False if args.enforce_eager else None),
         cuda_graphs=cuda_graphs_of(args),
         max_num_seqs=1,
         device=device_of(args),
@@ -820,7 +820,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         action="store_true",
         help="our rows on CUDA graphs, an error where they cannot run (the default on a GPU; --device cuda)",
     )
-    graphs.add_argument("--enforce-eager", action="store_true", help="our rows without CUDA graphs on a GPU")
+    graphs.add_argument(
+        "--enforce-eager", action="store_true", help="our rows without CUDA graphs or torch.compile on a GPU"
+    )
     parser.add_argument(
         "--draft-quantization",
         choices=QUANTIZATIONS,

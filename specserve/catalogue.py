@@ -415,13 +415,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quantization: str = "none",
     batch_invariant: bool = False,
-    compile: bool = False,
+    compile: bool | None = False,
     device: torch.device = CPU,
 ) -> LoadedModel:
     """Load a model; with int8/int4 quantization the quantized weights are prepared once
     into the cache (see `specserve.model.quant`). batch_invariant: see
-    `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile`; device: see
-    `specserve.model.device`."""
+    `Decoder.make_batch_invariant`; compile: `Decoder.use_torch_compile` (None: where
+    it works, uncompiled with a warning elsewhere); device: see `specserve.model.device`."""
     check_quantization(quantization, dtype)
     check_device_format(device, quantization, batch_invariant)
     folder = resolve(name_or_path)
@@ -435,8 +435,8 @@ def load_model(
         move_to_huge_pages(decoder)  # before anything keeps the weights' addresses
     if batch_invariant:
         decoder.make_batch_invariant()
-    if compile:
-        decoder.use_torch_compile()
+    if compile is not False:
+        decoder.use_torch_compile(required=bool(compile))
     try:
         tokenizer = Tokenizer.from_dir(folder)
     except OSError as e:

@@ -92,6 +92,14 @@ def device_of(args: argparse.Namespace) -> torch.device:
     return resolve_device(args.device)
 
 
+def compile_of(args: argparse.Namespace) -> bool | None:
+    """build_engine's compile: True asked for, False refused (--enforce-eager), None the
+    device's default."""
+    if args.compile:
+        return True
+    return False if args.enforce_eager else None
+
+
 def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
     """build_engine's cuda_graphs: True asked for, False refused, None the device's default."""
     if args.enforce_eager:
@@ -129,9 +137,10 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         "--compile",
         action="store_true",
         help="run the target's and draft's PyTorch layers through torch.compile, compiled at "
-        "load (tens of seconds); on a GPU the compiled layers run inside the CUDA graphs; no "
-        "effect where our C kernels run (--quantization). Measured ~6%% slower on a 2-core CPU "
-        "in float32: see benchmarks/EXPERIMENTS.md",
+        "load (tens of seconds). The default on a CUDA GPU, inside the CUDA graphs, where inductor "
+        "works; this flag makes a failure an error, and compiles on the CPU too (no effect where "
+        "our C kernels run, --quantization; measured ~6%% slower on a 2-core CPU in float32: "
+        "see benchmarks/EXPERIMENTS.md)",
     )
     graphs = parser.add_mutually_exclusive_group()
     graphs.add_argument(
@@ -145,7 +154,7 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
     graphs.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs on a GPU: every step launches its kernels from Python (vLLM's flag)",
+        help="no CUDA graphs and no torch.compile on a GPU: every step launches its kernels from Python (vLLM's flag)",
     )
 
 
@@ -488,7 +497,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.max_model_len,
         args.quantization,
         args.batch_invariant,
-        compile=args.compile,
+        compile=compile_of(args),
         device=device_of(args),
         cuda_graphs=cuda_graphs_of(args),
         max_num_seqs=1,
@@ -526,7 +535,7 @@ def run_serve(args: argparse.Namespace) -> int:
             dtype=dtype_of(args),
             quantization=args.quantization,
             batch_invariant=args.batch_invariant,
-            compile=args.compile,
+            compile=compile_of(args),
             device=device_of(args),
             cuda_graphs=cuda_graphs_of(args),
             prefix_cache_space=prefix_cache_space,

@@ -38,7 +38,7 @@ def build_engine(
     max_model_len: int | None = None,
     quantization: str = "none",
     batch_invariant: bool = False,
-    compile: bool = False,
+    compile: bool | None = None,
     device: torch.device = CPU,
     cuda_graphs: bool | None = None,
     prefix_cache_space: float | None = None,
@@ -50,10 +50,13 @@ def build_engine(
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
     cuda_graphs: True asks for them (an error where they cannot run), False refuses them
     (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
+    compile likewise: None compiles on a CUDA GPU with graphs, where inductor works.
     prefix_cache_space: GiB of keys and values kept for prefix caching
     (model/prefix_cache.py), the target's and a draft model's together; None: off."""
     if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
+    if compile is None and (device.type != "cuda" or cuda_graphs is False):
+        compile = False
     target = load_model(model, dtype, quantization, batch_invariant, compile, device)
     if max_model_len is not None and not 0 < max_model_len <= target.config.max_position_embeddings:
         raise ConfigError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from specserve.model.quant import QuantizedLinear, silu_and_mul
 
 if TYPE_CHECKING:
     from specserve.model.graphs import StaticDecode
+
+log = logging.getLogger("specserve")
 
 
 @dataclass
@@ -433,6 +436,10 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+# Block methods that Decoder.use_torch_compile compiles.
+COMPILED_BLOCK_PARTS = ("project_qkv", "project_rotated_qkv", "finish")
+
+
 def _layer_runs(num_layers: int, capture: Capture | None) -> list[tuple[int, int]]:
     """[first, end) runs of layers that together cover them all, split where a
     captured layer begins."""
@@ -587,31 +594,44 @@ class Decoder(nn.Module):
         )
         self.__dict__.pop("_in_c_common", None)  # described with the old head
 
-    def use_torch_compile(self) -> None:
+    def use_torch_compile(self, required: bool = True) -> bool:
         """Run the PyTorch parts that touch no cache through torch.compile (inductor):
-        each block's norm and qkv projection, its o_proj, residual adds and MLP, and
-        the head. Inductor fuses the norms' and activations' small ops into one loop
-        each; attention and the cache stay eager. The blocks share one compiled graph
-        per shape class (one row, several rows). Parts already
-        in our C kernels (a quantized model's decode steps) do not change.
+        each block's norm and qkv projection (with RoPE, for the static step of CUDA
+        graphs), its o_proj, residual adds and MLP, and the head. Inductor fuses the
+        norms' and activations' small ops into one loop each; attention and the cache
+        stay eager. The blocks share one compiled graph per shape class (one row,
+        several rows). Parts already in our C kernels (a quantized model's decode
+        steps) do not change.
 
-        Both shape classes are compiled here, on a throwaway cache, so that compiling
-        (tens of seconds) happens at load rather than in a request, and a machine where
-        inductor cannot build (no C++ compiler) says so at once."""
+        Every piece is compiled here, for both shape classes, so that compiling (tens of
+        seconds) happens at load rather than in a request. Where inductor cannot build
+        (no C++ compiler, no Triton) the model stays uncompiled: an error naming the fix
+        if `required`, else a warning. Returns whether it is compiled."""
         for block in self.layers:
-            block.project_qkv = torch.compile(block.project_qkv, dynamic=True)
-            block.project_rotated_qkv = torch.compile(block.project_rotated_qkv, dynamic=True)  # static steps'
-            block.finish = torch.compile(block.finish, dynamic=True)
+            for name in COMPILED_BLOCK_PARTS:
+                setattr(block, name, torch.compile(getattr(block, name), dynamic=True))
         self.score_every_id = torch.compile(self.score_every_id, dynamic=True)  # a common head's rows run eagerly
-        self.compiled = True
-        cache = self.new_cache()
         try:
+            cache = self.new_cache()
             self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
             self(torch.zeros(1, dtype=torch.int64, device=self.device), [Segment(cache, 1)])  # one row
+            cos, rotated_sin = self.rope_table(2)
+            with torch.inference_mode():  # as a forward runs it
+                for rows in (2, 1):
+                    h = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+                    self.layers[0].project_rotated_qkv(h, cos[:rows], rotated_sin[:rows])
         except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
-            raise ConfigError(
-                f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]}); drop --compile"
-            ) from None
+            for block in self.layers:  # the class's own methods again
+                for name in COMPILED_BLOCK_PARTS:
+                    del block.__dict__[name]
+            del self.__dict__["score_every_id"]
+            message = f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]})"
+            if required:
+                raise ConfigError(f"{message}; drop --compile") from None
+            log.warning("%s; running uncompiled", message)
+            return False
+        self.compiled = True
+        return True
 
     def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
         """Run decode steps and verifications as CUDA graphs (model/graphs.py): every
@@ -625,7 +645,7 @@ class Decoder(nn.Module):
         from specserve.model.graphs import StaticDecode  # graphs.py builds on this module
 
         self.static = StaticDecode(self, num_slots, capacity)
-        if self.compiled:  # compile the static step's pieces now, not in a request
+        if self.compiled:  # capture the first steps now, not in a request
             self.static.warm_up()
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ class ServerConfig:
     dtype: torch.dtype = torch.float32
     quantization: str = "none"
     batch_invariant: bool = False
-    compile: bool = False  # see Decoder.use_torch_compile
+    compile: bool | None = None  # see build_engine
     cuda_graphs: bool | None = None  # see build_engine
     prefix_cache_space: float | None = None  # GiB for prefix caching (model/prefix_cache.py); None: off
     device: torch.device = CPU  # see specserve.model.device

@@ -53,7 +53,7 @@ def make_proposer(
     dtype: torch.dtype,
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
     quantization: str = "none",
-    compile: bool = False,
+    compile: bool | None = False,
 ) -> tuple[Proposer, SpecConfig]:
     """The proposer `spec` asks for, and `spec` as loading it settled it (a Medusa
     checkpoint's head count bounds k)."""

@@ -51,6 +51,25 @@ def test_a_machine_where_compile_fails_gets_a_clear_error(monkeypatch):
         model.use_torch_compile()
 
 
+def test_compile_by_default_falls_back_to_the_uncompiled_model(monkeypatch, caplog):
+    """Compiling where nobody asked (the default on a GPU): a warning, and the model's
+    own methods again."""
+    model = Decoder(tiny_config("llama")).eval()
+    ids = torch.arange(5)
+    expected = model(ids, [Segment(model.new_cache(), 5)])
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("no C++ compiler found")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    assert model.use_torch_compile(required=False) is False
+    assert "torch.compile does not work here" in caplog.text and not model.compiled
+    torch.testing.assert_close(model(ids, [Segment(model.new_cache(), 5)]), expected, rtol=0, atol=0)
+
+
 def test_compiled_static_steps_compute_what_eager_ones_do():
     """With --compile and CUDA graphs, the static step (model/graphs.py) runs the compiled
     pieces: compiled when the pool is made, not in a request, and the same numbers."""
