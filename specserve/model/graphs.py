@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (`--cuda-graphs`, `Decoder.use_cuda_graphs`).
+"""CUDA graphs of the decode step (on by default on a GPU, `Decoder.use_cuda_graphs`).
 
 Why: eager PyTorch launches each of a step's ~400 kernels (28 layers of ~15) from
 Python, so at small batch a GPU step is bound by launches, not by the GPU
@@ -12,15 +12,16 @@ step it captures (`static_forward`) is not Decoder.forward's ragged one:
   k + 1: a verification of k drafts); a sequence with fewer (another k, a prompt chunk)
   and the rows that pad the batch to a power of two write their keys and values to
   the pool's scratch slot, and their logits are dropped;
-- attention reads the first `bucket` positions of each slot (the smallest power of two
-  from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity)
-  under a causal mask made from each sequence's start.
+- attention reads each slot in place, every row up to its own position
+  (slot_attention.py, where Triton runs), or else a gathered copy of the first `bucket`
+  positions of each slot under a causal mask; `bucket` is the smallest power of two
+  from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity.
 A graph is captured for each (batch, rows, bucket) the first time a step needs it. A
 prompt's prefill of more than MAX_GRAPH_ROWS rows runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
-tests check it against Decoder.forward. Its speed on a GPU is not measured yet
-(benchmarks/README.md, "Current results: GPU").
+tests check it against Decoder.forward (Triton's kernels by its interpreter). Its speed
+on a GPU: benchmarks/README.md, "Current results: GPU".
 """
 
 from __future__ import annotations
