@@ -1,7 +1,7 @@
 """One check of a GPU machine, in one table: the CUDA tests, decode speed against the
 memory roofline (eager, CUDA graphs, graphs with --compile), long contexts, the ceiling
-of speculation with every draft accepted, transformers' static cache, and a streamed
-chat through `specserve serve`.
+of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
+heads'), transformers' static cache, and a streamed chat through `specserve serve`.
 
 Speed does not depend on the weights' values, so every model here has random weights of
 a catalogue model's shapes: only its config.json is read, and the served model's
@@ -48,8 +48,13 @@ from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
+from specserve.spec.eagle import EagleProposer  # noqa: E402
+from specserve.spec.guesses import Guesser  # noqa: E402
+from specserve.spec.heads.eagle import EagleConfig, EagleHead  # noqa: E402
+from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
+from specserve.spec.medusa import MedusaProposer  # noqa: E402
 
-SECTIONS = ("tests", "plain", "profile", "ceiling", "long", "serve", "transformers")  # the default order
+SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "long", "serve", "transformers")  # the default order
 MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather")  # gather: no in-place attention
 CUDA_TESTS = [
     "tests/model/test_graphs.py",
@@ -313,6 +318,54 @@ def section_ceiling(table: Table, args, target_config: ModelConfig, draft_config
         release_memory()
 
 
+def random_head(method: str, config: ModelConfig, device: torch.device, draft_vocab: int, medusa_heads: int):
+    """A head of `method` for a target of these shapes, random bfloat16 weights (EAGLE-3
+    over `draft_vocab` ids, as the catalogue's head)."""
+    torch.manual_seed(3)
+    with torch.device(device):
+        if method == "medusa":
+            head = MedusaHeads(MedusaConfig(medusa_heads, 1, config.hidden_size, config.vocab_size))
+        else:
+            head = EagleHead(EagleConfig.for_target(config, 3 if method == "eagle3" else 1, draft_vocab))
+            if method == "eagle3":
+                head.target_ids = torch.randperm(config.vocab_size)[:draft_vocab]
+    return head.to(DTYPE).eval()
+
+
+def section_heads(table: Table, args, config: ModelConfig, device: torch.device) -> None:
+    """The ceiling of speculation with a head drafting: random heads of the catalogue's
+    kinds on the target, every draft accepted (the steps cost what they cost whatever
+    was guessed), graphed and compiled."""
+    for method in args.head_methods:
+        target = build(config, device, args.heads_mode, 1, args.capacity, seed=0)
+        head = random_head(method, config, device, args.draft_vocab, max(args.head_ks))
+        guesser = Guesser(config.vocab_size, confidence_threshold=0.0)
+        if method == "medusa":
+            proposer = MedusaProposer(head, guesser)
+        else:
+            head.share_target(target.embed_tokens, target.lm_head)
+            proposer = EagleProposer(head, guesser)
+        engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.head_ks), max_num_seqs=1)
+        ids = prompts(1, PROMPT_TOKENS, config.vocab_size)[0]
+        rows = measure(engine, ids, args.head_ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
+        plain = rows[0]["step_s"]
+        for row in rows[1:]:
+            position = row["drafting_s"] / row["k"] / plain
+            table.add(
+                "heads",
+                f"{args.heads_mode}, {method} k = {row['k']}",
+                f"{row['full_acceptance_speedup']:.2f}x",
+                f"step {row['step_s'] * 1e3:.2f} ms (plain {plain * 1e3:.2f}); a head position {position:.3f} "
+                f"of a plain step",
+                method=method,
+                k=row["k"],
+                full_acceptance_speedup=row["full_acceptance_speedup"],
+                draft_position_share=position,
+            )
+        del target, head, proposer, engine
+        release_memory()
+
+
 def section_transformers(table: Table, args, files: Path, device: torch.device) -> None:
     import transformers
 
@@ -446,6 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--long-modes", type=name_list(MODES), default=["eager", "graphs+compile", "graphs+compile+gather"]
     )
     parser.add_argument("--ceiling-modes", type=name_list(MODES), default=["graphs+compile"])
+    parser.add_argument("--head-methods", type=name_list(("eagle", "eagle3", "medusa")), default=["eagle3", "medusa"])
+    parser.add_argument("--heads-mode", choices=MODES, default="graphs+compile")
+    parser.add_argument("--head-ks", type=int_list, default=[1, 3, 5, 7])
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="an EAGLE-3 head's draft vocabulary")
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
     parser.add_argument("--contexts", type=int_list, default=[4096, 16384], help="positions before decoding (long)")
     parser.add_argument("--ks", type=int_list, default=[1, 3, 5, 7, 11, 15])
@@ -481,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "tests": (section_tests, args),
         "plain": (section_plain, args, target_config, device, bandwidth),
         "profile": (section_profile, args, target_config, device),
+        "heads": (section_heads, args, target_config, device),
         "long": (section_long, args, target_config, device),
         "ceiling": (section_ceiling, args, target_config, draft_config, device),
         "transformers": (section_transformers, args, target_files, device),

@@ -51,6 +51,13 @@ class Capture:
     final_hidden: torch.Tensor | None = None  # out: [T, hidden]
 
 
+def in_asked_order(layers: tuple[int, ...], captured: list[torch.Tensor]) -> torch.Tensor:
+    """captured: the residual stream entering each layer of sorted(set(layers)), each
+    [T, hidden] -> [T, len(layers) * hidden] in `layers`' order (Capture.layer_inputs)."""
+    distinct = sorted(set(layers))
+    return torch.cat([captured[distinct.index(i)] for i in layers], dim=-1)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence's share of a batch: `num_tokens` new tokens appended to `cache`.
@@ -500,9 +507,9 @@ class Decoder(nn.Module):
             segments = [dataclasses.replace(s, one_query_at_a_time=False) for s in segments]
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
-        if self.static is not None and capture is None and self.static.handles(segments):
+        if self.static is not None and self.static.handles(segments):
             with attention_backends(self.device):
-                logits = self.static.run(input_ids, segments)  # [T, head_size]: every row
+                logits = self.static.run(input_ids, segments, capture)  # [T, head_size]: every row
             for seg in segments:
                 seg.cache.length += seg.num_tokens
             return logits if logits_rows is None else logits[logits_rows]  # every id: the graph holds lm_head
@@ -533,9 +540,8 @@ class Decoder(nn.Module):
         for seg in segments:
             seg.cache.length += seg.num_tokens
         if capture is not None:
-            order = sorted(capture.layers)  # captured in layer order; handed out in the asked order
             if captured:
-                capture.layer_inputs = torch.cat([captured[order.index(i)] for i in capture.layers], dim=-1)
+                capture.layer_inputs = in_asked_order(capture.layers, captured)
             if capture.final:
                 capture.final_hidden = self.norm(h)
         if logits_rows is not None:

@@ -16,7 +16,8 @@ step it captures (`static_forward`) is not Decoder.forward's ragged one:
   (slot_attention.py, where Triton runs), or else a gathered copy of the first `bucket`
   positions of each slot under a causal mask; `bucket` is the smallest power of two
   from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity.
-A graph is captured for each (batch, rows, bucket) the first time a step needs it. A
+A graph is captured for each (batch, rows, bucket), and the features a head proposer
+asks the target for (`Capture`), the first time a step needs it. A
 prompt's prefill of more than MAX_GRAPH_ROWS rows runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
@@ -26,16 +27,16 @@ on a GPU: benchmarks/README.md, "Current results: GPU".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
 from specserve.model import slot_attention
-from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask
+from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool
 
 if TYPE_CHECKING:
-    from specserve.model.decoder import Decoder, Segment
+    from specserve.model.decoder import Capture, Decoder, Segment
 
 MAX_GRAPH_ROWS = 16  # rows per sequence a graph takes: k + 1 for k up to 15 drafts
 MIN_BUCKET = 256  # positions attention reads at the least
@@ -56,11 +57,15 @@ def static_forward(
     bucket: int,  # positions of each slot that attention reads: >= every start + length
     scratch: int,  # the pool's scratch slot
     in_place: bool = False,  # attention reads the pool where it lies (slot_attention.py), not a gathered copy
-) -> torch.Tensor:  # [B n, head_size] float32: every row's logits
+    capture_layers: tuple[int, ...] = (),  # Capture.layers: the inputs of these layers, as features
+    capture_final: bool = False,  # Capture.final: the last hidden state after the final norm
+) -> list[torch.Tensor]:  # every row's logits [B n, head_size] float32, then the features asked for
     """Decoder.forward for B sequences of up to n new tokens each, with shapes that
     depend on (B, n, bucket) only: no host syncs, no Python branch on a tensor's value.
     Writes the new keys and values into the pool (a padding row's into the scratch
-    slot, at its row index) and reads each sequence's first `bucket` positions."""
+    slot, at its row index) and reads each sequence's first `bucket` positions. The
+    features are Capture's, for every row: [B n, len(capture_layers) * hidden], then
+    [B n, hidden]."""
     batch, n = input_ids.shape
     device = input_ids.device
     offsets = torch.arange(n, device=device)  # [n]
@@ -76,7 +81,10 @@ def static_forward(
         visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
         grouped = grouped_mask(visible, config.num_heads // config.num_kv_heads)
     h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
+    captured = []  # the inputs of the captured layers, in layer order
     for i, block in enumerate(decoder.layers):
+        if i in capture_layers:
+            captured.append(h)
         q, k, v = block.project_rotated_qkv(h, cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
         layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
         if in_place:
@@ -91,20 +99,35 @@ def static_forward(
         heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
         out = batched_grouped_attention(heads_first, keys, values, grouped=grouped)  # [B, heads, n, head_dim]
         h = block.finish(h, out.transpose(1, 2).reshape(batch * n, -1))  # [B n, hidden]
-    return decoder.score(h)
+    outputs = [decoder.score(h)]
+    if capture_layers:
+        outputs.append(in_asked_order(capture_layers, captured))
+    if capture_final:
+        outputs.append(decoder.norm(h))
+    return outputs
+
+
+class StepKey(NamedTuple):
+    """What a captured step is made for: its shape, and the features it captures."""
+
+    batch: int  # sequences, padded to a power of two
+    rows: int  # rows a sequence feeds
+    bucket: int  # positions attention may read
+    layers: tuple[int, ...] = ()  # Capture.layers
+    final: bool = False  # Capture.final
 
 
 class _Step:
-    """One (batch, rows, bucket)'s static inputs and output, and on a GPU its graph."""
+    """One StepKey's static inputs and outputs, and on a GPU its graph."""
 
-    def __init__(self, static: StaticDecode, batch: int, rows: int, bucket: int):
+    def __init__(self, static: StaticDecode, key: StepKey):
         device = static.decoder.device
-        self.input_ids = torch.zeros(batch, rows, dtype=torch.int64, device=device)  # [B, n]
-        self.index = torch.zeros(3, batch, dtype=torch.int64, device=device)  # [3, B]: starts, slots, lengths
+        self.input_ids = torch.zeros(key.batch, key.rows, dtype=torch.int64, device=device)  # [B, n]
+        self.index = torch.zeros(3, key.batch, dtype=torch.int64, device=device)  # [3, B]: starts, slots, lengths
         self.index[1] = static.pool.scratch  # capturing runs the step: no rows of any sequence
         self.scratch = static.pool.scratch
 
-        def forward() -> torch.Tensor:
+        def forward() -> list[torch.Tensor]:
             starts, slots, lengths = self.index
             return static_forward(
                 static.decoder,
@@ -114,18 +137,21 @@ class _Step:
                 starts,
                 slots,
                 lengths,
-                bucket,
+                key.bucket,
                 self.scratch,
                 static.in_place,
+                key.layers,
+                key.final,
             )
 
-        self.forward: Callable[[], torch.Tensor] = forward
+        self.forward: Callable[[], list[torch.Tensor]] = forward
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
-            self.graph, self.logits = _capture(forward, static.memory)
+            self.graph, self.outputs = _capture(forward, static.memory)
 
-    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """input_ids [T] of the segments, in order -> [T, head_size] logits."""
+    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+        """input_ids [T] of the segments, in order -> [T, head_size] logits, then the
+        features captured, [T, ...] each."""
         batch, rows = self.input_ids.shape
         padding = batch - len(segments)
         lengths = [s.num_tokens for s in segments]
@@ -153,18 +179,19 @@ class _Step:
         self.index.copy_(moved[: 3 * batch].view(3, batch))
         self.input_ids.view(-1).copy_(input_ids[moved[3 * batch : 3 * batch + batch * rows]])
         if self.graph is None:
-            logits = self.forward()
+            outputs = self.forward()
         else:
             self.graph.replay()
-            logits = self.logits
-        # A gather, so a copy: the next replay overwrites the graph's output.
-        return logits[moved[3 * batch + batch * rows :]]
+            outputs = self.outputs
+        # Gathers, so copies: the next replay overwrites the graph's outputs.
+        rows_of_tokens = moved[3 * batch + batch * rows :]
+        return [output[rows_of_tokens] for output in outputs]
 
 
-def _capture(forward: Callable[[], torch.Tensor], memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def _capture(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """Record `forward` as a CUDA graph, after warm-up runs on a side stream (PyTorch's
     recipe: lazy initialisation, cuBLAS workspaces and kernel choices happen outside
-    the capture). Returns the graph and its output tensor."""
+    the capture). Returns the graph and its output tensors."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -173,8 +200,8 @@ def _capture(forward: Callable[[], torch.Tensor], memory) -> tuple[torch.cuda.CU
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=memory):
-        logits = forward()
-    return graph, logits
+        outputs = forward()
+    return graph, outputs
 
 
 class StaticDecode:
@@ -190,7 +217,7 @@ class StaticDecode:
             self.capture and slot_attention.available() and slot_attention.works_on(decoder.device, decoder.dtype)
         )
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
-        self.steps: dict[tuple[int, int, int], _Step] = {}
+        self.steps: dict[StepKey, _Step] = {}
 
     def warm_up(self) -> None:
         """Build the steps of one sequence decoding and verifying one draft, so that
@@ -199,8 +226,8 @@ class StaticDecode:
         bucket = min(MIN_BUCKET, self.pool.capacity)
         with torch.inference_mode(), attention_backends(self.decoder.device):  # as Decoder.forward runs them
             for rows in (1, 2):
-                key = (1, rows, bucket)
-                self.steps[key] = step = _Step(self, *key)
+                key = StepKey(1, rows, bucket)
+                self.steps[key] = step = _Step(self, key)
                 if step.graph is None:
                     step.forward()
 
@@ -211,13 +238,21 @@ class StaticDecode:
             s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS for s in segments
         )
 
-    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """input_ids [T] -> logits [T, head_size] float32 (see `handles`); the caches'
+    def run(self, input_ids: torch.Tensor, segments: list[Segment], capture: Capture | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [T, head_size] float32 (see `handles`), and the
+        features `capture` asks for, filled in as Decoder.forward fills them; the caches'
         slots must be taken (KVCache.reserve) and their lengths not yet advanced."""
         rows = max(s.num_tokens for s in segments)
         end = max(s.cache.length + s.num_tokens for s in segments)
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
-        key = (next_power_of_two(len(segments)), rows, bucket)
+        key = StepKey(next_power_of_two(len(segments)), rows, bucket)
+        if capture is not None:
+            key = key._replace(layers=tuple(capture.layers), final=capture.final)
         if key not in self.steps:
-            self.steps[key] = _Step(self, *key)
-        return self.steps[key].run(input_ids, segments)
+            self.steps[key] = _Step(self, key)
+        logits, *features = self.steps[key].run(input_ids, segments)
+        if key.layers:
+            capture.layer_inputs = features.pop(0)
+        if key.final:
+            capture.final_hidden = features.pop(0)
+        return logits

@@ -28,7 +28,8 @@ Prefix caching: a prompt prefix loaded from the target's prefix cache has no fea
 the sequence's run starts at the first position the target computed, and the head reads
 from there, counting its positions from 0 (RoPE is relative, so that is the same head).
 It misses the prefix's context: fewer accepted guesses, never a wrong output. With CUDA
-graphs, the target's forwards that capture run eagerly (Decoder.forward).
+graphs, the target's steps capture the features inside the graph (model/graphs.py); the
+head's own steps run eagerly.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder, Segment
+from specserve.model.graphs import StepKey
 from tests.conftest import tiny_config
 
 
@@ -81,7 +82,7 @@ def test_compiled_static_steps_compute_what_eager_ones_do():
     ids = torch.randint(0, 96, (19,), generator=torch.Generator().manual_seed(1))
     for model in (eager, compiled):
         model.use_cuda_graphs(num_slots=2, capacity=64)
-    assert list(compiled.static.steps) == [(1, 1, 64), (1, 2, 64)] and not eager.static.steps
+    assert list(compiled.static.steps) == [StepKey(1, 1, 64), StepKey(1, 2, 64)] and not eager.static.steps
     graphs = counters["stats"]["unique_graphs"]
     for got, expected in zip(decode(compiled, ids), decode(eager, ids)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from specserve.engine.build import build_engine
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model import graphs, slot_attention
-from specserve.model.decoder import Decoder, Segment, grouped_attention
+from specserve.model.decoder import Capture, Decoder, Segment, grouped_attention
 from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -55,7 +55,9 @@ def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     caches = [model.new_cache() for _ in prompts]
     got = step(caches)  # [sum(new_tokens), V]
     assert [c.slot for c in caches] == [0, 1, 2] and model.static.pool.num_free == 1
-    assert list(model.static.steps) == [(4, max(new_tokens), 32)]  # 3 padded to 4; 20 + 4 positions: bucket 32
+    assert list(model.static.steps) == [
+        graphs.StepKey(4, max(new_tokens), 32)
+    ]  # 3 padded to 4; 20 + 4 positions: bucket 32
     assert [c.length for c in caches] == [len(p) + n for p, n in zip(prompts, new_tokens)]
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     for cache, prompt, n in zip(caches, prompts, new_tokens):  # nothing written past each sequence's rows
@@ -124,6 +126,31 @@ def test_a_static_step_attending_in_place_gives_the_gathered_steps_logits(triton
     torch.testing.assert_close(logits[True], logits[False], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layers, final", [((), True), ((1, 0, 1), False), ((0,), True)])
+def test_a_static_step_captures_the_eager_forwards_features(layers, final):
+    """The features a head proposer asks the target for (Capture), from a static step:
+    the eager forward's, every row in the stream's order, layers in the asked order."""
+    model = random_decoder("qwen3", seed=3)
+    prompts, new = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3]], [[11, 12, 13], [14]]
+
+    def step(caches: list[KVCache]) -> Capture:
+        model(torch.tensor([t for p in prompts for t in p]), [Segment(c, len(p)) for c, p in zip(caches, prompts)])
+        capture = Capture(layers=layers, final=final)
+        ids = torch.tensor([t for tokens in new for t in tokens])
+        model(ids, [Segment(c, len(t)) for c, t in zip(caches, new)], capture=capture)
+        return capture
+
+    expected = step([model.new_cache() for _ in prompts])
+    model.use_cuda_graphs(num_slots=2, capacity=64)
+    got = step([model.new_cache() for _ in prompts])
+    assert graphs.StepKey(2, 3, 16, layers, final) in model.static.steps  # 7 + 3 positions: bucket 16
+    for name in ("layer_inputs", "final_hidden"):
+        if getattr(expected, name) is None:
+            assert getattr(got, name) is None
+        else:
+            torch.testing.assert_close(getattr(got, name), getattr(expected, name), atol=2e-5, rtol=1e-5)
+
+
 def test_padding_rows_never_touch_a_sequences_cache():
     model = random_decoder("qwen2", seed=4)
     model.use_cuda_graphs(num_slots=4, capacity=64)
@@ -147,7 +174,7 @@ def test_a_static_step_reads_no_tensor_value_on_the_host(arch):
         cache.reserve(length)
         cache.length = length
     logits = model(torch.zeros(6, dtype=torch.int64, device="meta"), [Segment(c, 3) for c in caches])
-    assert logits.shape == (6, 96) and list(model.static.steps) == [(2, 3, 16)]
+    assert logits.shape == (6, 96) and list(model.static.steps) == [graphs.StepKey(2, 3, 16)]
 
 
 def run(
@@ -193,7 +220,7 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
     outputs, engine = run(graphed_target, make_proposer, requests, adaptive, max_num_seqs=2)
     assert outputs == expected
     assert graphed_target.static.pool.num_free == 2 and graphed_draft.static.pool.num_free == 2
-    target_rows = {rows for _, rows, _ in graphed_target.static.steps}
+    target_rows = {key.rows for key in graphed_target.static.steps}
     assert 8 in target_rows  # prompt chunks of 8 beside the decoding rows
     if proposer_kind == "none":
         assert 1 in target_rows
@@ -201,7 +228,7 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
         assert engine.spec_stats.num_draft_tokens > 0
         assert max(target_rows) > 1  # verifications were static steps too
     if proposer_kind == "draft":
-        assert (1, 1) in {(batch, rows) for batch, rows, _ in graphed_draft.static.steps}  # a draft position
+        assert (1, 1) in {key[:2] for key in graphed_draft.static.steps}  # a draft position
 
 
 def test_a_slot_is_taken_at_the_first_step_and_given_back_at_the_end():

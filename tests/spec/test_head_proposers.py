@@ -7,6 +7,8 @@ distribution on float and int4 targets alike (a quantized target's head quantize
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -94,6 +96,27 @@ def test_greedy_output_is_the_targets_in_ragged_batches_of_chunked_prompts(noisy
     assert not engine.running and not proposer.features.runs
     if method != "medusa":
         assert not proposer.caches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, device):
+    """The target's static steps capture the features the head reads (model/graphs.py):
+    verifications run as graphs (eagerly on the CPU) and the output stays plain decoding's."""
+    target, perm = noisy
+    head = copy.deepcopy(right_head(method, target, perm)).to(device)
+    graphed = copy.deepcopy(target).to(device)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    proposer = proposer_of(head, graphed)
+    engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefill_chunk_size=8)
+    requests = [(p, GREEDY) for p in PROMPTS]
+    for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+        assert seq.output_ids == plain_tokens(target, prompt, params)
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    captured = [key for key in graphed.static.steps if key.layers or key.final]
+    assert max(key.rows for key in captured) > 1  # verifications were static steps that captured
+    assert graphed.static.pool.num_free == 4
 
 
 @pytest.mark.parametrize("method", METHODS)
