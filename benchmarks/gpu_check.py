@@ -55,7 +55,9 @@ from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from specserve.spec.medusa import MedusaProposer  # noqa: E402
 
 SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "long", "serve", "transformers")  # the default order
-MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather")  # gather: no in-place attention
+# gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
+# max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling)
+MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather", "graphs+autotune")
 CUDA_TESTS = [
     "tests/model/test_graphs.py",
     "tests/model/test_device.py",
@@ -115,6 +117,8 @@ def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capa
     flags = mode.split("+")
     if "compile" in flags:
         model.use_torch_compile()
+    if "autotune" in flags:
+        model.use_torch_compile(mode="max-autotune-no-cudagraphs")
     if "graphs" in flags:
         model.use_cuda_graphs(slots, capacity)
         model.static.in_place = model.static.in_place and "gather" not in flags

@@ -600,7 +600,7 @@ class Decoder(nn.Module):
         )
         self.__dict__.pop("_in_c_common", None)  # described with the old head
 
-    def use_torch_compile(self, required: bool = True) -> bool:
+    def use_torch_compile(self, required: bool = True, mode: str | None = None) -> bool:
         """Run the PyTorch parts that touch no cache through torch.compile (inductor):
         each block's norm and qkv projection (with RoPE, for the static step of CUDA
         graphs), its o_proj, residual adds and MLP, and the head. Inductor fuses the
@@ -612,11 +612,12 @@ class Decoder(nn.Module):
         Every piece is compiled here, for both shape classes, so that compiling (tens of
         seconds) happens at load rather than in a request. Where inductor cannot build
         (no C++ compiler, no Triton) the model stays uncompiled: an error naming the fix
-        if `required`, else a warning. Returns whether it is compiled."""
+        if `required`, else a warning. Returns whether it is compiled. mode: torch.compile's
+        (None: its default)."""
         for block in self.layers:
             for name in COMPILED_BLOCK_PARTS:
-                setattr(block, name, torch.compile(getattr(block, name), dynamic=True))
-        self.score_every_id = torch.compile(self.score_every_id, dynamic=True)  # a common head's rows run eagerly
+                setattr(block, name, torch.compile(getattr(block, name), dynamic=True, mode=mode))
+        self.score_every_id = torch.compile(self.score_every_id, dynamic=True, mode=mode)  # common rows: eager
         try:
             cache = self.new_cache()
             self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
