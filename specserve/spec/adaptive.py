@@ -8,7 +8,9 @@ history, position by position (`Acceptance`).
 
 Costs are measured from the engine's own timings, recent ones weighing more:
 - the target's forward by its row count, each count as measured (`ForwardCosts`): on our
-  CPU kernels 9-16 rows take a second pass of arithmetic, a cost no line follows;
+  CPU kernels 9-16 rows take a second pass of arithmetic, a cost no line follows; a
+  plain step that no forward measured (every step drafted) is measured once by a plain
+  step (`measuring_plain`);
 - drafting as a line, draft_fixed + per_position * k, timed only on proposer calls with
   at most MAX_CATCH_UP tokens to catch up;
 - reading a backlog into the draft (a new prompt, the tokens of plain steps) as a line
@@ -67,11 +69,12 @@ COSTS_KNOWN_STEPS = 64
 # streak the estimate values untried depths like the deepest tried, and 16 verified rows
 # cost twice 8 on our CPU kernels ("k walks up at most K_GROWTH past the depths tried").
 K_GROWTH = 4
-DEEPEST_ASKED_WEIGHT = 0.1
-# Weight of older observations after each new one. Acceptance: a memory of ~7 steps,
-# short enough to follow the text ("A run of drafting goes on at 0.97x": a longer one
-# lost under dearer drafts). Timings: a memory of ~30 forwards.
-ACCEPTANCE_DECAY = 0.85
+DEEPEST_ASKED_WEIGHT = 0.5
+# Weight of older observations after each new one. Acceptance: a memory of ~20 steps;
+# a shorter one follows the text sooner but ends runs of drafting that pay on a few
+# unlucky steps, once plain decoding is priced as measured ("Plain decoding measured,
+# not priced from the drafting steps"). Timings: a memory of ~30 forwards.
+ACCEPTANCE_DECAY = 0.95
 TIMING_DECAY = 0.97
 # Weight of a row count's past costs at each new forward of that many rows, and of the
 # machine's past pace at each forward of a count measured before: the pace follows a
@@ -95,6 +98,11 @@ INTERIOR_BEND = 2.0
 # weight of one step; a position never reached leans on the one before it likewise
 # ("PRIOR_RATE and MIN_SPEEDUP near break-even").
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 1.0
+# Target steps after which a plain step (one row a sequence) never measured is measured
+# once: priced from the drafting steps' forwards by the prior's slope, it came out ~15%
+# dear on our CPU kernels, and a head guessing right a fifth of the time looked worth
+# its row (same entry).
+PLAIN_MEASURED_AFTER = 16
 # Plain steps before a probe; the gap doubles after each drafting run shorter than
 # PROBE_INTERVAL steps, up to the max. A probe drafts 3 tokens: 2 of 2 accepted is
 # a coin flip on open-ended text ("Replayed on recorded traces: the prior's unit,
@@ -180,6 +188,10 @@ class ForwardCosts:
             return shape[high] + slope * (rows - high)
         near = counts[min(above, len(counts) - 1)]  # below every count measured, or past the one
         return shape[near] * self._prior(rows) / self._prior(near)
+
+    def measured_only_above(self, rows: int) -> bool:
+        """Whether every count measured is larger than `rows` (and some is)."""
+        return bool(self._counts) and rows < self._counts[0]
 
     def seconds(self, rows: float) -> float:
         """Predicted seconds of a forward of `rows` rows; between two counts (an
@@ -424,6 +436,10 @@ class AdaptiveSpecLength:
         """k for each decoding sequence of this step (before any cap on remaining tokens);
         backlogs and remaining (per sequence): see `read_cost`; others: see `batch_ks`."""
         states = [self._state(seq_id) for seq_id in seq_ids]
+        if self.measuring_plain(len(seq_ids) + others):  # a pause: runs, probes and their clocks go on after
+            for state in states:
+                state.chosen, state.probing = 0, False
+            return [0] * len(states)
         read_costs = [0.0] * len(states)
         if backlogs is not None and remaining is not None:
             read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
@@ -450,6 +466,11 @@ class AdaptiveSpecLength:
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
         return ks
+
+    def measuring_plain(self, batch: int) -> bool:
+        """Whether this step decodes plainly to measure a plain step of `batch`
+        sequences, which every forward so far outgrew (PLAIN_MEASURED_AFTER)."""
+        return self.target_steps >= PLAIN_MEASURED_AFTER and self.target.measured_only_above(batch)
 
     def _speedup_after_a_full_probe(self, batch: int) -> float:
         """The predicted speedup of a sequence whose probe was fully accepted: `record`
@@ -504,6 +525,8 @@ class AdaptiveSpecLength:
         plain = self.plain_step(batch)
         if plain <= 0:
             return list(proposed)
+        if self.measuring_plain(batch):
+            return [0] * len(proposed)
         value = MIN_SPEEDUP * batch / plain  # tokens a second of the forward must earn
         rows, ks = batch, []
         for seq_id, most in zip(seq_ids, proposed):

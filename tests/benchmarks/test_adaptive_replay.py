@@ -79,16 +79,20 @@ DEARER = [
 ]
 # Known gaps, where drafting is near break-even on open-ended text (a 1.5x dearer draft):
 # a new sequence's first drafting on the prior, and the few exploring steps after it, cost
-# up to 7% there; these cells give 0.929-0.949x plain (a new engine on the tiles traces at
-# 2x, 0.943x, is not in DEARER). benchmarks/EXPERIMENTS.md: "The replay prices as the
-# engine does", "PRIOR_RATE and MIN_SPEEDUP near break-even".
+# up to 7% there, and a memory of ~20 steps (ACCEPTANCE_DECAY) ends a losing run later;
+# these cells give 0.929-0.949x plain (a new engine on the tiles traces at 2x, 0.943x, is
+# not in DEARER). benchmarks/EXPERIMENTS.md: "The replay prices as the engine does",
+# "PRIOR_RATE and MIN_SPEEDUP near break-even", "Plain decoding measured, not priced from
+# the drafting steps".
 NEAR_BREAK_EVEN = {
     ("zen5-tiles", 1.5, True): 0.94,
+    ("zen5-tiles", 1.5, False): 0.94,
     ("zen4", 1.5, False): 0.92,
     ("zen5", 1.5, False): 0.94,
     ("zen4", 1.5, True): 0.94,
-    ("zen5", 1.5, True): 0.94,
+    ("zen5", 1.5, True): 0.93,
     ("zen5-huge-pages", 1.5, True): 0.92,
+    ("zen5-huge-pages", 1.5, False): 0.94,
 }
 
 
@@ -104,6 +108,23 @@ def test_where_drafting_does_not_pay_adaptive_stays_near_plain(scale, warm, mach
     if scale >= 2:
         assert all(speed >= 0.98 for speed in adaptive.values()), adaptive
         assert max(suite_speedups(costs, 3, traces=traces).values()) < 0.9  # a scenario where drafting loses
+
+
+HEAD_TRACES = {
+    method: load_traces(ZEN4_FILE.with_name(f"head_traces_{method}.json")) for method in ("eagle3", "medusa")
+}
+
+
+@pytest.mark.parametrize("method", HEAD_TRACES)
+@pytest.mark.parametrize("warm", [True, False], ids=["serving", "new-engine"])
+def test_with_a_head_adaptive_is_never_slower_than_plain_on_any_prompt(method, warm):
+    """The catalogue's heads, chain by chain: a head position costs 0.04 of a plain step,
+    so a verified row is what drafting pays; where its guesses are right too seldom
+    (`repeat` without lookups, every fixed k 0.85-0.89x), adaptive decodes plainly."""
+    costs, traces = HEAD_TRACES[method]
+    table = speedups(traces, costs, [None], warm=warm)
+    assert min(row[None] for row in table.values()) >= 0.98, table
+    assert geomean([table[t.name][None] for t in traces if t.suite == "structured"]) > 1.1
 
 
 def test_replay_counts_every_token_once():

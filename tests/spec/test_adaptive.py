@@ -108,14 +108,33 @@ def test_a_lookup_is_verified_as_far_as_its_rows_pay():
         ctl.record_lookup(2, 7, 3)  # right three tokens deep
     assert ctl.lookup_ks([1], [7], batch=1) == [7]
     assert ctl.lookup_ks([3], [7], batch=1) == [7]
-    # Three deep, and a fourth row: that position leans on the third's rate (Acceptance),
-    # ~13%, which still outweighs what one row costs alone; the rest do not.
-    assert ctl.lookup_ks([2], [7], batch=1) == [4]
+    # Three deep: a fourth position, never reached, leans on the third's rate only by the
+    # prior's fading weight (Acceptance), too little for what its row costs.
+    assert ctl.lookup_ks([2], [7], batch=1) == [3]
     assert ctl.lookup_ks([2], [7], batch=8) == [0]
     assert ctl.lookup_ks([1, 2], [7, 7], batch=8) == [7, 1]
     assert ctl.lookup_ks([1], [4], batch=8) == [0]  # 4 rows do not pay for the second pass
     ctl.free(1)
     assert 1 not in ctl.lookups
+
+
+def test_a_plain_step_never_measured_is_measured_once():
+    """A sequence that drafts from its first step never runs a one-row forward, so its
+    plain step would be priced from the deeper ones by the prior's slope (on our CPU
+    kernels ~15% dear, which makes a weak draft look worth its rows). After
+    PLAIN_MEASURED_AFTER target steps, one step decodes plainly, lookups included."""
+    ctl = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.04)
+    for step in range(adaptive_module.PLAIN_MEASURED_AFTER):
+        assert not ctl.measuring_plain(1)
+        ctl.choose([1])
+        ctl.observe_target(2, tiled_forward(2))  # every step drafted one token
+        ctl.record(1, 1, 1)
+    assert ctl.choose([1]) == [0] and ctl.lookup_ks([1], [5], batch=1) == [0]
+    ctl.observe_target(1, tiled_forward(1))
+    ctl.record(1, 0, 0)
+    assert ctl.plain_step(1) == pytest.approx(tiled_forward(1))
+    assert not ctl.measuring_plain(1) and not ctl.measuring_plain(2)  # both counts measured
+    assert ctl.choose([1]) != [0]  # every guess was right: drafting goes on
 
 
 def test_a_row_count_never_measured_is_priced_low_until_it_is():
