@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from specserve import catalogue  # noqa: E402
 from specserve.bench.measured_ceiling import best, measure  # noqa: E402
+from specserve.bench.options import comma_list  # noqa: E402
 from specserve.bench.roofline import measure_read_bandwidth  # noqa: E402
 from specserve.config import ModelConfig  # noqa: E402
 from specserve.engine.engine import Engine  # noqa: E402
@@ -294,30 +295,35 @@ def section_long(table: Table, args, config: ModelConfig, device: torch.device) 
         release_memory()
 
 
+def add_ceiling_rows(table: Table, section: str, label: str, engine: Engine, ks: list[int], args) -> None:
+    """The engine's measured ceiling per k (every draft accepted: measured_ceiling.py),
+    a draft position's share of a plain step, and the best k."""
+    ids = prompts(1, PROMPT_TOKENS, engine.target.config.vocab_size)[0]
+    rows = measure(engine, ids, ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
+    plain = rows[0]["step_s"]
+    for row in rows[1:]:
+        position = row["drafting_s"] / row["k"] / plain
+        table.add(
+            section,
+            f"{label} k = {row['k']}",
+            f"{row['full_acceptance_speedup']:.2f}x",
+            f"step {row['step_s'] * 1e3:.2f} ms (plain {plain * 1e3:.2f}); a draft position {position:.3f} "
+            f"of a plain step; break-even {row['break_even_tokens']:.2f} tokens",
+            k=row["k"],
+            full_acceptance_speedup=row["full_acceptance_speedup"],
+            draft_position_share=position,
+        )
+    top = best(rows)
+    table.add(section, f"{label}, best k", f"{top['full_acceptance_speedup']:.2f}x", f"k = {top['k']}")
+
+
 def section_ceiling(table: Table, args, target_config: ModelConfig, draft_config: ModelConfig, device) -> None:
     for mode in args.ceiling_modes:
         target = build(target_config, device, mode, 1, args.capacity, seed=0)
         draft = build(draft_config, device, mode, 1, args.capacity, seed=1)
         proposer = DraftModelProposer(draft, confidence_threshold=0.0)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.ks), max_num_seqs=1)
-        ids = prompts(1, PROMPT_TOKENS, target_config.vocab_size)[0]
-        rows = measure(engine, ids, args.ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
-        plain = rows[0]["step_s"]
-        for row in rows[1:]:
-            position = row["drafting_s"] / row["k"] / plain
-            table.add(
-                "ceiling",
-                f"{mode}, draft model k = {row['k']}",
-                f"{row['full_acceptance_speedup']:.2f}x",
-                f"step {row['step_s'] * 1e3:.2f} ms (plain {plain * 1e3:.2f}); a draft position {position:.2f} "
-                f"of a plain step; break-even {row['break_even_tokens']:.2f} tokens",
-                mode=mode,
-                k=row["k"],
-                full_acceptance_speedup=row["full_acceptance_speedup"],
-                draft_position_share=position,
-            )
-        top = best(rows)
-        table.add("ceiling", f"{mode}, best k", f"{top['full_acceptance_speedup']:.2f}x", f"k = {top['k']}")
+        add_ceiling_rows(table, "ceiling", f"{mode}, draft model", engine, args.ks, args)
         del target, draft, engine, proposer
         release_memory()
 
@@ -350,22 +356,7 @@ def section_heads(table: Table, args, config: ModelConfig, device: torch.device)
             head.share_target(target.embed_tokens, target.lm_head)
             proposer = EagleProposer(head, guesser)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.head_ks), max_num_seqs=1)
-        ids = prompts(1, PROMPT_TOKENS, config.vocab_size)[0]
-        rows = measure(engine, ids, args.head_ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
-        plain = rows[0]["step_s"]
-        for row in rows[1:]:
-            position = row["drafting_s"] / row["k"] / plain
-            table.add(
-                "heads",
-                f"{args.heads_mode}, {method} k = {row['k']}",
-                f"{row['full_acceptance_speedup']:.2f}x",
-                f"step {row['step_s'] * 1e3:.2f} ms (plain {plain * 1e3:.2f}); a head position {position:.3f} "
-                f"of a plain step",
-                method=method,
-                k=row["k"],
-                full_acceptance_speedup=row["full_acceptance_speedup"],
-                draft_position_share=position,
-            )
+        add_ceiling_rows(table, "heads", f"{args.heads_mode}, {method}", engine, args.head_ks, args)
         del target, head, proposer, engine
         release_memory()
 
@@ -480,30 +471,23 @@ def int_list(value: str) -> list[int]:
     return [int(v) for v in value.split(",") if v]
 
 
-def name_list(known: tuple[str, ...]):
-    def parse(value: str) -> list[str]:
-        names = [v for v in value.split(",") if v]
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(known)}")
-        return names
-
-    return parse
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
     parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
     parser.add_argument("--models", type=Path, default=None, help="a folder of NAME/config.json (+ tokenizer files)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--sections", type=name_list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--modes", type=name_list(MODES), default=list(MODES), help="plain decoding's settings")
+    parser.add_argument("--sections", type=comma_list(SECTIONS, "section(s)"), default=list(SECTIONS))
     parser.add_argument(
-        "--long-modes", type=name_list(MODES), default=["eager", "graphs+compile", "graphs+compile+gather"]
+        "--modes", type=comma_list(MODES, "mode(s)"), default=list(MODES), help="plain decoding's settings"
     )
-    parser.add_argument("--ceiling-modes", type=name_list(MODES), default=["graphs+compile"])
-    parser.add_argument("--head-methods", type=name_list(("eagle", "eagle3", "medusa")), default=["eagle3", "medusa"])
+    parser.add_argument(
+        "--long-modes", type=comma_list(MODES, "mode(s)"), default=["eager", "graphs+compile", "graphs+compile+gather"]
+    )
+    parser.add_argument("--ceiling-modes", type=comma_list(MODES, "mode(s)"), default=["graphs+compile"])
+    parser.add_argument(
+        "--head-methods", type=comma_list(("eagle", "eagle3", "medusa"), "method(s)"), default=["eagle3", "medusa"]
+    )
     parser.add_argument("--heads-mode", choices=MODES, default="graphs+compile")
     parser.add_argument("--head-ks", type=int_list, default=[1, 3, 5, 7])
     parser.add_argument("--draft-vocab", type=int, default=32768, help="an EAGLE-3 head's draft vocabulary")

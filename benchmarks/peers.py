@@ -55,6 +55,7 @@ from gguf import GGUFReader
 
 from specserve import catalogue
 from specserve.bench.gguf_file import gguf_file, gguf_format
+from specserve.bench.options import comma_list
 from specserve.bench.quality import common_prefix_length, fixed_text_ids, perplexity, prefix_agreement
 from specserve.bench.roofline import (
     arithmetic_of,
@@ -756,17 +757,6 @@ def print_quality(rows: list[dict], fmt: str) -> None:
 
 
 # ---------------------------------------------------------------- flags and main
-
-
-def comma_list(known: tuple[str, ...], flag: str) -> Callable[[str], list[str]]:
-    def parse(value: str) -> list[str]:
-        chosen = [v for v in value.split(",") if v]
-        unknown = [v for v in chosen if v not in known]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {flag} {unknown}; choose from {', '.join(known)}")
-        return chosen
-
-    return parse
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from specserve.bench import emf, suites
 from specserve.bench.client import ENDPOINTS
@@ -242,3 +242,17 @@ def _goodput(pairs: list[str] | None) -> dict[str, float] | None:
             )
         slos[key] = limit
     return slos
+
+
+def comma_list(known: tuple[str, ...], flag: str) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of `known` (else the error
+    names the flag and the choices)."""
+
+    def parse(value: str) -> list[str]:
+        chosen = [v for v in value.split(",") if v]
+        unknown = [v for v in chosen if v not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {flag} {unknown}; choose from {', '.join(known)}")
+        return chosen
+
+    return parse
