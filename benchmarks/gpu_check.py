@@ -127,7 +127,8 @@ def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capa
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    return [[(97 * b + 31 * i) % (vocab - 1000) + 100 for i in range(length)] for b in range(batch)]
+    """`batch` prompts of `length` token ids of [0, vocab), each its own."""
+    return [[(97 * b + 31 * i + 7) % vocab for i in range(length)] for b in range(batch)]
 
 
 def decode_rate(engine: Engine, batch: int, prompt_len: int, tokens: int) -> tuple[float, list[list[int]]]:

@@ -1,0 +1,41 @@
+"""benchmarks/gpu_check.py on the CPU with tiny shapes: every section but the ones that
+need a GPU or a tokenizer runs and fills its rows (the figures mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import gpu_check
+from tests.conftest import tiny_config
+
+
+def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
+    for name, layers in (("target", 3), ("draft", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(tiny_config("qwen2", num_layers=layers).to_hf()))
+    out = tmp_path / "check.json"
+    args = ["--device", "cpu", "--models", str(tmp_path), "--target", "target", "--draft", "draft"]
+    args += ["--sections", "plain,profile,ceiling,heads,long", "--modes", "eager,graphs", "--batches", "1,2"]
+    args += ["--tokens", "6", "--batch-tokens", "4", "--contexts", "40", "--long-modes", "graphs"]
+    args += ["--ks", "1,2", "--head-ks", "1,2", "--ceiling-tokens", "16", "--rounds", "1", "--draft-vocab", "48"]
+    args += ["--ceiling-modes", "graphs", "--heads-mode", "graphs", "--json-out", str(out)]
+    assert gpu_check.main(args) == 0
+    rows = json.loads(out.read_text())
+    assert not [r for r in rows if r["what"] == "failed"], rows
+    plain = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "plain"}
+    assert set(plain) == {(m, b) for m in ("eager", "graphs") for b in (1, 2)} and min(plain.values()) > 0
+    assert {r["what"] for r in rows if r["section"] == "profile"} == {"skipped"}  # a GPU's
+    heads = [r for r in rows if r["section"] == "heads" and "k" in r]
+    assert {(r["what"].split(",")[1].split()[0], r["k"]) for r in heads} == {
+        (m, k) for m in ("eagle3", "medusa") for k in (1, 2)
+    }
+    assert len([r for r in rows if r["section"] == "ceiling" and "k" in r]) == 2
+    assert "| section | what | figure | note |" in capsys.readouterr().out
+
+
+def test_an_unknown_section_is_refused_by_name(capsys):
+    try:
+        gpu_check.main(["--sections", "plain,bogus"])
+    except SystemExit as exit:
+        assert exit.code == 2
+    assert "unknown section(s) ['bogus']" in capsys.readouterr().err
