@@ -652,8 +652,6 @@ class Decoder(nn.Module):
         from specserve.model.graphs import StaticDecode  # graphs.py builds on this module
 
         self.static = StaticDecode(self, num_slots, capacity)
-        if self.compiled:  # capture the first steps now, not in a request
-            self.static.warm_up()
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's

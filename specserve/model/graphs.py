@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 
 from specserve.model import slot_attention
-from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
+from specserve.model.decoder import batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool
 
 if TYPE_CHECKING:
@@ -218,18 +218,6 @@ class StaticDecode:
         )
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[StepKey, _Step] = {}
-
-    def warm_up(self) -> None:
-        """Build the steps of one sequence decoding and verifying one draft, so that
-        whatever a first step compiles (`Decoder.use_torch_compile`) and captures
-        happens here; on the CPU, where nothing is captured, by running them once."""
-        bucket = min(MIN_BUCKET, self.pool.capacity)
-        with torch.inference_mode(), attention_backends(self.decoder.device):  # as Decoder.forward runs them
-            for rows in (1, 2):
-                key = StepKey(1, rows, bucket)
-                self.steps[key] = step = _Step(self, key)
-                if step.graph is None:
-                    step.forward()
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this

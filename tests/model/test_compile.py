@@ -73,7 +73,7 @@ def test_compile_by_default_falls_back_to_the_uncompiled_model(monkeypatch, capl
 
 def test_compiled_static_steps_compute_what_eager_ones_do():
     """With --compile and CUDA graphs, the static step (model/graphs.py) runs the compiled
-    pieces: compiled when the pool is made, not in a request, and the same numbers."""
+    pieces: compiled at load (RoPE's piece too), not in a request, and the same numbers."""
     torch.manual_seed(0)
     eager = Decoder(tiny_config("qwen2")).eval()
     compiled = Decoder(tiny_config("qwen2")).eval()
@@ -82,8 +82,8 @@ def test_compiled_static_steps_compute_what_eager_ones_do():
     ids = torch.randint(0, 96, (19,), generator=torch.Generator().manual_seed(1))
     for model in (eager, compiled):
         model.use_cuda_graphs(num_slots=2, capacity=64)
-    assert list(compiled.static.steps) == [StepKey(1, 1, 64), StepKey(1, 2, 64)] and not eager.static.steps
     graphs = counters["stats"]["unique_graphs"]
     for got, expected in zip(decode(compiled, ids), decode(eager, ids)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled in a request
+    assert StepKey(1, 1, 64) in compiled.static.steps  # the decode steps were static ones
