@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import gpu_check
 from tests.conftest import tiny_config
 
@@ -34,8 +36,7 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
 
 
 def test_an_unknown_section_is_refused_by_name(capsys):
-    try:
+    with pytest.raises(SystemExit) as exit:
         gpu_check.main(["--sections", "plain,bogus"])
-    except SystemExit as exit:
-        assert exit.code == 2
+    assert exit.value.code == 2
     assert "unknown section(s) ['bogus']" in capsys.readouterr().err
