@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +50,15 @@ class Capture:
     final: bool = False
     layer_inputs: torch.Tensor | None = None  # out: [T, len(layers) * hidden], in `layers` order
     final_hidden: torch.Tensor | None = None  # out: [T, hidden]
+
+    def fill(self, features: list[torch.Tensor]) -> None:
+        """Take a static step's features: the layer inputs where layers are asked for,
+        then the final hidden state where it is."""
+        features = list(features)
+        if self.layers:
+            self.layer_inputs = features.pop(0)
+        if self.final:
+            self.final_hidden = features.pop(0)
 
 
 def in_asked_order(layers: tuple[int, ...], captured: list[torch.Tensor]) -> torch.Tensor:
@@ -509,7 +519,9 @@ class Decoder(nn.Module):
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         if self.static is not None and self.static.handles(segments):
             with attention_backends(self.device):
-                logits = self.static.run(input_ids, segments, capture)  # [T, head_size]: every row
+                logits, *features = self.static.run(input_ids, segments, capture)  # [T, head_size]: every row
+            if capture is not None:
+                capture.fill(features)
             for seg in segments:
                 seg.cache.length += seg.num_tokens
             return logits if logits_rows is None else logits[logits_rows]  # every id: the graph holds lm_head
@@ -649,9 +661,17 @@ class Decoder(nn.Module):
             raise ConfigError("CUDA graphs are on already")
         if num_slots < 1 or capacity < 1:
             raise ConfigError(f"a cache pool needs at least one slot and position, got {num_slots} and {capacity}")
-        from specserve.model.graphs import StaticDecode  # graphs.py builds on this module
+        from specserve.model.graphs import StaticDecode, decoder_step  # graphs.py builds on this module
 
-        self.static = StaticDecode(self, num_slots, capacity)
+        self.static = StaticDecode(
+            self.config,
+            self.dtype,
+            self.device,
+            num_slots,
+            capacity,
+            self.rope_table(capacity),
+            partial(decoder_step, self),
+        )
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and rotated_sin (see apply_rope) [>= length, head_dim] in the model's

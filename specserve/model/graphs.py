@@ -36,6 +36,7 @@ from specserve.model.decoder import batched_grouped_attention, grouped_mask, in_
 from specserve.model.kv_cache import CachePool
 
 if TYPE_CHECKING:
+    from specserve.config import ModelConfig
     from specserve.model.decoder import Capture, Decoder, Segment
 
 MAX_GRAPH_ROWS = 16  # rows per sequence a graph takes: k + 1 for k up to 15 drafts
@@ -46,63 +47,92 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def static_forward(
-    decoder: Decoder,
-    pool: CachePool,
-    rope: tuple[torch.Tensor, torch.Tensor],  # cos, rotated_sin [>= capacity, head_dim] (Decoder.rope_table)
-    input_ids: torch.Tensor,  # [B, n] int64: each sequence's new tokens, padded to n
-    starts: torch.Tensor,  # [B] int64: positions each sequence has cached already
-    slots: torch.Tensor,  # [B] int64: each sequence's pool slot
-    lengths: torch.Tensor,  # [B] int64: each sequence's new tokens (the rest of its n rows pad)
-    bucket: int,  # positions of each slot that attention reads: >= every start + length
-    scratch: int,  # the pool's scratch slot
-    in_place: bool = False,  # attention reads the pool where it lies (slot_attention.py), not a gathered copy
-    capture_layers: tuple[int, ...] = (),  # Capture.layers: the inputs of these layers, as features
-    capture_final: bool = False,  # Capture.final: the last hidden state after the final norm
-) -> list[torch.Tensor]:  # every row's logits [B n, head_size] float32, then the features asked for
-    """Decoder.forward for B sequences of up to n new tokens each, with shapes that
-    depend on (B, n, bucket) only: no host syncs, no Python branch on a tensor's value.
-    Writes the new keys and values into the pool (a padding row's into the scratch
-    slot, at its row index) and reads each sequence's first `bucket` positions. The
-    features are Capture's, for every row: [B n, len(capture_layers) * hidden], then
-    [B n, hidden]."""
-    batch, n = input_ids.shape
-    device = input_ids.device
+class StepInputs(NamedTuple):
+    """The static tensors a captured step reads, written before each replay."""
+
+    input_ids: torch.Tensor  # [B, n] int64: each sequence's new tokens, padded to n
+    starts: torch.Tensor  # [B] int64: positions each sequence has cached already
+    slots: torch.Tensor  # [B] int64: each sequence's pool slot
+    lengths: torch.Tensor  # [B] int64: each sequence's new tokens (the rest of its n rows pad)
+    features: torch.Tensor | None  # [B n, F]: a head's input feature of each row; None for a decoder
+
+
+class StepRows(NamedTuple):
+    """Where a step's B x n rows sit in the pool, shared by every layer."""
+
+    slots: torch.Tensor  # [B n] int64: each row's slot (a padding row's: the scratch slot)
+    positions: torch.Tensor  # [B n] int64: each row's position (a padding row's: its row index)
+    cos: torch.Tensor  # [B n, head_dim]
+    rotated_sin: torch.Tensor  # [B n, head_dim]
+    grouped: torch.Tensor | None  # the gathered copy's mask [B, 1, g n, bucket]; None in place
+
+
+def step_rows(static: StaticDecode, inputs: StepInputs, bucket: int) -> StepRows:
+    """The rows' slots, positions and RoPE, with shapes that depend on (B, n, bucket) only."""
+    batch, n = inputs.input_ids.shape
+    device = inputs.input_ids.device
     offsets = torch.arange(n, device=device)  # [n]
-    real = offsets < lengths[:, None]  # [B, n]
+    real = offsets < inputs.lengths[:, None]  # [B, n]
     # A padding row sits at its row index (within every table) in the scratch slot.
     # (Broadcast, not repeat_interleave: on CUDA that reads the repeats back to size its output, a sync.)
-    positions = torch.where(real, starts[:, None] + offsets, offsets)  # [B, n]
-    row_slots = torch.where(real, slots[:, None], scratch).flatten()  # [B n]
+    positions = torch.where(real, inputs.starts[:, None] + offsets, offsets)  # [B, n]
+    row_slots = torch.where(real, inputs.slots[:, None], static.pool.scratch).flatten()  # [B n]
     row_positions = positions.flatten()  # [B n]
-    cos, rotated_sin = rope[0][row_positions], rope[1][row_positions]  # [B n, head_dim]
-    config = decoder.config
-    if not in_place:  # the gathered copy's mask, [B, 1, g n, bucket]: built once for every layer
+    grouped = None
+    if not static.in_place:  # the gathered copy's mask, [B, 1, g n, bucket]: built once for every layer
         visible = torch.arange(bucket, device=device) <= positions[..., None]  # [B, n, bucket]
-        grouped = grouped_mask(visible, config.num_heads // config.num_kv_heads)
-    h = decoder.embed_tokens(input_ids.flatten())  # [B n, hidden]
+        grouped = grouped_mask(visible, static.config.num_heads // static.config.num_kv_heads)
+    cos, rotated_sin = static.rope[0][row_positions], static.rope[1][row_positions]
+    return StepRows(row_slots, row_positions, cos, rotated_sin, grouped)
+
+
+def attend(
+    static: StaticDecode,
+    layer: int,
+    q: torch.Tensor,  # [B n, heads, head_dim], rotated
+    k: torch.Tensor,  # [B n, kv_heads, head_dim], rotated
+    v: torch.Tensor,  # [B n, kv_heads, head_dim]
+    rows: StepRows,
+    inputs: StepInputs,
+    bucket: int,
+) -> torch.Tensor:  # [B n, heads * head_dim]
+    """Store the rows' keys and values in `layer` of the pool, then attend each row to
+    its slot's positions up to its own: in place, or over a gathered copy of the first
+    `bucket` positions of each slot."""
+    batch, n = inputs.input_ids.shape
+    layer_keys, layer_values = static.pool.keys[:, layer], static.pool.values[:, layer]  # [slots + 1, kv, cap, d]
+    if static.in_place:
+        slot_attention.store_keys_and_values(k, v, layer_keys, layer_values, rows.slots, rows.positions)
+        out = slot_attention.slot_attention(q, layer_keys, layer_values, rows.slots, rows.positions, bucket)
+        return out.view(batch * n, -1)
+    layer_keys[rows.slots, :, rows.positions] = k
+    layer_values[rows.slots, :, rows.positions] = v
+    keys = layer_keys[:, :, :bucket][inputs.slots]  # [B, kv_heads, bucket, head_dim]
+    values = layer_values[:, :, :bucket][inputs.slots]
+    heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
+    out = batched_grouped_attention(heads_first, keys, values, grouped=rows.grouped)  # [B, heads, n, head_dim]
+    return out.transpose(1, 2).reshape(batch * n, -1)
+
+
+def decoder_step(decoder: Decoder, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
+    """Decoder.forward for B sequences of up to n new tokens each, with shapes that
+    depend on the key alone: no host syncs, no Python branch on a tensor's value.
+    Writes the new keys and values into the pool (a padding row's into the scratch
+    slot, at its row index) and reads each sequence's first `bucket` positions. Returns
+    every row's logits [B n, head_size] float32, then the features Capture asks for:
+    [B n, len(key.layers) * hidden], then [B n, hidden]."""
+    rows = step_rows(static, inputs, key.bucket)
+    h = decoder.embed_tokens(inputs.input_ids.flatten())  # [B n, hidden]
     captured = []  # the inputs of the captured layers, in layer order
     for i, block in enumerate(decoder.layers):
-        if i in capture_layers:
+        if i in key.layers:
             captured.append(h)
-        q, k, v = block.project_rotated_qkv(h, cos, rotated_sin)  # [B n, heads or kv_heads, head_dim]
-        layer_keys, layer_values = pool.keys[:, i], pool.values[:, i]  # [slots + 1, kv_heads, capacity, head_dim]
-        if in_place:
-            slot_attention.store_keys_and_values(k, v, layer_keys, layer_values, row_slots, row_positions)
-            out = slot_attention.slot_attention(q, layer_keys, layer_values, row_slots, row_positions, bucket)
-            h = block.finish(h, out.view(batch * n, -1))  # [B n, hidden]
-            continue
-        layer_keys[row_slots, :, row_positions] = k
-        layer_values[row_slots, :, row_positions] = v
-        keys = layer_keys[:, :, :bucket][slots]  # [B, kv_heads, bucket, head_dim]
-        values = layer_values[:, :, :bucket][slots]
-        heads_first = q.view(batch, n, -1, q.shape[-1]).transpose(1, 2)  # [B, heads, n, head_dim]
-        out = batched_grouped_attention(heads_first, keys, values, grouped=grouped)  # [B, heads, n, head_dim]
-        h = block.finish(h, out.transpose(1, 2).reshape(batch * n, -1))  # [B n, hidden]
+        q, k, v = block.project_rotated_qkv(h, rows.cos, rows.rotated_sin)  # [B n, heads or kv_heads, head_dim]
+        h = block.finish(h, attend(static, i, q, k, v, rows, inputs, key.bucket))  # [B n, hidden]
     outputs = [decoder.score(h)]
-    if capture_layers:
-        outputs.append(in_asked_order(capture_layers, captured))
-    if capture_final:
+    if key.layers:
+        outputs.append(in_asked_order(key.layers, captured))
+    if key.final:
         outputs.append(decoder.norm(h))
     return outputs
 
@@ -117,46 +147,39 @@ class StepKey(NamedTuple):
     final: bool = False  # Capture.final
 
 
+StepFunction = Callable[["StaticDecode", StepInputs, StepKey], list[torch.Tensor]]
+
+
 class _Step:
     """One StepKey's static inputs and outputs, and on a GPU its graph."""
 
     def __init__(self, static: StaticDecode, key: StepKey):
-        device = static.decoder.device
+        device = static.pool.keys.device
         self.input_ids = torch.zeros(key.batch, key.rows, dtype=torch.int64, device=device)  # [B, n]
         self.index = torch.zeros(3, key.batch, dtype=torch.int64, device=device)  # [3, B]: starts, slots, lengths
-        self.index[1] = static.pool.scratch  # capturing runs the step: no rows of any sequence
         self.scratch = static.pool.scratch
-
-        def forward() -> list[torch.Tensor]:
-            starts, slots, lengths = self.index
-            return static_forward(
-                static.decoder,
-                static.pool,
-                static.rope,
-                self.input_ids,
-                starts,
-                slots,
-                lengths,
-                key.bucket,
-                self.scratch,
-                static.in_place,
-                key.layers,
-                key.final,
+        self.index[1] = self.scratch  # capturing runs the step: no rows of any sequence
+        self.features = None  # [B n, F]
+        if static.feature_size:
+            self.features = torch.zeros(
+                key.batch * key.rows, static.feature_size, dtype=static.pool.keys.dtype, device=device
             )
-
-        self.forward: Callable[[], list[torch.Tensor]] = forward
+        inputs = StepInputs(self.input_ids, *self.index, self.features)
+        self.forward: Callable[[], list[torch.Tensor]] = lambda: static.step(static, inputs, key)
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
-            self.graph, self.outputs = _capture(forward, static.memory)
+            self.graph, self.outputs = _capture(self.forward, static.memory)
 
-    def run(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
-        """input_ids [T] of the segments, in order -> [T, head_size] logits, then the
-        features captured, [T, ...] each."""
+    def run(
+        self, input_ids: torch.Tensor, segments: list[Segment], features: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """input_ids [T] of the segments, in order (and features [T, F]) -> the step's
+        outputs for those T rows, [T, ...] each."""
         batch, rows = self.input_ids.shape
         padding = batch - len(segments)
         lengths = [s.num_tokens for s in segments]
         # Where each of the step's B x n rows takes its token from the stream (a padding
-        # row: the first token, whatever it is), and where each token's logits land.
+        # row: the first token, whatever it is), and where each token's outputs land.
         sources, outputs, offset = [], [], 0
         for b, length in enumerate(lengths):
             sources += [offset + i for i in range(length)] + [0] * (rows - length)
@@ -177,7 +200,10 @@ class _Step:
         )
         moved = host.to(self.index.device)  # one copy to the device
         self.index.copy_(moved[: 3 * batch].view(3, batch))
-        self.input_ids.view(-1).copy_(input_ids[moved[3 * batch : 3 * batch + batch * rows]])
+        rows_of_sources = moved[3 * batch : 3 * batch + batch * rows]
+        self.input_ids.view(-1).copy_(input_ids[rows_of_sources])
+        if self.features is not None:
+            self.features.copy_(features[rows_of_sources])
         if self.graph is None:
             outputs = self.forward()
         else:
@@ -205,17 +231,28 @@ def _capture(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[torch.c
 
 
 class StaticDecode:
-    """A decoder's pool of cache slots and its captured steps."""
+    """A model's pool of cache slots and its captured steps: a decoder's
+    (`decoder_step`, through Decoder.use_cuda_graphs) or an EAGLE head's."""
 
-    def __init__(self, decoder: Decoder, num_slots: int, capacity: int):
-        self.decoder = decoder
-        self.pool = CachePool(decoder.config, decoder.dtype, decoder.device, num_slots, capacity)
-        self.rope = decoder.rope_table(capacity)  # held here: a graph reads these addresses
-        self.capture = decoder.device.type == "cuda"
+    def __init__(
+        self,
+        config: ModelConfig,  # of the cached layers
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int,
+        capacity: int,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, rotated_sin [>= capacity, head_dim], held for the graphs
+        step: StepFunction,  # one static step: reads StepInputs, returns [B n, ...] outputs
+        feature_size: int = 0,  # width of StepInputs.features; 0: none
+    ):
+        self.config = config
+        self.pool = CachePool(config, dtype, device, num_slots, capacity)
+        self.rope = rope  # held here: a graph reads these addresses
+        self.step = step
+        self.feature_size = feature_size
+        self.capture = device.type == "cuda"
         # Attention in place where Triton runs it (CUDA); tests set it on the CPU under Triton's interpreter.
-        self.in_place = (
-            self.capture and slot_attention.available() and slot_attention.works_on(decoder.device, decoder.dtype)
-        )
+        self.in_place = self.capture and slot_attention.available() and slot_attention.works_on(device, dtype)
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[StepKey, _Step] = {}
 
@@ -226,10 +263,17 @@ class StaticDecode:
             s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS for s in segments
         )
 
-    def run(self, input_ids: torch.Tensor, segments: list[Segment], capture: Capture | None = None) -> torch.Tensor:
-        """input_ids [T] -> logits [T, head_size] float32 (see `handles`), and the
-        features `capture` asks for, filled in as Decoder.forward fills them; the caches'
-        slots must be taken (KVCache.reserve) and their lengths not yet advanced."""
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        segments: list[Segment],
+        capture: Capture | None = None,  # a decoder's features to capture (its StepKey's layers and final)
+        features: torch.Tensor | None = None,  # [T, feature_size]: a head's input features
+    ) -> list[torch.Tensor]:
+        """The step's outputs for the T rows, [T, ...] each (see `handles`): a decoder's
+        logits [T, head_size] float32, then the features `capture` asks for, in Capture's
+        order. The caches' slots must be taken (KVCache.reserve) and their lengths not
+        yet advanced."""
         rows = max(s.num_tokens for s in segments)
         end = max(s.cache.length + s.num_tokens for s in segments)
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
@@ -238,9 +282,4 @@ class StaticDecode:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         if key not in self.steps:
             self.steps[key] = _Step(self, key)
-        logits, *features = self.steps[key].run(input_ids, segments)
-        if key.layers:
-            capture.layer_inputs = features.pop(0)
-        if key.final:
-            capture.final_hidden = features.pop(0)
-        return logits
+        return self.steps[key].run(input_ids, segments, features)
