@@ -253,6 +253,7 @@ def section_profile(table: Table, args, config: ModelConfig, device: torch.devic
         return
     model = build(config, device, args.profile_mode, 1, args.capacity, seed=0)
     engine = Engine(model, eos_token_ids=[], max_num_seqs=1)
+    decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)  # warm-up: captures the graphs
     rate, _ = decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)
     (key, step), *_ = [(key, step) for key, step in model.static.steps.items() if key[:2] == (1, 1)]
     replays = 50
@@ -268,6 +269,7 @@ def section_profile(table: Table, args, config: ModelConfig, device: torch.devic
         f"{replay_s * 1e3:.2f} ms",
         f"of the engine's {1e3 / rate:.2f} ms a token; bucket {key[2]}",
     )
+    add_host_rows(table, engine, args)
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -282,6 +284,36 @@ def section_profile(table: Table, args, config: ModelConfig, device: torch.devic
         table.add("profile", e.key[:70], f"{e.device_time_total / 3:.0f} us", f"{e.count / 3:.0f} launches a step")
     del model, engine
     release_memory()
+
+
+def add_host_rows(table: Table, engine: Engine, args) -> None:
+    """The host's Python functions around a batch-1 step, by their own time under
+    cProfile (which slows Python, so shares count, not the absolute figures)."""
+    import cProfile
+    import pstats
+
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompts(1, PROMPT_TOKENS, engine.target.config.vocab_size)[0], params)
+    profiler = cProfile.Profile()
+    steps = 0
+    while engine.has_unfinished():
+        profiler.enable()
+        engine.step()
+        profiler.disable()
+        steps += 1
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    total = sum(own for _, _, own, _, _ in stats.values())
+    table.add(
+        "profile",
+        "host: Python functions, own time a step",
+        f"{total / steps * 1e6:.0f} us",
+        f"{steps} steps under cProfile",
+    )
+    for (file, line, name), (calls, _, own, _, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[
+        : args.profile_top
+    ]:
+        where = f"{Path(file).name}:{line} {name}" if line else name
+        table.add("profile", f"host: {where}"[:70], f"{own / steps * 1e6:.0f} us", f"{calls / steps:.1f} calls a step")
 
 
 def section_long(table: Table, args, config: ModelConfig, device: torch.device) -> None:
@@ -347,7 +379,8 @@ def random_head(method: str, config: ModelConfig, device: torch.device, draft_vo
 def section_heads(table: Table, args, config: ModelConfig, device: torch.device) -> None:
     """The ceiling of speculation with a head drafting: random heads of the catalogue's
     kinds on the target, every draft accepted (the steps cost what they cost whatever
-    was guessed), graphed and compiled."""
+    was guessed): the target graphed and compiled as `--heads-mode` says, and an EAGLE
+    head's own steps with it, as build_engine runs them."""
     for method in args.head_methods:
         target = build(config, device, args.heads_mode, 1, args.capacity, seed=0)
         head = random_head(method, config, device, args.draft_vocab, max(args.head_ks))
@@ -356,6 +389,11 @@ def section_heads(table: Table, args, config: ModelConfig, device: torch.device)
             proposer = MedusaProposer(head, guesser)
         else:
             head.share_target(target.embed_tokens, target.lm_head)
+            flags = args.heads_mode.split("+")  # as build_engine runs a head: compiled and graphed as the target
+            if "compile" in flags:
+                head.use_torch_compile()
+            if "graphs" in flags:
+                head.use_cuda_graphs(1, args.capacity)
             proposer = EagleProposer(head, guesser)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.head_ks), max_num_seqs=1)
         add_ceiling_rows(table, "heads", f"{args.heads_mode}, {method}", engine, args.head_ks, args)

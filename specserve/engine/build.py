@@ -23,7 +23,9 @@ from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.eagle import EagleProposer
 from specserve.spec.factory import make_proposer
+from specserve.spec.heads.eagle import EagleHead
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specserve")
@@ -46,7 +48,7 @@ def build_engine(
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
-    to both (`Decoder.use_torch_compile`), device and cuda_graphs to both
+    to both and to an EAGLE head (`Decoder.use_torch_compile`), device and cuda_graphs to all
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
     cuda_graphs: True asks for them (an error where they cannot run), False refuses them
     (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
@@ -67,11 +69,14 @@ def build_engine(
     proposer = None
     if spec is not None:
         proposer, spec = make_proposer(spec, target, dtype, chunk, quantization, compile)
+    if isinstance(proposer, EagleProposer) and target.decoder.compiled:  # the head's step compiled as the target's
+        proposer.head.use_torch_compile(required=bool(compile))
     decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
     if cuda_graphs is not False and device.type == "cuda":
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         positions = max_model_len or target.config.max_position_embeddings
-        use_cuda_graphs(decoders, slots, positions, asked=bool(cuda_graphs))
+        head = [proposer.head] if isinstance(proposer, EagleProposer) else []
+        use_cuda_graphs(decoders + head, slots, positions, asked=bool(cuda_graphs))
     prefix_cache = None
     if prefix_cache_space is not None:
         max_tokens = int(prefix_cache_space * 2**30) // sum(bytes_per_position(d.config, d.dtype) for d in decoders)
@@ -100,11 +105,14 @@ def build_engine(
     return engine, target.tokenizer
 
 
-def use_cuda_graphs(decoders: list[Decoder], slots: int, positions: int, asked: bool) -> None:
-    """CUDA graphs for every decoder; where their cache pools do not fit the GPU, an
-    error if they were asked for, else a warning and eager steps."""
-    needed = sum(CachePool.bytes_needed(d.config, d.dtype, slots, positions) for d in decoders)
-    free, _ = torch.cuda.mem_get_info(decoders[0].device)
+def use_cuda_graphs(models: list[Decoder | EagleHead], slots: int, positions: int, asked: bool) -> None:
+    """CUDA graphs for every decoder (and an EAGLE head's own steps); where their cache
+    pools do not fit the GPU, an error if they were asked for, else a warning and eager steps."""
+    needed = sum(
+        CachePool.bytes_needed(m.config.layer if isinstance(m, EagleHead) else m.config, m.dtype, slots, positions)
+        for m in models
+    )
+    free, _ = torch.cuda.mem_get_info(models[0].device)
     if needed > GRAPH_MEMORY_SHARE * free:
         message = (
             f"CUDA graphs preallocate the KV caches: {needed / 2**30:.1f} GiB for {slots} sequences of "
@@ -114,8 +122,8 @@ def use_cuda_graphs(decoders: list[Decoder], slots: int, positions: int, asked: 
             raise ConfigError(f"{message}; lower --max-num-seqs or --max-model-len")
         log.warning("%s: running eagerly (lower --max-num-seqs or --max-model-len to use them)", message)
         return
-    for decoder in decoders:
-        decoder.use_cuda_graphs(slots, positions)
+    for model in models:
+        model.use_cuda_graphs(slots, positions)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None) -> list[int]:

@@ -20,7 +20,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -457,6 +457,29 @@ class Block(nn.Module):
 COMPILED_BLOCK_PARTS = ("project_qkv", "project_rotated_qkv", "finish")
 
 
+def compile_methods(
+    parts: list[tuple[object, str]], warm_up: Callable[[], None], required: bool, mode: str | None
+) -> bool:
+    """Replace each (owner, method name) by its torch.compile (dynamic shapes), then run
+    `warm_up`, which calls them in every shape class, so that compiling (tens of seconds)
+    happens now rather than in a request. Where inductor cannot build (no C++ compiler,
+    no Triton) the owners' own methods come back: an error naming the fix if `required`,
+    else a warning. Returns whether they are compiled."""
+    for owner, name in parts:
+        setattr(owner, name, torch.compile(getattr(owner, name), dynamic=True, mode=mode))
+    try:
+        warm_up()
+    except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
+        for owner, name in parts:
+            del owner.__dict__[name]  # the class's own method again
+        message = f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]})"
+        if required:
+            raise ConfigError(f"{message}; drop --compile") from None
+        log.warning("%s; running uncompiled", message)
+        return False
+    return True
+
+
 def _layer_runs(num_layers: int, capture: Capture | None) -> list[tuple[int, int]]:
     """[first, end) runs of layers that together cover them all, split where a
     captured layer begins."""
@@ -626,11 +649,8 @@ class Decoder(nn.Module):
         (no C++ compiler, no Triton) the model stays uncompiled: an error naming the fix
         if `required`, else a warning. Returns whether it is compiled. mode: torch.compile's
         (None: its default)."""
-        for block in self.layers:
-            for name in COMPILED_BLOCK_PARTS:
-                setattr(block, name, torch.compile(getattr(block, name), dynamic=True, mode=mode))
-        self.score_every_id = torch.compile(self.score_every_id, dynamic=True, mode=mode)  # common rows: eager
-        try:
+
+        def warm_up() -> None:
             cache = self.new_cache()
             self(torch.zeros(3, dtype=torch.int64, device=self.device), [Segment(cache, 3)])  # several rows
             self(torch.zeros(1, dtype=torch.int64, device=self.device), [Segment(cache, 1)])  # one row
@@ -639,18 +659,10 @@ class Decoder(nn.Module):
                 for rows in (2, 1):
                     h = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
                     self.layers[0].project_rotated_qkv(h, cos[:rows], rotated_sin[:rows])
-        except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
-            for block in self.layers:  # the class's own methods again
-                for name in COMPILED_BLOCK_PARTS:
-                    del block.__dict__[name]
-            del self.__dict__["score_every_id"]
-            message = f"torch.compile does not work here ({type(error).__name__}: {str(error)[:300]})"
-            if required:
-                raise ConfigError(f"{message}; drop --compile") from None
-            log.warning("%s; running uncompiled", message)
-            return False
-        self.compiled = True
-        return True
+
+        parts = [(block, name) for block in self.layers for name in COMPILED_BLOCK_PARTS]
+        self.compiled = compile_methods(parts + [(self, "score_every_id")], warm_up, required, mode)  # common: eager
+        return self.compiled
 
     def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
         """Run decode steps and verifications as CUDA graphs (model/graphs.py): every

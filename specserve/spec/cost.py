@@ -29,8 +29,8 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
     target at 6% of its memory roofline, and the 0.5B draft's position cost about 0.8 of
     a target step where its bytes say 0.3): the larger of that and the ratio of layers.
     With CUDA graphs (`Decoder.use_cuda_graphs`) a step launches once: the bytes again.
-    A head's position reads its own weights (one layer and an LM head), launched eagerly:
-    a target that captures features runs without graphs."""
+    A head's position reads its own weights (one layer and an LM head): an EAGLE head's
+    steps run as graphs where the target's do, Medusa's heads eagerly."""
     if isinstance(proposer, DraftModelProposer):
         draft = proposer.draft
         position_bytes, layers, graphed = (
@@ -38,7 +38,9 @@ def prior_cost_ratio(proposer: Proposer, target: Decoder) -> float:
             draft.config.num_layers,
             (target.static is not None and draft.static is not None),
         )
-    elif isinstance(proposer, (EagleProposer, MedusaProposer)):
+    elif isinstance(proposer, EagleProposer):
+        position_bytes, layers, graphed = proposer.bytes_per_position(), 1, proposer.head.static is not None
+    elif isinstance(proposer, MedusaProposer):
         position_bytes, layers, graphed = proposer.bytes_per_position(), 1, False
     else:
         return 0.0

@@ -28,8 +28,9 @@ Prefix caching: a prompt prefix loaded from the target's prefix cache has no fea
 the sequence's run starts at the first position the target computed, and the head reads
 from there, counting its positions from 0 (RoPE is relative, so that is the same head).
 It misses the prefix's context: fewer accepted guesses, never a wrong output. With CUDA
-graphs, the target's steps capture the features inside the graph (model/graphs.py); the
-head's own steps run eagerly.
+graphs, the target's steps capture the features inside the graph (model/graphs.py), and
+the head's own steps of up to MAX_GRAPH_ROWS pairs run as graphs of their own
+(`EagleHead.use_cuda_graphs`), each head cache a slot of the head's pool.
 """
 
 from __future__ import annotations
@@ -85,23 +86,26 @@ class EagleProposer:
         self.last_catch_up, self.last_tokens_read = max(catch_ups, default=0), sum(reads.values())
         if not reads:
             return [Draft.empty()] * len(seqs)
-        last_outputs = self._catch_up(seqs, reads)
+        last_hidden, last_logits = self._catch_up(seqs, reads)  # a row per sequence of `reads`
         read_ends = {i: self.caches[seqs[i].seq_id].length for i in reads}
 
         chains = DraftChains(seqs, wanted, self.guesser)
         order = chains.active()
-        hidden = torch.stack([last_outputs[i] for i in order]) if order else None  # [len(order), H]
+        row = {i: r for r, i in enumerate(reads)}
+        picked = torch.tensor([row[i] for i in order], dtype=torch.int64, device=self.head.device)
+        hidden, logits = last_hidden[picked], last_logits[picked]  # [len(order), H], [len(order), draft_vocab]
         while order:
-            chains.add(order, self.head.draft_logits(hidden), self.head.target_ids)  # [len(order), draft_vocab]
+            chains.add(order, logits, self.head.target_ids)
             going_on = chains.active()
             if not going_on:
                 break
             row = {i: r for r, i in enumerate(order)}
-            hidden = self.head(
+            hidden, logits = self.head.step(
                 torch.tensor([chains.newest(i) for i in going_on], device=self.head.device),
                 hidden[[row[i] for i in going_on]],
                 [Segment(self.caches[seqs[i].seq_id], 1) for i in going_on],
-            )  # [len(going_on), H]
+                logits_rows=torch.arange(len(going_on), device=self.head.device),
+            )  # [len(going_on), H], [len(going_on), draft_vocab]
             order = going_on
         for i, end in read_ends.items():
             self.caches[seqs[i].seq_id].truncate(end)  # the chain's pairs: read with the head's own features
@@ -109,9 +113,10 @@ class EagleProposer:
         self.last_guesses = {seqs[i].seq_id: drafts[i].num_tokens for i in reads if drafts[i].num_tokens}
         return drafts
 
-    def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> dict[int, torch.Tensor]:
+    def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read each sequence's next reads[i] pairs into its head cache, in one head forward;
-        returns each one's last output [H]."""
+        returns each one's last output [len(reads), H] and its draft logits
+        [len(reads), draft_vocab], in the order of `reads`."""
         segments, tokens, rows = [], [], []
         for i, n in reads.items():
             seq = seqs[i]
@@ -125,9 +130,9 @@ class EagleProposer:
             tokens.extend(seq.token_ids[start + 1 : start + 1 + n])
             segments.append(Segment(cache, n))
         features = self.head.project_target_features(torch.cat(rows))  # [T, H]
-        out = self.head(torch.tensor(tokens, device=self.head.device), features, segments)  # [T, H]
-        last_rows = torch.tensor(list(reads.values()), device=out.device).cumsum(0) - 1
-        return dict(zip(reads, out[last_rows]))
+        last_rows = torch.tensor(list(reads.values()), device=self.head.device).cumsum(0) - 1
+        out, logits = self.head.step(torch.tensor(tokens, device=self.head.device), features, segments, last_rows)
+        return out[last_rows], logits
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq, accepted in zip(seqs, num_accepted):
@@ -139,6 +144,8 @@ class EagleProposer:
 
     def free(self, seq_id: int) -> None:
         self.features.free(seq_id)
-        self.caches.pop(seq_id, None)
+        cache = self.caches.pop(seq_id, None)
+        if cache is not None:
+            cache.release()  # a pool slot, with CUDA graphs
         self.regained.pop(seq_id, None)
         self.last_guesses.pop(seq_id, None)

@@ -21,6 +21,7 @@ from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.ngram import NgramProposer
 from tests.conftest import DEVICES, tiny_config
 from tests.engine.test_engine import EOS, PROMPTS, on, perturbed, random_decoder
@@ -284,3 +285,6 @@ def test_graphs_are_the_default_where_the_cache_pools_fit(monkeypatch, caplog):
     assert "running eagerly" in caplog.text and target.static is None and draft.static is None
     use_cuda_graphs([target, draft], slots=8, positions=64, asked=False)  # 9 slots of 10 fit 90%
     assert target.static.pool.capacity == draft.static.pool.capacity == 64
+    head = EagleHead(EagleConfig.for_target(target.config, 1))  # an EAGLE head's own steps: a pool of one layer
+    use_cuda_graphs([head], slots=2, positions=64, asked=True)
+    assert head.static.pool.capacity == 64 and head.static.pool.keys.shape[:2] == (3, 1)

@@ -99,15 +99,23 @@ def test_greedy_output_is_the_targets_in_ragged_batches_of_chunked_prompts(noisy
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_attention", ["eager", "gathered", "in-place"])
 @pytest.mark.parametrize("method", METHODS)
-def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, device):
+def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_attention, device):
     """The target's static steps capture the features the head reads (model/graphs.py):
-    verifications run as graphs (eagerly on the CPU) and the output stays plain decoding's."""
+    verifications run as graphs (eagerly on the CPU) and the output stays plain decoding's.
+    An EAGLE head's own steps run as static steps too, attending over a gathered copy or
+    in place (a catch-up of more than MAX_GRAPH_ROWS pairs: eagerly, on its pool slot)."""
+    if head_attention != "eager" and method == "medusa":
+        pytest.skip("Medusa heads have no steps of their own")
     target, perm = noisy
     head = copy.deepcopy(right_head(method, target, perm)).to(device)
     graphed = copy.deepcopy(target).to(device)
     graphed.use_cuda_graphs(num_slots=4, capacity=128)
     proposer = proposer_of(head, graphed)
+    if head_attention != "eager":
+        head.use_cuda_graphs(num_slots=4, capacity=128)
+        head.static.in_place = head_attention == "in-place"  # already so on a GPU with Triton
     engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefill_chunk_size=8)
     requests = [(p, GREEDY) for p in PROMPTS]
     for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
@@ -117,6 +125,9 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, devic
     captured = [key for key in graphed.static.steps if key.layers or key.final]
     assert max(key.rows for key in captured) > 1  # verifications were static steps that captured
     assert graphed.static.pool.num_free == 4
+    if head_attention != "eager":
+        assert {key.rows for key in head.static.steps} >= {1, 2}  # chain positions and catch-ups
+        assert head.static.pool.num_free == 4 and not proposer.caches
 
 
 @pytest.mark.parametrize("method", METHODS)

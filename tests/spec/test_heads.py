@@ -212,6 +212,43 @@ def test_published_layouts_load_and_run_deterministically(tmp_path, layout):
         assert (torch.isfinite(logits).sum(-1) == width).all()
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "in-place"])
+@pytest.mark.parametrize("layout", ["eagle3", "eagle1"])
+def test_static_head_steps_compute_the_eager_ones(tmp_path, layout, in_place):
+    """The head's static steps (CUDA graphs on a GPU; eagerly here, in place under
+    Triton's interpreter) give the eager forward's features and logits, in its cache slot."""
+    method, make, weights_file = LAYOUTS[layout]
+    torch.manual_seed(0)
+    folder = write(tmp_path, *make(), weights_file)
+    eager, static = load_head(folder, TARGET, method), load_head(folder, TARGET, method)
+    static.use_cuda_graphs(num_slots=2, capacity=64)
+    static.static.in_place = in_place
+    for a, b in zip(run(eager), run(static)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert {key.rows for key in static.static.steps} == {5, 1}  # the catch-up, then the chain's positions
+    assert static.static.pool.num_free == 1  # run's cache holds a slot until released
+
+
+def test_compiled_head_computes_what_eager_does(tmp_path):
+    """EagleHead.use_torch_compile compiles at load every part a head step runs, eager
+    and static alike, and changes no figure."""
+    from torch._dynamo.utils import counters
+
+    method, make, weights_file = LAYOUTS["eagle3"]
+    torch.manual_seed(0)
+    folder = write(tmp_path, *make(), weights_file)
+    eager, compiled = load_head(folder, TARGET, method), load_head(folder, TARGET, method)
+    compiled.share_target(*target_parts())
+    before = counters["stats"]["unique_graphs"]
+    assert compiled.use_torch_compile()
+    at_load = counters["stats"]["unique_graphs"] - before
+    with torch.inference_mode():  # as the engine runs a head
+        outputs = run(compiled)
+    for a, b in zip(run(eager), outputs):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] - before == at_load  # nothing compiled in a request
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_save_then_load_gives_identical_outputs(tmp_path, layout):
     method, make, weights_file = LAYOUTS[layout]

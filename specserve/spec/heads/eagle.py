@@ -36,7 +36,16 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError
-from specserve.model.decoder import Block, RMSNorm, Segment, attention_backends, rope_inverse_frequencies, rope_rows
+from specserve.model.decoder import (
+    Block,
+    RMSNorm,
+    Segment,
+    attention_backends,
+    compile_methods,
+    rope_inverse_frequencies,
+    rope_rows,
+)
+from specserve.model.graphs import StaticDecode, StepInputs, StepKey, attend, step_rows
 from specserve.model.kv_cache import KVCache
 from specserve.model.quant import input_dtype
 from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
@@ -121,6 +130,7 @@ class EagleHead(nn.Module):
             self.register_buffer("target_ids", None)
         self.register_buffer("inv_freq", rope_inverse_frequencies(config.layer), persistent=False)
         self.target: TargetWeights | None = None  # see share_target
+        self.static: StaticDecode | None = None  # see use_cuda_graphs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,7 +146,39 @@ class EagleHead(nn.Module):
         self.target = TargetWeights(embed_tokens, lm_head)
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.layer, self.dtype, self.device)
+        """An empty cache: a slot of the pool once it is used, with `use_cuda_graphs`
+        (hand it back with `KVCache.release`)."""
+        return KVCache(
+            self.config.layer, self.dtype, self.device, pool=None if self.static is None else self.static.pool
+        )
+
+    def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
+        """Run head steps of up to MAX_GRAPH_ROWS pairs a sequence as CUDA graphs, as
+        Decoder.use_cuda_graphs runs the target's (on a CPU the same static steps run
+        eagerly: tests use this)."""
+        if self.static is not None:
+            raise ConfigError("CUDA graphs are on already")
+        positions = torch.arange(capacity, device=self.device)  # [capacity]
+        self.static = StaticDecode(
+            self.config.layer,
+            self.dtype,
+            self.device,
+            num_slots,
+            capacity,
+            rope_rows(self.inv_freq, positions, self.dtype),
+            self._static_step,
+            feature_size=self.config.hidden_size,
+        )
+
+    def _static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
+        """`forward` with static shapes (model/graphs.py): every row's output feature
+        [B n, H], then its draft logits [B n, draft_vocab_size] float32."""
+        rows = step_rows(static, inputs, key.bucket)
+        embeddings = self.target.embed_tokens(inputs.input_ids.flatten()).to(self.dtype)  # [B n, H]
+        qkv, residual = self.attention_inputs(embeddings, inputs.features)
+        q, k, v = self.layer.self_attn.rotated_qkv(qkv, rows.cos, rows.rotated_sin)
+        hidden = self.layer.finish(residual, attend(static, 0, q, k, v, rows, inputs, key.bucket))  # [B n, H]
+        return [hidden, self.draft_logits(hidden)]
 
     @torch.inference_mode()
     def project_target_features(self, target_features: torch.Tensor) -> torch.Tensor:
@@ -146,19 +188,40 @@ class EagleHead(nn.Module):
             return self.fc(target_features.to(self.dtype))
         return target_features.to(self.dtype)
 
-    @torch.inference_mode()
     def forward(
         self,
         token_ids: torch.Tensor,  # [T] int64: the token at position p + 1 of each pair, every segment's in order
         features: torch.Tensor,  # [T, H]: the feature of position p (project_target_features, or a head output)
         segments: list[Segment],  # per sequence: its pairs go at cache.length + i of its head cache
     ) -> torch.Tensor:  # [T, H]: each pair's output feature (before the final norm)
+        return self.step(token_ids, features, segments)[0]
+
+    @torch.inference_mode()
+    def step(
+        self,
+        token_ids: torch.Tensor,  # [T] int64, as forward's
+        features: torch.Tensor,  # [T, H], as forward's
+        segments: list[Segment],
+        logits_rows: torch.Tensor | None = None,  # [R]: rows whose draft logits are wanted; None: none
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] output features; [R, draft_vocab_size] float32
+        """forward, and the draft logits of `logits_rows` (a captured step computes every
+        row's in its graph; an eager one those rows' alone)."""
         if self.target is None:
             raise RuntimeError("an EAGLE head needs the target's embedding first (share_target)")
         assert features.shape == (token_ids.shape[0], self.config.hidden_size), features.shape
         assert token_ids.shape[0] == sum(s.num_tokens for s in segments)
         for seg in segments:
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
+        if self.static is not None and self.static.handles(segments):
+            with attention_backends(self.device):
+                hidden, logits = self.static.run(token_ids, segments, features=features.to(self.dtype))
+            for seg in segments:
+                seg.cache.length += seg.num_tokens
+            return hidden, None if logits_rows is None else logits[logits_rows]
+        hidden = self._eager_step(token_ids, features, segments)
+        return hidden, None if logits_rows is None else self.draft_logits(hidden[logits_rows])
+
+    def _eager_step(self, token_ids: torch.Tensor, features: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         positions = torch.cat(
             [torch.arange(s.cache.length, s.cache.length + s.num_tokens, device=self.device) for s in segments]
         )  # [T]
@@ -185,9 +248,39 @@ class EagleHead(nn.Module):
         residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [..., H]
         return layer.project_qkv(residual), residual
 
+    def use_torch_compile(self, required: bool = True, mode: str | None = None) -> bool:
+        """Run the parts of a head step that touch no cache through torch.compile, as
+        Decoder.use_torch_compile runs the target's: the layer's inputs and qkv with RoPE,
+        its o_proj, residual and MLP, and the draft logits. Call after `share_target`
+        (EAGLE-1 scores with the target's LM head). Returns whether it is compiled."""
+        attention = self.layer.self_attn
+
+        def warm_up() -> None:
+            with torch.inference_mode():  # as a head step runs them
+                for rows in (2, 1):
+                    embeddings, features, attended = (
+                        torch.zeros(rows, width, dtype=self.dtype, device=self.device)
+                        for width in (self.config.hidden_size, self.config.hidden_size, attention.qkv_sizes[0])
+                    )
+                    qkv, residual = self.attention_inputs(embeddings, features)
+                    cos, rotated_sin = rope_rows(self.inv_freq, torch.arange(rows, device=self.device), self.dtype)
+                    attention.rotated_qkv(qkv, cos, rotated_sin)
+                    self._draft_scores(self.layer.finish(residual, attended))
+
+        parts = [
+            (self, "attention_inputs"),
+            (attention, "rotated_qkv"),
+            (self.layer, "finish"),
+            (self, "_draft_scores"),
+        ]
+        return compile_methods(parts, warm_up, required, mode)
+
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, draft_vocab_size] float32
         """Scores of the head's rows; `to_target_ids` names their target ids."""
+        return self._draft_scores(hidden)
+
+    def _draft_scores(self, hidden: torch.Tensor) -> torch.Tensor:  # draft_logits, outside inference mode
         if self.config.version == 3:
             return self.lm_head(self.norm(hidden)).float()
         if self.target is None:
