@@ -17,6 +17,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def skip_unless_triton_runs_on(device: str) -> None:
+    """Triton's kernels run on the GPU, and on the CPU only under its interpreter, which
+    is on where there is no GPU."""
+    from specserve.model import slot_attention
+
+    if not slot_attention.available():
+        pytest.skip("Triton is not installed")
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("Triton's kernels run on the GPU here; its interpreter runs them on a CPU without one")
+
+
 def tiny_config(arch: str, **overrides) -> ModelConfig:
     fields = dict(
         arch=arch,

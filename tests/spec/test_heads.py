@@ -19,7 +19,7 @@ from specserve.model.decoder import Segment
 from specserve.spec.heads.checkpoint import load_head, save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads
-from tests.conftest import tiny_config
+from tests.conftest import skip_unless_triton_runs_on, tiny_config
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
 TARGET = tiny_config("qwen2", num_layers=8)
@@ -217,6 +217,8 @@ def test_published_layouts_load_and_run_deterministically(tmp_path, layout):
 def test_static_head_steps_compute_the_eager_ones(tmp_path, layout, in_place):
     """The head's static steps (CUDA graphs on a GPU; eagerly here, in place under
     Triton's interpreter) give the eager forward's features and logits, in its cache slot."""
+    if in_place:
+        skip_unless_triton_runs_on("cpu")
     method, make, weights_file = LAYOUTS[layout]
     torch.manual_seed(0)
     folder = write(tmp_path, *make(), weights_file)
