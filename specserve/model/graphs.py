@@ -168,7 +168,7 @@ class _Step:
         self.forward: Callable[[], list[torch.Tensor]] = lambda: static.step(static, inputs, key)
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
-            self.graph, self.outputs = _capture(self.forward, static.memory)
+            self.graph, self.outputs = capture_graph(self.forward, static.memory)
 
     def run(
         self, input_ids: torch.Tensor, segments: list[Segment], features: torch.Tensor | None = None
@@ -214,7 +214,7 @@ class _Step:
         return [output[rows_of_tokens] for output in outputs]
 
 
-def _capture(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+def capture_graph(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """Record `forward` as a CUDA graph, after warm-up runs on a side stream (PyTorch's
     recipe: lazy initialisation, cuBLAS workspaces and kernel choices happen outside
     the capture). Returns the graph and its output tensors."""

@@ -45,6 +45,7 @@ from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.kv_cache import KVCache
 from specserve.spec.features import TargetFeatures
 from specserve.spec.guesses import DraftChains, Guesser
+from specserve.spec.heads.chain import draft_greedy_chain
 from specserve.spec.heads.eagle import EagleHead
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -100,6 +101,8 @@ class EagleProposer:
             if not going_on:
                 break
             row = {i: r for r, i in enumerate(order)}
+            if self._chain_on_the_device(seqs, chains, going_on, hidden[[row[i] for i in going_on]]):
+                break
             hidden, logits = self.head.step(
                 torch.tensor([chains.newest(i) for i in going_on], device=self.head.device),
                 hidden[[row[i] for i in going_on]],
@@ -112,6 +115,25 @@ class EagleProposer:
         drafts = chains.drafts()
         self.last_guesses = {seqs[i].seq_id: drafts[i].num_tokens for i in reads if drafts[i].num_tokens}
         return drafts
+
+    def _chain_on_the_device(
+        self, seqs: Sequence[SequenceView], chains: DraftChains, going_on: list[int], hidden: torch.Tensor
+    ) -> bool:
+        """Draft the rest of every chain in one static step (heads/chain.py), where every
+        sequence drafting on is greedy and unpenalised; hidden [len(going_on), H]: the
+        features of their last guesses. Returns whether it did."""
+        if self.head.static is None or not all(
+            seqs[i].params.greedy and not seqs[i].params.penalized for i in going_on
+        ):
+            return False
+        positions = max(chains.num_tokens[i] - len(chains.drafted[i]) for i in going_on)
+        caches = [self.caches[seqs[i].seq_id] for i in going_on]
+        drafted = draft_greedy_chain(self.head, [chains.newest(i) for i in going_on], hidden, caches, positions)
+        if drafted is None:
+            return False
+        for i, tokens, confidences in zip(going_on, *drafted):
+            chains.extend_greedy(i, tokens, confidences)
+        return True
 
     def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read each sequence's next reads[i] pairs into its head cache, in one head forward;

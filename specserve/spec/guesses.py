@@ -124,6 +124,16 @@ class DraftChains:
             if confidence < self.guesser.confidence_threshold:
                 self.stopped.add(i)
 
+    def extend_greedy(self, i: int, tokens: list[int], confidences: list[float]) -> None:
+        """Sequence i's next greedy guesses, made on the device (heads/chain.py), taken as
+        `add` would take them one by one: up to its count, stopping after an unsure one."""
+        for token, confidence in zip(tokens, confidences):
+            if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
+                return
+            self.drafted[i].append(token)
+            if confidence < self.guesser.confidence_threshold:
+                self.stopped.add(i)
+
     def drafts(self) -> list[Draft]:
         return [
             Draft.of(self.drafted[i], torch.stack(self.probs[i]) if self.probs[i] else None)  # probs [k, V]

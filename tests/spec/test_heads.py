@@ -16,6 +16,7 @@ from torch import nn
 
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.model.decoder import Segment
+from specserve.spec.heads.chain import draft_greedy_chain
 from specserve.spec.heads.checkpoint import load_head, save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads
@@ -229,6 +230,45 @@ def test_static_head_steps_compute_the_eager_ones(tmp_path, layout, in_place):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     assert {key.rows for key in static.static.steps} == {5, 1}  # the catch-up, then the chain's positions
     assert static.static.pool.num_free == 1  # run's cache holds a slot until released
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "eagle1"])
+def test_a_greedy_chain_in_one_static_step_guesses_what_steps_guess(tmp_path, layout):
+    """heads/chain.py: k greedy positions in one static step give the guesses and
+    confidences of k head steps fed their own argmax, and leave the cache's length."""
+    method, make, weights_file = LAYOUTS[layout]
+    torch.manual_seed(0)
+    head = load_head(write(tmp_path, *make(), weights_file), TARGET, method)
+    head.share_target(*target_parts())
+    head.use_cuda_graphs(num_slots=3, capacity=64)
+    generator = torch.Generator().manual_seed(4)
+    caches, firsts, hiddens = [], [], []
+    for pairs in (5, 2):  # two sequences, read to different lengths
+        cache = head.new_cache()
+        features = head.project_target_features(
+            torch.randn(pairs, head.config.target_feature_size, generator=generator)
+        )
+        hidden, logits = head.step(
+            torch.randint(0, V, (pairs,), generator=generator),
+            features,
+            [Segment(cache, pairs)],
+            torch.tensor([pairs - 1]),
+        )
+        caches.append(cache)
+        firsts.append(int(head.to_target_ids(logits.argmax(-1))))
+        hiddens.append(hidden[-1])
+    guesses, confidences = draft_greedy_chain(head, firsts, torch.stack(hiddens), caches, positions=3)
+    assert [c.length for c in caches] == [5, 2]
+    for cache, first, hidden, got, got_confidences in zip(caches, firsts, hiddens, guesses, confidences):
+        token, expected, expected_confidences = first, [], []
+        hidden = hidden[None]
+        for _ in range(3):
+            hidden, logits = head.step(torch.tensor([token]), hidden, [Segment(cache, 1)], torch.tensor([0]))
+            token = int(head.to_target_ids(logits.argmax(-1)))
+            expected.append(token)
+            expected_confidences.append(float(logits.softmax(-1).amax()))
+        assert got == expected
+        assert got_confidences == pytest.approx(expected_confidences, abs=1e-5)
 
 
 def test_compiled_head_computes_what_eager_does(tmp_path):

@@ -48,6 +48,7 @@ from specserve.model.decoder import (
 from specserve.model.graphs import StaticDecode, StepInputs, StepKey, attend, step_rows
 from specserve.model.kv_cache import KVCache
 from specserve.model.quant import input_dtype
+from specserve.spec.heads.chain import ChainKey, GreedyChain
 from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
 
 EAGLE_VERSIONS = (1, 3)
@@ -131,6 +132,7 @@ class EagleHead(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config.layer), persistent=False)
         self.target: TargetWeights | None = None  # see share_target
         self.static: StaticDecode | None = None  # see use_cuda_graphs
+        self.chains: dict[ChainKey, GreedyChain] = {}  # static greedy chains (heads/chain.py), with `static`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,11 +168,11 @@ class EagleHead(nn.Module):
             num_slots,
             capacity,
             rope_rows(self.inv_freq, positions, self.dtype),
-            self._static_step,
+            self.static_step,
             feature_size=self.config.hidden_size,
         )
 
-    def _static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
+    def static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
         """`forward` with static shapes (model/graphs.py): every row's output feature
         [B n, H], then its draft logits [B n, draft_vocab_size] float32."""
         rows = step_rows(static, inputs, key.bucket)
