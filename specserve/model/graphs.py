@@ -33,7 +33,7 @@ import torch
 
 from specserve.model import slot_attention
 from specserve.model.decoder import batched_grouped_attention, grouped_mask, in_asked_order
-from specserve.model.kv_cache import CachePool
+from specserve.model.kv_cache import CachePool, KVCache
 
 if TYPE_CHECKING:
     from specserve.config import ModelConfig
@@ -230,6 +230,95 @@ def capture_graph(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[to
     return graph, outputs
 
 
+class ChainKey(NamedTuple):
+    """What a captured greedy chain is made for."""
+
+    batch: int  # sequences, padded to a power of two
+    positions: int  # draft positions after the first guess
+    bucket: int  # positions attention may read
+
+
+class GreedyChain:
+    """k greedy draft positions of B sequences as one static step (a graph on a GPU):
+    each position's argmax (mapped to a token id through `target_ids`, a head's draft
+    vocabulary) and, for a head, its output feature feed the next position on the
+    device, and one read-back returns every guess and its confidence.
+
+    Why: drafting a position at a time reads each guess back before the next step can be
+    fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
+    several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
+    steps graphed and compiled"). A greedy guess needs no host; a sampled or penalised
+    one depends on the host's generator and counts, so it is drafted step by step.
+
+    Contract: the guesses are what the model's static steps position by position would
+    give (only the bucket of positions attention reads may differ, which changes no value
+    but rounding). The chain writes its positions at cache.length + j of each cache
+    without counting them in `length`: the caller counts what it keeps.
+    """
+
+    def __init__(self, static: StaticDecode, key: ChainKey, target_ids: torch.Tensor | None):
+        device = static.pool.keys.device
+        self.scratch = static.pool.scratch
+        self.index = torch.zeros(3, key.batch, dtype=torch.int64, device=device)  # [3, B]: starts, slots, lengths
+        self.index[1] = self.scratch  # capturing runs the chain: no rows of any sequence
+        self.tokens = torch.zeros(key.batch, dtype=torch.int64, device=device)  # [B]: each one's first guess
+        self.features = None  # [B, F]: each one's feature that made its first guess
+        if static.feature_size:
+            self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
+
+        def forward() -> list[torch.Tensor]:  # guesses [B, positions] (target ids), confidences [B, positions]
+            starts, slots, lengths = self.index
+            tokens, features = self.tokens, self.features
+            guesses, confidences = [], []
+            for j in range(key.positions):
+                inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
+                logits, *fed_back = static.step(static, inputs, StepKey(key.batch, 1, key.bucket))  # [B, width]
+                features = fed_back[0] if static.feature_size else None  # a head's output feature
+                draft = logits.argmax(dim=-1)  # [B]: columns of the logits
+                confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
+                tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
+                guesses.append(tokens)
+            return [torch.stack(guesses, dim=1), torch.stack(confidences, dim=1)]
+
+        self.forward = forward
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if static.capture:
+            self.graph, self.outputs = capture_graph(forward, static.memory)
+
+    def run(
+        self, first_tokens: list[int], features: torch.Tensor | None, caches: list[KVCache]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
+        feature that made it -> each one's further guesses and their confidences."""
+        batch = self.tokens.shape[0]
+        n, padding = len(caches), batch - len(caches)
+        host = torch.tensor(
+            [c.length for c in caches]
+            + [0] * padding
+            + [c.slot for c in caches]
+            + [self.scratch] * padding
+            + [1] * n
+            + [0] * padding
+            + first_tokens
+            + [0] * padding,
+            dtype=torch.int64,
+        )
+        moved = host.to(self.index.device)  # one copy to the device
+        self.index.copy_(moved[: 3 * batch].view(3, batch))
+        self.tokens.copy_(moved[3 * batch :])
+        if self.features is not None:
+            self.features[:n].copy_(features)
+        if self.graph is None:
+            guesses, confidences = self.forward()
+        else:
+            self.graph.replay()
+            guesses, confidences = self.outputs
+        # One read-back for both: token ids are exact in float64.
+        rows = torch.cat([guesses[:n].double(), confidences[:n].double()], dim=1).tolist()
+        positions = guesses.shape[1]
+        return [[int(t) for t in r[:positions]] for r in rows], [r[positions:] for r in rows]
+
+
 class StaticDecode:
     """A model's pool of cache slots and its captured steps: a decoder's
     (`decoder_step`, through Decoder.use_cuda_graphs) or an EAGLE head's."""
@@ -255,6 +344,7 @@ class StaticDecode:
         self.in_place = self.capture and slot_attention.available() and slot_attention.works_on(device, dtype)
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[StepKey, _Step] = {}
+        self.chains: dict[ChainKey, GreedyChain] = {}
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
@@ -283,3 +373,23 @@ class StaticDecode:
         if key not in self.steps:
             self.steps[key] = _Step(self, key)
         return self.steps[key].run(input_ids, segments, features)
+
+    @torch.inference_mode()
+    def greedy_chain(
+        self,
+        first_tokens: list[int],  # each sequence's first guess
+        features: torch.Tensor | None,  # [n, feature_size]: the features that made them (a head's)
+        caches: list[KVCache],
+        positions: int,
+        target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column; None: the column
+    ) -> tuple[list[list[int]], list[list[float]]] | None:
+        """`positions` further greedy guesses for each sequence and their confidences
+        (see GreedyChain), or None where a cache lacks a slot or the room."""
+        if any(c.slot is None or c.length + positions > self.pool.capacity for c in caches):
+            return None
+        end = max(c.length for c in caches) + positions
+        bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
+        key = ChainKey(next_power_of_two(len(caches)), positions, bucket)
+        if key not in self.chains:
+            self.chains[key] = GreedyChain(self, key, target_ids)
+        return self.chains[key].run(first_tokens, features, caches)

@@ -45,7 +45,6 @@ from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.kv_cache import KVCache
 from specserve.spec.features import TargetFeatures
 from specserve.spec.guesses import DraftChains, Guesser
-from specserve.spec.heads.chain import draft_greedy_chain
 from specserve.spec.heads.eagle import EagleHead
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -119,7 +118,7 @@ class EagleProposer:
     def _chain_on_the_device(
         self, seqs: Sequence[SequenceView], chains: DraftChains, going_on: list[int], hidden: torch.Tensor
     ) -> bool:
-        """Draft the rest of every chain in one static step (heads/chain.py), where every
+        """Draft the rest of every chain in one static step (GreedyChain), where every
         sequence drafting on is greedy and unpenalised; hidden [len(going_on), H]: the
         features of their last guesses. Returns whether it did."""
         if self.head.static is None or not all(
@@ -128,7 +127,8 @@ class EagleProposer:
             return False
         positions = max(chains.num_tokens[i] - len(chains.drafted[i]) for i in going_on)
         caches = [self.caches[seqs[i].seq_id] for i in going_on]
-        drafted = draft_greedy_chain(self.head, [chains.newest(i) for i in going_on], hidden, caches, positions)
+        firsts = [chains.newest(i) for i in going_on]
+        drafted = self.head.static.greedy_chain(firsts, hidden, caches, positions, self.head.target_ids)
         if drafted is None:
             return False
         for i, tokens, confidences in zip(going_on, *drafted):

@@ -125,7 +125,7 @@ class DraftChains:
                 self.stopped.add(i)
 
     def extend_greedy(self, i: int, tokens: list[int], confidences: list[float]) -> None:
-        """Sequence i's next greedy guesses, made on the device (heads/chain.py), taken as
+        """Sequence i's next greedy guesses, made on the device (GreedyChain, model/graphs.py), taken as
         `add` would take them one by one: up to its count, stopping after an unsure one."""
         for token, confidence in zip(tokens, confidences):
             if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:

@@ -229,7 +229,32 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
         assert engine.spec_stats.num_draft_tokens > 0
         assert max(target_rows) > 1  # verifications were static steps too
     if proposer_kind == "draft":
-        assert (1, 1) in {key[:2] for key in graphed_draft.static.steps}  # a draft position
+        assert {key[:2] for key in graphed_draft.static.steps} & {(1, 1), (1, 2)}  # the first guess's forward
+        assert graphed_draft.static.chains  # the positions after it: one static step a chain (GreedyChain)
+
+
+def test_a_decoders_greedy_chain_guesses_what_its_steps_guess():
+    """GreedyChain on a decoder (a draft model): k positions in one static step give the
+    argmax chain and confidences of k single-token steps, and leave each cache's length."""
+    model = random_decoder("qwen3", seed=3)
+    model.use_cuda_graphs(num_slots=2, capacity=128)
+    caches, firsts = [], []
+    for prompt in PROMPTS[:2]:
+        cache = model.new_cache()
+        logits = model(torch.tensor(prompt), [Segment(cache, len(prompt))])
+        caches.append(cache)
+        firsts.append(int(logits[-1].argmax()))
+    guesses, confidences = model.static.greedy_chain(firsts, None, caches, positions=4)
+    assert [c.length for c in caches] == [len(p) for p in PROMPTS[:2]]
+    for cache, token, got, got_confidences in zip(caches, firsts, guesses, confidences):
+        expected, expected_confidences = [], []
+        for _ in range(4):
+            logits = model(torch.tensor([token]), [Segment(cache, 1)])
+            token = int(logits[0].argmax())
+            expected.append(token)
+            expected_confidences.append(float(logits[0].softmax(-1).max()))
+        assert got == expected
+        assert got_confidences == pytest.approx(expected_confidences, abs=1e-5)
 
 
 def test_a_slot_is_taken_at_the_first_step_and_given_back_at_the_end():

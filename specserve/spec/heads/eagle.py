@@ -48,7 +48,6 @@ from specserve.model.decoder import (
 from specserve.model.graphs import StaticDecode, StepInputs, StepKey, attend, step_rows
 from specserve.model.kv_cache import KVCache
 from specserve.model.quant import input_dtype
-from specserve.spec.heads.chain import ChainKey, GreedyChain
 from specserve.spec.heads.vocab import to_target_ids, widen_to_target_vocab
 
 EAGLE_VERSIONS = (1, 3)
@@ -132,7 +131,6 @@ class EagleHead(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config.layer), persistent=False)
         self.target: TargetWeights | None = None  # see share_target
         self.static: StaticDecode | None = None  # see use_cuda_graphs
-        self.chains: dict[ChainKey, GreedyChain] = {}  # static greedy chains (heads/chain.py), with `static`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,14 +171,15 @@ class EagleHead(nn.Module):
         )
 
     def static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
-        """`forward` with static shapes (model/graphs.py): every row's output feature
-        [B n, H], then its draft logits [B n, draft_vocab_size] float32."""
+        """`forward` with static shapes (model/graphs.py): every row's draft logits
+        [B n, draft_vocab_size] float32, then its output feature [B n, H] (logits first,
+        then features, as a decoder's static step)."""
         rows = step_rows(static, inputs, key.bucket)
         embeddings = self.target.embed_tokens(inputs.input_ids.flatten()).to(self.dtype)  # [B n, H]
         qkv, residual = self.attention_inputs(embeddings, inputs.features)
         q, k, v = self.layer.self_attn.rotated_qkv(qkv, rows.cos, rows.rotated_sin)
         hidden = self.layer.finish(residual, attend(static, 0, q, k, v, rows, inputs, key.bucket))  # [B n, H]
-        return [hidden, self.draft_logits(hidden)]
+        return [self.draft_logits(hidden), hidden]
 
     @torch.inference_mode()
     def project_target_features(self, target_features: torch.Tensor) -> torch.Tensor:
@@ -216,7 +215,7 @@ class EagleHead(nn.Module):
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         if self.static is not None and self.static.handles(segments):
             with attention_backends(self.device):
-                hidden, logits = self.static.run(token_ids, segments, features=features.to(self.dtype))
+                logits, hidden = self.static.run(token_ids, segments, features=features.to(self.dtype))
             for seg in segments:
                 seg.cache.length += seg.num_tokens
             return hidden, None if logits_rows is None else logits[logits_rows]
