@@ -51,6 +51,7 @@ from specserve.sampling import SamplingParams  # noqa: E402
 from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from specserve.spec.eagle import EagleProposer  # noqa: E402
 from specserve.spec.guesses import Guesser  # noqa: E402
+from specserve.spec.heads.checkpoint import save_head  # noqa: E402
 from specserve.spec.heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from specserve.spec.medusa import MedusaProposer  # noqa: E402
@@ -439,72 +440,86 @@ def section_transformers(table: Table, args, files: Path, device: torch.device) 
 
 def section_serve(table: Table, args, config: ModelConfig, files: Path, device: torch.device) -> None:
     """A random checkpoint of the draft's shapes (the smaller) with the target's
-    tokenizer, served as a user would; one streamed chat request."""
-    import httpx
-
+    tokenizer, served as a user would, plainly and with each of `--serve-heads` (a
+    random head saved in its public layout, `--speculative-config`): one streamed chat
+    request each."""
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-served-"))
     try:
         model = random_decoder(config, device, seed=2)
-        checkpoint.write_checkpoint(folder, config, {k: v.cpu() for k, v in model.hf_state_dict().items()})
+        checkpoint.write_checkpoint(folder / "model", config, {k: v.cpu() for k, v in model.hf_state_dict().items()})
         del model
         release_memory()
         for name in TOKENIZER_FILES:
             if (files / name).is_file():
-                shutil.copy(files / name, folder / name)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        command = [sys.executable, "-m", "specserve.cli", "serve", str(folder), "--device", str(device)]
-        command += ["--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048"]
-        started = time.perf_counter()
-        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            while time.perf_counter() - started < args.serve_timeout:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the server exited ({server.returncode}): {server.stdout.read()[-500:]}")
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-            else:
-                raise TimeoutError(f"no /health in {args.serve_timeout} s")
-            ready_s = time.perf_counter() - started
-            body = {
-                "model": str(folder),
-                "messages": [{"role": "user", "content": "Write a haiku about graphs."}],
-                "max_tokens": 64,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            chunks, done, first_s = 0, False, None
-            sent = time.perf_counter()
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        chunks += 1
-                        first_s = first_s or time.perf_counter() - sent
-            total_s = time.perf_counter() - sent
-            table.add(
-                "serve",
-                "streamed chat, 64 tokens",
-                "ok" if done and chunks > 1 else "incomplete",
-                f"{chunks} chunks, first after {1e3 * (first_s or 0):.0f} ms, all in {total_s:.2f} s; "
-                f"server ready in {ready_s:.0f} s",
-            )
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+                shutil.copy(files / name, folder / "model" / name)
+        for method in ["plain", *args.serve_heads]:
+            options = []
+            if method != "plain":
+                head = random_head(method, config, torch.device("cpu"), args.draft_vocab, 3)
+                save_head(head, folder / method)
+                spec = {"method": method, "model": str(folder / method), "num_speculative_tokens": 3}
+                options = ["--speculative-config", json.dumps(spec)]
+            served = serve_one_chat(folder / "model", options, device, args.serve_timeout)
+            table.add("serve", f"{method}: streamed chat, 64 tokens", *served)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def serve_one_chat(model: Path, options: list[str], device: torch.device, timeout: float) -> tuple[str, str]:
+    """`specserve serve MODEL *options` started, one streamed chat request of 64 tokens
+    answered, the server stopped: (ok or incomplete, what was seen)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "specserve.cli", "serve", str(model), "--device", str(device), *options]
+    command += ["--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048"]
+    started = time.perf_counter()
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while time.perf_counter() - started < timeout:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited ({server.returncode}): {server.stdout.read()[-500:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise TimeoutError(f"no /health in {timeout} s")
+        ready_s = time.perf_counter() - started
+        body = {
+            "model": str(model),
+            "messages": [{"role": "user", "content": "Write a haiku about graphs."}],
+            "max_tokens": 64,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        chunks, done, first_s = 0, False, None
+        sent = time.perf_counter()
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunks += 1
+                    first_s = first_s or time.perf_counter() - sent
+        total_s = time.perf_counter() - sent
+        return (
+            "ok" if done and chunks > 1 else "incomplete",
+            f"{chunks} chunks, first after {1e3 * (first_s or 0):.0f} ms, all in {total_s:.2f} s; "
+            f"server ready in {ready_s:.0f} s",
+        )
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def int_list(value: str) -> list[int]:
@@ -546,6 +561,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tests-workers", type=int, default=6, help="pytest-xdist workers, where it is installed")
     parser.add_argument("--tests-timeout", type=float, default=240)
     parser.add_argument("--serve-timeout", type=float, default=180)
+    parser.add_argument(
+        "--serve-heads", type=comma_list(("eagle", "eagle3", "medusa"), "method(s)"), default=["eagle3"]
+    )
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument(
         "--deadline", type=float, default=480, help="seconds after which sections not yet begun are skipped"
