@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,8 @@ from specserve.engine.engine import Engine  # noqa: E402
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
+from specserve.spec.adaptive import AdaptiveSpecLength  # noqa: E402
+from specserve.spec.cost import prior_cost_ratio  # noqa: E402
 from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from specserve.spec.eagle import EagleProposer  # noqa: E402
 from specserve.spec.guesses import Guesser  # noqa: E402
@@ -55,8 +58,9 @@ from specserve.spec.heads.checkpoint import save_head  # noqa: E402
 from specserve.spec.heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from specserve.spec.medusa import MedusaProposer  # noqa: E402
+from specserve.spec.ngram import NgramProposer  # noqa: E402
 
-SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "long", "serve", "transformers")  # the default order
+SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "adaptive", "long", "serve", "transformers")  # in order
 # gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
 # max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling)
 MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather", "graphs+autotune")
@@ -384,22 +388,74 @@ def section_heads(table: Table, args, config: ModelConfig, device: torch.device)
     head's own steps with it, as build_engine runs them."""
     for method in args.head_methods:
         target = build(config, device, args.heads_mode, 1, args.capacity, seed=0)
-        head = random_head(method, config, device, args.draft_vocab, max(args.head_ks))
-        guesser = Guesser(config.vocab_size, confidence_threshold=0.0)
-        if method == "medusa":
-            proposer = MedusaProposer(head, guesser)
-        else:
-            head.share_target(target.embed_tokens, target.lm_head)
-            flags = args.heads_mode.split("+")  # as build_engine runs a head: compiled and graphed as the target
-            if "compile" in flags:
-                head.use_torch_compile()
-            if "graphs" in flags:
-                head.use_cuda_graphs(1, args.capacity)
-            proposer = EagleProposer(head, guesser)
+        proposer = random_head_proposer(method, target, args.heads_mode, 1, args)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.head_ks), max_num_seqs=1)
         add_ceiling_rows(table, "heads", f"{args.heads_mode}, {method}", engine, args.head_ks, args)
-        del target, head, proposer, engine
+        del target, proposer, engine
         release_memory()
+
+
+def random_head_proposer(method: str, target: Decoder, mode: str, slots: int, args) -> EagleProposer | MedusaProposer:
+    """A random head's proposer on `target`, as build_engine runs it: an EAGLE head
+    compiled and graphed as `mode` has the target."""
+    config = target.config
+    head = random_head(method, config, target.device, args.draft_vocab, max(args.head_ks))
+    guesser = Guesser(config.vocab_size, confidence_threshold=0.0)
+    if method == "medusa":
+        return MedusaProposer(head, guesser)
+    head.share_target(target.embed_tokens, target.lm_head)
+    flags = mode.split("+")
+    if "compile" in flags:
+        head.use_torch_compile()
+    if "graphs" in flags:
+        head.use_cuda_graphs(slots, args.capacity)
+    return EagleProposer(head, guesser)
+
+
+def section_adaptive(table: Table, args, config: ModelConfig, draft_config: ModelConfig, device) -> None:
+    """Adaptive k against plain decoding on one target, by batch size, engines taking
+    turns round by round: with random weights next to nothing is accepted, so adaptive
+    should settle on plain decoding (at or above 0.98x) and its drafting, while it
+    learns, is what it costs. Draft model, n-gram and an EAGLE-3 head."""
+    slots = max(args.batches)
+    target = build(config, device, args.adaptive_mode, slots, args.capacity, seed=0)
+    draft = build(draft_config, device, args.adaptive_mode, slots, args.capacity, seed=1)
+    for kind in args.adaptive_proposers:
+        if kind == "draft":
+            proposer = DraftModelProposer(draft)
+        elif kind == "ngram":
+            proposer = NgramProposer(1, 4)
+        else:
+            proposer = random_head_proposer(kind, target, args.adaptive_mode, slots, args)
+        for batch in args.batches:
+            tokens = args.tokens if batch == 1 else args.batch_tokens
+            plain = Engine(target, eos_token_ids=[], max_num_seqs=batch)
+            adaptive = Engine(
+                target,
+                eos_token_ids=[],
+                proposer=proposer,
+                num_speculative_tokens=args.adaptive_k,
+                max_num_seqs=batch,
+                adaptive=AdaptiveSpecLength(args.adaptive_max_k, prior_cost_ratio(proposer, target)),
+            )
+            ratios = []
+            for round_ in range(args.rounds + 1):  # round 0 warms both up (graphs, compiles)
+                order = [plain, adaptive] if round_ % 2 else [adaptive, plain]
+                rates = {id(e): decode_rate(e, batch, PROMPT_TOKENS, tokens)[0] for e in order}
+                if round_:
+                    ratios.append(rates[id(adaptive)] / rates[id(plain)])
+            stats = adaptive.spec_stats
+            table.add(
+                "adaptive",
+                f"{args.adaptive_mode}, {kind}, batch {batch}",
+                f"{statistics.median(ratios):.2f}x",
+                f"plain = 1 (rounds {', '.join(f'{r:.2f}' for r in ratios)}); drafted {stats.num_draft_tokens} "
+                f"tokens, accepted {stats.num_accepted_tokens}",
+                kind=kind,
+                batch=batch,
+                ratio=statistics.median(ratios),
+            )
+        del proposer
 
 
 def section_transformers(table: Table, args, files: Path, device: torch.device) -> None:
@@ -544,6 +600,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--head-methods", type=comma_list(("eagle", "eagle3", "medusa"), "method(s)"), default=["eagle3", "medusa"]
     )
     parser.add_argument("--heads-mode", choices=MODES, default="graphs+compile")
+    parser.add_argument("--adaptive-mode", choices=MODES, default="graphs+compile")
+    parser.add_argument(
+        "--adaptive-proposers",
+        type=comma_list(("draft", "ngram", "eagle3"), "proposer(s)"),
+        default=["draft", "ngram", "eagle3"],
+    )
+    parser.add_argument("--adaptive-k", type=int, default=7, help="num_speculative_tokens of the adaptive engines")
+    parser.add_argument("--adaptive-max-k", type=int, default=15, help="their max_speculative_tokens")
     parser.add_argument("--head-ks", type=int_list, default=[1, 3, 5, 7])
     parser.add_argument("--draft-vocab", type=int, default=32768, help="an EAGLE-3 head's draft vocabulary")
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
@@ -585,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": (section_plain, args, target_config, device, bandwidth),
         "profile": (section_profile, args, target_config, device),
         "heads": (section_heads, args, target_config, device),
+        "adaptive": (section_adaptive, args, target_config, draft_config, device),
         "long": (section_long, args, target_config, device),
         "ceiling": (section_ceiling, args, target_config, draft_config, device),
         "transformers": (section_transformers, args, target_files, device),

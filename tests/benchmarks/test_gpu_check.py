@@ -17,7 +17,8 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
         (tmp_path / name / "config.json").write_text(json.dumps(tiny_config("qwen2", num_layers=layers).to_hf()))
     out = tmp_path / "check.json"
     args = ["--device", "cpu", "--models", str(tmp_path), "--target", "target", "--draft", "draft"]
-    args += ["--sections", "plain,profile,ceiling,heads,long", "--modes", "eager,graphs", "--batches", "1,2"]
+    args += ["--sections", "plain,profile,ceiling,heads,adaptive,long", "--modes", "eager,graphs", "--batches", "1,2"]
+    args += ["--adaptive-mode", "graphs", "--adaptive-k", "2", "--adaptive-max-k", "3"]
     args += ["--tokens", "6", "--batch-tokens", "4", "--contexts", "40", "--long-modes", "graphs"]
     args += ["--ks", "1,2", "--head-ks", "1,2", "--ceiling-tokens", "16", "--rounds", "1", "--draft-vocab", "48"]
     args += ["--ceiling-modes", "graphs", "--heads-mode", "graphs", "--json-out", str(out)]
@@ -32,6 +33,9 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
         (m, k) for m in ("eagle3", "medusa") for k in (1, 2)
     }
     assert len([r for r in rows if r["section"] == "ceiling" and "k" in r]) == 2
+    adaptive = {(r["kind"], r["batch"]): r["ratio"] for r in rows if r["section"] == "adaptive"}
+    assert set(adaptive) == {(p, b) for p in ("draft", "ngram", "eagle3") for b in (1, 2)}
+    assert min(adaptive.values()) > 0
     assert "| section | what | figure | note |" in capsys.readouterr().out
 
 
