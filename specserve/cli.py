@@ -385,11 +385,6 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     )
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
-    data.add_argument(
-        "--greedy-first-round",
-        action="store_true",
-        help="answer every instruction greedily first (as a temperature-0 request decodes), then at --temperature",
-    )
     data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
     data.add_argument(
         "--stdlib-tokens",
@@ -464,7 +459,6 @@ def run_train_head(args: argparse.Namespace) -> int:
             answer_rounds=args.answer_rounds,
             answer_tokens=args.answer_tokens,
             temperature=args.temperature,
-            greedy_first_round=args.greedy_first_round,
             max_num_seqs=args.max_num_seqs,
             stdlib_tokens=args.stdlib_tokens,
             top_k=args.top_k,

@@ -74,7 +74,6 @@ class AnswerSettings:
     max_num_seqs: int
     seed: int
     rounds: int = 1  # answers per instruction at most, each from its own seed
-    greedy_first_round: bool = False  # round 0 answers greedily, as the benchmarks decode
 
 
 def load_instructions() -> list[Instruction]:
@@ -132,7 +131,7 @@ def answer_instructions(
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
             params = SamplingParams(
                 max_tokens=settings.max_tokens,
-                temperature=0.0 if r == 0 and settings.greedy_first_round else settings.temperature,
+                temperature=settings.temperature,
                 seed=settings.seed + r * len(instructions) + i,
                 logprobs=None if recorder is None else recorder.top_k,
             )

@@ -67,7 +67,6 @@ class TrainHeadSettings:
     answer_rounds: int = 3  # answers per instruction at most, each from its own seed
     answer_tokens: int = 256
     temperature: float = 0.8
-    greedy_first_round: bool = False  # the first round's answers greedy, the later ones at `temperature`
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     # Standard-library text read after the answers, at most: none by default, since on the
     # same data and steps a head trained on the answers alone agreed more on held-out
@@ -246,7 +245,6 @@ class Run:
             settings.max_num_seqs,
             settings.seed,
             settings.answer_rounds,
-            settings.greedy_first_round,
         )
         wanted = None if settings.max_answers is None else settings.max_answers * settings.answer_rounds
         with tqdm(desc="answers", total=wanted, unit=" answers") as bar:

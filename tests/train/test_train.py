@@ -239,26 +239,6 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
         assert not recorded["top_probs"][~trained].any()
 
 
-def test_a_greedy_first_round_answers_as_temperature_0_decodes(smollm2, tmp_path):
-    """--greedy-first-round: round 0's answers are the target's greedy ones, the later
-    rounds sampled at --temperature from their own seeds."""
-    from specserve.engine.engine import Engine
-    from specserve.sampling import SamplingParams
-
-    target = catalogue.load_model(str(smollm2), torch.float32)
-    settings = AnswerSettings(
-        max_answers=3, max_tokens=8, temperature=0.8, max_num_seqs=2, seed=0, rounds=2, greedy_first_round=True
-    )
-    answers_file = tmp_path / "answers.jsonl"
-    answer_instructions(target.decoder, target.tokenizer, settings, answers_file, time.monotonic() + 600)
-    records = [json.loads(line) for line in answers_file.read_text().splitlines()]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
-    engine = Engine(target.decoder, eos_token_ids=target.tokenizer.eos_token_ids)
-    plain = {r["index"]: engine.generate(r["prompt_ids"], greedy).output_ids for r in records if r["round"] == 0}
-    assert len(plain) == 3 and all(r["answer_ids"] == plain[r["index"]] for r in records if r["round"] == 0)
-    assert any(r["answer_ids"] != plain[r["index"]] for r in records if r["round"] == 1)
-
-
 def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):
     assert main(["train-head", str(smollm2), "--quantization", "none", "--max-minutes", "0.001"]) == 2
     err = capsys.readouterr().err
