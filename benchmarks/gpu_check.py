@@ -1,7 +1,8 @@
 """One check of a GPU machine, in one table: the CUDA tests, decode speed against the
 memory roofline (eager, CUDA graphs, graphs with --compile), long contexts, the ceiling
 of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
-heads'), transformers' static cache, and a streamed chat through `specserve serve`.
+heads'), adaptive k against plain decoding by batch size, transformers' static cache,
+and a streamed chat through `specserve serve` (plainly and with a random EAGLE-3 head).
 
 Speed does not depend on the weights' values, so every model here has random weights of
 a catalogue model's shapes: only its config.json is read, and the served model's
