@@ -48,7 +48,7 @@ def build_engine(
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
-    to both and to an EAGLE head (`Decoder.use_torch_compile`), device and cuda_graphs to all
+    to both and to an unquantized EAGLE head (`Decoder.use_torch_compile`), device and cuda_graphs to all
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
     cuda_graphs: True asks for them (an error where they cannot run), False refuses them
     (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
@@ -69,7 +69,9 @@ def build_engine(
     proposer = None
     if spec is not None:
         proposer, spec = make_proposer(spec, target, dtype, chunk, quantization, compile)
-    if isinstance(proposer, EagleProposer) and target.decoder.compiled:  # the head's step compiled as the target's
+    # The head's steps compiled as the target's, where its layers are PyTorch's: a
+    # quantized head's run our C kernels, which compiling only breaks into pieces.
+    if isinstance(proposer, EagleProposer) and target.decoder.compiled and quantization == "none":
         proposer.head.use_torch_compile(required=bool(compile))
     decoders = [target.decoder] + ([proposer.draft] if isinstance(proposer, DraftModelProposer) else [])
     if cuda_graphs is not False and device.type == "cuda":
