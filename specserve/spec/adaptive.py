@@ -50,6 +50,7 @@ The measurements behind the constants below: benchmarks/EXPERIMENTS.md, "Adaptiv
 from __future__ import annotations
 
 import bisect
+import functools
 
 # Proposer calls that catch up at most this many tokens (the recovered or bonus token, and
 # the last accepted draft after a full acceptance) are timed as drafting, longer ones as
@@ -400,7 +401,8 @@ class AdaptiveSpecLength:
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
         limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
 
-        def speedup(ks: list[int]) -> float:
+        @functools.cache  # the candidates repeat across horizons and passes
+        def speedup(ks: tuple[int, ...]) -> float:
             tokens = others + sum(E[k] for (E, _), k in zip(curves, ks))
             drafted = [D[k] for (_, D), k in zip(curves, ks)]
             if max(drafted) == 0:
@@ -422,12 +424,12 @@ class AdaptiveSpecLength:
                 worth.append(upto)
             for horizon in range(1, self.max_k + 1):
                 for ks in (
-                    [min(horizon, limit) for limit in limits],
-                    [min(upto[horizon], limit) for upto, limit in zip(worth, limits)],
+                    tuple(min(horizon, limit) for limit in limits),
+                    tuple(min(upto[horizon], limit) for upto, limit in zip(worth, limits)),
                 ):
                     speed = speedup(ks)
                     if speed > best:
-                        best, best_ks = speed, ks
+                        best, best_ks = speed, list(ks)
         return best, best_ks
 
     def choose(
