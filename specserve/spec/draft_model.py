@@ -191,28 +191,14 @@ class DraftModelProposer:
             chains.add(order, self.draft(flat, segments, last_rows, [common[i] for i in order]))  # [len(order), width]
             # The newest guess is fed only if another one is wanted after it.
             inputs = {i: [chains.newest(i)] for i in chains.active()}
-            if inputs and self._chain_on_the_device(seqs, chains, list(inputs)):
-                break
+            if inputs and self.draft.static is not None:  # the rest of greedy chains in one graph
+                caches = [self._cache(seqs[i]) for i in inputs]
+                taken = chains.draft_on_the_device(self.draft.static, list(inputs), caches)
+                if taken is not None:
+                    for cache, fed in zip(caches, taken):
+                        cache.length += fed  # the newest guess and each kept but the last
+                    break
         return chains.drafts()
-
-    def _chain_on_the_device(self, seqs: Sequence[SequenceView], chains: DraftChains, going_on: list[int]) -> bool:
-        """Draft the rest of every chain in one static step (GreedyChain, model/graphs.py),
-        where the draft has static steps and every sequence drafting on is greedy and
-        unpenalised. Returns whether it did."""
-        if self.draft.static is None or not all(
-            seqs[i].params.greedy and not seqs[i].params.penalized for i in going_on
-        ):
-            return False
-        positions = max(chains.num_tokens[i] - len(chains.drafted[i]) for i in going_on)
-        caches = [self._cache(seqs[i]) for i in going_on]
-        drafted = self.draft.static.greedy_chain([chains.newest(i) for i in going_on], None, caches, positions)
-        if drafted is None:
-            return False
-        for i, cache, tokens, confidences in zip(going_on, caches, *drafted):
-            before = len(chains.drafted[i])
-            chains.extend_greedy(i, tokens, confidences)
-            cache.length += len(chains.drafted[i]) - before  # fed: the newest guess and each kept but the last
-        return True
 
     def _catch_up(self, chunks: dict[int, list[int]], seqs: Sequence[SequenceView]) -> None:
         """Feed each sequence's chunk of unseen tokens into its draft cache."""

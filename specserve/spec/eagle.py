@@ -100,12 +100,18 @@ class EagleProposer:
             if not going_on:
                 break
             row = {i: r for r, i in enumerate(order)}
-            if self._chain_on_the_device(seqs, chains, going_on, hidden[[row[i] for i in going_on]]):
-                break
+            fed = hidden[[row[i] for i in going_on]]  # [len(going_on), H]: the features of their newest guesses
+            caches = [self.caches[seqs[i].seq_id] for i in going_on]
+            if (
+                self.head.static is not None
+                and chains.draft_on_the_device(self.head.static, going_on, caches, fed, self.head.target_ids)
+                is not None
+            ):
+                break  # the rest of greedy chains in one graph
             hidden, logits = self.head.step(
                 torch.tensor([chains.newest(i) for i in going_on], device=self.head.device),
-                hidden[[row[i] for i in going_on]],
-                [Segment(self.caches[seqs[i].seq_id], 1) for i in going_on],
+                fed,
+                [Segment(cache, 1) for cache in caches],
                 logits_rows=torch.arange(len(going_on), device=self.head.device),
             )  # [len(going_on), H], [len(going_on), draft_vocab]
             order = going_on
@@ -114,26 +120,6 @@ class EagleProposer:
         drafts = chains.drafts()
         self.last_guesses = {seqs[i].seq_id: drafts[i].num_tokens for i in reads if drafts[i].num_tokens}
         return drafts
-
-    def _chain_on_the_device(
-        self, seqs: Sequence[SequenceView], chains: DraftChains, going_on: list[int], hidden: torch.Tensor
-    ) -> bool:
-        """Draft the rest of every chain in one static step (GreedyChain), where every
-        sequence drafting on is greedy and unpenalised; hidden [len(going_on), H]: the
-        features of their last guesses. Returns whether it did."""
-        if self.head.static is None or not all(
-            seqs[i].params.greedy and not seqs[i].params.penalized for i in going_on
-        ):
-            return False
-        positions = max(chains.num_tokens[i] - len(chains.drafted[i]) for i in going_on)
-        caches = [self.caches[seqs[i].seq_id] for i in going_on]
-        firsts = [chains.newest(i) for i in going_on]
-        drafted = self.head.static.greedy_chain(firsts, hidden, caches, positions, self.head.target_ids)
-        if drafted is None:
-            return False
-        for i, tokens, confidences in zip(going_on, *drafted):
-            chains.extend_greedy(i, tokens, confidences)
-        return True
 
     def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read each sequence's next reads[i] pairs into its head cache, in one head forward;

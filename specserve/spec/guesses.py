@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,10 @@ from specserve.penalties import apply_penalties
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.heads.vocab import widen_to_target_vocab
 from specserve.spec.proposer import Draft, SequenceView
+
+if TYPE_CHECKING:
+    from specserve.model.graphs import StaticDecode
+    from specserve.model.kv_cache import KVCache
 
 log = logging.getLogger("specserve")
 
@@ -124,15 +128,37 @@ class DraftChains:
             if confidence < self.guesser.confidence_threshold:
                 self.stopped.add(i)
 
-    def extend_greedy(self, i: int, tokens: list[int], confidences: list[float]) -> None:
-        """Sequence i's next greedy guesses, made on the device (GreedyChain, model/graphs.py), taken as
-        `add` would take them one by one: up to its count, stopping after an unsure one."""
-        for token, confidence in zip(tokens, confidences):
-            if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
-                return
-            self.drafted[i].append(token)
-            if confidence < self.guesser.confidence_threshold:
-                self.stopped.add(i)
+    def draft_on_the_device(
+        self,
+        static: StaticDecode,
+        going_on: list[int],
+        caches: list[KVCache],  # each one's proposer cache, its newest guess not yet fed
+        features: torch.Tensor | None = None,  # [len(going_on), F]: a head's features that made those guesses
+        target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column (a head's)
+    ) -> list[int] | None:
+        """Draft the rest of each chain in `going_on` in one static step of `static`
+        (GreedyChain, model/graphs.py), where every one of them is greedy and unpenalised,
+        taking its guesses as `add` would one by one: up to its count, stopping after an
+        unsure one. Returns how many guesses each took (the tokens the chain fed that it
+        keeps), or None where it drafted nothing this way."""
+        if not all(self.seqs[i].params.greedy and not self.seqs[i].params.penalized for i in going_on):
+            return None
+        positions = max(self.num_tokens[i] - len(self.drafted[i]) for i in going_on)
+        firsts = [self.newest(i) for i in going_on]
+        drafted = static.greedy_chain(firsts, features, caches, positions, target_ids)
+        if drafted is None:
+            return None
+        taken = []
+        for i, tokens, confidences in zip(going_on, *drafted):
+            before = len(self.drafted[i])
+            for token, confidence in zip(tokens, confidences):
+                if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
+                    break
+                self.drafted[i].append(token)
+                if confidence < self.guesser.confidence_threshold:
+                    self.stopped.add(i)
+            taken.append(len(self.drafted[i]) - before)
+        return taken
 
     def drafts(self) -> list[Draft]:
         return [
