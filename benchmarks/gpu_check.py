@@ -46,7 +46,7 @@ from specserve.bench.measured_ceiling import best, measure  # noqa: E402
 from specserve.bench.options import comma_list  # noqa: E402
 from specserve.bench.roofline import measure_read_bandwidth  # noqa: E402
 from specserve.config import ModelConfig  # noqa: E402
-from specserve.engine.engine import Engine  # noqa: E402
+from specserve.engine.engine import DEFAULT_NUM_SCHEDULER_STEPS, Engine  # noqa: E402
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
@@ -63,8 +63,18 @@ from specserve.spec.ngram import NgramProposer  # noqa: E402
 
 SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "adaptive", "long", "serve", "transformers")  # in order
 # gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
-# max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling)
-MODES = ("eager", "graphs", "graphs+compile", "graphs+gather", "graphs+compile+gather", "graphs+autotune")
+# max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling); single: one
+# token an engine step (--num-scheduler-steps 1), where plain greedy decoding otherwise
+# decodes DEFAULT_NUM_SCHEDULER_STEPS in one graph
+MODES = (
+    "eager",
+    "graphs",
+    "graphs+compile",
+    "graphs+compile+single",
+    "graphs+gather",
+    "graphs+compile+gather",
+    "graphs+autotune",
+)
 CUDA_TESTS = [
     "tests/model/test_graphs.py",
     "tests/model/test_device.py",
@@ -131,6 +141,11 @@ def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capa
         model.use_cuda_graphs(slots, capacity)
         model.static.in_place = model.static.in_place and "gather" not in flags
     return model
+
+
+def scheduler_steps(mode: str) -> int:
+    """The plain engine's num_scheduler_steps in this mode."""
+    return 1 if "single" in mode.split("+") else DEFAULT_NUM_SCHEDULER_STEPS
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -222,7 +237,7 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
         load_s = time.perf_counter() - loaded
         roofline = bandwidth / weight_bytes(model)
         for batch in args.batches:
-            engine = Engine(model, eos_token_ids=[], max_num_seqs=batch)
+            engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])  # warm-up: captures this batch's graphs
             rate, outputs = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])
             same = ""
@@ -258,7 +273,7 @@ def section_profile(table: Table, args, config: ModelConfig, device: torch.devic
         table.add("profile", "skipped", "-", "needs a GPU")
         return
     model = build(config, device, args.profile_mode, 1, args.capacity, seed=0)
-    engine = Engine(model, eos_token_ids=[], max_num_seqs=1)
+    engine = Engine(model, eos_token_ids=[], max_num_seqs=1, num_scheduler_steps=1)  # a replay a token
     decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)  # warm-up: captures the graphs
     rate, _ = decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)
     (key, step), *_ = [(key, step) for key, step in model.static.steps.items() if key[:2] == (1, 1)]
@@ -327,7 +342,13 @@ def section_long(table: Table, args, config: ModelConfig, device: torch.device) 
     for mode in args.long_modes:
         model = build(config, device, mode, 1, capacity, seed=0)
         for context in args.contexts:
-            engine = Engine(model, eos_token_ids=[], max_num_seqs=1, prefill_chunk_size=1024)
+            engine = Engine(
+                model,
+                eos_token_ids=[],
+                max_num_seqs=1,
+                prefill_chunk_size=1024,
+                num_scheduler_steps=scheduler_steps(mode),
+            )
             decode_rate(engine, 1, context, args.batch_tokens)
             rate, _ = decode_rate(engine, 1, context, args.batch_tokens)
             table.add("long", f"{mode}, batch 1, {context} positions", f"{rate:.0f} tok/s", mode=mode, context=context)

@@ -20,7 +20,7 @@ from specserve import catalogue
 from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS
 from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
@@ -107,6 +107,13 @@ def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
     return True if args.cuda_graphs else None
 
 
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse an integer flag below 1 before anything loads (names: argparse's dests)."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def dtype_of(args: argparse.Namespace) -> torch.dtype:
     if args.dtype == "auto":
         return default_dtype(device_of(args), args.quantization)
@@ -155,6 +162,14 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs and no torch.compile on a GPU: every step launches its kernels from Python (vLLM's flag)",
+    )
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=DEFAULT_NUM_SCHEDULER_STEPS,
+        help="tokens each sequence decodes per engine step where the target runs CUDA graphs and a step "
+        "only decodes greedy requests, with no drafts, penalties or logprobs (vLLM's multi-step "
+        "scheduling): the host reads them back once; 1: a step a token",
     )
 
 
@@ -479,6 +494,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from specserve.sampling import SamplingParams
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
+    require_positive(args, "num_scheduler_steps")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -501,6 +517,7 @@ def run_generate(args: argparse.Namespace) -> int:
         device=device_of(args),
         cuda_graphs=cuda_graphs_of(args),
         max_num_seqs=1,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -517,9 +534,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specserve.server.serve import ServerConfig, serve
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--prefill-chunk-size", args.prefill_chunk_size)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    require_positive(args, "max_num_seqs", "prefill_chunk_size", "num_scheduler_steps")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_queue_len < 0:
@@ -547,6 +562,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_queue_len=args.max_queue_len,
             prefill_chunk_size=args.prefill_chunk_size,
+            num_scheduler_steps=args.num_scheduler_steps,
             log_stats_interval_s=args.log_stats_interval,
             shutdown_grace_s=args.shutdown_grace,
             stream_mode=args.stream_mode,
@@ -712,8 +728,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     spec = args.speculative_config or json.dumps(default_ab_draft(device_of(args)))
     SpecConfig.parse(spec)  # refuse a bad config before starting anything
-    if args.max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    require_positive(args, "max_num_seqs", "num_scheduler_steps")
     serve_args = [
         "--device",
         args.device,
@@ -723,6 +738,8 @@ def run_ab(args: argparse.Namespace) -> int:
         args.quantization,
         "--max-num-seqs",
         str(args.max_num_seqs),
+        "--num-scheduler-steps",
+        str(args.num_scheduler_steps),
     ] + ["--batch-invariant"] * args.batch_invariant
     serve_args += ["--compile"] * args.compile + ["--cuda-graphs"] * args.cuda_graphs
     serve_args += ["--enforce-eager"] * args.enforce_eager

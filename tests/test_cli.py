@@ -113,6 +113,7 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
         (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
         (["--max-model-len", "10"], "maximum model length 10"),
+        (["--num-scheduler-steps", "-2"], "--num-scheduler-steps must be >= 1, got -2"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
@@ -158,6 +159,7 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         ),
         (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be >= 1"),
         (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
         (["--port", "65536"], "--port must be in [1, 65535]"),
         (["--max-model-len", "100000"], "--max-model-len must be in"),

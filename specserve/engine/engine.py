@@ -13,6 +13,11 @@ sequence by one verified step.
   chosen from the current step's outputs: the output stays the target's.
 - A joining request starts from the longest prefix of its prompt, all but its last token,
   stored in the `prefix_cache` or held by a running sequence.
+- Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
+  steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
+  drafts or prompts, it decodes that many tokens each in one static step (GreedyChain),
+  the host reading them back once; tokens past a stop token or max_tokens are dropped as
+  rejected drafts are. A request that arrives meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from specserve.spec.stats import SpecStats
 from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify
 
 DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for every row
+# Tokens a sequence decodes per engine step where multi-step decoding runs: the host's
+# ~0.3 ms around each GPU step shared by 8 tokens (see the module's docstring).
+DEFAULT_NUM_SCHEDULER_STEPS = 8
 
 log = logging.getLogger("specserve")
 
@@ -96,15 +104,20 @@ class Engine:
         adaptive: AdaptiveSpecLength | None = None,
         lookup_first: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
         except a seeded sampling request's, which stays num_speculative_tokens so that
         it repeats; without, every step drafts num_speculative_tokens. lookup_first
-        (see `_look_up`) and prefix_cache (the target's): see the module's docstring."""
-        if max_num_seqs < 1 or prefill_chunk_size < 1:
-            raise ConfigError(
-                f"max_num_seqs and prefill_chunk_size must be >= 1, got {max_num_seqs} and {prefill_chunk_size}"
-            )
+        (see `_look_up`), prefix_cache (the target's) and num_scheduler_steps (1: off):
+        see the module's docstring."""
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("prefill_chunk_size", prefill_chunk_size),
+            ("num_scheduler_steps", num_scheduler_steps),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
@@ -116,6 +129,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.prefix_cache = prefix_cache
+        self.num_scheduler_steps = num_scheduler_steps
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # in order of admission
         self.spec_stats = SpecStats()  # every sequence's drafts, for metrics
@@ -334,7 +348,9 @@ class Engine:
         those whose own verification failed (`failure` set, finished with "error"):
         check `finished` on each, finished ones have left the batch."""
         work, fused, fused_wanted, not_proposed = self._schedule()
-        outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
+        outcomes = None if fused else self._decode_ahead(work)
+        if outcomes is None:
+            outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]
         failed = [w.seq for w in work if w.seq.failure is not None]
         for seq, num_drafted, verdict, logprobs in outcomes:
@@ -367,6 +383,23 @@ class Engine:
         if self.adaptive is not None:
             self.adaptive.observe_target(sum(n + 1 for n, _ in results), verifying)
         return [_Outcome(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]
+
+    def _decode_ahead(self, work: list[_Work]) -> list[_Outcome] | None:
+        """Multi-step decoding (see the module's docstring): each sequence's next
+        num_scheduler_steps greedy tokens from one static step, or None where this step
+        is not plain greedy decoding alone (or a cache lacks the room)."""
+        static, steps = self.target.static, self.num_scheduler_steps
+        if static is None or steps < 2 or self.proposer is not None or not work:
+            return None
+        if not all(w.seq.prefilled and len(w.tokens) == 1 and fusable(w.seq) for w in work):
+            return None
+        caches = [w.seq.cache for w in work]
+        chains = static.greedy_chain([w.tokens[0] for w in work], None, caches, steps)
+        if chains is None:
+            return None
+        for cache in caches:
+            cache.length += steps  # the newest token and every token but the last (step() cuts the rest)
+        return [_Outcome(w.seq, 0, Verdict(tokens, 0)) for w, tokens in zip(work, chains[0])]
 
     def _forward_and_verify(self, work: list[_Work]) -> list[_Outcome]:
         """One target forward over the step's work; verify each scored sequence's drafts."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 
 from specserve.model import slot_attention
-from specserve.model.decoder import batched_grouped_attention, grouped_mask, in_asked_order
+from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
 
 if TYPE_CHECKING:
@@ -244,6 +244,9 @@ class GreedyChain:
     vocabulary) and, for a head, its output feature feed the next position on the
     device, and one read-back returns every guess and its confidence.
 
+    A target's chain is multi-step decoding (Engine.num_scheduler_steps): its greedy
+    tokens, as many decode steps would give them.
+
     Why: drafting a position at a time reads each guess back before the next step can be
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
@@ -390,6 +393,7 @@ class StaticDecode:
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         key = ChainKey(next_power_of_two(len(caches)), positions, bucket)
-        if key not in self.chains:
-            self.chains[key] = GreedyChain(self, key, target_ids)
-        return self.chains[key].run(first_tokens, features, caches)
+        with attention_backends(self.pool.keys.device):
+            if key not in self.chains:
+                self.chains[key] = GreedyChain(self, key, target_ids)
+            return self.chains[key].run(first_tokens, features, caches)

@@ -21,7 +21,7 @@ import uvicorn
 
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.build import build_engine
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS
 from specserve.errors import ConfigError
 from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
@@ -51,6 +51,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_queue_len: int = 64
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
+    num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS  # see Engine
     log_stats_interval_s: float = 10.0
     stream_mode: str = "step"  # see ApiSettings.stream_mode
     header_timeout_s: float = HEADER_TIMEOUT_S  # see server/transport.py
@@ -100,6 +101,7 @@ def serve(config: ServerConfig) -> None:
         prefix_cache_space=config.prefix_cache_space,
         max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
+        num_scheduler_steps=config.num_scheduler_steps,
     )
     async_engine = AsyncEngine(
         engine, tokenizer, ServerMetrics(name), config.max_queue_len, config.log_stats_interval_s

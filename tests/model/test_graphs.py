@@ -233,6 +233,40 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
         assert graphed_draft.static.chains  # the positions after it: one static step a chain (GreedyChain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
+    """num_scheduler_steps = 4 on static steps: greedy requests decode 4 tokens a step
+    (GreedyChain), and each still gives its plain tokens, ending at its stop token or
+    max_tokens mid-chain; a sampled request beside them decodes step by step, its seeded
+    tokens as alone; every slot comes back."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    plain = [run(target, lambda: None, [(p, GREEDY)])[0][0] for p in PROMPTS[:3]]
+    stop = plain[0][9]  # a token the first request meets mid-chain
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    requests = [
+        (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,))),
+        (PROMPTS[1], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True)),
+        (PROMPTS[3], sampled),
+    ]
+    alone = run(target, lambda: None, [requests[3]])[0][0]
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    outputs, engine = run(graphed, lambda: None, requests, num_scheduler_steps=4)
+    assert outputs[0] == plain[0][: plain[0].index(stop) + 1]
+    assert outputs[1:3] == [plain[1][:13], plain[2][:21]]
+    assert outputs[3] == alone
+    assert {key.positions for key in graphed.static.chains} == {4}
+    assert graphed.static.pool.num_free == 4
+    _, engine = run(graphed, lambda: None, requests[:1], num_scheduler_steps=1)
+    assert {key.positions for key in graphed.static.chains} == {4}  # 1: no chain was asked for
+
+
+def test_num_scheduler_steps_must_be_positive():
+    with pytest.raises(ConfigError, match="num_scheduler_steps must be >= 1, got 0"):
+        Engine(random_decoder("qwen3", seed=1), eos_token_ids=[EOS], num_scheduler_steps=0)
+
+
 def test_a_decoders_greedy_chain_guesses_what_its_steps_guess():
     """GreedyChain on a decoder (a draft model): k positions in one static step give the
     argmax chain and confidences of k single-token steps, and leave each cache's length."""
