@@ -103,11 +103,16 @@ class Trace:
     chain: list[int] | None = None
     chain_confidence: list[list[float]] | None = None
 
-    def drafted_and_accepted(self, position: int, want: int, threshold: float) -> tuple[int, int]:
+    def drafted_and_accepted(
+        self, position: int, want: int, threshold: float, least_chance: float = 0.0
+    ) -> tuple[int, int, int]:
         """A draft of up to `want` tokens at output `position` (a head's, at most its
         recorded depth: a Medusa checkpoint's heads): how many are drafted (a guess less
-        sure than `threshold` is the last) and accepted."""
+        sure than `threshold` is the last), accepted, and dropped (1 where the first
+        guess is less sure than `least_chance`, as DraftChains drops it)."""
         n, drafted = len(self.match), 0
+        if position < n and self.confidence[position] < least_chance:
+            return 0, 0, 1
         if self.chain_confidence is not None:
             want = min(want, len(self.chain_confidence[0]))
         while drafted < want:
@@ -122,11 +127,11 @@ class Trace:
             if not sure:
                 break
         if self.chain is not None:
-            return drafted, min(drafted, self.chain[position]) if position < n else 0
+            return drafted, min(drafted, self.chain[position]) if position < n else 0, 0
         accepted = 0
         while accepted < drafted and position + accepted < n and self.match[position + accepted]:
             accepted += 1
-        return drafted, accepted
+        return drafted, accepted, 0
 
 
 @dataclass
@@ -168,16 +173,17 @@ def replay(
         remaining = trace.max_tokens - emitted
         want = adaptive.choose([seq_id], [unread], [remaining])[0] if adaptive else k
         want = max(0, min(want, remaining - 1))
-        drafted = accepted = 0
+        drafted = accepted = dropped = 0
         if want:
-            drafted, accepted = trace.drafted_and_accepted(emitted, want, threshold)
-            drafting = costs.draft_fixed + costs.draft_per_position * drafted
+            least = adaptive.least_chance(1, 1 + want) if adaptive else 0.0  # as the engine asks
+            drafted, accepted, dropped = trace.drafted_and_accepted(emitted, want, threshold, least)
+            drafting = costs.draft_fixed + costs.draft_per_position * (drafted + dropped)
             # As the engine times it: a call that first reads a backlog is a reading sample.
             reading = costs.read_per_token * unread if unread > MAX_CATCH_UP else 0.0
             if adaptive and reading:
                 adaptive.observe_read(unread, drafted, drafting + reading)
             elif adaptive:
-                adaptive.observe_draft(drafted, drafting)
+                adaptive.observe_draft(drafted + dropped, drafting)
             seconds += drafting + reading
             drafts += 1
             drafted_total += drafted
@@ -186,12 +192,18 @@ def replay(
         seconds += forward
         if adaptive:
             adaptive.observe_target(drafted + 1, forward)
-            adaptive.record(seq_id, drafted, accepted)
+            adaptive.record(seq_id, drafted, accepted, dropped)
+            if drafted and emitted < n:
+                adaptive.observe_first_guess(trace.confidence[emitted], accepted > 0)
         step_tokens = min(accepted + 1, n - emitted)
         emitted += step_tokens
         # The draft's cache keeps what it read and the accepted guesses it fed; it has
-        # yet to read the target's correction, or the last guess and the bonus token.
-        unread = (2 if accepted == drafted else 1) if drafted else unread + step_tokens
+        # yet to read the target's correction, or the last guess and the bonus token
+        # (after a dropped first guess, the step's one token).
+        if drafted:
+            unread = 2 if accepted == drafted else 1
+        else:
+            unread = 1 if dropped else unread + step_tokens
     if adaptive:
         adaptive.free(seq_id)
     return Outcome(n - 1, seconds, drafts, drafted_total, accepted_total)

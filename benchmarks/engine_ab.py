@@ -68,13 +68,16 @@ def build_tree(build: str, into: Path) -> Path:
 
 
 def spec_config(mode: str, draft: str) -> dict | None:
-    """A mode's `--speculative-config`: plain (None), k=N (the draft, N fixed), adaptive."""
+    """A mode's `--speculative-config`: plain (None), k=N (the draft, N fixed), adaptive
+    (from k = 7, or 3 for a head). `draft`: a draft model, or METHOD:HEAD (eagle3:NAME)."""
     if mode == "plain":
         return None
+    method, _, head = draft.rpartition(":")
+    proposer = {"method": method, "model": head} if method else {"model": draft}
     if mode == "adaptive":
-        return {"model": draft, "num_speculative_tokens": 7}
+        return {**proposer, "num_speculative_tokens": 3 if method else 7}
     if mode.startswith("k=") and mode[2:].isdigit() and int(mode[2:]) > 0:
-        return {"model": draft, "num_speculative_tokens": int(mode[2:]), "adaptive": False}
+        return {**proposer, "num_speculative_tokens": int(mode[2:]), "adaptive": False}
     raise ValueError(f"unknown mode {mode!r}: plain, k=N or adaptive")
 
 
@@ -234,7 +237,7 @@ def main() -> None:
     parser.add_argument("--a", default="HEAD", help="git revision (default HEAD)")
     parser.add_argument("--b", default="worktree", help="git revision, or worktree (the default)")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a draft model, or METHOD:HEAD (eagle3:NAME)")
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument(

@@ -54,9 +54,9 @@ def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -
     proposing: list[float] = []  # seconds of the step's proposer calls (unfused)
     propose = engine.proposer.propose
 
-    def timed_propose(seqs, num_tokens):
+    def timed_propose(seqs, num_tokens, least_chances=None):
         started = time.perf_counter()
-        drafts = propose(seqs, num_tokens)
+        drafts = propose(seqs, num_tokens, least_chances)
         proposing.append(time.perf_counter() - started)
         return drafts
 

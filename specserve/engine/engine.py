@@ -68,13 +68,15 @@ class _Work:
 
 
 class _Outcome(NamedTuple):
-    """One sequence's step: what it drafted, the verdict, and the emitted tokens'
-    logprobs where the request asked for them."""
+    """One sequence's step: what it drafted (and dropped: `Draft.dropped`), the verdict,
+    and the emitted tokens' logprobs where the request asked for them."""
 
     seq: Sequence
     num_drafted: int
     verdict: Verdict
     logprobs: list[TokenLogprob] | None = None
+    num_dropped: int = 0
+    first_confidence: float | None = None  # Draft.first_confidence
 
 
 def fusable(seq: Sequence) -> bool:
@@ -211,12 +213,19 @@ class Engine:
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
 
-    def _propose(self, decoding: list[Sequence], wanted: list[int]) -> list[Draft]:
+    def _propose(self, decoding: list[Sequence], wanted: list[int], batch: int, rows: int) -> list[Draft]:
+        """The proposer's drafts for a step of `batch` decoding sequences and `rows` rows
+        in all if every draft is as long as wanted: with adaptive k, a sequence whose k it
+        chose drops the guesses too unlikely to pay for their rows (Proposer.propose)."""
         if self.proposer is None or not any(wanted):
             return [Draft.empty()] * len(decoding)
+        least_chances = None
+        if self.adaptive is not None:
+            least = self.adaptive.least_chance(batch, rows)
+            least_chances = [least if may_adapt(s) else 0.0 for s in decoding]
         started = time.perf_counter()
-        drafts = self.proposer.propose(decoding, wanted)
-        self._observe_draft([d.num_tokens for d in drafts], wanted, time.perf_counter() - started)
+        drafts = self.proposer.propose(decoding, wanted, least_chances)
+        self._observe_draft([d.num_tokens + d.dropped for d in drafts], wanted, time.perf_counter() - started)
         return drafts
 
     def _observe_draft(self, drafted: list[int], wanted: list[int], seconds: float) -> None:
@@ -311,7 +320,8 @@ class Engine:
             in_one_call = []
         rest = sorted(set(range(len(drafting))) - set(in_one_call))
         proposed = [drafting[i] for i in rest]
-        drafts = self._propose(proposed, [wanted[i] for i in rest])
+        rows = len(decoding) + sum(wanted) + sum(d.num_tokens for d in looked_up.values())
+        drafts = self._propose(proposed, [wanted[i] for i in rest], len(decoding), rows)
         plain = [s for s in decoding if s not in speculating]
         drafted = [
             *zip(proposed, drafts),
@@ -353,7 +363,7 @@ class Engine:
             outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]
         failed = [w.seq for w in work if w.seq.failure is not None]
-        for seq, num_drafted, verdict, logprobs in outcomes:
+        for seq, num_drafted, verdict, logprobs, num_dropped, first_confidence in outcomes:
             seq.append(verdict.tokens, logprobs)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
             if num_drafted:
@@ -362,7 +372,9 @@ class Engine:
             # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:
-                self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted)
+                self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
+                if num_drafted and first_confidence is not None and seq.params.greedy and not seq.params.penalized:
+                    self.adaptive.observe_first_guess(first_confidence, verdict.num_accepted > 0)
         self._compare_lookups(advanced)
         if self.proposer is not None:
             self.proposer.observe(advanced, [outcome.verdict.num_accepted for outcome in outcomes])
@@ -458,7 +470,7 @@ class Engine:
         # logprobs are the raw logits', before penalties.
         num_top = params.logprobs
         logprobs = None if num_top is None else token_logprobs(logits, verdict.tokens, num_top)
-        return _Outcome(seq, w.draft.num_tokens, verdict, logprobs)
+        return _Outcome(seq, w.draft.num_tokens, verdict, logprobs, w.draft.dropped, w.draft.first_confidence)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Run one request to completion (with whatever else is queued)."""

@@ -112,6 +112,13 @@ PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS = 16, 128, 3
 # The prior's weight once a fully accepted probe has restarted the estimate: the probe
 # mostly decides (3 of 3 accepted -> about 0.94 a position; same entry).
 PROBE_DOUBT = 0.5
+# First guesses' acceptance by the proposer's probability of them (`FirstGuesses`): bins
+# of a tenth, a memory of some 200 verified guesses, and a bin's own probability as its
+# prior. The 0.5B draft's probabilities run below its acceptance (its guesses of 0.2-0.3
+# were accepted 0.39-0.41 of the time on open-ended text), a head's near or above it.
+CALIBRATION_BINS = 10
+CALIBRATION_DECAY = 0.995
+CALIBRATION_PRIOR_WEIGHT = 2.0
 
 
 class LinearFit:
@@ -224,10 +231,12 @@ class Acceptance:
       reached[i]: steps whose first i - 1 drafts were all accepted; gained[i]: of those,
         the steps where position i was drafted and accepted too;
       asked[i]: steps whose proposer drafted i - 1; drafted[i]: of those, the steps
-        where it drafted position i as well.
+        where it drafted position i as well; dropped[i]: those where it guessed position
+        i and dropped it, too unlikely to pay for its row (guesses.py).
     So rate(i) = gained / reached is the chance to earn position i given i - 1 were
     earned (drafting it and its acceptance together), and go_on(i) = drafted / asked
-    the chance that the proposer drafts position i after i - 1. Each estimate leans on
+    the chance that the proposer drafts position i after i - 1 (at position 1, 1 but
+    for dropped guesses). Each estimate leans on
     the position before it with `prior_weight` (position 1 on `prior_rate`), so a
     position never asked for is valued like the deepest one measured.
     """
@@ -236,7 +245,7 @@ class Acceptance:
         self.max_k = max_k
         self.prior_rate, self.prior_weight = prior_rate, prior_weight
         self.reached, self.gained = [0.0] * max_k, [0.0] * max_k  # index i - 1 for position i
-        self.asked, self.drafted = [0.0] * max_k, [0.0] * max_k
+        self.asked, self.drafted, self.dropped = [0.0] * max_k, [0.0] * max_k, [0.0] * max_k
         self.chosen = 0  # this step's k
         self.plain_steps = 0  # since the last draft
         self.drafting_steps = 0  # in the current run of drafting steps
@@ -247,13 +256,16 @@ class Acceptance:
     def restart(self, prior_weight: float) -> None:
         """Forget every observation, keeping the prior with a new weight."""
         self.prior_weight = prior_weight
-        for counts in (self.reached, self.gained, self.asked, self.drafted):
+        for counts in (self.reached, self.gained, self.asked, self.drafted, self.dropped):
             counts[:] = [0.0] * self.max_k
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """A drafting step that asked for `chosen` positions."""
-        for counts in (self.reached, self.gained, self.asked, self.drafted):
+    def record(self, num_drafted: int, num_accepted: int, num_dropped: int = 0) -> None:
+        """A drafting step that asked for `chosen` positions (and dropped the guess after
+        its drafts, where num_dropped)."""
+        for counts in (self.reached, self.gained, self.asked, self.drafted, self.dropped):
             counts[:] = [ACCEPTANCE_DECAY * c for c in counts]
+        if num_dropped and num_drafted < self.max_k:
+            self.dropped[num_drafted] += 1
         for i in range(1, min(max(self.chosen, num_drafted), self.max_k) + 1):
             if num_accepted >= i - 1:
                 self.reached[i - 1] += 1
@@ -275,13 +287,55 @@ class Acceptance:
         w = self.prior_weight
         for i in range(self.max_k):
             rate = (self.gained[i] + w * rate) / (self.reached[i] + w)
-            if i > 0:  # position 1 is drafted whenever a draft is
-                go_on = (self.drafted[i] + w * go_on) / (self.asked[i] + w)
-                reach *= go_on
+            go_on = (self.drafted[i] + w * go_on) / (self.asked[i] + w)  # position 1: 1 unless guesses are dropped
+            reach *= go_on
             earn_all *= rate
             tokens.append(tokens[-1] + earn_all)
             drafted.append(drafted[-1] + reach)
         return tokens, drafted
+
+    def guessed(self, drafted: list[float]) -> list[float]:
+        """G for k = 0 .. max_k: positions a step guesses, its drafted ones (`curves`' D)
+        and the one it drops: what drafting costs."""
+        guessed, drop, w = [0.0], 0.0, self.prior_weight
+        for i in range(self.max_k):
+            drop = (self.dropped[i] + w * drop) / (self.asked[i] + w)
+            reached = drafted[i] - drafted[i - 1] if i else 1.0  # the chance position i was drafted
+            guessed.append(guessed[-1] + drafted[i + 1] - drafted[i] + reached * drop)
+        return guessed
+
+
+class FirstGuesses:
+    """How often a proposer's greedy first guesses are accepted, by its own probability of
+    them, in bins of 1 / CALIBRATION_BINS as decaying counts: which probability a wanted
+    acceptance rate asks (`least_probability`). Only verified guesses are counted, so a
+    bin below the probabilities verified keeps its prior."""
+
+    def __init__(self):
+        self.verified = [0.0] * CALIBRATION_BINS
+        self.accepted = [0.0] * CALIBRATION_BINS
+
+    def record(self, probability: float, accepted: bool) -> None:
+        self.verified = [CALIBRATION_DECAY * v for v in self.verified]
+        self.accepted = [CALIBRATION_DECAY * a for a in self.accepted]
+        b = min(int(probability * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+        self.verified[b] += 1
+        self.accepted[b] += accepted
+
+    def rate(self, b: int) -> float:
+        """Bin b's acceptance rate, leaning on its middle probability."""
+        middle, w = (b + 0.5) / CALIBRATION_BINS, CALIBRATION_PRIOR_WEIGHT
+        return (self.accepted[b] + w * middle) / (self.verified[b] + w)
+
+    def least_probability(self, rate: float) -> float:
+        """The lowest bin edge from which up every bin is accepted at `rate` or more
+        (1.0 where the top bin is not: no first guess is worth its row)."""
+        edge = 1.0
+        for b in reversed(range(CALIBRATION_BINS)):
+            if self.rate(b) < rate:
+                break
+            edge = b / CALIBRATION_BINS
+        return edge
 
 
 class AdaptiveSpecLength:
@@ -305,6 +359,7 @@ class AdaptiveSpecLength:
         self.target_steps = 0  # target forwards measured
         self.sequences: dict[int, Acceptance] = {}
         self.lookups: dict[int, Acceptance] = {}  # each sequence's lookup-first drafts
+        self.first_guesses = FirstGuesses()
 
     def plain_step(self, batch: int) -> float:
         """Predicted seconds of a plain decode step of `batch` sequences."""
@@ -399,15 +454,17 @@ class AdaptiveSpecLength:
         # A verified row's cost, on average over every row a step may add.
         per_row = (self.target_seconds(batch * (1 + self.max_k)) - plain) / (batch * self.max_k)
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
+        guessed = [a.guessed(D) for a, (_, D) in zip(acceptances, curves)]  # G per sequence
         limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
 
         @functools.cache  # the candidates repeat across horizons and passes
         def speedup(ks: tuple[int, ...]) -> float:
             tokens = others + sum(E[k] for (E, _), k in zip(curves, ks))
             drafted = [D[k] for (_, D), k in zip(curves, ks)]
-            if max(drafted) == 0:
+            if not any(ks):
                 return 1.0
-            step = self.target_seconds(batch + sum(drafted)) + draft_fixed + per_position * max(drafted)
+            positions = max(G[k] for G, k in zip(guessed, ks))
+            step = self.target_seconds(batch + sum(drafted)) + draft_fixed + per_position * positions
             step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
             return tokens * plain / (batch * step)
 
@@ -495,8 +552,9 @@ class AdaptiveSpecLength:
         chance = tokens[PROBE_TOKENS] - tokens[PROBE_TOKENS - 1]  # all PROBE_TOKENS accepted
         return chance * (1 - 1 / hopeful) * self.plain_step(batch) / batch
 
-    def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """One sequence's step: what it drafted (maybe fewer than chosen) and kept.
+    def record(self, seq_id: int, num_drafted: int, num_accepted: int, num_dropped: int = 0) -> None:
+        """One sequence's step: what it drafted (maybe fewer than chosen), kept, and
+        dropped (`Draft.dropped`: a step that dropped its first guess still drafted).
         A step no k was chosen for is not counted: the prefill step that gives a new
         sequence its first token (counted as a plain step, it would clear `fresh`
         before the first choice, and the sequence would not probe at once), or a seeded
@@ -505,15 +563,15 @@ class AdaptiveSpecLength:
         if state is None:
             return
         state.fresh = False
-        if num_drafted == 0:
+        if num_drafted == 0 and not num_dropped:
             state.plain_steps += 1
             return
-        if state.probing and num_accepted == num_drafted:
+        if state.probing and num_accepted == num_drafted and not num_dropped:
             # The text may have turned predictable: forget the streak that stopped drafting
             # and go by this probe, with a little doubt (not the prior's weight: under costs
             # where the prior itself does not pay, the sequence would only ever probe).
             state.restart(PROBE_DOUBT)
-        state.record(num_drafted, num_accepted)
+        state.record(num_drafted, num_accepted, num_dropped)
         state.plain_steps = 0
         state.drafting_steps += 1
         state.probing = False
@@ -541,6 +599,23 @@ class AdaptiveSpecLength:
             ks.append(k)
             rows += k
         return ks
+
+    def least_chance(self, batch: int, rows: int) -> float:
+        """The least probability a greedy first guess needs, by its proposer, to be worth
+        its row in a step of `batch` decoding sequences and `rows` rows in all: the
+        acceptance rate that pays for the seconds a drafted row adds on average, valued
+        as `lookup_ks` values them (about a fifth of a token at batch 1 on our CPU
+        kernels, some hundredths on a GPU), through what the proposer's first guesses
+        earned by their probability (`FirstGuesses`). 0 where no row is drafted."""
+        plain = self.plain_step(batch)
+        if rows <= batch or plain <= 0:
+            return 0.0
+        per_row = (self.target_seconds(rows) - self.target_seconds(batch)) / (rows - batch)
+        return self.first_guesses.least_probability(MIN_SPEEDUP * batch * per_row / plain)
+
+    def observe_first_guess(self, probability: float, accepted: bool) -> None:
+        """A verified greedy first guess: its proposer's probability of it, and the verdict."""
+        self.first_guesses.record(probability, accepted)
 
     def record_lookup(self, seq_id: int, proposed: int, matched: int) -> None:
         """A lookup draft of `proposed` tokens whose first `matched` the target emitted

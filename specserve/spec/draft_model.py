@@ -170,12 +170,16 @@ class DraftModelProposer:
         past = sum(1 for t in recent if t >= num_common and t not in self.special_ids)
         return past <= COMMON_MAX_SHARE * len(recent)
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
-        return self._draft(seqs, self.catch_up_prompts(seqs, num_tokens))
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
+        return self._draft(seqs, self.catch_up_prompts(seqs, num_tokens), least_chances)
 
-    def _draft(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+    def _draft(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
         """Draft through PyTorch (after `catch_up_prompts`)."""
-        chains = DraftChains(seqs, num_tokens, self.guesser)
+        chains = DraftChains(seqs, num_tokens, self.guesser, least_chances)
         # The first forward feeds each sequence's unseen tokens, later ones its newest guess.
         inputs = {i: self.unseen(seqs[i]) for i in chains.active()}
         common = {i: self.keeps_to_common(seqs[i]) for i in inputs}

@@ -73,7 +73,9 @@ class EagleProposer:
     def backlog(self, seq: SequenceView) -> int:
         return len(self.features.runs[seq.seq_id]) - self.regained.get(seq.seq_id, 0)
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
         wanted = list(num_tokens)
         reads: dict[int, int] = {}  # sequence index -> pairs its catch-up reads
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
@@ -89,7 +91,7 @@ class EagleProposer:
         last_hidden, last_logits = self._catch_up(seqs, reads)  # a row per sequence of `reads`
         read_ends = {i: self.caches[seqs[i].seq_id].length for i in reads}
 
-        chains = DraftChains(seqs, wanted, self.guesser)
+        chains = DraftChains(seqs, wanted, self.guesser, least_chances)
         order = chains.active()
         row = {i: r for r, i in enumerate(reads)}
         picked = torch.tensor([row[i] for i in order], dtype=torch.int64, device=self.head.device)
@@ -118,7 +120,8 @@ class EagleProposer:
         for i, end in read_ends.items():
             self.caches[seqs[i].seq_id].truncate(end)  # the chain's pairs: read with the head's own features
         drafts = chains.drafts()
-        self.last_guesses = {seqs[i].seq_id: drafts[i].num_tokens for i in reads if drafts[i].num_tokens}
+        guessed = {i: drafts[i].num_tokens + drafts[i].dropped for i in reads}
+        self.last_guesses = {seqs[i].seq_id: n for i, n in guessed.items() if n}
         return drafts
 
     def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,8 +60,11 @@ class FusedDraftProposer(DraftModelProposer):
         """Whether `speculate` can run the target's verification in the same call."""
         return self.target_in_c is not None
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
-        """Greedy sequences draft in C; sampled and penalised ones as `DraftModelProposer` drafts."""
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
+        """Greedy sequences draft in C (their C chain stops at an unsure guess and knows no
+        least_chances); sampled and penalised ones as `DraftModelProposer` drafts."""
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
         in_c = [
             i for i, (s, k) in enumerate(zip(seqs, num_tokens)) if k > 0 and s.params.greedy and not s.params.penalized

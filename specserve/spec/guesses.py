@@ -14,8 +14,13 @@ names each column's id): greedy guesses take the argmax there, and only a sample
 penalised guess widens its row to the whole vocabulary.
 
 A sequence stops drafting after a guess the proposer itself gives less than
-`confidence_threshold`: later guesses would build on it and rarely survive. The choice
-depends on the proposer's outputs alone, so verification stays lossless.
+`confidence_threshold`: later guesses would build on it and rarely survive. A greedy
+sequence also drops its first guess, and drafts nothing, where the proposer gives it less
+than `least_chances` asks (adaptive k's price of a verified row, as a probability: on a
+CPU a row costs about a fifth of a plain step, and a head's first guess on open-ended
+text is often less likely than that). Both choices depend on the proposer's outputs
+alone, so verification stays lossless; a sampled guess is never dropped, since dropping
+a drawn token for its own probability would bias what the verifier emits.
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ class Guesser:
     vocab_size: int  # the target's: narrower scores are padded to it
     confidence_threshold: float = 0.0
 
-    def greedy_guesses(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def greedy_guesses(self, logits: torch.Tensor, needed: bool = False) -> tuple[list[int], list[float]]:
         """Each row's argmax and the proposer's probability of it (logits [R, width]); the
-        probabilities are skipped (1.0) when no confidence threshold uses them."""
+        probabilities are skipped (1.0) unless a confidence threshold or `needed` asks."""
         argmax = logits.argmax(dim=-1).tolist()
-        if self.confidence_threshold <= 0:
+        if self.confidence_threshold <= 0 and not needed:
             return argmax, [1.0] * len(argmax)
         return argmax, logits.softmax(dim=-1).amax(dim=-1).tolist()
 
@@ -93,11 +98,21 @@ class DraftChains:
     sequences that still want one (`active`), then handed out as `Draft`s. Indices are
     into the call's `seqs`."""
 
-    def __init__(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], guesser: Guesser):
+    def __init__(
+        self,
+        seqs: Sequence[SequenceView],
+        num_tokens: Sequence[int],
+        guesser: Guesser,
+        least_chances: Sequence[float] | None = None,  # see Proposer.propose
+    ):
         self.seqs, self.num_tokens, self.guesser = seqs, num_tokens, guesser
         self.drafted: dict[int, list[int]] = {i: [] for i, k in enumerate(num_tokens) if k > 0}
         self.probs: dict[int, list[torch.Tensor]] = {i: [] for i in self.drafted}  # each [V]
         self.stopped: set[int] = set()  # unsure of its last guess, or its arithmetic failed
+        # A greedy sequence's least probability of its first guess (see the module's docstring).
+        self.least = {i: least_chances[i] for i in self.drafted if least_chances is not None and seqs[i].params.greedy}
+        self.first_confidence: dict[int, float] = {}
+        self.dropped: set[int] = set()  # dropped its first guess
 
     def active(self) -> list[int]:
         """The sequences that want another guess."""
@@ -109,7 +124,8 @@ class DraftChains:
     def add(self, order: list[int], logits: torch.Tensor, target_ids: torch.Tensor | None = None) -> None:
         """Guess the next position of each sequence in `order` from its row of `logits`
         [len(order), width], whose columns are token ids [0, width) or, given, target_ids [width]."""
-        argmax, confidences = self.guesser.greedy_guesses(logits)  # one read-back for the batch
+        needed = any(i in self.least for i in order)
+        argmax, confidences = self.guesser.greedy_guesses(logits, needed)  # one read-back for the batch
         if target_ids is not None:
             argmax = target_ids[argmax].tolist()
         for row, i in enumerate(order):
@@ -122,11 +138,21 @@ class DraftChains:
                 self.drafted[i], self.probs[i] = [], []
                 self.stopped.add(i)
                 continue
-            self.drafted[i].append(token)
-            if row_probs is not None:
-                self.probs[i].append(row_probs)
-            if confidence < self.guesser.confidence_threshold:
+            self._take(i, token, confidence, row_probs)
+
+    def _take(self, i: int, token: int, confidence: float, row_probs: torch.Tensor | None = None) -> None:
+        """Sequence i's next guess, unless it is a first guess to drop; either may stop its drafting."""
+        if not self.drafted[i]:
+            self.first_confidence[i] = confidence
+            if confidence < self.least.get(i, 0.0):
+                self.dropped.add(i)
                 self.stopped.add(i)
+                return
+        self.drafted[i].append(token)
+        if row_probs is not None:
+            self.probs[i].append(row_probs)
+        if confidence < self.guesser.confidence_threshold:
+            self.stopped.add(i)
 
     def draft_on_the_device(
         self,
@@ -154,15 +180,18 @@ class DraftChains:
             for token, confidence in zip(tokens, confidences):
                 if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
                     break
-                self.drafted[i].append(token)
-                if confidence < self.guesser.confidence_threshold:
-                    self.stopped.add(i)
+                self._take(i, token, confidence)
             taken.append(len(self.drafted[i]) - before)
         return taken
 
     def drafts(self) -> list[Draft]:
         return [
-            Draft.of(self.drafted[i], torch.stack(self.probs[i]) if self.probs[i] else None)  # probs [k, V]
+            Draft.of(
+                self.drafted[i],
+                torch.stack(self.probs[i]) if self.probs[i] else None,
+                int(i in self.dropped),
+                self.first_confidence.get(i),
+            )
             if i in self.drafted
             else Draft.empty()
             for i in range(len(self.seqs))

@@ -45,8 +45,10 @@ class MedusaProposer:
     def backlog(self, seq: SequenceView) -> int:
         return 0
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
-        chains = DraftChains(seqs, num_tokens, self.guesser)
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
+        chains = DraftChains(seqs, num_tokens, self.guesser, least_chances)
         order = chains.active()
         if not order:
             return chains.drafts()

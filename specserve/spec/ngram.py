@@ -36,7 +36,10 @@ class NgramProposer:
     def backlog(self, seq: SequenceView) -> int:
         return 0
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
+        """A lookup has no probabilities: least_chances does not apply."""
         return [self.propose_one(seq.token_ids, k) for seq, k in zip(seqs, num_tokens, strict=True)]
 
     def propose_one(self, token_ids: Sequence[int], num_tokens: int) -> Draft:

@@ -23,14 +23,20 @@ from specserve.spec.features import TargetFeatures
 class Draft:
     tokens: torch.Tensor  # [k] int64 on the CPU (the engine reads them as ints), k may be 0
     probs: torch.Tensor | None = None  # [k, V] float32 on the models' device; None = deterministic (one-hot) draft
+    # 1 where the proposer guessed a first token and dropped it, too unlikely to pay for
+    # its row (`Proposer.propose`): drafting cost it, and adaptive k counts the step.
+    dropped: int = 0
+    first_confidence: float | None = None  # the proposer's probability of its first guess, where it knows it
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def of(tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
-        return Draft(torch.tensor(tokens, dtype=torch.int64, device="cpu"), probs)
+    def of(
+        tokens: list[int], probs: torch.Tensor | None = None, dropped: int = 0, first_confidence: float | None = None
+    ) -> Draft:
+        return Draft(torch.tensor(tokens, dtype=torch.int64, device="cpu"), probs, dropped, first_confidence)
 
     @staticmethod
     def empty() -> Draft:
@@ -62,8 +68,13 @@ class Proposer(Protocol):
         model's whole prompt, the first time)."""
         ...
 
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> list[Draft]:
-        """Draft up to num_tokens[i] tokens after seqs[i].token_ids."""
+    def propose(
+        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
+    ) -> list[Draft]:
+        """Draft up to num_tokens[i] tokens after seqs[i].token_ids. A proposer that
+        knows its guesses' probabilities drops a greedy sequence's first guess, and
+        drafts nothing for it, where it gives that guess less than least_chances[i]
+        (`AdaptiveSpecLength.least_chance`)."""
         ...
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:

@@ -112,7 +112,9 @@ class AnswerRecorder:
     def backlog(self, seq: SequenceView) -> int:
         return 0
 
-    def propose(self, seqs: list[SequenceView], num_tokens: list[int]) -> list[Draft]:
+    def propose(
+        self, seqs: list[SequenceView], num_tokens: list[int], least_chances: list[float] | None = None
+    ) -> list[Draft]:
         return [Draft.of([]) for _ in seqs]
 
     def observe(self, seqs: list[SequenceView], num_accepted: list[int]) -> None:

@@ -185,8 +185,8 @@ def test_a_recorded_head_chain_is_the_chain_its_proposer_drafts(method):
     drafted = []  # (output position, the draft's tokens)
     propose = proposer.propose
 
-    def recording(seqs, num_tokens):
-        drafts = propose(seqs, num_tokens)
+    def recording(seqs, num_tokens, least_chances=None):
+        drafts = propose(seqs, num_tokens, least_chances)
         drafted.extend((len(s.token_ids) - len(prompt), d.tokens.tolist()) for s, d in zip(seqs, drafts))
         return drafts
 
@@ -206,11 +206,14 @@ def test_a_recorded_head_chain_is_the_chain_its_proposer_drafts(method):
 
 def test_a_head_trace_drafts_its_chain_and_accepts_its_run_of_matches():
     trace = Trace(
-        "t", "structured", 5, match=[True] * 4, confidence=[1.0] * 4,
+        "t", "structured", 5, match=[True] * 4, confidence=[0.9] * 4,
         chain=[0, 3, 1, 0], chain_confidence=[[0.9, 0.9, 0.9], [0.9, 0.2, 0.9], [0.9, 0.9, 0.9], [0.9, 0.9, 0.9]],
     )  # fmt: skip
-    assert trace.drafted_and_accepted(0, 3, threshold=0.5) == (3, 0)  # the first guess misses
-    assert trace.drafted_and_accepted(1, 3, threshold=0.5) == (2, 2)  # an unsure second guess is the last
-    assert trace.drafted_and_accepted(2, 2, threshold=0.5) == (2, 1)
-    assert trace.drafted_and_accepted(3, 5, threshold=0.5) == (3, 0)  # at most the recorded depth
-    assert trace.drafted_and_accepted(4, 2, threshold=0.5) == (2, 0)  # past the answer's end: guesses on
+    assert trace.drafted_and_accepted(0, 3, threshold=0.5) == (3, 0, 0)  # the first guess misses
+    assert trace.drafted_and_accepted(1, 3, threshold=0.5) == (2, 2, 0)  # an unsure second guess is the last
+    assert trace.drafted_and_accepted(2, 2, threshold=0.5) == (2, 1, 0)
+    assert trace.drafted_and_accepted(3, 5, threshold=0.5) == (3, 0, 0)  # at most the recorded depth
+    assert trace.drafted_and_accepted(4, 2, threshold=0.5) == (2, 0, 0)  # past the answer's end: guesses on
+    # A first guess less sure than the least chance is dropped, and nothing drafted.
+    assert trace.drafted_and_accepted(1, 3, threshold=0.5, least_chance=0.95) == (0, 0, 1)
+    assert trace.drafted_and_accepted(1, 3, threshold=0.5, least_chance=0.85) == (2, 2, 0)  # later guesses: never

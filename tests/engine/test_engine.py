@@ -286,7 +286,10 @@ def test_lookup_first_drafts_teach_adaptive_k_nothing(target):
     adaptive = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.01)  # drafting looks cheap: it drafts
     recorded, timed = [], []
     record, observe_draft = adaptive.record, adaptive.observe_draft
-    adaptive.record = lambda seq_id, drafted, accepted: (recorded.append(drafted), record(seq_id, drafted, accepted))
+    adaptive.record = lambda seq_id, drafted, accepted, dropped=0: (
+        recorded.append(drafted + dropped),  # the model ran where it drafted or dropped a first guess
+        record(seq_id, drafted, accepted, dropped),
+    )
     adaptive.observe_draft = lambda positions, seconds: (timed.append(positions), observe_draft(positions, seconds))
     engine = Engine(
         target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive, lookup_first=2
@@ -425,7 +428,7 @@ def test_steps_that_read_a_prompt_decode_the_others_plainly(target):
     proposer = DraftModelProposer(copy.deepcopy(target))  # always right: 4 tokens a drafting step
     calls = []
     propose = proposer.propose
-    proposer.propose = lambda seqs, ks: calls.append([s.seq_id for s in seqs]) or propose(seqs, ks)
+    proposer.propose = lambda seqs, ks, least=None: calls.append([s.seq_id for s in seqs]) or propose(seqs, ks, least)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefill_chunk_size=8)
     greedy = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     seeded = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=60, temperature=0.8, seed=3, ignore_eos=True))

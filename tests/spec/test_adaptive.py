@@ -496,8 +496,8 @@ def test_drafting_costs_are_measured_on_steps_that_only_draft():
             super().observe_read(tokens, positions, seconds)
 
     class Proposer(DraftModelProposer):
-        def propose(self, seqs, num_tokens):
-            drafts = super().propose(seqs, num_tokens)
+        def propose(self, seqs, num_tokens, least_chances=None):
+            drafts = super().propose(seqs, num_tokens, least_chances)
             catch_ups.append(self.last_catch_up)
             return drafts
 

@@ -8,6 +8,7 @@ distribution on float and int4 targets alike (a quantized target's head quantize
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -208,6 +209,40 @@ def test_after_rejections_the_head_holds_the_verified_positions_alone(noisy, met
         torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
         torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
     assert rejected > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_stays_the_targets(noisy, method):
+    """Adaptive k asks greedy sequences to drop first guesses less likely than their rows
+    are worth (forced here, step by step: none, the less sure ones, every one): some are
+    dropped, the output stays the target's, and a seeded sampling request, whose k is
+    its own, is asked for none."""
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target)
+    adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
+    least = itertools.cycle([0.0, 0.9, 1.1])
+    adaptive.least_chance = lambda batch, rows: next(least)
+    # Costs as a quiet machine measures them (see the next test), so that k > 0 is chosen.
+    observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target
+    adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 1e-3 * positions)
+    adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
+    seen, propose = [], proposer.propose
+
+    def spying(seqs, num_tokens, least_chances=None):
+        drafts = propose(seqs, num_tokens, least_chances)
+        seen.extend(zip([s.params.greedy for s in seqs], least_chances, drafts))
+        return drafts
+
+    proposer.propose = spying
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[1], GREEDY), (PROMPTS[3], seeded), (PROMPTS[2], GREEDY)]
+    for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+        if params.greedy:
+            assert seq.output_ids == plain_tokens(target, prompt)
+    assert any(draft.dropped for greedy, _, draft in seen if greedy)
+    assert any(draft.num_tokens for greedy, _, draft in seen if greedy)
+    assert all(least == 0.0 and not draft.dropped for greedy, least, draft in seen if not greedy)
 
 
 @pytest.mark.parametrize("method", METHODS)
