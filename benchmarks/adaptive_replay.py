@@ -385,6 +385,14 @@ def chain_guesses(proposer, target, prompt_ids: list[int], output: list[int], de
             hidden = head(torch.tensor(chain[-1:]), hidden, [Segment(cache, 1)])
         guesses.append(chain)
         confidences.append(sure)
+        at = first + i - 1  # the chain overwrote this pair, which the next chain reads: read it again
+        if at < pairs:
+            cache.truncate(at)
+            head(
+                torch.tensor(ids[at + 1 : at + 2]),
+                head.project_target_features(features[at : at + 1]),
+                [Segment(cache, 1)],
+            )
     return guesses, confidences
 
 
