@@ -21,11 +21,34 @@ draft distribution would be lossless, this one is accepted more often (int4 pair
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from specserve.sampling import FLOAT32_MAX, SamplingParams
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    drafts: Sequence[int],
+    stop_ids: Collection[int],
+) -> torch.Tensor:
+    """logits [k+1, V] -> [k+1, V] float32 (a copy) as the request samples from them, row i
+    scoring output token len(output_ids) + i: penalised (`apply_penalties`), and on the
+    rows before the min_tokens-th output token the stop ids (EOS and the request's own)
+    given no probability, as vLLM's min_tokens does."""
+    if params.penalized:
+        out = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
+    else:
+        out = logits.to(torch.float32, copy=True)
+    early_rows = params.min_tokens - len(output_ids)
+    masked = [i for i in stop_ids if i < out.shape[-1]]
+    if early_rows > 0 and masked:
+        out[:early_rows, masked] = float("-inf")
+    return out
 
 
 def apply_penalties(

@@ -58,10 +58,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # vLLM's: special tokens (EOS, chat markers) left out of the text; their ids still count.
     skip_special_tokens: bool = True
+    # vLLM's: no stop token id (EOS or the request's own) and no stop string ends the
+    # output before this many tokens (penalties.py gives the ids no probability).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         checks = [  # (parameter, within its range, the range)
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                f"must be an integer in [0, max_tokens] ({self.max_tokens})",
+            ),
             ("temperature", 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
@@ -90,6 +98,12 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (`penalties.processed_logits`):
+        such a request's tokens cannot come from the raw logits' argmax."""
+        return self.penalized or self.min_tokens > 0
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A request's own random stream on the models' device: seeded runs repeat,

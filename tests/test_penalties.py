@@ -12,7 +12,7 @@ import torch
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder, Segment
-from specserve.penalties import apply_penalties
+from specserve.penalties import apply_penalties, processed_logits
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
@@ -77,13 +77,19 @@ def target() -> Decoder:
     return random_decoder("qwen2", seed=1)
 
 
-def penalised_greedy_by_hand(target: Decoder, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy decoding one full forward per token, penalties by the reference."""
+def penalised_greedy_by_hand(
+    target: Decoder, prompt: list[int], params: SamplingParams, stop_ids: set[int] = frozenset()
+) -> list[int]:
+    """Greedy decoding one full forward per token, penalties by the reference, and
+    `stop_ids` out of reach before min_tokens tokens (the whole max_tokens: no stop)."""
     output: list[int] = []
     for _ in range(params.max_tokens):
         ids = prompt + output
         logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
-        output.append(int(reference_penalties(logits, params, prompt, output).argmax()))
+        scores = reference_penalties(logits, params, prompt, output)
+        if len(output) < params.min_tokens:
+            scores[list(stop_ids)] = float("-inf")
+        output.append(int(scores.argmax()))
     return output
 
 
@@ -161,3 +167,42 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target():
     samples = seeded_outputs(engine, prompt, fields)
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
+
+
+def test_min_tokens_gives_the_stop_ids_no_probability_on_the_rows_before_it():
+    """Row i scores output token len(output) + i: with min_tokens 4 and 2 tokens out, rows
+    0 and 1 lose the stop ids, row 2 keeps them; the raw logits stay as they were."""
+    logits = torch.randn(4, 10)
+    raw = logits.clone()
+    params = SamplingParams(max_tokens=8, min_tokens=4)
+    out = processed_logits(logits, params, [1, 2], [3, 4], [5, 6, 7], stop_ids={9, 2, 40})  # 40: past the head
+    assert torch.equal(logits, raw)
+    assert torch.isinf(out[:2, [2, 9]]).all() and (out[:2, [2, 9]] < 0).all()
+    assert torch.equal(out[2:], raw[2:]) and torch.equal(out[:2, :2], raw[:2, :2])
+    assert params.processes_logits and not params.penalized
+    # With penalties on too, the same rows lose the same ids after the penalties.
+    both = SamplingParams(max_tokens=8, min_tokens=4, **PENALTIES)
+    penalised = apply_penalties(logits, both, [1, 2], [3, 4], [5, 6, 7])
+    out = processed_logits(logits, both, [1, 2], [3, 4], [5, 6, 7], stop_ids={9})
+    assert torch.equal(out[2:], penalised[2:]) and torch.isinf(out[:2, 9]).all()
+    assert torch.equal(out[:, :9], penalised[:, :9])
+
+
+@pytest.mark.parametrize("proposer_kind", ["none", "draft", "ngram"])
+def test_min_tokens_holds_back_a_stop_token_and_speculation_keeps_the_output(target, proposer_kind):
+    """A stop token the plain output meets early is held back until min_tokens: the output
+    is the processed target's greedy text, with speculation too."""
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain_text = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], free).output_ids
+    stop = plain_text[2]  # met at the third token
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,), min_tokens=10)
+    plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], params).output_ids
+    assert len(plain) >= 10 and stop not in plain[:10] and plain[:2] == plain_text[:2]
+    assert plain == penalised_greedy_by_hand(target, PROMPTS[1], params, stop_ids={stop})[: len(plain)]
+    proposer = {
+        "none": None,
+        "draft": DraftModelProposer(perturbed(target, 0.3, seed=2)),
+        "ngram": NgramProposer(1, 3),
+    }[proposer_kind]
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    assert engine.generate(PROMPTS[1], params).output_ids == plain

@@ -39,7 +39,7 @@ from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.prefix_cache import ChunkReads, PrefixCache
-from specserve.penalties import apply_penalties
+from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.features import FedRows
@@ -81,9 +81,9 @@ class _Outcome(NamedTuple):
 
 def fusable(seq: Sequence) -> bool:
     """Whether the fused call can run this sequence's step: it returns the argmaxes of
-    the raw logits, so not for sampling, logprobs or penalties."""
+    the raw logits, so not for sampling, logprobs, penalties or min_tokens."""
     params = seq.params
-    return params.greedy and params.logprobs is None and not params.penalized
+    return params.greedy and params.logprobs is None and not params.processes_logits
 
 
 def may_adapt(seq: Sequence) -> bool:
@@ -373,7 +373,12 @@ class Engine:
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:
                 self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
-                if num_drafted and first_confidence is not None and seq.params.greedy and not seq.params.penalized:
+                if (
+                    num_drafted
+                    and first_confidence is not None
+                    and seq.params.greedy
+                    and not seq.params.processes_logits
+                ):
                     self.adaptive.observe_first_guess(first_confidence, verdict.num_accepted > 0)
         self._compare_lookups(advanced)
         if self.proposer is not None:
@@ -460,10 +465,11 @@ class Engine:
         seq, params = w.seq, w.seq.params
         scores = logits
         drafts = w.draft.tokens.tolist()
-        if params.penalized:
-            scores = apply_penalties(scores, params, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, drafts)
+        if params.processes_logits:
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            scores = processed_logits(scores, params, prompt, seq.output_ids, drafts, seq.stop_token_ids)
         if params.greedy:
-            verdict = verdict_from_argmax(drafts, scores.argmax(dim=-1).tolist() if params.penalized else argmax)
+            verdict = verdict_from_argmax(drafts, scores.argmax(dim=-1).tolist() if params.processes_logits else argmax)
         else:
             verdict = verify(scores, w.draft, params, seq.generator)
         # The i-th emitted token is the one row i predicts (see specserve/logprobs.py);

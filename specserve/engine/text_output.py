@@ -7,6 +7,8 @@ now. Invariants:
 - While a request runs, the last `len(longest stop string) - 1` characters are held
   back, since the next tokens might complete a stop string that begins in them.
 - A stop token id (EOS or the request's own) ends the output without adding its text.
+- As vLLM's min_tokens: no stop string ends the output before its min_tokens-th token,
+  whose text (with the held-back characters before it) is the first searched.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ class TextOutput:
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._hold_back = max((len(s) for s in self._stop), default=1) - 1
         self._stop_token_ids = stop_token_ids
+        self._min_tokens = min_tokens
+        self._num_ids = 0  # output ids added so far
         self.text = ""  # all text so far (up to a stop string)
         self._num_sent = 0  # characters of `text` already returned
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -39,11 +44,15 @@ class TextOutput:
         if new_ids and new_ids[-1] in self._stop_token_ids:
             self.stop_reason = new_ids[-1]
             new_ids = new_ids[:-1]
+        unsearched = max(0, self._min_tokens - 1 - self._num_ids)  # ids before the min_tokens-th
+        self._num_ids += len(new_ids)
+        self.text += self._detokenizer.add(new_ids[:unsearched])
         searched_to = max(0, len(self.text) - self._hold_back)
-        self.text += self._detokenizer.add(new_ids)
+        self.text += self._detokenizer.add(new_ids[unsearched:])
         if finished or self.stop_reason is not None:
             self.text += self._detokenizer.flush()
-        if self._stop and self._truncate_at_stop_string(searched_to):
+        searching = self._stop and self._num_ids >= self._min_tokens
+        if searching and self._truncate_at_stop_string(searched_to):
             finished = True
         end = len(self.text) if finished or self.stop_reason is not None else len(self.text) - self._hold_back
         delta = self.text[self._num_sent : max(end, self._num_sent)]

@@ -268,8 +268,14 @@ class AsyncEngine:
             request.post(e)
             return
         request.seq = seq
+        params = request.params
         request.text = TextOutput(
-            self.tokenizer, request.prompt_ids, request.stop, seq.stop_token_ids, request.params.skip_special_tokens
+            self.tokenizer,
+            request.prompt_ids,
+            request.stop,
+            seq.stop_token_ids,
+            params.skip_special_tokens,
+            params.min_tokens,
         )
         self._requests[seq.seq_id] = request
 

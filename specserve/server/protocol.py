@@ -91,6 +91,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension: no stop token or string before this many tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -141,6 +142,7 @@ class _Sampling(_Body):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
                 skip_special_tokens=self.skip_special_tokens,
+                min_tokens=self.min_tokens,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used

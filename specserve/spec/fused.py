@@ -67,7 +67,9 @@ class FusedDraftProposer(DraftModelProposer):
         least_chances); sampled and penalised ones as `DraftModelProposer` drafts."""
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
         in_c = [
-            i for i, (s, k) in enumerate(zip(seqs, num_tokens)) if k > 0 and s.params.greedy and not s.params.penalized
+            i
+            for i, (s, k) in enumerate(zip(seqs, num_tokens))
+            if k > 0 and s.params.greedy and not s.params.processes_logits
         ]  # C guesses from the raw logits
         drafts = self._draft(seqs, [0 if i in in_c else k for i, k in enumerate(num_tokens)])
         done = self._run([seqs[i] for i in in_c], [num_tokens[i] for i in in_c], None)

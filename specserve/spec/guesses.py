@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
-from specserve.penalties import apply_penalties
+from specserve.penalties import processed_logits
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.heads.vocab import widen_to_target_vocab
 from specserve.spec.proposer import Draft, SequenceView
@@ -71,11 +71,11 @@ class Guesser:
         proposer's probability of it, and the distribution [V] it was sampled from (None:
         greedy). target_ids [width]: the token id of each column; None: ids [0, width)."""
         params = seq.params
-        if params.greedy and not params.penalized:
+        if params.greedy and not params.processes_logits:
             return argmax, confidence, None
         if target_ids is not None:
             row_logits = widen_to_target_vocab(row_logits, target_ids, self.vocab_size)  # [1, V]
-        if params.penalized:  # guess as the penalised target will choose: more accepted
+        if params.processes_logits:  # guess as the penalised target will choose: more accepted
             row_logits = self.penalised(seq, row_logits, drafted)  # [1, V]
         if params.greedy:
             (token,), (confidence,) = self.greedy_guesses(row_logits)
@@ -86,11 +86,11 @@ class Guesser:
         return token, float(row_probs[0, token]), row_probs[0]
 
     def penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
-        """A guess's scores [1, width] -> [1, V] with the request's penalties, the
-        sequence's output and this step's earlier guesses counted."""
+        """A guess's scores [1, width] -> [1, V] with the request's penalties and
+        min_tokens, the sequence's output and this step's earlier guesses counted."""
         logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        return apply_penalties(logits, seq.params, prompt, [*seq.token_ids[seq.num_prompt_tokens :], *drafted], [])
+        prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens :]
+        return processed_logits(logits, seq.params, prompt, [*output, *drafted], [], seq.stop_token_ids)
 
 
 class DraftChains:
@@ -167,7 +167,7 @@ class DraftChains:
         taking its guesses as `add` would one by one: up to its count, stopping after an
         unsure one. Returns how many guesses each took (the tokens the chain fed that it
         keeps), or None where it drafted nothing this way."""
-        if not all(self.seqs[i].params.greedy and not self.seqs[i].params.penalized for i in going_on):
+        if not all(self.seqs[i].params.greedy and not self.seqs[i].params.processes_logits for i in going_on):
             return None
         positions = max(self.num_tokens[i] - len(self.drafted[i]) for i in going_on)
         firsts = [self.newest(i) for i in going_on]

@@ -49,6 +49,7 @@ class SequenceView(Protocol):
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator  # the request's own random stream, shared with the verifier
+    stop_token_ids: frozenset[int]  # EOS ids and the request's own: none before params.min_tokens
 
 
 class Proposer(Protocol):

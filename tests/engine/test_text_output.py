@@ -151,3 +151,17 @@ def test_multibyte_characters_are_never_split(tokenizer, stop):
     expected = text.split(stop[0])[0] if stop else text
     assert "".join(deltas) == expected
     assert output.stop_reason == (stop[0] if stop else None)
+
+
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_no_stop_string_ends_the_text_before_min_tokens(tokenizer, step):
+    """As vLLM: a stop string is looked for from the min_tokens-th token on, in its text
+    and the characters held back before it, so one wholly before it is text like any."""
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    at = next(i for i in range(len(ids)) if "quick" in tokenizer.decode(ids[: i + 1])) + 1  # tokens through "quick"
+    early = TextOutput(tokenizer, [], stop=["quick"], min_tokens=at + 1)
+    assert "".join(stream(early, ids, step)) == tokenizer.decode(ids) and early.stop_reason is None
+    on_time = TextOutput(tokenizer, [], stop=["quick"], min_tokens=at)  # its last token is the min_tokens-th
+    assert "".join(stream(on_time, ids, step)) == "the " and on_time.stop_reason == "quick"
+    later = TextOutput(tokenizer, [], stop=["quick", "lazy"], min_tokens=at + 1)
+    assert "".join(stream(later, ids, step)).endswith("over the ") and later.stop_reason == "lazy"

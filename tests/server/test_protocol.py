@@ -185,6 +185,8 @@ def test_include_usage_needs_stream_options():
         ({"frequency_penalty": -3.0}, 16, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, 16, "repetition_penalty"),
         ({"logprobs": 21}, 16, "logprobs"),
+        ({"min_tokens": 17}, 16, "min_tokens"),
+        ({"min_tokens": -1}, 16, "min_tokens"),
     ],
 )
 def test_out_of_range_sampling_values_name_the_param(fields, max_tokens, param):

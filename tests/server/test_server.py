@@ -336,6 +336,19 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
     assert stopped.choices[0].model_extra["stop_reason"] == stop_id
     assert stopped.usage.completion_tokens == ids.index(stop_id) + 1
     assert reference.usage.completion_tokens == 20 and reference.choices[0].finish_reason == "length"
+    # min_tokens (vLLM's): neither the stop id nor a stop string ends the output before it.
+    held = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"stop_token_ids": [stop_id], "min_tokens": 12})
+    assert held.usage.completion_tokens >= 12
+    early = held.choices[0].text[:3]  # a stop string the first tokens complete
+    also = complete(
+        plain,
+        PROMPTS[2],
+        MODEL,
+        max_tokens=20,
+        stop=[early],
+        extra_body={"stop_token_ids": [stop_id], "min_tokens": 12},
+    )
+    assert also.usage.completion_tokens >= 12 and held.choices[0].text.startswith(also.choices[0].text)
     echoed = complete(plain, PROMPTS[2], MODEL, max_tokens=5, echo=True)
     assert echoed.choices[0].text.startswith(PROMPTS[2])
     token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20, extra_body={"ignore_eos": True})
