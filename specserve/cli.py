@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = off")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens (vLLM's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with figures")
     gen.set_defaults(run=run_generate)
 
@@ -502,6 +503,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,

@@ -114,6 +114,7 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
         (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
         (["--max-model-len", "10"], "maximum model length 10"),
         (["--num-scheduler-steps", "-2"], "--num-scheduler-steps must be >= 1, got -2"),
+        (["--min-tokens", "300"], "min_tokens must be an integer in [0, max_tokens] (24), got 300"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
