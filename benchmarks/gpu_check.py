@@ -612,7 +612,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--sections", type=comma_list(SECTIONS, "section(s)"), default=list(SECTIONS))
     parser.add_argument(
-        "--modes", type=comma_list(MODES, "mode(s)"), default=list(MODES), help="plain decoding's settings"
+        "--modes",
+        type=comma_list(MODES, "mode(s)"),
+        default=["eager", "graphs+compile", "graphs+compile+single"],
+        help=f"plain decoding's settings, of {', '.join(MODES)}",
     )
     parser.add_argument(
         "--long-modes", type=comma_list(MODES, "mode(s)"), default=["eager", "graphs+compile", "graphs+compile+gather"]
