@@ -15,9 +15,10 @@ sequence by one verified step.
   stored in the `prefix_cache` or held by a running sequence.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
-  drafts or prompts, it decodes that many tokens each in one static step (GreedyChain),
-  the host reading them back once; tokens past a stop token or max_tokens are dropped as
-  rejected drafts are. A request that arrives meanwhile joins at the next step.
+  drafts or prompts (plainly, or where adaptive k drafts nothing with a draft model or
+  n-gram), it decodes that many tokens each in one static step (GreedyChain), the host
+  reading them back once; tokens past a stop token or max_tokens are dropped as rejected
+  drafts are. A request that arrives meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -372,7 +373,10 @@ class Engine:
             # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:
-                self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
+                # A multi-step chain's tokens are as many plain steps to the policy (its probes' clock).
+                plain_steps = len(verdict.tokens) if not num_drafted and not num_dropped else 1
+                for _ in range(plain_steps):
+                    self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
                 if (
                     num_drafted
                     and first_confidence is not None
@@ -404,9 +408,16 @@ class Engine:
     def _decode_ahead(self, work: list[_Work]) -> list[_Outcome] | None:
         """Multi-step decoding (see the module's docstring): each sequence's next
         num_scheduler_steps greedy tokens from one static step, or None where this step
-        is not plain greedy decoding alone (or a cache lacks the room)."""
+        is not plain greedy decoding alone (or a cache lacks the room). With a proposer,
+        only where adaptive k chose plain decoding for the step (a draft model catches up
+        the chain's tokens when it drafts again), not while it waits for a plain step to
+        be measured, and not for a head, which reads every position's features."""
         static, steps = self.target.static, self.num_scheduler_steps
-        if static is None or steps < 2 or self.proposer is not None or not work:
+        if static is None or steps < 2 or not work:
+            return None
+        if self.proposer is not None and (
+            self.adaptive is None or self.proposer.features is not None or self.adaptive.measuring_plain(len(work))
+        ):
             return None
         if not all(w.seq.prefilled and len(w.tokens) == 1 and fusable(w.seq) for w in work):
             return None

@@ -262,6 +262,26 @@ def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     assert {key.positions for key in graphed.static.chains} == {4}  # 1: no chain was asked for
 
 
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram"])
+def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(proposer_kind):
+    """Where adaptive k finds drafting does not pay (a draft that is always wrong, n-gram
+    on text that never repeats), its plain steps decode in multi-step chains: the target's
+    chains run, and the output is plain decoding's."""
+    target = random_decoder("qwen3", seed=1)
+    requests = [(PROMPTS[i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in (0, 3)]
+    expected = [run(target, lambda: None, [r])[0][0] for r in requests]
+    graphed, wrong_draft = copy.deepcopy(target), perturbed(target, 5.0, seed=2)
+    graphed.use_cuda_graphs(num_slots=2, capacity=128)
+    make_proposer = {
+        "draft": lambda: DraftModelProposer(wrong_draft),
+        "ngram": lambda: NgramProposer(3, 3),
+    }[proposer_kind]
+    outputs, engine = run(graphed, make_proposer, requests, adaptive=True, max_num_seqs=2, num_scheduler_steps=4)
+    assert outputs == expected
+    assert {key.positions for key in graphed.static.chains} == {4}
+    assert graphed.static.pool.num_free == 2
+
+
 def test_num_scheduler_steps_must_be_positive():
     with pytest.raises(ConfigError, match="num_scheduler_steps must be >= 1, got 0"):
         Engine(random_decoder("qwen3", seed=1), eos_token_ids=[EOS], num_scheduler_steps=0)
