@@ -15,8 +15,8 @@ sequence by one verified step.
   stored in the `prefix_cache` or held by a running sequence.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
-  drafts or prompts (plainly, or where adaptive k drafts nothing with a draft model or
-  n-gram), it decodes that many tokens each in one static step (GreedyChain), the host
+  drafts or prompts (plainly, or where adaptive k drafts nothing), it decodes that many
+  tokens each in one static step (GreedyChain, capturing a head's features), the host
   reading them back once; tokens past a stop token or max_tokens are dropped as rejected
   drafts are. A request that arrives meanwhile joins at the next step.
 """
@@ -410,21 +410,23 @@ class Engine:
         num_scheduler_steps greedy tokens from one static step, or None where this step
         is not plain greedy decoding alone (or a cache lacks the room). With a proposer,
         only where adaptive k chose plain decoding for the step (a draft model catches up
-        the chain's tokens when it drafts again), not while it waits for a plain step to
-        be measured, and not for a head, which reads every position's features."""
+        the chain's tokens when it drafts again, a head reads the features the chain
+        captured), and not while adaptive waits for a plain step to be measured."""
         static, steps = self.target.static, self.num_scheduler_steps
         if static is None or steps < 2 or not work:
             return None
-        if self.proposer is not None and (
-            self.adaptive is None or self.proposer.features is not None or self.adaptive.measuring_plain(len(work))
-        ):
+        if self.proposer is not None and (self.adaptive is None or self.adaptive.measuring_plain(len(work))):
             return None
         if not all(w.seq.prefilled and len(w.tokens) == 1 and fusable(w.seq) for w in work):
             return None
         caches = [w.seq.cache for w in work]
-        chains = static.greedy_chain([w.tokens[0] for w in work], None, caches, steps)
+        features = None if self.proposer is None else self.proposer.features
+        capture = None if features is None else features.new_capture()
+        chains = static.greedy_chain([w.tokens[0] for w in work], None, caches, steps, capture=capture)
         if chains is None:
             return None
+        if features is not None:  # a head reads every position the chain fed
+            features.read(capture, [FedRows(w.seq.seq_id, w.seq.cache.length, steps) for w in work])
         for cache in caches:
             cache.length += steps  # the newest token and every token but the last (step() cuts the rest)
         return [_Outcome(w.seq, 0, Verdict(tokens, 0)) for w, tokens in zip(work, chains[0])]

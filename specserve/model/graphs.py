@@ -236,6 +236,8 @@ class ChainKey(NamedTuple):
     batch: int  # sequences, padded to a power of two
     positions: int  # draft positions after the first guess
     bucket: int  # positions attention may read
+    layers: tuple[int, ...] = ()  # a decoder's Capture.layers, every position's
+    final: bool = False  # a decoder's Capture.final
 
 
 class GreedyChain:
@@ -245,7 +247,8 @@ class GreedyChain:
     device, and one read-back returns every guess and its confidence.
 
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its greedy
-    tokens, as many decode steps would give them.
+    tokens, as many decode steps would give them, and the features a head reads of every
+    position it fed (`Capture`), as those steps would capture them.
 
     Why: drafting a position at a time reads each guess back before the next step can be
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
@@ -269,19 +272,26 @@ class GreedyChain:
         if static.feature_size:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
 
-        def forward() -> list[torch.Tensor]:  # guesses [B, positions] (target ids), confidences [B, positions]
+        def forward() -> list[torch.Tensor]:
+            """guesses [B, positions] (target ids), confidences [B, positions], then a
+            decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
-            guesses, confidences = [], []
+            guesses, confidences, captured = [], [], []
+            step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
-                logits, *fed_back = static.step(static, inputs, StepKey(key.batch, 1, key.bucket))  # [B, width]
-                features = fed_back[0] if static.feature_size else None  # a head's output feature
+                logits, *rest = static.step(static, inputs, step_key)  # [B, width], then [B, F] each
+                if static.feature_size:
+                    features = rest[0]  # a head's output feature feeds its next position
+                else:
+                    captured.append(rest)  # a decoder's features of this position
                 draft = logits.argmax(dim=-1)  # [B]: columns of the logits
                 confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
                 guesses.append(tokens)
-            return [torch.stack(guesses, dim=1), torch.stack(confidences, dim=1)]
+            by_kind = [torch.stack(kind, dim=1) for kind in zip(*captured)]  # each [B, positions, F]
+            return [torch.stack(guesses, dim=1), torch.stack(confidences, dim=1), *by_kind]
 
         self.forward = forward
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -289,10 +299,16 @@ class GreedyChain:
             self.graph, self.outputs = capture_graph(forward, static.memory)
 
     def run(
-        self, first_tokens: list[int], features: torch.Tensor | None, caches: list[KVCache]
+        self,
+        first_tokens: list[int],
+        features: torch.Tensor | None,
+        caches: list[KVCache],
+        capture: Capture | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
-        feature that made it -> each one's further guesses and their confidences."""
+        feature that made it -> each one's further guesses and their confidences; a
+        decoder's `capture` (as its ChainKey asks) is filled with the features of every
+        position fed, [n * positions, F], sequence by sequence."""
         batch = self.tokens.shape[0]
         n, padding = len(caches), batch - len(caches)
         host = torch.tensor(
@@ -305,6 +321,7 @@ class GreedyChain:
             + first_tokens
             + [0] * padding,
             dtype=torch.int64,
+            device="cpu",
         )
         moved = host.to(self.index.device)  # one copy to the device
         self.index.copy_(moved[: 3 * batch].view(3, batch))
@@ -312,10 +329,12 @@ class GreedyChain:
         if self.features is not None:
             self.features[:n].copy_(features)
         if self.graph is None:
-            guesses, confidences = self.forward()
+            guesses, confidences, *captured = self.forward()
         else:
             self.graph.replay()
-            guesses, confidences = self.outputs
+            guesses, confidences, *captured = self.outputs
+        if capture is not None:  # copies: the next replay overwrites the graph's outputs
+            capture.fill([rows[:n].flatten(0, 1).clone() for rows in captured])
         # One read-back for both: token ids are exact in float64.
         rows = torch.cat([guesses[:n].double(), confidences[:n].double()], dim=1).tolist()
         positions = guesses.shape[1]
@@ -385,6 +404,7 @@ class StaticDecode:
         caches: list[KVCache],
         positions: int,
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column; None: the column
+        capture: Capture | None = None,  # a decoder's features of every position fed, filled in place
     ) -> tuple[list[list[int]], list[list[float]]] | None:
         """`positions` further greedy guesses for each sequence and their confidences
         (see GreedyChain), or None where a cache lacks a slot or the room."""
@@ -393,7 +413,9 @@ class StaticDecode:
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         key = ChainKey(next_power_of_two(len(caches)), positions, bucket)
+        if capture is not None:
+            key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
                 self.chains[key] = GreedyChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches)
+            return self.chains[key].run(first_tokens, features, caches, capture)

@@ -287,9 +287,12 @@ def test_num_scheduler_steps_must_be_positive():
         Engine(random_decoder("qwen3", seed=1), eos_token_ids=[EOS], num_scheduler_steps=0)
 
 
-def test_a_decoders_greedy_chain_guesses_what_its_steps_guess():
-    """GreedyChain on a decoder (a draft model): k positions in one static step give the
-    argmax chain and confidences of k single-token steps, and leave each cache's length."""
+@pytest.mark.parametrize("layers, final", [((), False), ((1, 0), True)])
+def test_a_decoders_greedy_chain_guesses_what_its_steps_guess(layers, final):
+    """GreedyChain on a decoder (a draft model, or the target decoding several steps at
+    once): k positions in one static step give the argmax chain and confidences of k
+    single-token steps, and the features those steps capture, and leave each cache's
+    length."""
     model = random_decoder("qwen3", seed=3)
     model.use_cuda_graphs(num_slots=2, capacity=128)
     caches, firsts = [], []
@@ -298,15 +301,20 @@ def test_a_decoders_greedy_chain_guesses_what_its_steps_guess():
         logits = model(torch.tensor(prompt), [Segment(cache, len(prompt))])
         caches.append(cache)
         firsts.append(int(logits[-1].argmax()))
-    guesses, confidences = model.static.greedy_chain(firsts, None, caches, positions=4)
+    capture = Capture(layers=layers, final=final) if layers else None
+    guesses, confidences = model.static.greedy_chain(firsts, None, caches, positions=4, capture=capture)
     assert [c.length for c in caches] == [len(p) for p in PROMPTS[:2]]
-    for cache, token, got, got_confidences in zip(caches, firsts, guesses, confidences):
+    for b, (cache, token, got, got_confidences) in enumerate(zip(caches, firsts, guesses, confidences)):
         expected, expected_confidences = [], []
-        for _ in range(4):
-            logits = model(torch.tensor([token]), [Segment(cache, 1)])
+        for j in range(4):
+            step = Capture(layers=layers, final=final)
+            logits = model(torch.tensor([token]), [Segment(cache, 1)], capture=step)
             token = int(logits[0].argmax())
             expected.append(token)
             expected_confidences.append(float(logits[0].softmax(-1).max()))
+            if capture is not None:  # position j of sequence b: row 4 b + j
+                torch.testing.assert_close(capture.layer_inputs[4 * b + j], step.layer_inputs[0])
+                torch.testing.assert_close(capture.final_hidden[4 * b + j], step.final_hidden[0])
         assert got == expected
         assert got_confidences == pytest.approx(expected_confidences, abs=1e-5)
 

@@ -136,6 +136,41 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_the_head(noisy, method):
+    """On static steps, a head adaptive k finds not worth drafting (a random one, its
+    draft priced dear) leaves the target decoding 4 tokens a step in multi-step chains,
+    which capture the features the head reads: its runs stay at the verified positions,
+    its probes read them, and the output stays plain decoding's."""
+    target, perm = noisy
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    proposer = proposer_of(random_head(method, target.config, seed=7), graphed)
+    adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
+    observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target
+    adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 5e-3 * positions)
+    adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
+    engine = Engine(
+        graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
+        num_scheduler_steps=4,
+    )  # fmt: skip
+    proposed, propose = [], proposer.propose
+    proposer.propose = lambda seqs, num_tokens, least=None: (
+        proposed.append(bool(graphed.static.chains)) or propose(seqs, num_tokens, least)  # after a chain?
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS[:2]]
+    while engine.has_unfinished():
+        engine.step()
+        for seq in seqs:
+            run = proposer.features.runs.get(seq.seq_id)
+            assert seq.finished or run is None or run.end == len(seq.token_ids) - 1
+    for seq, prompt in zip(seqs, PROMPTS):
+        assert seq.output_ids == plain_tokens(target, prompt, params)
+    assert any(key.positions == 4 and (key.layers or key.final) for key in graphed.static.chains)
+    assert any(proposed)  # a probe after chains read the features they captured
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_random_heads_keep_the_output_the_targets(method):
     torch.manual_seed(5)
     target = Decoder(target_config()).eval()
