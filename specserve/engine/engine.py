@@ -217,7 +217,7 @@ class Engine:
     def _propose(self, decoding: list[Sequence], wanted: list[int], batch: int, rows: int) -> list[Draft]:
         """The proposer's drafts for a step of `batch` decoding sequences and `rows` rows
         in all if every draft is as long as wanted: with adaptive k, a sequence whose k it
-        chose drops the guesses too unlikely to pay for their rows (Proposer.propose)."""
+        chose drops a first guess too unlikely to pay for its row (Proposer.propose)."""
         if self.proposer is None or not any(wanted):
             return [Draft.empty()] * len(decoding)
         least_chances = None
