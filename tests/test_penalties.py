@@ -140,14 +140,18 @@ def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
     assert engine.spec_stats.acceptance_rate == 1.0
 
 
-def test_speculative_sampling_with_penalties_samples_the_penalised_target():
+@pytest.mark.parametrize("min_tokens", [0, 4], ids=["penalties", "penalties-and-min-tokens"])
+def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens):
     """At temperature > 0 with every penalty on, 4-token outputs through a draft that is
     often wrong are distributed as sampling the penalised target one token at a time
-    (chi-square over all 4^4 outputs)."""
-    vocab, length, prompt = 4, 4, [0, 1, 2]
+    (chi-square over all 4^4 outputs); with min_tokens = max_tokens and a stop id, with
+    that id masked too, and it never appears."""
+    vocab, length, prompt, stop = 4, 4, [0, 1, 2], 2
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
     fields = dict(max_tokens=length, temperature=0.9, ignore_eos=True, **PENALTIES)
+    if min_tokens:
+        fields |= dict(min_tokens=min_tokens, stop_token_ids=(stop,))
     params = SamplingParams(**fields)
 
     expected = torch.ones([vocab] * length, dtype=torch.float64)
@@ -156,6 +160,8 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target():
         logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[len(prompt) - 1 : -1]
         for j, token in enumerate(cont):
             penalised = reference_penalties(logits[j], params, prompt, list(cont[:j]))
+            if j < min_tokens:
+                penalised[stop] = float("-inf")
             expected[cont] *= logits_to_probs(penalised.unsqueeze(0), params)[0, token]
 
     engine = Engine(
@@ -165,6 +171,7 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target():
         num_speculative_tokens=3,
     )
     samples = seeded_outputs(engine, prompt, fields)
+    assert not min_tokens or not (samples == stop).any()
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
 
@@ -206,36 +213,3 @@ def test_min_tokens_holds_back_a_stop_token_and_speculation_keeps_the_output(tar
     }[proposer_kind]
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
     assert engine.generate(PROMPTS[1], params).output_ids == plain
-
-
-def test_speculative_sampling_with_min_tokens_samples_the_masked_target():
-    """min_tokens = max_tokens with a stop id: the id never appears, and 4-token outputs
-    through a draft that is often wrong are distributed as sampling the target with that
-    id masked, penalties on too (chi-square over all 4^4 outputs, the id's cells empty)."""
-    vocab, length, prompt, stop = 4, 4, [0, 1, 2], 2
-    torch.manual_seed(3)
-    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
-    fields = dict(
-        max_tokens=length, min_tokens=length, temperature=0.9, ignore_eos=True, stop_token_ids=(stop,), **PENALTIES
-    )
-    params = SamplingParams(**fields)
-
-    expected = torch.ones([vocab] * length, dtype=torch.float64)
-    for cont in itertools.product(range(vocab), repeat=length):
-        ids = prompt + list(cont)
-        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[len(prompt) - 1 : -1]
-        for j, token in enumerate(cont):
-            scores = reference_penalties(logits[j], params, prompt, list(cont[:j]))
-            scores[stop] = float("-inf")
-            expected[cont] *= logits_to_probs(scores.unsqueeze(0), params)[0, token]
-
-    engine = Engine(
-        target,
-        eos_token_ids=[EOS % vocab],
-        proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
-        num_speculative_tokens=3,
-    )
-    samples = seeded_outputs(engine, prompt, fields)
-    assert not (samples == stop).any()
-    assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
-    assert chi_square_p_value(samples, expected) > 1e-4
