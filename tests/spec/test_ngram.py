@@ -9,7 +9,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.sampling import SamplingParams
-from specserve.spec.ngram import NgramProposer
+from specserve.spec.ngram import NgramIndex, NgramProposer
 
 
 @dataclass
@@ -115,3 +115,22 @@ def test_observe_and_free_are_harmless():
 def test_bad_sizes_are_refused(lo, hi):
     with pytest.raises(ConfigError):
         NgramProposer(lo, hi)
+
+
+def test_a_sequences_index_grows_with_it_and_answers_as_a_fresh_one():
+    """One sequence's tokens growing a few at a time (as steps append them): every lookup
+    from its kept index is a fresh index's over the same tokens; a new list under the
+    same id is indexed anew, and `free` forgets it."""
+    generator = torch.Generator().manual_seed(1)
+    proposer = NgramProposer(1, 3)
+    seq = Seq(torch.randint(0, 4, (5,), generator=generator).tolist(), seq_id=7)
+    for _ in range(60):
+        grown = int(torch.randint(1, 4, (), generator=generator))
+        seq.token_ids.extend(torch.randint(0, 4, (grown,), generator=generator).tolist())
+        kept = proposer.propose_for(seq, 3).tokens.tolist()
+        assert kept == NgramIndex(list(seq.token_ids), 1, 3).follows(3)
+    assert proposer.indexes[7].indexed == len(seq.token_ids)
+    other = Seq([9, 8, 9], seq_id=7)  # the same id, another text
+    assert proposer.propose_for(other, 2).tokens.tolist() == [8, 9]
+    proposer.free(7)
+    assert 7 not in proposer.indexes
