@@ -231,13 +231,12 @@ class Acceptance:
       reached[i]: steps whose first i - 1 drafts were all accepted; gained[i]: of those,
         the steps where position i was drafted and accepted too;
       asked[i]: steps whose proposer drafted i - 1; drafted[i]: of those, the steps
-        where it drafted position i as well; dropped[i]: those where it guessed position
-        i and dropped it, too unlikely to pay for its row (guesses.py).
+        where it drafted position i as well.
     So rate(i) = gained / reached is the chance to earn position i given i - 1 were
     earned (drafting it and its acceptance together), and go_on(i) = drafted / asked
-    the chance that the proposer drafts position i after i - 1 (at position 1, 1 but
-    for dropped guesses). Each estimate leans on
-    the position before it with `prior_weight` (position 1 on `prior_rate`), so a
+    the chance that the proposer drafts position i after i - 1: at position 1 the
+    chance it keeps its first guess, which a step that drafts nothing drops (guesses.py).
+    Each estimate leans on the position before it with `prior_weight` (position 1 on `prior_rate`), so a
     position never asked for is valued like the deepest one measured.
     """
 
@@ -245,7 +244,7 @@ class Acceptance:
         self.max_k = max_k
         self.prior_rate, self.prior_weight = prior_rate, prior_weight
         self.reached, self.gained = [0.0] * max_k, [0.0] * max_k  # index i - 1 for position i
-        self.asked, self.drafted, self.dropped = [0.0] * max_k, [0.0] * max_k, [0.0] * max_k
+        self.asked, self.drafted = [0.0] * max_k, [0.0] * max_k
         self.chosen = 0  # this step's k
         self.plain_steps = 0  # since the last draft
         self.drafting_steps = 0  # in the current run of drafting steps
@@ -256,16 +255,13 @@ class Acceptance:
     def restart(self, prior_weight: float) -> None:
         """Forget every observation, keeping the prior with a new weight."""
         self.prior_weight = prior_weight
-        for counts in (self.reached, self.gained, self.asked, self.drafted, self.dropped):
+        for counts in (self.reached, self.gained, self.asked, self.drafted):
             counts[:] = [0.0] * self.max_k
 
-    def record(self, num_drafted: int, num_accepted: int, num_dropped: int = 0) -> None:
-        """A drafting step that asked for `chosen` positions (and dropped the guess after
-        its drafts, where num_dropped)."""
-        for counts in (self.reached, self.gained, self.asked, self.drafted, self.dropped):
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """A drafting step that asked for `chosen` positions (num_drafted 0: it dropped its first guess)."""
+        for counts in (self.reached, self.gained, self.asked, self.drafted):
             counts[:] = [ACCEPTANCE_DECAY * c for c in counts]
-        if num_dropped and num_drafted < self.max_k:
-            self.dropped[num_drafted] += 1
         for i in range(1, min(max(self.chosen, num_drafted), self.max_k) + 1):
             if num_accepted >= i - 1:
                 self.reached[i - 1] += 1
@@ -293,16 +289,6 @@ class Acceptance:
             tokens.append(tokens[-1] + earn_all)
             drafted.append(drafted[-1] + reach)
         return tokens, drafted
-
-    def guessed(self, drafted: list[float]) -> list[float]:
-        """G for k = 0 .. max_k: positions a step guesses, its drafted ones (`curves`' D)
-        and the one it drops: what drafting costs."""
-        guessed, drop, w = [0.0], 0.0, self.prior_weight
-        for i in range(self.max_k):
-            drop = (self.dropped[i] + w * drop) / (self.asked[i] + w)
-            reached = drafted[i] - drafted[i - 1] if i else 1.0  # the chance position i was drafted
-            guessed.append(guessed[-1] + drafted[i + 1] - drafted[i] + reached * drop)
-        return guessed
 
 
 class FirstGuesses:
@@ -454,7 +440,6 @@ class AdaptiveSpecLength:
         # A verified row's cost, on average over every row a step may add.
         per_row = (self.target_seconds(batch * (1 + self.max_k)) - plain) / (batch * self.max_k)
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
-        guessed = [a.guessed(D) for a, (_, D) in zip(acceptances, curves)]  # G per sequence
         limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
 
         @functools.cache  # the candidates repeat across horizons and passes
@@ -463,7 +448,8 @@ class AdaptiveSpecLength:
             drafted = [D[k] for (_, D), k in zip(curves, ks)]
             if not any(ks):
                 return 1.0
-            positions = max(G[k] for G, k in zip(guessed, ks))
+            # Drafting costs the positions drafted and a first guess dropped (1 - D[1] of them).
+            positions = max(D[k] + 1 - D[1] for (_, D), k in zip(curves, ks) if k)
             step = self.target_seconds(batch + sum(drafted)) + draft_fixed + per_position * positions
             step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
             return tokens * plain / (batch * step)
@@ -571,7 +557,7 @@ class AdaptiveSpecLength:
             # and go by this probe, with a little doubt (not the prior's weight: under costs
             # where the prior itself does not pay, the sequence would only ever probe).
             state.restart(PROBE_DOUBT)
-        state.record(num_drafted, num_accepted, num_dropped)
+        state.record(num_drafted, num_accepted)
         state.plain_steps = 0
         state.drafting_steps += 1
         state.probing = False
