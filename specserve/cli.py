@@ -168,8 +168,8 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         type=int,
         default=DEFAULT_NUM_SCHEDULER_STEPS,
         help="tokens each sequence decodes per engine step where the target runs CUDA graphs and a step "
-        "only decodes greedy requests, with no drafts, penalties or logprobs (vLLM's multi-step "
-        "scheduling): the host reads them back once; 1: a step a token",
+        "drafts nothing and only decodes greedy requests without penalties, min_tokens or logprobs "
+        "(vLLM's multi-step scheduling): the host reads them back once; 1: a step a token",
     )
 
 

@@ -45,8 +45,8 @@ def processed_logits(
     else:
         out = logits.to(torch.float32, copy=True)
     early_rows = params.min_tokens - len(output_ids)
-    masked = [i for i in stop_ids if i < out.shape[-1]]
-    if early_rows > 0 and masked:
+    if early_rows > 0:
+        masked = [i for i in stop_ids if i < out.shape[-1]]
         out[:early_rows, masked] = float("-inf")
     return out
 

@@ -32,7 +32,8 @@ class NgramIndex:
         self.indexed = 0  # n-grams ending before this position are in `last`
 
     def follows(self, k: int) -> list[int]:
-        """Up to k tokens after the most recent earlier occurrence of the longest suffix."""
+        """Up to k tokens after the most recent earlier occurrence of the longest suffix,
+        indexing first the n-grams of the tokens added since the last call."""
         tokens, length = self.token_ids, len(self.token_ids)
         for end in range(self.indexed, length):  # an n-gram ending at `end` has a token after it
             for n in range(self.lo, min(self.hi, end) + 1):
