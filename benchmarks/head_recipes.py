@@ -11,12 +11,14 @@ is a speed: a fixed step count, not a time budget, so a loaded machine changes n
 but how long it takes.
 
     .venv/bin/python benchmarks/head_recipes.py --steps 700 \\
-        --recipes 'base;decay:weight_decay=0.1;vocab16k:draft_vocab_size=16384;answers-only:text=0'
+        --recipes 'base;lr-low:lr=0.0005;vocab16k:draft_vocab_size=16384;text:text=1'
 
 A recipe is `NAME:key=value,...` over the keys of `TrainHeadSettings` that shape the head
 (draft_vocab_size, head_intermediate_size, ttt_length, num_heads) and of `LoopSettings`
-(lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip), and `text=0` to train
-on the answers alone (no standard-library text).
+(lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip), and `text=1` or `text=0`
+to train on the data's standard-library text or not (by default, as `train-head` would:
+not since its `stdlib_tokens` became 0). A folder made under older defaults is reused with
+the settings it was made with (its run.json); the recipes start from today's.
 """
 
 from __future__ import annotations
@@ -51,15 +53,29 @@ def parse_recipes(text: str) -> dict[str, dict[str, float]]:
     return recipes
 
 
+def data_settings(settings: TrainHeadSettings, work: Path) -> TrainHeadSettings:
+    """The settings the folder's data was (or is being) made with: its run.json where it
+    exists, else `settings`."""
+    run_file = work / "run.json"
+    if not run_file.is_file():
+        return settings
+    stored = json.loads(run_file.read_text())
+    loop = dataclasses.replace(settings.loop, **stored.pop("loop"))
+    return dataclasses.replace(settings, loop=loop, **stored)
+
+
 def make_data(settings: TrainHeadSettings, work: Path) -> tuple[catalogue.LoadedModel, list[str]]:
     """The target, and the keys of the samples whose features are in work/features."""
     catalogue.prepare_quantized(settings.target, settings.quantization)
     check_same_run(work, settings)
     target = catalogue.load_model(settings.target, default_dtype(CPU, settings.quantization), settings.quantization)
-    run = Run(settings, work, Clock(settings.max_minutes, work / "minutes.json"))
+    clock = Clock(settings.max_minutes, work / "minutes.json")
+    run = Run(settings, work, clock)
     samples = run.samples(target)
     folder = work / "features"
-    run.features(target, samples)
+    if "features" not in clock.minutes:  # read once: a fresh clock would read on into more text
+        run.features(target, samples)
+        clock.phase_done("features")
     return target, [key for key in samples if (folder / f"{key}.safetensors").is_file()]
 
 
@@ -78,7 +94,7 @@ def train_recipe(
     loop_values = {k: (int(v) if k in whole else v) for k, v in values.items() if k in LOOP_KEYS}
     loop = dataclasses.replace(settings.loop, steps=steps, **loop_values)
     recipe = dataclasses.replace(settings, loop=loop, **head_values)
-    if values.get("text", 1) == 0:
+    if values.get("text", int(settings.stdlib_tokens > 0)) == 0:
         keys = [key for key in keys if key.startswith("answer-")]
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
@@ -120,7 +136,7 @@ def main() -> None:
     settings = TrainHeadSettings(args.target, args.method, max_minutes=args.data_minutes, seed=args.seed)
     settings.check()
     work = catalogue.cache_root() / "head-recipes" / f"{settings.head_name}-{args.data_minutes:g}"
-    target, keys = make_data(settings, work)
+    target, keys = make_data(data_settings(settings, work), work)
     rows = []
     for name, values in recipes.items():
         rows += train_recipe(name, values, settings, target, keys, work, args.steps, args.eval_every)

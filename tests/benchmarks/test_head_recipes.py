@@ -21,3 +21,21 @@ def test_recipes_parse_into_named_settings():
 def test_an_unknown_key_is_refused_with_the_known_ones():
     with pytest.raises(SystemExit, match="unknown key 'dropout'.*weight_decay"):
         parse_recipes("x:dropout=0.1")
+
+
+def test_a_data_folder_keeps_the_settings_it_was_made_with(tmp_path):
+    """Defaults that moved since the data was made (the text, the loop) do not refuse the
+    folder: its data is reused under its own settings."""
+    import dataclasses
+    import json
+
+    from benchmarks.head_recipes import data_settings
+    from specserve.train.run import TrainHeadSettings, check_same_run
+
+    today = TrainHeadSettings("qwen2.5-coder-1.5b", "eagle3")
+    assert data_settings(today, tmp_path) == today  # no data yet: today's settings make it
+    older = dataclasses.replace(today, stdlib_tokens=400_000, loop=dataclasses.replace(today.loop, weight_decay=0.0))
+    (tmp_path / "run.json").write_text(json.dumps(older.deciding_result()))
+    stored = data_settings(today, tmp_path)
+    assert (stored.stdlib_tokens, stored.loop.weight_decay) == (400_000, 0.0)
+    check_same_run(tmp_path, stored)  # not refused
