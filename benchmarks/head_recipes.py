@@ -15,8 +15,8 @@ but how long it takes.
 
 A recipe is `NAME:key=value,...` over the keys of `TrainHeadSettings` that shape the head
 (draft_vocab_size, head_intermediate_size, ttt_length, num_heads) and of `LoopSettings`
-(lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip), and `text=1` or `text=0`
-to train on the data's standard-library text or not (by default, as `train-head` would:
+(lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip, feature_noise), and
+`text=1` or `text=0` to train on the data's standard-library text or not (by default, as `train-head` would:
 not since its `stdlib_tokens` became 0). A folder made under older defaults is reused with
 the settings it was made with (its run.json); the recipes start from today's.
 """
@@ -35,7 +35,7 @@ from specserve.train.features import FeatureSet
 from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, make_method, new_trainer
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
-LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip")
+LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
 
 
 def parse_recipes(text: str) -> dict[str, dict[str, float]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -60,6 +60,9 @@ class LoopSettings:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 0.5
+    # Uniform noise on the training batches' features, in units of each position's mean
+    # |feature| (EAGLE's augmentation: a drafting head reads its own, inexact features).
+    feature_noise: float = 0.0
     checkpoint_seconds: float = 120.0
     seed: int = 0
 
@@ -84,6 +87,14 @@ class Agreement:
     @property
     def rates(self) -> list[float]:
         return [c / n if n else 0.0 for c, n in zip(self.correct, self.counted)]
+
+
+def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
+    """features [B, T, F] plus uniform noise in +-scale x each position's mean |feature|,
+    drawn from the global generator (checkpointed, so a resumed run draws the same)."""
+    size = features.float().abs().mean(dim=-1, keepdim=True)  # [B, T, 1]
+    noise = (torch.rand(features.shape) * 2 - 1) * (scale * size)  # [B, T, F]
+    return (features.float() + noise).to(features.dtype)
 
 
 class Trainer:
@@ -146,6 +157,8 @@ class Trainer:
     def train_step(self) -> Figures:
         self.head.train()
         batch = self.next_batch()
+        if self.settings.feature_noise > 0:
+            batch = replace(batch, features=with_noise(batch.features, self.settings.feature_noise))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.position.step)
         with torch.autocast("cpu", dtype=torch.bfloat16):

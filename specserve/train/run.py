@@ -192,6 +192,9 @@ def check_same_run(work: Path, settings: TrainHeadSettings) -> None:
     wanted = json.loads(json.dumps(settings.deciding_result(), default=str))
     if run_file.is_file():
         started = json.loads(run_file.read_text())
+        # A setting newer than the run: the run ran as that setting's default does.
+        defaults = json.loads(json.dumps(TrainHeadSettings(settings.target).deciding_result(), default=str))
+        started = defaults | started | {"loop": defaults["loop"] | started.get("loop", {})}
         differing = sorted(k for k in wanted.keys() | started.keys() if wanted.get(k) != started.get(k))
         if differing:
             raise ConfigError(

@@ -5,6 +5,7 @@ the bundled instructions are not the benchmark's prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -23,10 +24,10 @@ from specserve.spec.heads.checkpoint import load_head, save_head
 from specserve.train.data import AnswerSettings, Sample, answer_instructions, load_instructions
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
-from specserve.train.loop import LoopSettings, Trainer
+from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
-from specserve.train.run import TrainHeadSettings, train_head
+from specserve.train.run import TrainHeadSettings, check_same_run, train_head
 from tests.conftest import tiny_config
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
@@ -88,6 +89,42 @@ def test_resumed_training_matches_an_uninterrupted_run(tmp_path):
     assert resumed.position.step == 12
     for name, tensor in whole.head.state_dict().items():
         assert torch.equal(tensor, resumed.head.state_dict()[name]), name
+
+
+def test_feature_noise_is_bounded_by_each_positions_size_and_resumes_step_for_step(tmp_path):
+    features = torch.randn(2, 5, 16, dtype=torch.bfloat16) * torch.tensor([1.0, 10.0]).view(2, 1, 1)
+    torch.manual_seed(0)
+    noisy = with_noise(features, 0.3)
+    assert noisy.shape == features.shape and noisy.dtype == features.dtype
+    size = features.float().abs().mean(dim=-1, keepdim=True)
+    change = (noisy.float() - features.float()).abs()
+    assert (change <= 0.3 * size * 1.01 + 0.1 * features.float().abs()).all()  # bf16 rounding aside
+    assert change.mean() > 0.05 * size.mean()
+    # With noise, an interrupted run still resumes to the uninterrupted run's weights.
+    whole = trainer_on_one_text("eagle3", tmp_path / "whole", steps=6, feature_noise=0.3)
+    whole.run(time.monotonic() + 600)
+
+    def interrupt_at_step_3(figures) -> None:
+        if interrupted.position.step == 3:
+            raise KeyboardInterrupt
+
+    interrupted = trainer_on_one_text("eagle3", tmp_path / "stopped", steps=6, feature_noise=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run(time.monotonic() + 600, interrupt_at_step_3)
+    resumed = trainer_on_one_text("eagle3", tmp_path / "stopped", steps=6, feature_noise=0.3)
+    resumed.run(time.monotonic() + 600)
+    for name, tensor in whole.head.state_dict().items():
+        assert torch.equal(tensor, resumed.head.state_dict()[name]), name
+
+
+def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
+    settings = TrainHeadSettings("qwen2.5-coder-1.5b")
+    stored = json.loads(json.dumps(settings.deciding_result(), default=str))
+    del stored["loop"]["feature_noise"], stored["ttt_length"]
+    (tmp_path / "run.json").write_text(json.dumps(stored))
+    check_same_run(tmp_path, settings)  # not refused
+    with pytest.raises(ConfigError, match=r"other settings \(loop\)"):
+        check_same_run(tmp_path, dataclasses.replace(settings, loop=LoopSettings(steps=None, feature_noise=0.1)))
 
 
 def test_estimated_acceptance_length_chains_the_steps():
