@@ -49,6 +49,19 @@ def add_prefix_caching_flags(parser: argparse.ArgumentParser, note: str = "") ->
     )
 
 
+def kv_cache_space_of(args: argparse.Namespace) -> float | str:
+    """--kv-cache-space: "auto" or GiB > 0."""
+    if args.kv_cache_space == "auto":
+        return "auto"
+    try:
+        space = float(args.kv_cache_space)
+    except ValueError:
+        space = math.nan
+    if not 0 < space < math.inf:
+        raise ConfigError(f"--kv-cache-space must be auto or a number of GiB > 0, got {args.kv_cache_space!r}")
+    return space
+
+
 def prefix_cache_space_of(args: argparse.Namespace) -> float | None:
     """GiB for prefix caching, None when it is off."""
     if not args.prefix_cache_space > 0:
@@ -218,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prompt tokens prefilled per step; longer prompts go in chunks",
     )
     add_prefix_caching_flags(srv)
+    srv.add_argument(
+        "--kv-cache-space",
+        default="auto",
+        metavar="GIB",
+        help="memory the running requests' keys and values may take, the target's and a draft's or "
+        "head's together, where caches grow (CPU; a GPU's CUDA graph pool is fixed): a request waits "
+        "until it fits, and the latest is preempted and recomputed where the others outgrow it "
+        "(auto: half the memory available after loading, unbounded where that holds --max-num-seqs "
+        "requests of --max-model-len)",
+    )
     srv.add_argument(
         "--log-stats-interval",
         type=float,
@@ -545,6 +568,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if not 0 < seconds < math.inf:
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {seconds}")
     prefix_cache_space = prefix_cache_space_of(args)
+    kv_cache_space = kv_cache_space_of(args)
     serve(
         ServerConfig(
             model=args.model,
@@ -556,6 +580,7 @@ def run_serve(args: argparse.Namespace) -> int:
             device=device_of(args),
             cuda_graphs=cuda_graphs_of(args),
             prefix_cache_space=prefix_cache_space,
+            kv_cache_space=kv_cache_space,
             host=args.host,
             port=args.port,
             served_model_name=args.served_model_name,

@@ -164,6 +164,9 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
         (["--port", "65536"], "--port must be in [1, 65535]"),
         (["--max-model-len", "100000"], "--max-model-len must be in"),
+        (["--kv-cache-space", "0"], "--kv-cache-space must be auto or a number of GiB > 0, got '0'"),
+        (["--kv-cache-space", "lots"], "--kv-cache-space must be auto or a number of GiB > 0"),
+        (["--kv-cache-space", "0.001"], "raise --kv-cache-space or lower --max-model-len"),
     ],
 )
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):

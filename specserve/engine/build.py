@@ -7,17 +7,18 @@ numbers in the same words.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from specserve.catalogue import load_model
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS, Engine, step_headroom
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.device import CPU
-from specserve.model.kv_cache import CachePool, bytes_per_position
+from specserve.model.kv_cache import CachePool, KVCache, bytes_per_position
 from specserve.model.prefix_cache import BLOCK, PrefixCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
@@ -31,6 +32,10 @@ from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("specserve")
 
 GRAPH_MEMORY_SHARE = 0.9  # of the GPU's free memory that the cache pools may take
+# Of the memory available once the models are loaded, what `kv_cache_space="auto"` lets
+# the running sequences' keys and values take: the rest for activations, the prefix
+# cache and the server.
+KV_AUTO_SHARE = 0.5
 
 
 def build_engine(
@@ -44,6 +49,7 @@ def build_engine(
     device: torch.device = CPU,
     cuda_graphs: bool | None = None,
     prefix_cache_space: float | None = None,
+    kv_cache_space: float | str | None = None,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
@@ -54,7 +60,11 @@ def build_engine(
     (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
     compile likewise: None compiles on a CUDA GPU with graphs, where inductor works.
     prefix_cache_space: GiB of keys and values kept for prefix caching
-    (model/prefix_cache.py), the target's and a draft model's together; None: off."""
+    (model/prefix_cache.py), the target's and a draft model's together; None: off.
+    kv_cache_space: GiB that the running sequences' keys and values (target, draft and
+    head together) may take where caches grow (not a CUDA graph pool, which is fixed),
+    requests waiting or preempted beyond it (see Engine); "auto": `auto_kv_cache_space`;
+    None: no bound."""
     if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
     if compile is None and (device.type != "cuda" or cuda_graphs is False):
@@ -93,6 +103,14 @@ def build_engine(
     adaptive = None
     if spec is not None and spec.adaptive:
         adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
+    kv_cache_positions = None
+    if kv_cache_space is not None and target.decoder.static is None:
+        max_k = 0 if spec is None else spec.max_speculative_tokens if spec.adaptive else spec.num_speculative_tokens
+        steps = engine_options.get("num_scheduler_steps", DEFAULT_NUM_SCHEDULER_STEPS)
+        longest = (max_model_len or target.config.max_position_embeddings) + step_headroom(max_k, steps)
+        per_position = kv_bytes_per_position(target.decoder, proposer)
+        slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        kv_cache_positions = kv_positions(kv_cache_space, per_position, target.decoder.new_cache(), longest, slots)
     engine = Engine(
         target.decoder,
         eos_token_ids=target.tokenizer.eos_token_ids,
@@ -102,9 +120,73 @@ def build_engine(
         adaptive=adaptive,
         lookup_first=None if spec is None else spec.prompt_lookup_first,
         prefix_cache=prefix_cache,
+        kv_cache_positions=kv_cache_positions,
         **engine_options,
     )
     return engine, target.tokenizer
+
+
+def kv_bytes_per_position(target: Decoder, proposer: object) -> int:
+    """Bytes of keys and values a sequence's position takes: the target's, and a draft
+    model's or an EAGLE head's alongside."""
+    total = bytes_per_position(target.config, target.dtype)
+    if isinstance(proposer, DraftModelProposer):
+        total += bytes_per_position(proposer.draft.config, proposer.draft.dtype)
+    elif isinstance(proposer, EagleProposer):
+        total += bytes_per_position(proposer.head.config.layer, proposer.head.dtype)
+    return total
+
+
+MEMINFO = "/proc/meminfo"
+# A container's memory limit and use (cgroup v2, then v1): MEMINFO shows the host's.
+CGROUP_MEMORY_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def available_memory() -> int | None:
+    """Bytes the system could still give this process: Linux's MemAvailable, or less
+    where the process's container has a limit closer; None where neither is known."""
+    found = []
+    try:
+        with open(MEMINFO, encoding="ascii") as meminfo:
+            found += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit, usage = (Path(f).read_text().strip() for f in (limit_file, usage_file))
+            if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+                found.append(max(int(limit) - int(usage), 0))
+                break
+        except (OSError, ValueError):
+            continue
+    return min(found, default=None)
+
+
+def kv_positions(space: float | str, per_position: int, fresh: KVCache, longest: int, slots: int) -> int | None:
+    """The target positions of KV storage the running sequences may hold: `space` GiB at
+    per_position bytes. "auto": KV_AUTO_SHARE of the memory available now; None (no bound)
+    where that holds `slots` sequences of `longest` positions, or the memory is unknown;
+    never less than one such sequence, which a request may need alone."""
+    one = fresh.capacity_for(longest)  # a sequence's storage at its longest (caches double)
+    if space != "auto":
+        return int(float(space) * 2**30) // per_position
+    available = available_memory()
+    if available is None:
+        return None
+    positions = int(KV_AUTO_SHARE * available) // per_position
+    if positions >= slots * one:
+        return None
+    if positions < one:
+        log.warning(
+            "the KV cache space holds one sequence of %d positions (%.1f GiB), more than half the memory "
+            "available; lower --max-model-len if the server runs out of memory",
+            longest,
+            one * per_position / 2**30,
+        )
+    return max(positions, one)
 
 
 def use_cuda_graphs(models: list[Decoder | EagleHead], slots: int, positions: int, asked: bool) -> None:

@@ -13,6 +13,13 @@ sequence by one verified step.
   chosen from the current step's outputs: the output stays the target's.
 - A joining request starts from the longest prefix of its prompt, all but its last token,
   stored in the `prefix_cache` or held by a running sequence.
+- With `kv_cache_positions`, the running sequences' target caches hold at most that
+  many positions of storage (`KVCache.capacity_for`, each with room for its next step):
+  a request joins only where its tokens fit, and where the running ones outgrow the
+  budget the latest admitted is preempted (vLLM's recompute): its caches are dropped,
+  it waits at the head of the queue, and it joins again by reading its prompt and
+  output so far as a prompt, its next token sampled from that read as its step's would
+  be. Greedy output is unchanged; so is a seeded request's without speculation.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
   drafts or prompts (plainly, or where adaptive k drafts nothing), it decodes that many
@@ -56,6 +63,12 @@ DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for
 DEFAULT_NUM_SCHEDULER_STEPS = 8
 
 log = logging.getLogger("specserve")
+
+
+def step_headroom(max_k: int, num_scheduler_steps: int) -> int:
+    """Positions one step may add to a sequence's cache past its tokens: its drafts and
+    the bonus row, or a multi-step chain."""
+    return max(max_k, num_scheduler_steps) + 1
 
 
 @dataclass
@@ -108,11 +121,13 @@ class Engine:
         lookup_first: int | None = None,
         prefix_cache: PrefixCache | None = None,
         num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
+        kv_cache_positions: int | None = None,
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
         except a seeded sampling request's, which stays num_speculative_tokens so that
         it repeats; without, every step drafts num_speculative_tokens. lookup_first
-        (see `_look_up`), prefix_cache (the target's) and num_scheduler_steps (1: off):
+        (see `_look_up`), prefix_cache (the target's), num_scheduler_steps (1: off) and
+        kv_cache_positions (None: no bound; it must hold one sequence of max_model_len):
         see the module's docstring."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -133,6 +148,19 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.prefix_cache = prefix_cache
         self.num_scheduler_steps = num_scheduler_steps
+        # Positions a step may add past a sequence's tokens: its drafts, or a multi-step chain.
+        max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
+        self.step_headroom = step_headroom(max_k, num_scheduler_steps)
+        self.kv_cache_positions = None if target.static is not None else kv_cache_positions  # a pool bounds itself
+        if self.kv_cache_positions is not None:
+            longest = target.new_cache().capacity_for(self.max_model_len + self.step_headroom)
+            if self.kv_cache_positions < longest:
+                raise ConfigError(
+                    f"the KV cache space holds {self.kv_cache_positions} positions, fewer than the {longest} "
+                    f"one sequence of the maximum model length {self.max_model_len} may take; "
+                    "raise --kv-cache-space or lower --max-model-len"
+                )
+        self.num_preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # in order of admission
         self.spec_stats = SpecStats()  # every sequence's drafts, for metrics
@@ -300,9 +328,12 @@ class Engine:
         step: the work of the target's forward, the sequences (with their k) whose
         whole step runs in one fused call, and the ids of those the proposer chose no
         k for (drafted by lookup, or decoded plainly beside a prompt)."""
+        self._preempt_to_fit()
         while self.waiting and len(self.running) < self.max_num_seqs:
+            if self._over_budget(self.kv_positions_needed() + self._positions_needed(self.waiting[0])):
+                break  # first in, first admitted: it waits for room
             seq = self.waiting.popleft()
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not seq.output_ids:
                 self.prefix_cache.count_query(seq.num_prompt_tokens)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
@@ -340,9 +371,9 @@ class Engine:
                 continue
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                seq.num_cached_tokens += self.prefix_cache.load(
-                    seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live
-                )
+                loaded = self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
+                if not seq.output_ids:  # a preempted sequence's prompt was counted when it first joined
+                    seq.num_cached_tokens += loaded
             start = seq.cache.length
             chunk = seq.token_ids[start : start + budget]
             if not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
@@ -355,6 +386,40 @@ class Engine:
             [wanted[i] for i in in_one_call],
             {speculating[i].seq_id for i in looked_up} | {s.seq_id for s in plain},
         )
+
+    def _positions_needed(self, seq: Sequence) -> int:
+        """Storage seq's target cache takes with room for its tokens and its next step."""
+        return seq.cache.capacity_for(len(seq.token_ids) + self.step_headroom)
+
+    def kv_positions_needed(self) -> int:
+        """Storage the running sequences' target caches take with room for their next step."""
+        return sum(self._positions_needed(seq) for seq in self.running.values())
+
+    def kv_cache_usage(self) -> float:
+        """The share of kv_cache_positions the running sequences take (0 without a bound)."""
+        if self.kv_cache_positions is None:
+            return 0.0
+        return sum(s.cache.capacity for s in self.running.values()) / self.kv_cache_positions
+
+    def _over_budget(self, positions: int) -> bool:
+        return self.kv_cache_positions is not None and positions > self.kv_cache_positions
+
+    def _preempt_to_fit(self) -> None:
+        """Preempt the latest admitted sequences until the rest fit the KV budget (one
+        sequence alone always fits: see __init__)."""
+        while len(self.running) > 1 and self._over_budget(self.kv_positions_needed()):
+            seq = self.running.pop(next(reversed(self.running)))
+            if self.prefix_cache is not None:  # a prefix its rejoining may load instead of recomputing
+                self.prefix_cache.store(seq.token_ids, seq.cache)
+            seq.cache.release()
+            seq.cache = self.target.new_cache()  # the old storage goes with its last reference
+            seq.lookup_pending = seq.lookup_accepted = None
+            for state in (self.proposer, self.lookup, self.adaptive):
+                if state is not None:
+                    state.free(seq.seq_id)
+            self.waiting.appendleft(seq)
+            self.num_preemptions += 1
+            log.info("preempted request %d: the KV cache space is full; it rejoins when there is room", seq.seq_id)
 
     def step(self) -> list[Sequence]:
         """Advance the batch by one step; return the sequences that got new tokens, and

@@ -1,10 +1,11 @@
 """One request's state as it moves through the engine.
 
-Invariant: once the sequence has its first output token (`prefilled`), its target
-`cache` holds exactly `len(token_ids) - 1` positions; the newest token is the next
-step's input. A step may therefore feed several tokens at once (a chunk of the prompt,
-or the newest token plus k drafted ones) and a rejection is undone by moving the
-cache's end pointer. Before that, the cache holds the prompt chunks fed so far.
+Invariant: once the sequence has its first output token, its target `cache` holds
+exactly `len(token_ids) - 1` positions between steps (`prefilled`); the newest token is
+the next step's input. A step may therefore feed several tokens at once (a chunk of the
+prompt, or the newest token plus k drafted ones) and a rejection is undone by moving the
+cache's end pointer. Before that, and after a preemption (engine.py) until it has read
+its tokens again, the cache holds the chunks fed so far.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        """The whole prompt is in the cache and the first token was sampled."""
-        return len(self.token_ids) > self.num_prompt_tokens
+        """The first token was sampled and the cache holds every token before the newest
+        (not so for a preempted sequence until it has read its tokens again)."""
+        return len(self.token_ids) > self.num_prompt_tokens and self.cache.length == len(self.token_ids) - 1
 
     @property
     def remaining_tokens(self) -> int:

@@ -85,6 +85,17 @@ class KVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    def capacity_for(self, length: int) -> int:
+        """The positions of storage this cache holds once it has room for `length`: its
+        capacity doubled as often as needed, whatever the steps it grows in (a pool
+        slot's is fixed)."""
+        if self.pool is not None:
+            return self.pool.capacity
+        capacity = max(self.capacity, 1)
+        while capacity < length:
+            capacity *= 2
+        return capacity
+
     def reserve(self, length: int) -> None:
         """Make room for `length` positions, keeping what is stored."""
         if self.pool is not None:
@@ -101,7 +112,7 @@ class KVCache:
             return
         if length <= self.capacity:
             return
-        capacity = max(length, 2 * self.capacity)
+        capacity = self.capacity_for(length)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[:2] + (capacity,) + old.shape[3:])

@@ -256,6 +256,7 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._step()
             self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
+            self.metrics.kv_cache(self.engine.num_preemptions, self.engine.kv_cache_usage())
             self._stat_logger.maybe_log(len(self.engine.running), len(self.engine.waiting))
 
     def _add(self, request: _Request) -> None:

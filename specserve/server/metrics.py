@@ -89,6 +89,16 @@ class ServerMetrics:
         self._waiting = Gauge(
             PREFIX + "num_requests_waiting", "Requests waiting to join the batch.", labels, registry=self.registry
         ).labels(model_name)
+        self._preemptions = counter(
+            "num_preemptions", "Requests preempted for KV cache space (recomputed when they rejoin)."
+        ).labels(model_name)
+        self._preemptions_seen = 0
+        self._kv_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Share of the KV cache space the running requests take (0 without a bound).",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens (prefix-cached ones included).").labels(
             model_name
         )
@@ -131,6 +141,12 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self._running.set(running)
         self._waiting.set(waiting)
+
+    def kv_cache(self, num_preemptions: int, usage: float) -> None:
+        """The engine's preemptions so far, and the share of its KV cache space in use."""
+        self._preemptions.inc(num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = num_preemptions
+        self._kv_usage.set(usage)
 
     def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int | None = None) -> None:
         """num_cached_tokens: of the prompt, found in the prefix cache (None: no prefix caching)."""

@@ -42,6 +42,7 @@ class ServerConfig:
     compile: bool | None = None  # see build_engine
     cuda_graphs: bool | None = None  # see build_engine
     prefix_cache_space: float | None = None  # GiB for prefix caching (model/prefix_cache.py); None: off
+    kv_cache_space: float | str | None = "auto"  # GiB for the running requests' caches; see build_engine
     device: torch.device = CPU  # see specserve.model.device
     host: str = "0.0.0.0"
     port: int = 8000
@@ -99,6 +100,7 @@ def serve(config: ServerConfig) -> None:
         device=config.device,
         cuda_graphs=config.cuda_graphs,
         prefix_cache_space=config.prefix_cache_space,
+        kv_cache_space=config.kv_cache_space,
         max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
         num_scheduler_steps=config.num_scheduler_steps,
@@ -123,13 +125,15 @@ def serve(config: ServerConfig) -> None:
     if hasattr(engine.proposer, "describe"):  # a draft model or a head
         spec += f"; {engine.proposer.describe()}"
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
+    kv = "unbounded" if engine.kv_cache_positions is None else f"{engine.kv_cache_positions} positions"
     log.info(
-        "serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefix caching %s)",
+        "serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; KV cache %s; prefix caching %s)",
         config.model,
         name,
         spec,
         config.max_num_seqs,
         engine.max_model_len,
+        kv,
         prefix,
     )
     raise_open_file_limit()
