@@ -55,6 +55,12 @@ _END_OF_TURN_TOKENS = frozenset(
     }
 )
 
+# `encode(at_most=N)` reads the first N x MAX_CHARS_PER_TOKEN characters of a longer text
+# first: plain text runs 3-5 characters a token, so those make far more than N tokens,
+# and a read cut mid-word makes at most CUT_WORD_TOKENS more than the whole text there.
+MAX_CHARS_PER_TOKEN = 16
+CUT_WORD_TOKENS = 8
+
 # How many prompt tokens the detokenizer decodes in front of the output, as vLLM does,
 # so that the first output token is decoded in context.
 _DETOKENIZE_CONTEXT_TOKENS = 5
@@ -192,10 +198,18 @@ class Tokenizer:
 
     # -- text <-> ids --
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, at_most: int | None = None) -> list[int]:
         """Token ids of `text`; BOS first when `add_special_tokens` and the model wants it.
         The Rust library releases the GIL in its batch call alone: through it, a long
-        text tokenized on a worker thread leaves the others running."""
+        text tokenized on a worker thread leaves the others running. at_most: a text
+        whose first at_most x MAX_CHARS_PER_TOKEN characters already make more tokens
+        (and a margin for the cut word) is refused, ConfigError, before the rest is read,
+        so a huge text costs a bounded read."""
+        head = None if at_most is None else at_most * MAX_CHARS_PER_TOKEN
+        if head is not None and len(text) > head:
+            read = self._backend.encode_batch([text[:head]], add_special_tokens=False)[0].ids
+            if len(read) > at_most + CUT_WORD_TOKENS:
+                raise ConfigError(f"the prompt is more than {at_most} tokens, the maximum model length; shorten it")
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -242,9 +256,13 @@ class Tokenizer:
         except Exception as error:  # the template is the model's code: any failure is a bad request
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of the templated conversation; BOS is added only if the template did not write it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, at_most: int | None = None
+    ) -> list[int]:
+        """Ids of the templated conversation; BOS is added only if the template did not
+        write it. at_most: as `encode`'s."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        ids = self.encode(text, add_special_tokens=False, at_most=at_most)
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

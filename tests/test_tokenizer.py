@@ -441,3 +441,21 @@ def test_save_keeps_other_generation_settings(smollm2, tmp_path):
     smollm2.save(tmp_path)
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert generation["temperature"] == 0.2 and generation["eos_token_id"] == list(smollm2.eos_token_ids)
+
+
+def test_encode_at_most_refuses_a_long_text_from_its_first_part_only(smollm2):
+    """at_most=N: a text past N x 16 characters whose first part already makes more than
+    N tokens is refused; a text within N tokens, or of long tokens, is read whole."""
+    from specserve.errors import ConfigError
+
+    prose = "the quick brown fox jumps over the lazy dog. " * 200  # ~2k tokens, 9k characters
+    assert smollm2.encode(prose, at_most=4096) == smollm2.encode(prose)
+    with pytest.raises(ConfigError, match="more than 100 tokens, the maximum model length"):
+        smollm2.encode(prose, at_most=100)
+    spaces = " " * 5000  # runs of spaces: few tokens for many characters
+    assert smollm2.encode(spaces, at_most=200) == smollm2.encode(spaces)
+    assert smollm2.encode_chat([{"role": "user", "content": "hi"}], at_most=100) == smollm2.encode_chat(
+        [{"role": "user", "content": "hi"}]
+    )
+    with pytest.raises(ConfigError, match="maximum model length"):
+        smollm2.encode_chat([{"role": "user", "content": prose}], at_most=100)

@@ -13,6 +13,7 @@ before [DONE].
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -20,12 +21,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.errors import SpecserveError
@@ -44,9 +46,19 @@ from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# A request body's limit: room for a batch of prompts of the whole context as text or
+# ids, and no more, since parsing and validating a body holds the interpreter (a 33 MB
+# body of nested lists took 25 s).
+BODY_BYTES_PER_CONTEXT_TOKEN = 128
+MIN_BODY_BYTES = 1024 * 1024
+
+
+def max_body_bytes(max_model_len: int) -> int:
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * max_model_len)
+
 
 log = logging.getLogger("specserve")
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,32 @@ async def _off_the_loop(function: Callable, *args: Any) -> Any:
     return await asyncio.to_thread(function, *args)
 
 
+async def _parsed(request: Request, model: type[BodyModel]) -> BodyModel:
+    """The request's body as `model`, parsed and validated on a worker thread: a large
+    body takes a while, and the event loop (every other request, /health) runs on."""
+    raw = await request.body()
+    try:
+        return await asyncio.to_thread(_validated, model, raw)
+    except ValidationError as error:
+        raise validation_error(error.errors(include_url=False)) from None
+
+
+def _validated(model: type[BodyModel], raw: bytes) -> BodyModel:
+    """pydantic's reader first (the fastest); a body it cannot read goes through
+    Python's, which reads lone surrogates (refused with their field named) and says
+    where the JSON breaks."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        if not any(e["type"] == "json_invalid" for e in error.errors()):
+            raise
+    try:
+        value = json.loads(raw)
+    except ValueError as error:  # UnicodeDecodeError included
+        raise APIError(f"the request body is not valid JSON: {error}") from None
+    return model.model_validate(value)
+
+
 async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> bool:
     """Wait for `work` unless the client disconnects first; then cancel it (its
     `finally` aborts what runs in the engine) and return False."""
@@ -196,7 +234,7 @@ def build_app(
         return await call_next(request)
 
     app.add_middleware(
-        WholeBody, max_bytes=MAX_BODY_BYTES, timeout_s=body_timeout_s
+        WholeBody, max_bytes=max_body_bytes(settings.max_model_len), timeout_s=body_timeout_s
     )  # outermost: before any handler reads
 
     @app.get("/health")
@@ -251,13 +289,6 @@ def build_app(
         make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
     ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n."""
-        check_model(body.model)
-        if len(prompts) * body.n > engine.max_unfinished:
-            raise APIError(
-                f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions, more than "
-                f"this server holds at once ({engine.max_unfinished}); split the request",
-                param="n",
-            )
         requests = []
         for prompt_ids in prompts:
             params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
@@ -275,9 +306,14 @@ def build_app(
             except Exception as e:
                 raise _as_api_error(e) from None
 
-        # Start the engine before answering, so a refusal (429, 503) is a status, not a stream.
+        # Start the engine before answering, so a refusal (429, 503) is a status, not a
+        # stream; a client that leaves meanwhile (queued, say) has its choices aborted.
+        starting = asyncio.ensure_future(choices.start())
         try:
-            await choices.start()
+            if not await _first_unless_disconnected(starting, http_request):
+                await choices.aclose()
+                return Response(status_code=499)
+            starting.result()
         except Exception as e:
             raise _as_api_error(e) from None
 
@@ -304,6 +340,23 @@ def build_app(
 
     per_token = settings.stream_mode == "token"
 
+    def check_request(body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+        """What can be refused before any prompt is read: the model's name, the count."""
+        check_model(body.model)
+        if num_prompts * body.n > engine.max_unfinished:
+            raise APIError(
+                f"{num_prompts} prompts x n={body.n} is {num_prompts * body.n} completions, more than "
+                f"this server holds at once ({engine.max_unfinished}); split the request",
+                param="n",
+            )
+
+    async def encoded(encode: Callable, text: Any, param: str) -> list[int]:
+        """A prompt's ids, read on a worker thread, refused past the model's length."""
+        try:
+            return await _off_the_loop(functools.partial(encode, at_most=settings.max_model_len), text)
+        except SpecserveError as e:
+            raise APIError(str(e), param=param) from None
+
     def check_ids(ids: list[int], param: str) -> list[int]:
         try:
             engine.check_token_ids(ids)
@@ -312,12 +365,14 @@ def build_app(
         return ids
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http_request: Request) -> Response:
+    async def completions(http_request: Request) -> Response:
         arrival = time.perf_counter()
+        body = await _parsed(http_request, CompletionRequest)
         body.refuse_unsupported()
         given = body.prompt_list()
+        check_request(body, len(given))
         prompts = [
-            await _off_the_loop(tokenizer.encode, p) if isinstance(p, str) else check_ids(list(p), "prompt")
+            await encoded(tokenizer.encode, p, "prompt") if isinstance(p, str) else check_ids(list(p), "prompt")
             for p in given
         ]
         prompt_texts = [
@@ -364,13 +419,12 @@ def build_app(
         return await run(body, http_request, prompts, arrival, head, chunk, response)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
+    async def chat_completions(http_request: Request) -> Response:
         arrival = time.perf_counter()
+        body = await _parsed(http_request, ChatCompletionRequest)
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
-        try:
-            prompt_ids = await _off_the_loop(tokenizer.encode_chat, body.template_messages())
-        except SpecserveError as e:
-            raise APIError(str(e), param="messages") from None
+        check_request(body, 1)
+        prompt_ids = await encoded(tokenizer.encode_chat, body.template_messages(), "messages")
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": request_id,

@@ -54,6 +54,8 @@ def _first_lone_surrogate(value: Any) -> int | None:
             return e.start
         return None
     if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], int):  # token ids: validated lists hold one type
+            return None
         return next((i for i in map(_first_lone_surrogate, value) if i is not None), None)
     if isinstance(value, dict):
         return _first_lone_surrogate(list(value.values()))
@@ -270,7 +272,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     message = error.get("msg", "invalid request").removeprefix("Value error, ")
     if error.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}")
-    if error.get("type") == "missing" and not param:
+    if error.get("type") in ("missing", "model_type", "model_attributes_type") and not param:
         return APIError("the request needs a JSON object body")
     if error.get("type") == "missing":
         return APIError(f"missing required parameter {param!r}", param=param or None)

@@ -26,7 +26,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 60.0
-BODIES_HELD_AT_ONCE = 8  # largest bodies: max_total_bytes' default in units of max_bytes
+# Largest bodies held at once: max_total_bytes' default in units of max_bytes. Many, so
+# that a few connections stalling mid-body cannot refuse everyone else's requests.
+BODIES_HELD_AT_ONCE = 64
 RETRY_AFTER_S = 1
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
-import threading
 import time
 
 import httpx
@@ -235,23 +235,73 @@ def test_bodies_past_the_shared_budget_get_503_until_room_returns():
     assert later[0]["status"] == 200 and middleware.held_bytes == 0
 
 
-def test_tokenizing_a_huge_prompt_leaves_other_routes_answering(server):
-    """Several MB of text take seconds to tokenize: /health answers meanwhile, and the
-    prompt is then refused as too long."""
-    outcome: dict = {}
-
-    def send_huge() -> None:
-        outcome["response"] = post(server, {"model": MODEL, "prompt": "the quick brown fox " * 300_000})
-        outcome["done"] = time.monotonic()
-
-    sender = threading.Thread(target=send_huge)
-    sender.start()
-    time.sleep(0.5)  # the body is in; tokenizing
+def test_a_huge_prompt_is_refused_after_a_bounded_read_and_a_huge_body_before_any(server):
+    """--max-model-len 1024: the body limit is 1 MiB; a text near it is refused as too long
+    from its first 16k characters, a chat's too, and a body past it gets 413 unread."""
+    response = post(server, {"model": MODEL, "prompt": "the quick brown fox " * 50_000})
+    assert response.status_code == 400 and "maximum model length" in response.text
+    assert response.json()["error"]["param"] == "prompt"
+    messages = [{"role": "user", "content": "fox " * 250_000}]
+    chat = post(server, {"model": MODEL, "messages": messages}, "chat/completions")
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert post(server, {"model": MODEL, "prompt": "the quick brown fox " * 60_000}).status_code == 413
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    answered = time.monotonic()
-    sender.join(120)
-    assert outcome["response"].status_code == 400 and "maximum model length" in outcome["response"].text
-    assert answered < outcome["done"], "/health waited for the tokenizer"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [[1]] * 150_000, "max_tokens": 2},  # a batch of prompts, counted before any is read
+        {"prompt": "Hi", "max_tokens": 2, "n": 200_000_000},
+        {"prompt": "Hi", "max_tokens": 2, "n": 10**20},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 10**20},
+    ],
+)
+def test_more_completions_than_the_server_holds_are_refused_before_reading_prompts(server, body):
+    route = "chat/completions" if "messages" in body else "completions"
+    response = post(server, {"model": MODEL, **body}, route)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n" and "split the request" in response.text
+
+
+def test_a_queued_stream_whose_client_leaves_is_aborted_before_it_runs(server):
+    """Four long requests fill --max-num-seqs 4; a streamed one waits behind them, and its
+    client leaves: it leaves the queue then, not once the others are done."""
+    aborted = {"finished_reason": "abort"}
+    before = counter(server, "specserve:request_success_total", aborted)
+    fillers = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        for conn in fillers:
+            send_raw(conn, greedy("Once upon a time", 900))
+        wait_until(lambda: counter(server, "specserve:num_requests_running") == 4, "the fillers did not start")
+        with socket.create_connection(("127.0.0.1", server.port)) as queued:
+            send_raw(queued, greedy("Hello", 20, stream=True))
+            wait_until(lambda: counter(server, "specserve:num_requests_waiting") == 1, "the stream did not queue")
+        wait_until(
+            lambda: (
+                counter(server, "specserve:num_requests_waiting") == 0
+                and counter(server, "specserve:request_success_total", aborted) == before + 1
+            ),
+            "the queued stream stayed in the queue",
+        )
+        assert counter(server, "specserve:num_requests_running") == 4  # the fillers run on
+    finally:
+        for conn in fillers:
+            conn.close()
+    wait_until(lambda: counter(server, "specserve:num_requests_running") == 0, "the fillers were not aborted")
+
+
+def send_raw(conn: socket.socket, body: dict) -> None:
+    raw = json.dumps(body).encode()
+    conn.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Authorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Length: "
+        + str(len(raw)).encode()
+        + b"\r\n\r\n"
+        + raw
+    )
 
 
 def test_a_disconnected_non_streamed_request_is_aborted(server):
@@ -332,6 +382,40 @@ def test_token_stream_mode_sends_one_event_per_token(prepared_cache):
         whole = httpx.post(server.url + "/v1/completions", json=greedy("1, 2, 3, 4, 5, 6,", 40), timeout=120).json()
         assert "".join(e["choices"][0]["text"] for e in tokens) == whole["choices"][0]["text"]
         assert whole["spec_decode"]["num_accepted_tokens"] > 0  # several tokens a step, still one event each
+    finally:
+        server.stop()
+
+
+# ----- memory -----
+
+
+def test_requests_outgrowing_the_kv_cache_space_are_preempted_and_answer_as_alone(prepared_cache):
+    """Three long answers at once in room for one: the latest are preempted and recomputed,
+    and each answers as it does alone; the server's memory for caches stays bounded."""
+    positions = 900  # one answer of up to 512 positions of storage, not three
+    per_position = 2 * 30 * 3 * 64 * 4  # smollm2-135m's keys and values, float32
+    space = f"{positions * per_position / 2**30:.6f}"
+    server = ServerProcess(MODEL, "--max-model-len", "400", "--kv-cache-space", space)
+    try:
+        prompts = ["Once upon a time", "The history of Rome", "def parse(text):"]
+
+        async def all_at_once() -> list[str]:
+            async with httpx.AsyncClient(timeout=300) as client:
+                replies = await asyncio.gather(
+                    *(client.post(server.url + "/v1/completions", json=greedy(p, 300)) for p in prompts)
+                )
+            return [r.json()["choices"][0]["text"] for r in replies]
+
+        together = asyncio.run(all_at_once())
+        assert counter(server, "specserve:num_preemptions_total") > 0
+        held = re.search(r"KV cache (\d+) positions", server.log())
+        assert held and abs(int(held.group(1)) - positions) <= 1
+        alone = [
+            httpx.post(server.url + "/v1/completions", json=greedy(p, 300), timeout=300).json()["choices"][0]["text"]
+            for p in prompts
+        ]
+        assert together == alone
+        assert counter(server, "specserve:num_requests_running") == 0
     finally:
         server.stop()
 
