@@ -14,7 +14,7 @@ import torch
 
 from specserve.catalogue import load_model
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS, Engine, step_headroom
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.model.device import CPU
@@ -105,9 +105,7 @@ def build_engine(
         adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
     kv_cache_positions = None
     if kv_cache_space is not None and target.decoder.static is None:
-        max_k = 0 if spec is None else spec.max_speculative_tokens if spec.adaptive else spec.num_speculative_tokens
-        steps = engine_options.get("num_scheduler_steps", DEFAULT_NUM_SCHEDULER_STEPS)
-        longest = (max_model_len or target.config.max_position_embeddings) + step_headroom(max_k, steps)
+        longest = max_model_len or target.config.max_position_embeddings
         per_position = kv_bytes_per_position(target.decoder, proposer)
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         kv_cache_positions = kv_positions(kv_cache_space, per_position, target.decoder.new_cache(), longest, slots)

@@ -65,12 +65,6 @@ DEFAULT_NUM_SCHEDULER_STEPS = 8
 log = logging.getLogger("specserve")
 
 
-def step_headroom(max_k: int, num_scheduler_steps: int) -> int:
-    """Positions one step may add to a sequence's cache past its tokens: its drafts and
-    the bonus row, or a multi-step chain."""
-    return max(max_k, num_scheduler_steps) + 1
-
-
 @dataclass
 class _Work:
     """One sequence's share of a step."""
@@ -148,12 +142,13 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.prefix_cache = prefix_cache
         self.num_scheduler_steps = num_scheduler_steps
-        # Positions a step may add past a sequence's tokens: its drafts, or a multi-step chain.
+        # Positions a step may add past a sequence's tokens: its drafts, or a multi-step
+        # chain (never past max_model_len: drafts stop at max_tokens).
         max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
-        self.step_headroom = step_headroom(max_k, num_scheduler_steps)
+        self.step_headroom = max(max_k, num_scheduler_steps) + 1
         self.kv_cache_positions = None if target.static is not None else kv_cache_positions  # a pool bounds itself
         if self.kv_cache_positions is not None:
-            longest = target.new_cache().capacity_for(self.max_model_len + self.step_headroom)
+            longest = target.new_cache().capacity_for(self.max_model_len)
             if self.kv_cache_positions < longest:
                 raise ConfigError(
                     f"the KV cache space holds {self.kv_cache_positions} positions, fewer than the {longest} "
@@ -389,7 +384,7 @@ class Engine:
 
     def _positions_needed(self, seq: Sequence) -> int:
         """Storage seq's target cache takes with room for its tokens and its next step."""
-        return seq.cache.capacity_for(len(seq.token_ids) + self.step_headroom)
+        return seq.cache.capacity_for(min(len(seq.token_ids) + self.step_headroom, self.max_model_len))
 
     def kv_positions_needed(self) -> int:
         """Storage the running sequences' target caches take with room for their next step."""

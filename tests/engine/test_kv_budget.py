@@ -123,14 +123,14 @@ def test_auto_space_bounds_only_where_the_memory_falls_short(monkeypatch):
     fresh = KVCache(TARGET.config, TARGET.dtype, TARGET.device)
     per_position = 1000
     monkeypatch.setattr(build, "available_memory", lambda: 8 * 256 * per_position * 2)  # 8 sequences, at half
-    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN + 4, 8) is None
+    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN, 8) is None
     monkeypatch.setattr(build, "available_memory", lambda: 3 * 256 * per_position * 2)
-    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN + 4, 8) == 3 * 256
+    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN, 8) == 3 * 256
     monkeypatch.setattr(build, "available_memory", lambda: 100 * per_position)  # below one: one anyway
-    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN + 4, 8) == 256
+    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN, 8) == 256
     monkeypatch.setattr(build, "available_memory", lambda: None)
-    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN + 4, 8) is None
-    assert build.kv_positions(0.5, 2**20, fresh, MAX_MODEL_LEN + 4, 8) == 512
+    assert build.kv_positions("auto", per_position, fresh, MAX_MODEL_LEN, 8) is None
+    assert build.kv_positions(0.5, 2**20, fresh, MAX_MODEL_LEN, 8) == 512
 
 
 def test_available_memory_heeds_a_containers_limit(monkeypatch, tmp_path):
