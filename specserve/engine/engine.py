@@ -16,10 +16,14 @@ sequence by one verified step.
 - With `kv_cache_positions`, the running sequences' target caches hold at most that
   many positions of storage (`KVCache.capacity_for`, each with room for its next step):
   a request joins only where its tokens fit, and where the running ones outgrow the
-  budget the latest admitted is preempted (vLLM's recompute): its caches are dropped,
-  it waits at the head of the queue, and it joins again by reading its prompt and
-  output so far as a prompt, its next token sampled from that read as its step's would
-  be. Greedy output is unchanged; so is a seeded request's without speculation.
+  budget the latest admitted is preempted (vLLM's recompute): its caches are dropped
+  (kept in the prefix cache where there is one), it waits at the head of the queue, and
+  it joins again by reading all but its newest token as a prompt, unscored, so that its
+  next step is the one it would have taken. Greedy output is unchanged, up to the
+  rounding of a read against a step's (as with prefix caching); so is a seeded
+  request's without speculation or with n-gram drafts. A seeded request whose proposer
+  must read its tokens again draws differently once they are read, so it is preempted
+  last.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
   drafts or prompts (plainly, or where adaptive k drafts nothing), it decodes that many
@@ -328,7 +332,7 @@ class Engine:
             if self._over_budget(self.kv_positions_needed() + self._positions_needed(self.waiting[0])):
                 break  # first in, first admitted: it waits for room
             seq = self.waiting.popleft()
-            if self.prefix_cache is not None and not seq.output_ids:
+            if self.prefix_cache is not None and not seq.num_preemptions:
                 self.prefix_cache.count_query(seq.num_prompt_tokens)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
@@ -364,14 +368,17 @@ class Engine:
         for seq in self.running.values():
             if seq.prefilled or budget == 0:
                 continue
+            # A preempted sequence reads all but its newest token, unscored: its next step
+            # is then the step it would have taken (see the module's docstring).
+            end = len(seq.token_ids) - 1 if seq.output_ids else len(seq.token_ids)
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                loaded = self.prefix_cache.load(seq.token_ids, seq.cache, seq.num_prompt_tokens - 1, live)
-                if not seq.output_ids:  # a preempted sequence's prompt was counted when it first joined
+                loaded = self.prefix_cache.load(seq.token_ids, seq.cache, min(end, len(seq.token_ids) - 1), live)
+                if not seq.num_preemptions:  # counted when it first joined
                     seq.num_cached_tokens += loaded
             start = seq.cache.length
-            chunk = seq.token_ids[start : start + budget]
-            if not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
+            chunk = seq.token_ids[start : min(start + budget, end)]
+            if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
                 continue
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
@@ -401,14 +408,18 @@ class Engine:
 
     def _preempt_to_fit(self) -> None:
         """Preempt the latest admitted sequences until the rest fit the KV budget (one
-        sequence alone always fits: see __init__)."""
+        sequence alone always fits: see __init__). A seeded sampling request that drafts
+        goes last: its proposer reads its tokens again when it rejoins, drafting nothing
+        meanwhile, which moves its generator's draws."""
         while len(self.running) > 1 and self._over_budget(self.kv_positions_needed()):
-            seq = self.running.pop(next(reversed(self.running)))
+            latest_first = list(reversed(self.running.values()))
+            keeps_its_draws = [s for s in latest_first if self.proposer is None or may_adapt(s)]
+            seq = self.running.pop((keeps_its_draws or latest_first)[0].seq_id)
             if self.prefix_cache is not None:  # a prefix its rejoining may load instead of recomputing
                 self.prefix_cache.store(seq.token_ids, seq.cache)
             seq.cache.release()
             seq.cache = self.target.new_cache()  # the old storage goes with its last reference
-            seq.lookup_pending = seq.lookup_accepted = None
+            seq.num_preemptions += 1
             for state in (self.proposer, self.lookup, self.adaptive):
                 if state is not None:
                     state.free(seq.seq_id)

@@ -38,6 +38,7 @@ class Sequence:
     # token_ids, its tokens); see Engine._compare_lookups.
     lookup_pending: tuple[int, list[int]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
+    num_preemptions: int = 0  # times it gave its caches up for others (engine.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -145,27 +145,27 @@ async def _off_the_loop(function: Callable, *args: Any) -> Any:
 async def _parsed(request: Request, model: type[BodyModel]) -> BodyModel:
     """The request's body as `model`, parsed and validated on a worker thread: a large
     body takes a while, and the event loop (every other request, /health) runs on."""
-    raw = await request.body()
-    try:
-        return await asyncio.to_thread(_validated, model, raw)
-    except ValidationError as error:
-        raise validation_error(error.errors(include_url=False)) from None
+    return await asyncio.to_thread(_validated, model, await request.body())
 
 
 def _validated(model: type[BodyModel], raw: bytes) -> BodyModel:
     """pydantic's reader first (the fastest); a body it cannot read goes through
     Python's, which reads lone surrogates (refused with their field named) and says
-    where the JSON breaks."""
+    where the JSON breaks. Raises APIError, made here too, off the event loop."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
-        if not any(e["type"] == "json_invalid" for e in error.errors()):
-            raise
+        errors = error.errors(include_url=False)
+        if not any(e["type"] == "json_invalid" for e in errors):
+            raise validation_error(errors) from None
     try:
         value = json.loads(raw)
-    except ValueError as error:  # UnicodeDecodeError included
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError included; nesting past Python's
         raise APIError(f"the request body is not valid JSON: {error}") from None
-    return model.model_validate(value)
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        raise validation_error(error.errors(include_url=False)) from None
 
 
 async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> bool:

@@ -76,12 +76,29 @@ def test_preempted_requests_rejoin_with_the_output_they_would_have_had(proposer_
     assert not engine.running and not engine.waiting
 
 
-def test_a_seeded_request_samples_the_same_tokens_through_a_preemption():
+@pytest.mark.parametrize("proposer_kind", ["none", "ngram"])
+def test_a_seeded_request_samples_the_same_tokens_through_a_preemption(proposer_kind):
+    """Its next step after rejoining is the one it would have taken: the same drafts
+    (an n-gram's come from its tokens), so the same draws of its generator."""
     sampled = SamplingParams(max_tokens=150, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-    unbounded = run_all(engine_with("none", None), requests(sampled), None)
-    engine = engine_with("none", BUDGET)
+    unbounded = run_all(engine_with(proposer_kind, None), requests(sampled), None)
+    engine = engine_with(proposer_kind, BUDGET)
     assert run_all(engine, requests(sampled), BUDGET) == unbounded
     assert engine.num_preemptions > 0
+
+
+def test_a_seeded_request_with_a_draft_model_is_preempted_last():
+    """Its draft reads its tokens again when it rejoins, moving its draws: the greedy
+    requests beside it are preempted instead, and its tokens are those it has alone."""
+    seeded = SamplingParams(max_tokens=150, temperature=0.9, seed=7, ignore_eos=True)
+    batch = [(PROMPTS[0], LONG_GREEDY), (PROMPTS[1], LONG_GREEDY), (PROMPTS[2], seeded)]
+    alone = run_all(engine_with("draft", None), batch[2:], None)
+    engine = engine_with("draft", BUDGET)
+    seqs = [engine.add_request(prompt, params) for prompt, params in batch]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_preemptions > 0 and seqs[2].num_preemptions == 0
+    assert seqs[2].output_ids == alone[0]
 
 
 def test_a_preempted_request_reloads_its_prefix_and_counts_its_prompt_once():

@@ -264,6 +264,20 @@ def test_more_completions_than_the_server_holds_are_refused_before_reading_promp
     assert response.json()["error"]["param"] == "n" and "split the request" in response.text
 
 
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (json.dumps({"model": MODEL, "prompt": [1.5] * 200_000}).encode(), "prompt"),  # stops at the first
+        (json.dumps({"model": MODEL, "prompt": "Hi", "stop_token_ids": [0.5] * 200_000}).encode(), "stop_token_ids[0]"),
+        (b'{"model": "smollm2-135m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # past Python's depth
+    ],
+)
+def test_bodies_of_many_bad_items_or_deep_nesting_get_400(server, raw, param):
+    response = post(server, raw)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_a_queued_stream_whose_client_leaves_is_aborted_before_it_runs(server):
     """Four long requests fill --max-num-seqs 4; a streamed one waits behind them, and its
     client leaves: it leaves the queue then, not once the others are done."""
