@@ -63,7 +63,7 @@ def build_engine(
     (model/prefix_cache.py), the target's and a draft model's together; None: off.
     kv_cache_space: GiB that the running sequences' keys and values (target, draft and
     head together) may take where caches grow (not a CUDA graph pool, which is fixed),
-    requests waiting or preempted beyond it (see Engine); "auto": `auto_kv_cache_space`;
+    requests waiting or preempted beyond it (see Engine); "auto": see `kv_positions`;
     None: no bound."""
     if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"--cuda-graphs needs a CUDA GPU (--device cuda); the models run on {device}")
@@ -168,9 +168,9 @@ def kv_positions(space: float | str, per_position: int, fresh: KVCache, longest:
     per_position bytes. "auto": KV_AUTO_SHARE of the memory available now; None (no bound)
     where that holds `slots` sequences of `longest` positions, or the memory is unknown;
     never less than one such sequence, which a request may need alone."""
-    one = fresh.capacity_for(longest)  # a sequence's storage at its longest (caches double)
     if space != "auto":
         return int(float(space) * 2**30) // per_position
+    one = fresh.capacity_for(longest)  # a sequence's storage at its longest (caches double)
     available = available_memory()
     if available is None:
         return None
