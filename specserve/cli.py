@@ -19,7 +19,7 @@ import torch
 from specserve import catalogue
 from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.config import CPU_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS
 from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
@@ -121,9 +121,10 @@ def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
 
 
 def require_positive(args: argparse.Namespace, *names: str) -> None:
-    """Refuse an integer flag below 1 before anything loads (names: argparse's dests)."""
+    """Refuse an integer flag below 1 before anything loads (names: argparse's dests;
+    None, a flag left to its device's default, passes)."""
     for name in names:
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
@@ -227,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--prefill-chunk-size",
         type=int,
-        default=DEFAULT_PREFILL_CHUNK_SIZE,
-        help="most prompt tokens prefilled per step; longer prompts go in chunks",
+        default=None,
+        help=f"most prompt tokens prefilled per step, over all requests; longer prompts go in chunks, "
+        f"and the step holds the other requests' next token (default: {CPU_PREFILL_CHUNK_SIZE} on a CPU, "
+        f"{DEFAULT_PREFILL_CHUNK_SIZE} on a GPU)",
     )
     add_prefix_caching_flags(srv)
     srv.add_argument(

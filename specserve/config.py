@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,16 @@ def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
 # Most prompt tokens one step prefills, over all sequences: a longer prompt goes in
 # chunks, so running sequences keep decoding (the target's and the draft's prefill alike).
 DEFAULT_PREFILL_CHUNK_SIZE = 512
+# On a CPU a chunk's step holds every running request's next token for as long as it
+# reads the chunk, and reading one in smaller chunks costs no more in all: see
+# benchmarks/EXPERIMENTS.md, "Prefill chunks on a CPU".
+CPU_PREFILL_CHUNK_SIZE = 64
+
+
+def prefill_chunk_size_for(device: torch.device) -> int:
+    """The default --prefill-chunk-size of models running on `device`."""
+    return CPU_PREFILL_CHUNK_SIZE if device.type == "cpu" else DEFAULT_PREFILL_CHUNK_SIZE
+
 
 # Weight formats of the linear layers (model/quant.py): --quantization, and a draft's own.
 QUANTIZATIONS = ("none", "int8", "int4")

@@ -161,6 +161,7 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--speculative-config", '{"model": "smollm2-135m"}'], "num_speculative_tokens"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be >= 1"),
+        (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be >= 1, got 0"),
         (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
         (["--port", "65536"], "--port must be in [1, 65535]"),
         (["--max-model-len", "100000"], "--max-model-len must be in"),

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from specserve.catalogue import load_model
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.config import SpecConfig, prefill_chunk_size_for
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
@@ -52,7 +52,8 @@ def build_engine(
     kv_cache_space: float | str | None = None,
     **engine_options: int,
 ) -> tuple[Engine, Tokenizer]:
-    """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size.
+    """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size
+    (None or absent: the device's, `prefill_chunk_size_for`).
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
     to both and to an unquantized EAGLE head (`Decoder.use_torch_compile`), device and cuda_graphs to all
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).
@@ -75,7 +76,8 @@ def build_engine(
             f"--max-model-len must be in [1, {target.config.max_position_embeddings}] "
             f"for {model!r}, got {max_model_len}"
         )
-    chunk = engine_options.get("prefill_chunk_size", DEFAULT_PREFILL_CHUNK_SIZE)
+    chunk = engine_options.get("prefill_chunk_size") or prefill_chunk_size_for(device)
+    engine_options["prefill_chunk_size"] = chunk
     proposer = None
     if spec is not None:
         proposer, spec = make_proposer(spec, target, dtype, chunk, quantization, compile)

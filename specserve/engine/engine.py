@@ -45,7 +45,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
+from specserve.config import prefill_chunk_size_for
 from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
@@ -114,7 +114,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+        prefill_chunk_size: int | None = None,
         adaptive: AdaptiveSpecLength | None = None,
         lookup_first: int | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -126,7 +126,9 @@ class Engine:
         it repeats; without, every step drafts num_speculative_tokens. lookup_first
         (see `_look_up`), prefix_cache (the target's), num_scheduler_steps (1: off) and
         kv_cache_positions (None: no bound; it must hold one sequence of max_model_len):
-        see the module's docstring."""
+        see the module's docstring. prefill_chunk_size None: the target's device's
+        default (`prefill_chunk_size_for`)."""
+        prefill_chunk_size = prefill_chunk_size or prefill_chunk_size_for(target.device)
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("prefill_chunk_size", prefill_chunk_size),

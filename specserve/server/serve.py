@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import uvicorn
 
-from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
+from specserve.config import SpecConfig
 from specserve.engine.build import build_engine
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS
 from specserve.errors import ConfigError
@@ -51,7 +51,7 @@ class ServerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None
     max_queue_len: int = 64
-    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
+    prefill_chunk_size: int | None = None  # None: the device's (see build_engine)
     num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS  # see Engine
     log_stats_interval_s: float = 10.0
     stream_mode: str = "step"  # see ApiSettings.stream_mode
@@ -127,12 +127,14 @@ def serve(config: ServerConfig) -> None:
     prefix = "off" if engine.prefix_cache is None else f"{engine.prefix_cache.max_tokens} tokens"
     kv = "unbounded" if engine.kv_cache_positions is None else f"{engine.kv_cache_positions} positions"
     log.info(
-        "serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; KV cache %s; prefix caching %s)",
+        "serving %r as %r (speculation %s; max_num_seqs %d; max_model_len %d; prefill chunk %d tokens; "
+        "KV cache %s; prefix caching %s)",
         config.model,
         name,
         spec,
         config.max_num_seqs,
         engine.max_model_len,
+        engine.prefill_chunk_size,
         kv,
         prefix,
     )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.engine.engine import Engine
 from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
@@ -123,7 +124,11 @@ def answer_instructions(
     wanted = [(r, i) for r in range(settings.rounds) for i in order]
     answers = read_answers(answers_file)
     engine = Engine(
-        target, eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=settings.max_num_seqs, proposer=recorder
+        target,
+        eos_token_ids=tokenizer.eos_token_ids,
+        max_num_seqs=settings.max_num_seqs,
+        prefill_chunk_size=DEFAULT_PREFILL_CHUNK_SIZE,  # no client waits on a token: the fewest steps
+        proposer=recorder,
     )
     asked = {}  # seq_id -> (round, instruction index)
     for r, i in wanted:

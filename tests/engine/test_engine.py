@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from specserve.config import CPU_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_CHUNK_SIZE, prefill_chunk_size_for
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
@@ -259,6 +260,14 @@ def test_chunked_prefill_keeps_running_sequences_decoding(target):
         engine.step()
     assert running.output_ids == plain_tokens(target, PROMPTS[0])
     assert late.output_ids == plain_tokens(target, long_prompt)
+
+
+def test_a_cpu_engine_reads_prompts_in_small_chunks_by_default(target):
+    """On a CPU a chunk's step holds the running requests' next token: the default chunk
+    is the CPU's, and one named explicitly wins."""
+    assert Engine(target, eos_token_ids=[EOS]).prefill_chunk_size == CPU_PREFILL_CHUNK_SIZE
+    assert Engine(target, eos_token_ids=[EOS], prefill_chunk_size=300).prefill_chunk_size == 300
+    assert prefill_chunk_size_for(torch.device("cuda")) == DEFAULT_PREFILL_CHUNK_SIZE > CPU_PREFILL_CHUNK_SIZE
 
 
 def test_abort_removes_a_sequence_wherever_it_is(target):
