@@ -195,8 +195,8 @@ def test_fused_drafting_in_front_of_a_float_target(float_target, draft):
 
 @needs_kernel
 def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft):
-    """A seeded sampled request gives what it gives without fusion, with greedy requests
-    decoding fused in the same steps."""
+    """A seeded sampled request gives what it gives without fusion, beside greedy
+    requests that decode fused before and after it."""
     sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
 
     def run(proposer) -> list[int]:
@@ -217,22 +217,25 @@ def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft)
 )
 def test_greedy_requests_that_need_the_logits_take_the_unfused_path(target, draft, options, monkeypatch):
     """The fused call returns the raw logits' argmaxes only: a greedy request that wants
-    logprobs or penalties is verified in the forward, beside one that decodes fused, and
-    gives plain decoding's tokens and logprobs bit for bit (our int4 kernels compute a
-    verified row as a plain step)."""
+    logprobs or penalties is verified in the forward, and gives plain decoding's tokens
+    and logprobs bit for bit (our int4 kernels compute a verified row as a plain step).
+    While it decodes, the fusable request beside it goes in the same forward (a fused
+    call beside it would read the target's weights twice a step), and fused after."""
     proposer = FusedDraftProposer(draft, target)
-    fused_ids = []
+    fused = []  # per fused call: its sequences, and whether the other was still decoding
     speculate = proposer.speculate
     monkeypatch.setattr(
-        proposer, "speculate", lambda seqs, *a: fused_ids.extend(s.seq_id for s in seqs) or speculate(seqs, *a)
+        proposer,
+        "speculate",
+        lambda seqs, *a: fused.append(([s.seq_id for s in seqs], seq.finished)) or speculate(seqs, *a),
     )
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
     needs_logits = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **options)
-    fused_seq = engine.add_request(PROMPTS[0], GREEDY)
+    fused_seq = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     seq = engine.add_request(PROMPTS[1], needs_logits)
     while engine.has_unfinished():
         engine.step()
-    assert fused_seq.seq_id in fused_ids and seq.seq_id not in fused_ids
+    assert fused and all(ids == [fused_seq.seq_id] and other_done for ids, other_done in fused)
     plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], needs_logits)
     assert seq.output_ids == plain.output_ids and seq.logprobs == plain.logprobs
     assert seq.spec.num_draft_tokens > 0
