@@ -6,9 +6,11 @@ Invariants:
   (else 408) and up to `max_bytes` (else 413), however it is sent: with a
   Content-Length or chunked. The app then reads it from memory, and a later `receive`
   waits for the client's disconnect as uvicorn's does.
-- The bodies held at once, from their first byte until the app has answered them, come
-  to at most `max_total_bytes`: past it a request gets 503 with Retry-After, so many
-  large uploads together cannot take the server's memory.
+- The bodies held at once, from their first byte until the app takes them, come to at
+  most `max_total_bytes`: past it a request gets 503 with Retry-After, so many large
+  uploads together cannot take the server's memory. A taken body is the app's (its
+  requests are bounded by the queue), so a client that never reads its answers holds
+  no room that others' uploads need.
 - A connection that sends no complete request head within `head_timeout_s` of
   opening or of its last response is closed (uvicorn's keep-alive timeout closes idle
   ones sooner; neither covers a head sent a byte at a time).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
-from typing import Any
+from typing import Any, Callable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -48,7 +50,7 @@ class WholeBody:
     ):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
         self.max_total_bytes = BODIES_HELD_AT_ONCE * max_bytes if max_total_bytes is None else max_total_bytes
-        self.held_bytes = 0  # of every body read or being read whose request the app has not answered
+        self.held_bytes = 0  # of every body read or being read that the app has not taken
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,14 +61,21 @@ class WholeBody:
             await self._too_large(int(declared))(scope, receive, send)
             return
         held = [0]  # this request's share of held_bytes
+
+        def release() -> None:
+            self.held_bytes -= held[0]
+            held[0] = 0
+
         try:
             body = await self._read(receive, held)
             if isinstance(body, JSONResponse):
                 await body(scope, receive, send)
             elif body is not None:
-                await self.app(scope, _replay(body, receive), send)
+                replayed = _replay(body, receive, release)
+                del body  # the replay's alone: the app takes it
+                await self.app(scope, replayed, send)
         finally:
-            self.held_bytes -= held[0]
+            release()
 
     async def _read(self, receive: Receive, held: list[int]) -> bytes | JSONResponse | None:
         """The whole body, an error response, or None where the client left first;
@@ -101,17 +110,17 @@ class WholeBody:
         return _error(413, f"the request body is {size:,} bytes or more, more than the limit of {self.max_bytes:,}")
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives the whole body once, then what the client sends next
-    (its disconnect)."""
-    given = False
+def _replay(body: bytes, receive: Receive, on_taken: Callable[[], None]) -> Receive:
+    """A `receive` that gives the whole body once (then calls on_taken, keeping no
+    reference to it), then what the client sends next (its disconnect)."""
+    kept: list[bytes] = [body]
 
     async def replayed() -> Message:
-        nonlocal given
-        if given:
+        if not kept:
             return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        message = {"type": "http.request", "body": kept.pop(), "more_body": False}
+        on_taken()
+        return message
 
     return replayed
 

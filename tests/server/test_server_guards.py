@@ -191,21 +191,25 @@ def test_a_chunked_body_past_the_limit_gets_413_and_the_server_goes_on(server):
 
 def test_bodies_past_the_shared_budget_get_503_until_room_returns():
     """Many large uploads at once: the one that would pass the bytes held in total is
-    refused with 503 and Retry-After, and a later one is served once room returns."""
+    refused with 503 and Retry-After, and a later one is served once room returns. A
+    body the app has taken holds no room, however long its answer takes."""
     answered = asyncio.Event()
+    taken = []
 
     async def app(scope, receive, send):  # holds each request until `answered` is set
-        await receive()
+        taken.append(len((await receive())["body"]))
         await answered.wait()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
     middleware = WholeBody(app, max_bytes=1000, max_total_bytes=1000)
 
-    async def request(body: bytes) -> list[dict]:
+    async def request(body: bytes, rest_sent: asyncio.Event | None = None) -> list[dict]:
         sent, chunks = [], [body[:300], body[300:]]
 
         async def receive():
+            if len(chunks) == 1 and rest_sent is not None:
+                await rest_sent.wait()  # a slow upload
             chunk = chunks.pop(0) if chunks else None
             if chunk is None:
                 await asyncio.sleep(3600)  # the client waits for its answer
@@ -218,21 +222,26 @@ def test_bodies_past_the_shared_budget_get_503_until_room_returns():
         return sent
 
     async def scenario():
-        first = asyncio.create_task(request(b"a" * 600))
+        rest_sent = asyncio.Event()
+        first = asyncio.create_task(request(b"a" * 900, rest_sent))
         await asyncio.sleep(0.05)
-        assert middleware.held_bytes == 600
-        refused = await request(b"b" * 600)
+        assert middleware.held_bytes == 300  # its first part, still uploading
+        refused = await request(b"b" * 800)
+        rest_sent.set()
+        await asyncio.sleep(0.05)
+        assert taken == [900] and middleware.held_bytes == 0  # taken, not yet answered
+        second = asyncio.create_task(request(b"c" * 900))
+        await asyncio.sleep(0.05)
+        assert taken == [900, 900]
         answered.set()
-        assert (await first)[0]["status"] == 200
-        later = await request(b"c" * 600)
-        return refused, later
+        return refused, await first, await second
 
-    refused, later = asyncio.run(scenario())
+    refused, first, second = asyncio.run(scenario())
     assert refused[0]["status"] == 503
     headers = dict(refused[0]["headers"])
     assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
     assert json.loads(refused[1]["body"])["error"]["type"] == "server_error"
-    assert later[0]["status"] == 200 and middleware.held_bytes == 0
+    assert first[0]["status"] == second[0]["status"] == 200 and middleware.held_bytes == 0
 
 
 def test_a_huge_prompt_is_refused_after_a_bounded_read_and_a_huge_body_before_any(server):
