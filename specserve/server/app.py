@@ -302,7 +302,9 @@ def build_app(
             try:
                 if not await _first_unless_disconnected(collecting, http_request):
                     return Response(status_code=499)  # the client left: its choices were aborted
-                return JSONResponse(make_response(collecting.result()))
+                # Off the loop: a long answer's logprobs take seconds to build and encode.
+                results = collecting.result()
+                return await asyncio.to_thread(lambda: JSONResponse(make_response(results)))
             except Exception as e:
                 raise _as_api_error(e) from None
 
