@@ -391,8 +391,9 @@ class IncrementalDetokenizer:
 
     vLLM's prefix/read offsets: decode a window of recent ids, emit what the ids after
     the read offset add to the text, and hold everything back while the window ends in
-    U+FFFD (a character whose remaining bytes are still to come). Decoding a short
-    window keeps each step O(new tokens) instead of re-decoding the whole output.
+    a character whose remaining bytes are still to come (its text U+FFFD; a U+FFFD the
+    model wrote whole goes out at once). Decoding a short window keeps each step
+    O(new tokens) instead of re-decoding the whole output.
 
     With no prompt context the emitted text joins up to `decode(output_ids)`; with
     context, SentencePiece vocabularies keep the leading space the context implies.
@@ -415,12 +416,23 @@ class IncrementalDetokenizer:
         """The text the new ids finish (may be "")."""
         self._ids.extend(new_ids)
         new_text = self._new_text()
-        if not new_text or new_text.endswith("\ufffd"):
+        if not new_text or (new_text.endswith("\ufffd") and self._ends_mid_character()):
             return ""
         # The old read point becomes the window's start: ids before it are done with.
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         return new_text
+
+    def _ends_mid_character(self) -> bool:
+        """Whether the window's bytes end inside a UTF-8 character that more bytes could
+        finish (a character takes at most 4 bytes, so the last 4 tokens tell)."""
+        tail = b"".join(self._tokenizer.token_bytes(i) for i in self._ids[-4:])[-4:]
+        for back in range(1, len(tail) + 1):
+            lead = tail[-back]
+            if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+                needed = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+                return back < needed
+        return False  # continuation bytes alone: invalid, whatever comes next
 
     def flush(self) -> str:
         """Whatever is still held back, incomplete characters included."""

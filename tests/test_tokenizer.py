@@ -180,6 +180,20 @@ def test_incremental_detokenizer_holds_back_a_split_character(smollm2):
     assert detokenizer.flush() == ""
 
 
+@pytest.mark.parametrize("text", ["\ufffd" * 40, "a\ufffd\ufffd b \ufffd😀\ufffd"])
+def test_a_replacement_character_the_model_writes_is_not_held_back(smollm2, text):
+    """U+FFFD written whole (its three bytes) goes out as soon as its last token does:
+    held, an answer of them would be decoded again whole at every step."""
+    ids = smollm2.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(smollm2)
+    streamed = []
+    for token in ids:
+        streamed.append(detokenizer.add([token]))
+        assert text.startswith("".join(streamed))
+    assert "".join(streamed) == text and detokenizer.flush() == ""
+    assert sum(piece == "\ufffd" for piece in streamed) >= text.count("\ufffd") // 2  # not in one lump
+
+
 def test_incremental_detokenizer_flush_releases_an_unfinished_character(smollm2):
     detokenizer = IncrementalDetokenizer(smollm2)
     unfinished = smollm2.encode("😀")[:1]
