@@ -12,7 +12,7 @@ import torch
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder, Segment
-from specserve.penalties import apply_penalties, processed_logits
+from specserve.penalties import apply_penalties, distinct_ids, processed_logits
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
@@ -50,6 +50,18 @@ def test_each_row_is_penalised_as_if_the_drafts_before_it_were_emitted():
     assert torch.equal(logits, raw)  # a copy: the raw logits still serve logprobs
     first = apply_penalties(logits[:1], params, prompt, [], [])  # a prompt's first token
     assert torch.allclose(first[0], reference_penalties(logits[0], params, prompt, []))
+
+
+def test_a_prompts_distinct_ids_penalise_as_the_prompt_itself():
+    """What a sequence keeps of its prompt (its distinct ids) gives bit for bit the
+    penalties the whole prompt gives, repeats and all."""
+    torch.manual_seed(1)
+    params = SamplingParams(**PENALTIES)
+    logits = torch.randn(3, 10) * 3
+    prompt = [7, 1, 7, 7, 2, 1, 9]
+    whole = apply_penalties(logits, params, prompt, [3, 7], [9, 4])
+    assert torch.equal(distinct_ids(prompt), torch.tensor([1, 2, 7, 9]))
+    assert torch.equal(apply_penalties(logits, params, distinct_ids(prompt), [3, 7], [9, 4]), whole)
 
 
 def test_no_penalty_leaves_the_logits_alone():

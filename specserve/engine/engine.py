@@ -555,7 +555,7 @@ class Engine:
         scores = logits
         drafts = w.draft.tokens.tolist()
         if params.processes_logits:
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            prompt = seq.prompt_distinct_ids
             scores = processed_logits(scores, params, prompt, seq.output_ids, drafts, seq.stop_token_ids)
         if params.greedy:
             verdict = verdict_from_argmax(drafts, scores.argmax(dim=-1).tolist() if params.processes_logits else argmax)

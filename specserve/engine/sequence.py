@@ -10,6 +10,7 @@ its tokens again, the cache holds the chunks fed so far.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 
 from specserve.logprobs import TokenLogprob
 from specserve.model.kv_cache import KVCache
+from specserve.penalties import distinct_ids
 from specserve.sampling import SamplingParams
 from specserve.spec.stats import SpecStats
 
@@ -47,6 +49,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @functools.cached_property
+    def prompt_distinct_ids(self) -> torch.Tensor:  # [U] int64
+        """The prompt's distinct ids, what its penalties read (`penalties.distinct_ids`)."""
+        return distinct_ids(self.token_ids[: self.num_prompt_tokens])
 
     @property
     def num_output_tokens(self) -> int:

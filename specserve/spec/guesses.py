@@ -89,7 +89,8 @@ class Guesser:
         """A guess's scores [1, width] -> [1, V] with the request's penalties and
         min_tokens, the sequence's output and this step's earlier guesses counted."""
         logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
-        prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens :]
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        prompt = seq.prompt_distinct_ids
         return processed_logits(logits, seq.params, prompt, [*output, *drafted], [], seq.stop_token_ids)
 
 

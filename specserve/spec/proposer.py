@@ -50,6 +50,7 @@ class SequenceView(Protocol):
     params: SamplingParams
     generator: torch.Generator  # the request's own random stream, shared with the verifier
     stop_token_ids: frozenset[int]  # EOS ids and the request's own: none before params.min_tokens
+    prompt_distinct_ids: torch.Tensor  # [U] int64: what penalties read of the prompt (penalties.distinct_ids)
 
 
 class Proposer(Protocol):
