@@ -360,6 +360,12 @@ def build_app(
             raise APIError(str(e), param=param) from None
 
     def check_ids(ids: list[int], param: str) -> list[int]:
+        if len(ids) > settings.max_model_len:  # refused by its length before its ids are read
+            raise APIError(
+                f"the prompt is {len(ids)} tokens, more than the maximum model length "
+                f"{settings.max_model_len}; shorten it",
+                param=param,
+            )
         try:
             engine.check_token_ids(ids)
         except SpecserveError as e:

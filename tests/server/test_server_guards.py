@@ -254,6 +254,8 @@ def test_a_huge_prompt_is_refused_after_a_bounded_read_and_a_huge_body_before_an
     chat = post(server, {"model": MODEL, "messages": messages}, "chat/completions")
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     assert post(server, {"model": MODEL, "prompt": "the quick brown fox " * 60_000}).status_code == 413
+    ids = post(server, {"model": MODEL, "prompt": [[1] * 1024, [-1] * 2000]})  # the long one's ids never read
+    assert ids.status_code == 400 and "the prompt is 2000 tokens, more than the maximum model length" in ids.text
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 
