@@ -449,10 +449,10 @@ class Engine:
             # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:
-                # A multi-step chain's tokens are as many plain steps to the policy (its probes' clock).
-                plain_steps = len(verdict.tokens) if not num_drafted and not num_dropped else 1
-                for _ in range(plain_steps):
-                    self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
+                self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
+                # A multi-step chain's further tokens are as many plain steps to the policy (its probes' clock).
+                for _ in range(len(verdict.tokens) - 1 if not num_drafted else 0):
+                    self.adaptive.record(seq.seq_id, 0, 0)
                 if (
                     num_drafted
                     and first_confidence is not None
@@ -505,7 +505,10 @@ class Engine:
             features.read(capture, [FedRows(w.seq.seq_id, w.seq.cache.length, steps) for w in work])
         for cache in caches:
             cache.length += steps  # the newest token and every token but the last (step() cuts the rest)
-        return [_Outcome(w.seq, 0, Verdict(tokens, 0)) for w, tokens in zip(work, chains[0])]
+        # A first guess dropped before the chain is still the proposer's news to adaptive k.
+        return [
+            _Outcome(w.seq, 0, Verdict(tokens, 0), num_dropped=w.draft.dropped) for w, tokens in zip(work, chains[0])
+        ]
 
     def _forward_and_verify(self, work: list[_Work]) -> list[_Outcome]:
         """One target forward over the step's work; verify each scored sequence's drafts."""

@@ -282,6 +282,34 @@ def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(p
     assert graphed.static.pool.num_free == 2
 
 
+def test_a_first_guess_dropped_before_a_chain_teaches_adaptive_k():
+    """A draft whose first guesses are all dropped (too unlikely to pay for their rows)
+    leaves plain steps that decode in chains; each drop is still the proposer's news to
+    adaptive k, so it stops drafting every step and only probes now and then."""
+    target = random_decoder("qwen3", seed=1)
+    graphed, draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
+    graphed.use_cuda_graphs(num_slots=1, capacity=256)
+    proposer = DraftModelProposer(draft)
+    adaptive = AdaptiveSpecLength(5, prior_draft_cost_ratio=0.2)
+    adaptive.least_chance = lambda batch, rows: 1.01  # no first guess is worth its row
+    observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target  # steady costs
+    adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 2e-3 * positions)
+    adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
+    engine = Engine(
+        graphed, [EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive, num_scheduler_steps=4
+    )
+    calls, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, least=None: calls.append(ks) or propose(seqs, ks, least)
+    seq = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert seq.output_ids == run(target, lambda: None, [(PROMPTS[0], seq.params)])[0][0]
+    assert engine.spec_stats.num_draft_tokens == 0 and steps < 60  # chains, nothing drafted
+    assert 1 <= len(calls) <= 6  # the first drafts and a few probes, not a call a chain
+
+
 def test_num_scheduler_steps_must_be_positive():
     with pytest.raises(ConfigError, match="num_scheduler_steps must be >= 1, got 0"):
         Engine(random_decoder("qwen3", seed=1), eos_token_ids=[EOS], num_scheduler_steps=0)
