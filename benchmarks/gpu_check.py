@@ -49,6 +49,7 @@ from specserve.config import ModelConfig  # noqa: E402
 from specserve.engine.engine import DEFAULT_NUM_SCHEDULER_STEPS, Engine  # noqa: E402
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
+from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 from specserve.spec.adaptive import AdaptiveSpecLength  # noqa: E402
 from specserve.spec.cost import prior_cost_ratio  # noqa: E402
@@ -175,16 +176,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def weight_bytes(model: Decoder) -> int:
-    """Bytes a decode step reads of the weights (a tied head counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
 def run_section(table: Table, section: str, fn, *args) -> None:
     started = time.perf_counter()
     try:
@@ -235,7 +226,7 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
         loaded = time.perf_counter()
         model = build(config, device, mode, slots, args.capacity, seed=0)
         load_s = time.perf_counter() - loaded
-        roofline = bandwidth / weight_bytes(model)
+        roofline = bandwidth / weight_bytes_per_token(model)
         for batch in args.batches:
             engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])  # warm-up: captures this batch's graphs
