@@ -346,6 +346,12 @@ class AdaptiveSpecLength:
         self.sequences: dict[int, Acceptance] = {}
         self.lookups: dict[int, Acceptance] = {}  # each sequence's lookup-first drafts
         self.first_guesses = FirstGuesses()
+        # What `best` weighs changes only with a measurement or a drafting step's record
+        # (`_news` counts them); a plain step changes nothing but its clocks. So a batch
+        # choosing plain decoding keeps that choice, unpriced, until there is news
+        # (`_plain_choice`: the batch, its floor, the news and the read costs it saw).
+        self._news = 0
+        self._plain_choice: tuple[tuple, list[float]] | None = None
 
     def plain_step(self, batch: int) -> float:
         """Predicted seconds of a plain decode step of `batch` sequences."""
@@ -495,7 +501,7 @@ class AdaptiveSpecLength:
         running = self.target_steps >= COSTS_KNOWN_STEPS and all(state.drafting_steps for state in states)
         floor = CONTINUE_SPEEDUP if running and states else MIN_SPEEDUP
         ks = []
-        for state, k, read in zip(states, self.batch_ks(states, read_costs, others, floor), read_costs):
+        for state, k, read in zip(states, self._batch_ks(seq_ids, states, read_costs, others, floor), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
                 lasted = state.drafting_steps >= PROBE_INTERVAL
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
@@ -510,6 +516,21 @@ class AdaptiveSpecLength:
                 state.probing = read <= self._affordable_read(state, hopeful, batch)
             state.chosen = PROBE_TOKENS if state.probing else k
             ks.append(state.chosen)
+        return ks
+
+    def _batch_ks(
+        self, seq_ids: list[int], states: list[Acceptance], read_costs: list[float], others: int, floor: float
+    ) -> list[int]:
+        """batch_ks, where the last choice for these sequences was plain decoding and
+        nothing it weighed has changed since, that choice again without pricing: read
+        costs only grow over plain steps (the backlog grows, the tokens left shrink), and
+        dearer reading makes no k pay that did not."""
+        key = (tuple(seq_ids), others, floor, self._news)
+        last = self._plain_choice
+        if last is not None and last[0] == key and all(r >= seen for r, seen in zip(read_costs, last[1])):
+            return [0] * len(states)
+        ks = self.batch_ks(states, read_costs, others, floor)
+        self._plain_choice = None if any(ks) else (key, read_costs)
         return ks
 
     def measuring_plain(self, batch: int) -> bool:
@@ -552,6 +573,7 @@ class AdaptiveSpecLength:
         if num_drafted == 0 and not num_dropped:
             state.plain_steps += 1
             return
+        self._news += 1
         if state.probing and num_accepted == num_drafted and not num_dropped:
             # The text may have turned predictable: forget the streak that stopped drafting
             # and go by this probe, with a little doubt (not the prior's weight: under costs
@@ -622,12 +644,14 @@ class AdaptiveSpecLength:
         """A decode step's target forward: `rows` tokens verified in `seconds`."""
         self.target.observe(rows, seconds)
         self.target_steps += 1
+        self._news += 1
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """A proposer call that drafted up to `positions` tokens per sequence. Calls
         before the first measured target step are not counted: the unit is unknown."""
         if positions > 0 and self.target_steps:
             self.draft.add(positions, seconds / self._unit())
+            self._news += 1
 
     def observe_read(self, tokens: int, positions: int, seconds: float) -> None:
         """A proposer call that read `tokens` before drafting up to `positions`: the
@@ -637,6 +661,7 @@ class AdaptiveSpecLength:
         draft_fixed, per_position = self.draft_costs()
         drafting = draft_fixed + per_position * positions if positions else 0.0
         self.read.add(tokens, max(seconds - drafting, 0.0) / self._unit())
+        self._news += 1
 
     def free(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

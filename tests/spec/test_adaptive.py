@@ -571,6 +571,57 @@ def test_probes_go_on_while_the_backlog_of_plain_steps_grows():
     assert len(probed_at) >= 3 and max(probed_at) >= 60, probed_at
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plain_choice_kept_until_news_is_the_choice_priced_anew(seed):
+    """A batch that chose plain decoding keeps that choice, unpriced, until a
+    measurement or a drafting step changes what it weighed: over random steps
+    (drafting, plain, probes, backlogs growing, sequences leaving, costs measured) the
+    ks are those of a controller that prices every step."""
+    import random
+
+    class PricedEveryStep(AdaptiveSpecLength):
+        def _batch_ks(self, seq_ids, states, read_costs, others, floor):
+            return self.batch_ks(states, read_costs, others, floor)
+
+    rng = random.Random(seed)
+    remembering, priced = int4_pair_costs(), int4_pair_costs()
+    priced.__class__ = PricedEveryStep
+    pricings = [0, 0]
+    for i, ctl in enumerate((remembering, priced)):
+        batch_ks = ctl.batch_ks
+        ctl.batch_ks = lambda *a, _i=i, _f=batch_ks, **k: pricings.__setitem__(_i, pricings[_i] + 1) or _f(*a, **k)
+    running, next_id, backlogs = [], 0, {}
+    for step in range(600):
+        while len(running) < rng.choice((1, 2, 4)):
+            running.append(next_id)
+            backlogs[next_id] = 1
+            next_id += 1
+        others = rng.choice((0, 0, 0, 1))
+        remaining = [600 - step] * len(running)
+        chosen = [
+            ctl.choose(list(running), [backlogs[i] for i in running], remaining, others)
+            for ctl in (remembering, priced)
+        ]
+        assert chosen[0] == chosen[1], step
+        for seq_id, k in zip(running, chosen[0]):
+            accepted = rng.randint(0, k) if rng.random() < 0.3 else 0
+            dropped = int(k > 0 and rng.random() < 0.1)
+            for ctl in (remembering, priced):
+                ctl.record(seq_id, 0 if dropped else k, 0 if dropped else accepted, dropped)
+            backlogs[seq_id] = 1 if k else backlogs[seq_id] + 1
+        event = rng.random()
+        for ctl in (remembering, priced):
+            if event < 0.05:
+                ctl.observe_target(len(running), 0.037 + 0.0086 * len(running) * (1 + step % 3))
+            elif event < 0.08:
+                ctl.observe_draft(3, 0.0028 + 0.0184 * 3 * (1 + step % 2))
+        if rng.random() < 0.02:
+            gone = running.pop(rng.randrange(len(running)))
+            for ctl in (remembering, priced):
+                ctl.free(gone)
+    assert pricings[0] < 0.6 * pricings[1]  # the plain steps between news went unpriced
+
+
 def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
     """A new code prompt under costs where the prior's 0.8 acceptance falls short: its
     first probe must read the prompt and, after 16 plain steps, those too; valued by the
