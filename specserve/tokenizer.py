@@ -407,15 +407,25 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
         self._read_offset = len(self._ids)
 
-    def _new_text(self) -> str:
+    def _texts(self) -> tuple[str, str]:
+        """The window's text before the read offset, and its whole text."""
         decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip_special_tokens)
-        prefix_text, text = decode(self._ids[: self._read_offset]), decode(self._ids)
+        return decode(self._ids[: self._read_offset]), decode(self._ids)
+
+    def _new_text(self) -> str:
+        prefix_text, text = self._texts()
         return text[len(prefix_text) :]
 
     def add(self, new_ids: Sequence[int]) -> str:
         """The text the new ids finish (may be "")."""
         self._ids.extend(new_ids)
-        new_text = self._new_text()
+        prefix_text, text = self._texts()
+        if text == prefix_text:  # ids that add no text (special tokens skipped): read past them
+            if len(self._ids) > 2 * _DETOKENIZE_CONTEXT_TOKENS:  # keep the window short
+                del self._ids[:-_DETOKENIZE_CONTEXT_TOKENS]
+            self._read_offset = len(self._ids)
+            return ""
+        new_text = text[len(prefix_text) :]
         if not new_text or (new_text.endswith("\ufffd") and self._ends_mid_character()):
             return ""
         # The old read point becomes the window's start: ids before it are done with.

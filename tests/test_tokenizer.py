@@ -194,6 +194,28 @@ def test_a_replacement_character_the_model_writes_is_not_held_back(smollm2, text
     assert sum(piece == "\ufffd" for piece in streamed) >= text.count("\ufffd") // 2  # not in one lump
 
 
+def test_ids_that_add_no_text_do_not_grow_the_window(smollm2):
+    """Special tokens skipped (an answer past its EOS with ignore_eos, say) add no
+    text: each step still decodes a few ids, not every id since the last text."""
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            decoded.append(len(ids))
+            return smollm2.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def token_bytes(self, token_id):
+            return smollm2.token_bytes(token_id)
+
+    detokenizer = IncrementalDetokenizer(Counting(), smollm2.encode("Hi"))
+    eos = smollm2.eos_token_ids[0]
+    assert [detokenizer.add([eos]) for _ in range(500)] == [""] * 500
+    text = " there 😀 again"
+    streamed = [detokenizer.add([token]) for token in smollm2.encode(text, add_special_tokens=False)]
+    assert "".join(streamed) + detokenizer.flush() == text
+    assert max(decoded) <= 20
+
+
 def test_incremental_detokenizer_flush_releases_an_unfinished_character(smollm2):
     detokenizer = IncrementalDetokenizer(smollm2)
     unfinished = smollm2.encode("😀")[:1]
