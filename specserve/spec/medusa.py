@@ -3,10 +3,11 @@ from one feature (spec/heads/medusa.py).
 
 The feature is the target's last hidden state (after its final norm) at the row that
 produced the newest token: the last verified row of the step's own target forward, so
-drafting costs no target forward of its own. One call of the first max(k) heads scores
-every drafting sequence; draft position i takes head i's scores (a chain of argmaxes, as
-vLLM's proposer takes them; sampled with the request's params, each position from its
-own head's distribution, for temperature > 0, which keeps rejection sampling lossless).
+drafting costs no target forward of its own. Draft position i takes head i's scores (a
+chain of argmaxes, as vLLM's proposer takes them; sampled with the request's params,
+each position from its own head's distribution, for temperature > 0, which keeps
+rejection sampling lossless), and head i runs only for the chains still going there: a
+dropped first guess costs one head, not k.
 Guesses as guesses.py makes them, penalties included.
 
 The heads keep no cache: of each sequence's features (`TargetFeatures`) only the newest
@@ -53,12 +54,15 @@ class MedusaProposer:
         if not order:
             return chains.drafts()
         newest = torch.stack([self.features.runs[seqs[i].seq_id].newest() for i in order])  # [B, H]
-        logits = self.heads(newest, max(num_tokens[i] for i in order))  # [max k, B, head_width]
-        for position in range(logits.shape[0]):
-            going_on = chains.active()
-            if not going_on:
-                break
-            chains.add(going_on, logits[position, [order.index(i) for i in going_on]], self.heads.target_ids)
+        # Head by head, each for the chains still going: a first guess dropped, or a chain
+        # that stops early, costs none of the heads after it.
+        with torch.inference_mode():
+            for position in range(max(num_tokens[i] for i in order)):
+                going_on = chains.active()
+                if not going_on:
+                    break
+                rows = newest[[order.index(i) for i in going_on]]  # [b, H]
+                chains.add(going_on, self.heads.head_scores(rows, position), self.heads.target_ids)
         return chains.drafts()
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:

@@ -251,9 +251,14 @@ def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_st
     """Adaptive k asks greedy sequences to drop first guesses less likely than their rows
     are worth (forced here, step by step: none, the less sure ones, every one): some are
     dropped, the output stays the target's, and a seeded sampling request, whose k is
-    its own, is asked for none."""
+    its own, is asked for none. A Medusa head past the first scores only the chains
+    still going there: a dropped first guess costs one head."""
     target, perm = noisy
     proposer = proposer_of(right_head(method, target, perm), target)
+    heads_run = []  # per call: the Medusa heads it ran, with the rows each scored
+    if method == "medusa":
+        head_scores = proposer.heads.head_scores
+        proposer.heads.head_scores = lambda h, i: heads_run[-1].append((i, h.shape[0])) or head_scores(h, i)
     adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
     least = itertools.cycle([0.0, 0.9, 1.1])
     adaptive.least_chance = lambda batch, rows: next(least)
@@ -264,7 +269,10 @@ def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_st
     seen, propose = [], proposer.propose
 
     def spying(seqs, num_tokens, least_chances=None):
+        heads_run.append([])
         drafts = propose(seqs, num_tokens, least_chances)
+        for i, rows in heads_run[-1][1:]:  # head i: only chains that drafted i tokens may go on
+            assert rows <= sum(draft.num_tokens >= i for draft in drafts)
         seen.extend(zip([s.params.greedy for s in seqs], least_chances, drafts))
         return drafts
 
@@ -278,6 +286,7 @@ def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_st
     assert any(draft.dropped for greedy, _, draft in seen if greedy)
     assert any(draft.num_tokens for greedy, _, draft in seen if greedy)
     assert all(least == 0.0 and not draft.dropped for greedy, least, draft in seen if not greedy)
+    assert method != "medusa" or max(map(len, heads_run)) > 1  # heads past the first ran where chains went on
 
 
 @pytest.mark.parametrize("method", METHODS)

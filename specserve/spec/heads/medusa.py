@@ -77,14 +77,14 @@ class MedusaHeads(nn.Module):
 
     def scores(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """`forward` outside inference mode, for training: [..., H] -> [num_heads, ..., head_width]."""
-        hidden = hidden.to(input_dtype(self.lm_heads[0]))
-        per_head = []
-        for i, block in enumerate(self.blocks[:num_heads]):
-            x = hidden  # [..., H]
-            for linear in block:
-                x = x + F.silu(linear(x))
-            per_head.append(self.lm_head(i)(x).float())  # [..., head_width]
-        return torch.stack(per_head)
+        return torch.stack([self.head_scores(hidden, i) for i in range(len(self.blocks[:num_heads]))])
+
+    def head_scores(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        """Head i's scores alone: [..., H] -> [..., head_width] float32."""
+        x = hidden.to(input_dtype(self.lm_heads[0]))  # [..., H]
+        for linear in self.blocks[i]:
+            x = x + F.silu(linear(x))
+        return self.lm_head(i)(x).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the LM heads [...] -> target token ids [...]."""
