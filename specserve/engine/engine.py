@@ -450,9 +450,9 @@ class Engine:
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:
                 self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
-                # A multi-step chain's further tokens are as many plain steps to the policy (its probes' clock).
-                for _ in range(len(verdict.tokens) - 1 if not num_drafted else 0):
-                    self.adaptive.record(seq.seq_id, 0, 0)
+                if not num_drafted:  # a multi-step chain's further tokens: as many plain steps (the probes' clock)
+                    for _ in verdict.tokens[1:]:
+                        self.adaptive.record(seq.seq_id, 0, 0)
                 if (
                     num_drafted
                     and first_confidence is not None
