@@ -85,6 +85,7 @@ CUDA_TESTS = [
 ]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32
+SAMPLED_TEMPERATURE = 0.8  # the plain section's sampled row: every request of its largest batch
 DTYPE = torch.bfloat16
 
 
@@ -154,10 +155,12 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[(97 * b + 31 * i + 7) % vocab for i in range(length)] for b in range(batch)]
 
 
-def decode_rate(engine: Engine, batch: int, prompt_len: int, tokens: int) -> tuple[float, list[list[int]]]:
+def decode_rate(
+    engine: Engine, batch: int, prompt_len: int, tokens: int, temperature: float = 0.0
+) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
     prefilled and given its first token, then the rest timed to the end."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -248,7 +251,21 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
                 tokens_per_s=rate,
                 roofline_tokens_per_s=roofline,
             )
-        del model
+        # Requests sampling by temperature (unseeded) decode in the same chains as greedy ones.
+        batch = max(args.batches)
+        engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
+        decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], SAMPLED_TEMPERATURE)
+        rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], SAMPLED_TEMPERATURE)
+        table.add(
+            "plain",
+            f"{mode}, batch {batch}, sampling at {SAMPLED_TEMPERATURE}",
+            f"{rate:.0f} tok/s",
+            mode=mode,
+            batch=batch,
+            temperature=SAMPLED_TEMPERATURE,
+            tokens_per_s=rate,
+        )
+        del model, engine
         release_memory()
 
 

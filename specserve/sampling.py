@@ -177,3 +177,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # u then has mass of its own.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cumulative, u, right=True).squeeze(-1)
+
+
+def sample_on_device(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits [n, V], temperatures [n] -> token ids [n] int64: one draw per row from
+    softmax(logits / temperature) (a row at temperature 0 or less: any id; the caller
+    takes its argmax), as `logits_to_probs` without top-k or top-p, with nothing read
+    back to the host: the exponential race (argmax of p / E, E ~ Exp(1), which picks i
+    with probability p_i), drawn from the device's default generator, whose state a
+    CUDA graph advances on every replay. Not a request's own stream: a seeded request
+    cannot sample here."""
+    logits = logits.float()
+    divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
+    probs = ((logits - logits.amax(dim=-1, keepdim=True)) / divisors).softmax(dim=-1)  # [n, V]
+    # Clamped: a draw of exactly 0 would make p / E infinite, or NaN where p is 0.
+    race = torch.empty_like(probs).exponential_().clamp_min_(FLOAT32_TINY)  # [n, V]
+    return (probs / race).argmax(dim=-1)

@@ -25,11 +25,12 @@ sequence by one verified step.
   must read its tokens again draws differently once they are read, so it is preempted
   last.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
-  steps (CUDA graphs) and a step would only decode greedy, unpenalised sequences without
-  drafts or prompts (plainly, or where adaptive k drafts nothing), it decodes that many
-  tokens each in one static step (GreedyChain, capturing a head's features), the host
-  reading them back once; tokens past a stop token or max_tokens are dropped as rejected
-  drafts are. A request that arrives meanwhile joins at the next step.
+  steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
+  (plainly, or where adaptive k drafts nothing), each greedy or sampling by temperature
+  alone without a seed (`chainable`), it decodes that many tokens each in one static
+  step (TokenChain, capturing a head's features), the host reading them back once;
+  tokens past a stop token or max_tokens are dropped as rejected drafts are. A request
+  that arrives meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ def fusable(seq: Sequence) -> bool:
     the raw logits, so not for sampling, logprobs, penalties or min_tokens."""
     params = seq.params
     return params.greedy and params.logprobs is None and not params.processes_logits
+
+
+def chainable(seq: Sequence) -> bool:
+    """Whether a multi-step chain can decode this sequence (TokenChain): greedy, or
+    sampling at a temperature alone from the device's generator, so not seeded (its
+    draws are its own stream's), nor with top-k, top-p, logprobs or processed logits."""
+    params = seq.params
+    if params.logprobs is not None or params.processes_logits:
+        return False
+    return params.greedy or (params.seed is None and params.top_k <= 0 and params.top_p == 1)
 
 
 def may_adapt(seq: Sequence) -> bool:
@@ -483,8 +494,8 @@ class Engine:
 
     def _decode_ahead(self, work: list[_Work]) -> list[_Outcome] | None:
         """Multi-step decoding (see the module's docstring): each sequence's next
-        num_scheduler_steps greedy tokens from one static step, or None where this step
-        is not plain greedy decoding alone (or a cache lacks the room). With a proposer,
+        num_scheduler_steps tokens from one static step, or None where this step is not
+        plain decoding of `chainable` sequences alone (or a cache lacks the room). With a proposer,
         only where adaptive k chose plain decoding for the step (a draft model catches up
         the chain's tokens when it drafts again, a head reads the features the chain
         captured), and not while adaptive waits for a plain step to be measured."""
@@ -493,12 +504,14 @@ class Engine:
             return None
         if self.proposer is not None and (self.adaptive is None or self.adaptive.measuring_plain(len(work))):
             return None
-        if not all(w.seq.prefilled and len(w.tokens) == 1 and fusable(w.seq) for w in work):
+        if not all(w.seq.prefilled and len(w.tokens) == 1 and chainable(w.seq) for w in work):
             return None
         caches = [w.seq.cache for w in work]
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
-        chains = static.greedy_chain([w.tokens[0] for w in work], None, caches, steps, capture=capture)
+        temperatures = [0.0 if w.seq.params.greedy else w.seq.params.temperature for w in work]
+        firsts = [w.tokens[0] for w in work]
+        chains = static.token_chain(firsts, None, caches, steps, capture=capture, temperatures=temperatures)
         if chains is None:
             return None
         if features is not None:  # a head reads every position the chain fed

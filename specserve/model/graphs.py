@@ -34,6 +34,7 @@ import torch
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
+from specserve.sampling import sample_on_device
 
 if TYPE_CHECKING:
     from specserve.config import ModelConfig
@@ -238,28 +239,34 @@ class ChainKey(NamedTuple):
     bucket: int  # positions attention may read
     layers: tuple[int, ...] = ()  # a decoder's Capture.layers, every position's
     final: bool = False  # a decoder's Capture.final
+    sampled: bool = False  # some sequences sample by temperature (TokenChain.run's temperatures)
 
 
-class GreedyChain:
-    """k greedy draft positions of B sequences as one static step (a graph on a GPU):
-    each position's argmax (mapped to a token id through `target_ids`, a head's draft
+class TokenChain:
+    """k positions of B sequences as one static step (a graph on a GPU): each
+    position's token (mapped to a token id through `target_ids`, a head's draft
     vocabulary) and, for a head, its output feature feed the next position on the
-    device, and one read-back returns every guess and its confidence.
+    device, and one read-back returns every token and its confidence. A sequence's token
+    is the argmax, or with a temperature (`ChainKey.sampled`) a draw from the softmax
+    of its logits at that temperature (`sample_on_device`).
 
-    A target's chain is multi-step decoding (Engine.num_scheduler_steps): its greedy
-    tokens, as many decode steps would give them, and the features a head reads of every
-    position it fed (`Capture`), as those steps would capture them.
+    A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
+    many decode steps would give them, and the features a head reads of every position
+    it fed (`Capture`), as those steps would capture them. A proposer's chain drafts
+    greedy guesses.
 
     Why: drafting a position at a time reads each guess back before the next step can be
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
-    steps graphed and compiled"). A greedy guess needs no host; a sampled or penalised
-    one depends on the host's generator and counts, so it is drafted step by step.
+    steps graphed and compiled"). A greedy token needs no host, nor does a draw from
+    the device's own generator; a seeded draw (a request's own stream), top-k, top-p or
+    a penalty depend on the host, so such a sequence decodes step by step.
 
-    Contract: the guesses are what the model's static steps position by position would
+    Contract: greedy tokens are what the model's static steps position by position would
     give (only the bucket of positions attention reads may differ, which changes no value
-    but rounding). The chain writes its positions at cache.length + j of each cache
-    without counting them in `length`: the caller counts what it keeps.
+    but rounding); a sampled token follows the distribution such a step's logits give.
+    The chain writes its positions at cache.length + j of each cache without counting
+    them in `length`: the caller counts what it keeps.
     """
 
     def __init__(self, static: StaticDecode, key: ChainKey, target_ids: torch.Tensor | None):
@@ -271,6 +278,9 @@ class GreedyChain:
         self.features = None  # [B, F]: each one's feature that made its first guess
         if static.feature_size:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
+        self.temperatures = None  # [B] float32: each one's temperature, 0 where it decodes greedily
+        if key.sampled:
+            self.temperatures = torch.zeros(key.batch, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (target ids), confidences [B, positions], then a
@@ -287,6 +297,9 @@ class GreedyChain:
                 else:
                     captured.append(rest)  # a decoder's features of this position
                 draft = logits.argmax(dim=-1)  # [B]: columns of the logits
+                if key.sampled:
+                    sampled = sample_on_device(logits, self.temperatures)  # [B]
+                    draft = torch.where(self.temperatures > 0, sampled, draft)
                 confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
                 guesses.append(tokens)
@@ -304,6 +317,7 @@ class GreedyChain:
         features: torch.Tensor | None,
         caches: list[KVCache],
         capture: Capture | None = None,
+        temperatures: list[float] | None = None,  # with ChainKey.sampled: each one's, 0 where greedy
     ) -> tuple[list[list[int]], list[list[float]]]:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
         feature that made it -> each one's further guesses and their confidences; a
@@ -328,6 +342,8 @@ class GreedyChain:
         self.tokens.copy_(moved[3 * batch :])
         if self.features is not None:
             self.features[:n].copy_(features)
+        if self.temperatures is not None:
+            self.temperatures.copy_(torch.tensor(temperatures + [0.0] * padding, dtype=torch.float32))
         if self.graph is None:
             guesses, confidences, *captured = self.forward()
         else:
@@ -366,7 +382,7 @@ class StaticDecode:
         self.in_place = self.capture and slot_attention.available() and slot_attention.works_on(device, dtype)
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
         self.steps: dict[StepKey, _Step] = {}
-        self.chains: dict[ChainKey, GreedyChain] = {}
+        self.chains: dict[ChainKey, TokenChain] = {}
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
@@ -397,7 +413,7 @@ class StaticDecode:
         return self.steps[key].run(input_ids, segments, features)
 
     @torch.inference_mode()
-    def greedy_chain(
+    def token_chain(
         self,
         first_tokens: list[int],  # each sequence's first guess
         features: torch.Tensor | None,  # [n, feature_size]: the features that made them (a head's)
@@ -405,17 +421,19 @@ class StaticDecode:
         positions: int,
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column; None: the column
         capture: Capture | None = None,  # a decoder's features of every position fed, filled in place
+        temperatures: list[float] | None = None,  # each sequence's, 0 where greedy; None: every one greedy
     ) -> tuple[list[list[int]], list[list[float]]] | None:
-        """`positions` further greedy guesses for each sequence and their confidences
-        (see GreedyChain), or None where a cache lacks a slot or the room."""
+        """`positions` further tokens for each sequence and their confidences (see
+        TokenChain), or None where a cache lacks a slot or the room."""
         if any(c.slot is None or c.length + positions > self.pool.capacity for c in caches):
             return None
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
-        key = ChainKey(next_power_of_two(len(caches)), positions, bucket)
+        sampled = temperatures is not None and any(t > 0 for t in temperatures)
+        key = ChainKey(next_power_of_two(len(caches)), positions, bucket, sampled=sampled)
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
-                self.chains[key] = GreedyChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture)
+                self.chains[key] = TokenChain(self, key, target_ids)
+            return self.chains[key].run(first_tokens, features, caches, capture, temperatures if sampled else None)

@@ -8,7 +8,7 @@ cache back to the longest prefix that still agrees with the sequence.
 
 Drafting for a batch is batched: one forward for everyone's catch-up tokens, then one
 single-token forward per further draft position for the sequences that want more (with
-CUDA graphs, for greedy requests, all of those positions in one graph: GreedyChain).
+CUDA graphs, for greedy requests, all of those positions in one graph: TokenChain).
 A long catch-up (a new sequence's prompt) goes in chunks, one per step, with no drafts
 for that sequence until it is done. spec/fused.py runs the same steps in one C call.
 

@@ -164,7 +164,7 @@ class DraftChains:
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column (a head's)
     ) -> list[int] | None:
         """Draft the rest of each chain in `going_on` in one static step of `static`
-        (GreedyChain, model/graphs.py), where every one of them is greedy and unpenalised,
+        (TokenChain, model/graphs.py), where every one of them is greedy and unpenalised,
         taking its guesses as `add` would one by one: up to its count, stopping after an
         unsure one. Returns how many guesses each took (the tokens the chain fed that it
         keeps), or None where it drafted nothing this way."""
@@ -172,7 +172,7 @@ class DraftChains:
             return None
         positions = max(self.num_tokens[i] - len(self.drafted[i]) for i in going_on)
         firsts = [self.newest(i) for i in going_on]
-        drafted = static.greedy_chain(firsts, features, caches, positions, target_ids)
+        drafted = static.token_chain(firsts, features, caches, positions, target_ids)
         if drafted is None:
             return None
         taken = []

@@ -25,8 +25,12 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     assert gpu_check.main(args) == 0
     rows = json.loads(out.read_text())
     assert not [r for r in rows if r["what"] == "failed"], rows
-    plain = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "plain"}
-    assert set(plain) == {(m, b) for m in ("eager", "graphs") for b in (1, 2)} and min(plain.values()) > 0
+    plain = {
+        (r["mode"], r["batch"], r.get("temperature", 0)): r["tokens_per_s"] for r in rows if r["section"] == "plain"
+    }
+    greedy = {(m, b, 0) for m in ("eager", "graphs") for b in (1, 2)}
+    assert set(plain) == greedy | {(m, 2, gpu_check.SAMPLED_TEMPERATURE) for m in ("eager", "graphs")}
+    assert min(plain.values()) > 0
     assert {r["what"] for r in rows if r["section"] == "profile"} == {"skipped"}  # a GPU's
     heads = [r for r in rows if r["section"] == "heads" and "k" in r]
     assert {(r["what"].split(",")[1].split()[0], r["k"]) for r in heads} == {

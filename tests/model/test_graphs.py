@@ -230,13 +230,13 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
         assert max(target_rows) > 1  # verifications were static steps too
     if proposer_kind == "draft":
         assert {key[:2] for key in graphed_draft.static.steps} & {(1, 1), (1, 2)}  # the first guess's forward
-        assert graphed_draft.static.chains  # the positions after it: one static step a chain (GreedyChain)
+        assert graphed_draft.static.chains  # the positions after it: one static step a chain (TokenChain)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     """num_scheduler_steps = 4 on static steps: greedy requests decode 4 tokens a step
-    (GreedyChain), and each still gives its plain tokens, ending at its stop token or
+    (TokenChain), and each still gives its plain tokens, ending at its stop token or
     max_tokens mid-chain; a sampled request beside them decodes step by step, its seeded
     tokens as alone; every slot comes back."""
     target = on(random_decoder("qwen3", seed=1), device)
@@ -260,6 +260,50 @@ def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     assert graphed.static.pool.num_free == 4
     _, engine = run(graphed, lambda: None, requests[:1], num_scheduler_steps=1)
     assert {key.positions for key in graphed.static.chains} == {4}  # 1: no chain was asked for
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_request_sampling_by_temperature_keeps_its_batch_in_chains(device):
+    """An unseeded request sampling at a temperature decodes in the chains beside greedy
+    requests (its tokens drawn on the device), so the greedy ones keep multi-step
+    decoding and their plain tokens; it gets its max_tokens, and every slot comes back."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    plain = [run(target, lambda: None, [(p, GREEDY)])[0][0] for p in PROMPTS[:3]]
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for p in PROMPTS[:3]]
+    requests.append((PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)))
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    outputs, _ = run(graphed, lambda: None, requests, num_scheduler_steps=4)
+    assert outputs[:3] == plain and len(outputs[3]) == 30
+    assert {(key.positions, key.sampled) for key in graphed.static.chains} == {(4, True), (4, False)}
+    assert graphed.static.pool.num_free == 4
+
+
+def test_chains_sample_the_targets_distribution():
+    """Unseeded requests at a temperature, decoded in multi-step chains after their first
+    token: their 4-token outputs are distributed as the target's own sampling (chi-square
+    over all 4^4 continuations)."""
+    from tests.chi_square import chi_square_p_value, target_continuation_probs
+
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    params = SamplingParams(max_tokens=4, temperature=0.5, ignore_eos=True)  # far from 1: the temperature counts
+    expected = target_continuation_probs(target, prompt, params)
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=64, capacity=64)
+    engine = Engine(graphed, eos_token_ids=[EOS % vocab], max_num_seqs=64, num_scheduler_steps=4)
+    torch.manual_seed(0)  # the chains' draws: the device's generator
+    samples = []
+    for batch in range(60):
+        seqs = [engine.add_request(prompt, params) for _ in range(100)]
+        for i, seq in enumerate(seqs):
+            seq.generator.manual_seed(batch * 1000 + i)  # the first token's draw: the request's stream
+        while engine.has_unfinished():
+            engine.step()
+        samples += [s.output_ids for s in seqs]
+    assert {key.sampled for key in graphed.static.chains} == {True}
+    assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
 
 
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram"])
@@ -316,8 +360,8 @@ def test_num_scheduler_steps_must_be_positive():
 
 
 @pytest.mark.parametrize("layers, final", [((), False), ((1, 0), True)])
-def test_a_decoders_greedy_chain_guesses_what_its_steps_guess(layers, final):
-    """GreedyChain on a decoder (a draft model, or the target decoding several steps at
+def test_a_decoders_token_chain_guesses_what_its_steps_guess(layers, final):
+    """TokenChain on a decoder (a draft model, or the target decoding several steps at
     once): k positions in one static step give the argmax chain and confidences of k
     single-token steps, and the features those steps capture, and leave each cache's
     length."""
@@ -330,7 +374,7 @@ def test_a_decoders_greedy_chain_guesses_what_its_steps_guess(layers, final):
         caches.append(cache)
         firsts.append(int(logits[-1].argmax()))
     capture = Capture(layers=layers, final=final) if layers else None
-    guesses, confidences = model.static.greedy_chain(firsts, None, caches, positions=4, capture=capture)
+    guesses, confidences = model.static.token_chain(firsts, None, caches, positions=4, capture=capture)
     assert [c.length for c in caches] == [len(p) for p in PROMPTS[:2]]
     for b, (cache, token, got, got_confidences) in enumerate(zip(caches, firsts, guesses, confidences)):
         expected, expected_confidences = [], []

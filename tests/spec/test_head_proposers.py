@@ -131,7 +131,7 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_
     assert graphed.static.pool.num_free == 8
     if head_attention != "eager":
         assert {key.rows for key in head.static.steps} >= {1, 2}  # catch-ups of one pair and more
-        assert head.static.chains  # the greedy chains ran as one static step each (GreedyChain)
+        assert head.static.chains  # the greedy chains ran as one static step each (TokenChain)
         assert head.static.pool.num_free == 8 and not proposer.caches
 
 

@@ -232,8 +232,8 @@ def test_static_head_steps_compute_the_eager_ones(tmp_path, layout, in_place):
 
 
 @pytest.mark.parametrize("layout", ["eagle3", "eagle1"])
-def test_a_greedy_chain_in_one_static_step_guesses_what_steps_guess(tmp_path, layout):
-    """GreedyChain: k greedy positions in one static step give the guesses and
+def test_a_token_chain_in_one_static_step_guesses_what_steps_guess(tmp_path, layout):
+    """TokenChain: k greedy positions in one static step give the guesses and
     confidences of k head steps fed their own argmax, and leave the cache's length."""
     method, make, weights_file = LAYOUTS[layout]
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def test_a_greedy_chain_in_one_static_step_guesses_what_steps_guess(tmp_path, la
         caches.append(cache)
         firsts.append(int(head.to_target_ids(logits.argmax(-1))))
         hiddens.append(hidden[-1])
-    guesses, confidences = head.static.greedy_chain(firsts, torch.stack(hiddens), caches, 3, head.target_ids)
+    guesses, confidences = head.static.token_chain(firsts, torch.stack(hiddens), caches, 3, head.target_ids)
     assert [c.length for c in caches] == [5, 2]
     for cache, first, hidden, got, got_confidences in zip(caches, firsts, hiddens, guesses, confidences):
         token, expected, expected_confidences = first, [], []

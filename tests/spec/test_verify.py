@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from specserve.penalties import apply_penalties
-from specserve.sampling import InvalidSamplingValue, SamplingParams, logits_to_probs, sample, top_p_kept
+from specserve.sampling import (
+    InvalidSamplingValue,
+    SamplingParams,
+    logits_to_probs,
+    sample,
+    sample_on_device,
+    top_p_kept,
+)
 from specserve.spec.proposer import Draft
 from specserve.spec.verify import (
     PAD_TOKEN,
@@ -603,6 +610,21 @@ def test_sample_never_draws_an_id_without_mass_when_the_uniform_reaches_the_tota
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
     probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     assert sample(probs, torch.Generator()).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_sample_on_device_draws_from_the_softmax_at_each_rows_temperature(temperature):
+    """The race a multi-step chain samples with: each id as often as logits_to_probs gives
+    it at the row's temperature, an id at -inf never, rows at temperature 0 beside them."""
+    logits = torch.tensor([2.0, -1.0, 0.5, float("-inf"), 1.5, -30.0])  # [V]
+    rows = logits.expand(6000, -1)  # [N, V]
+    temperatures = torch.tensor([temperature, 0.0]).repeat(3000)  # [N]: every other row greedy
+    torch.manual_seed(0)
+    drawn = sample_on_device(rows, temperatures)  # [N]
+    expected = logits_to_probs(logits[None], SamplingParams(temperature=temperature))[0]
+    sampled = drawn[temperatures > 0]
+    assert chi_square_p_value(sampled.unsqueeze(1), expected) > 1e-3
+    assert not (drawn == 3).any()
 
 
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5]])
