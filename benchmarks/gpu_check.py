@@ -85,7 +85,8 @@ CUDA_TESTS = [
 ]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32
-SAMPLED_TEMPERATURE = 0.8  # the plain section's sampled row: every request of its largest batch
+# The plain section's sampled rows: every request of its largest batch, without and with top-p.
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
 DTYPE = torch.bfloat16
 
 
@@ -156,11 +157,11 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode_rate(
-    engine: Engine, batch: int, prompt_len: int, tokens: int, temperature: float = 0.0
+    engine: Engine, batch: int, prompt_len: int, tokens: int, temperature: float = 0.0, top_p: float = 1.0
 ) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
     prefilled and given its first token, then the rest timed to the end."""
-    params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -251,20 +252,22 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
                 tokens_per_s=rate,
                 roofline_tokens_per_s=roofline,
             )
-        # Requests sampling by temperature (unseeded) decode in the same chains as greedy ones.
+        # Unseeded sampling requests decode in the same chains as greedy ones.
         batch = max(args.batches)
         engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
-        decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], SAMPLED_TEMPERATURE)
-        rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], SAMPLED_TEMPERATURE)
-        table.add(
-            "plain",
-            f"{mode}, batch {batch}, sampling at {SAMPLED_TEMPERATURE}",
-            f"{rate:.0f} tok/s",
-            mode=mode,
-            batch=batch,
-            temperature=SAMPLED_TEMPERATURE,
-            tokens_per_s=rate,
-        )
+        for top_p in (1.0, SAMPLED_TOP_P):
+            sampling = dict(temperature=SAMPLED_TEMPERATURE, top_p=top_p)
+            decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
+            rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
+            table.add(
+                "plain",
+                f"{mode}, batch {batch}, temperature {SAMPLED_TEMPERATURE}, top-p {top_p:g}",
+                f"{rate:.0f} tok/s",
+                mode=mode,
+                batch=batch,
+                tokens_per_s=rate,
+                **sampling,
+            )
         del model, engine
         release_memory()
 

@@ -88,6 +88,7 @@ def train_recipe(
     work: Path,
     steps: int,
     eval_every: int,
+    eval_steps: int | None = None,  # EAGLE: unrolled steps measured held out; None: the recipe's own
 ) -> list[dict]:
     head_values = {k: int(v) for k, v in values.items() if k in HEAD_KEYS}
     whole = ("batch_tokens", "window", "warmup_steps")
@@ -99,13 +100,16 @@ def train_recipe(
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
     trainer = new_trainer(make_method(recipe), recipe, target, FeatureSet.load(work / "features", keys), checkpoint)
+    measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else trainer.method
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:
         figures = trainer.train_step()
         correct[0] += figures.correct[0]
         counted[0] += figures.counted[0]
         if trainer.position.step % eval_every == 0 or trainer.position.step == steps:
+            trained, trainer.method = trainer.method, measured
             agreement = trainer.evaluate(held_out=True)
+            trainer.method = trained
             row = {
                 "recipe": name,
                 "step": trainer.position.step,
@@ -129,17 +133,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--recipes", default="base")
+    parser.add_argument(
+        "--eval-steps",
+        type=int,
+        default=None,
+        help="EAGLE: unrolled steps whose held-out agreement is measured, trained or not (default: each recipe's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="a JSON-lines file for every row")
     args = parser.parse_args()
     recipes = parse_recipes(args.recipes)
+    if args.eval_steps is not None and (args.method == "medusa" or args.eval_steps < 1):
+        raise SystemExit("--eval-steps is an EAGLE head's count of unrolled steps, at least 1")
     settings = TrainHeadSettings(args.target, args.method, max_minutes=args.data_minutes, seed=args.seed)
     settings.check()
     work = catalogue.cache_root() / "head-recipes" / f"{settings.head_name}-{args.data_minutes:g}"
     target, keys = make_data(data_settings(settings, work), work)
     rows = []
     for name, values in recipes.items():
-        rows += train_recipe(name, values, settings, target, keys, work, args.steps, args.eval_every)
+        rows += train_recipe(name, values, settings, target, keys, work, args.steps, args.eval_every, args.eval_steps)
         if args.out:
             args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print("| recipe | step | epochs | held-out top-1 per step | training top-1 |")

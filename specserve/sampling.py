@@ -179,17 +179,47 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cumulative, u, right=True).squeeze(-1)
 
 
-def sample_on_device(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """logits [n, V], temperatures [n] -> token ids [n] int64: one draw per row from
-    softmax(logits / temperature) (a row at temperature 0 or less: any id; the caller
-    takes its argmax), as `logits_to_probs` without top-k or top-p, with nothing read
-    back to the host: the exponential race (argmax of p / E, E ~ Exp(1), which picks i
-    with probability p_i), drawn from the device's default generator, whose state a
-    CUDA graph advances on every replay. Not a request's own stream: a seeded request
-    cannot sample here."""
+def sample_on_device(
+    logits: torch.Tensor,  # [n, V]
+    temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: any id (the caller takes its argmax)
+    top_ks: torch.Tensor | None = None,  # [n] int64, 0 or less: no cut; None: no row cuts
+    top_ps: torch.Tensor | None = None,  # [n] float32, 1: no cut; None: no row cuts
+) -> torch.Tensor:  # [n] int64
+    """One draw per row from the distribution `logits_to_probs` gives (temperature, then
+    top-k, then top-p), with nothing read back to the host and no shape that depends on
+    the values, so a CUDA graph can hold it: the exponential race (argmax of p / E,
+    E ~ Exp(1), which picks i with probability p_i) drawn from the device's default
+    generator, whose state a graph advances on every replay. Not a request's own stream:
+    a seeded request cannot sample here. Top-k and top-p sort every row once."""
     logits = logits.float()
     divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
-    probs = ((logits - logits.amax(dim=-1, keepdim=True)) / divisors).softmax(dim=-1)  # [n, V]
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors  # [n, V]
+    if top_ks is not None or top_ps is not None:
+        scaled = top_k_top_p_on_device(scaled, top_ks, top_ps)
+    probs = scaled.softmax(dim=-1)  # [n, V]
     # Clamped: a draw of exactly 0 would make p / E infinite, or NaN where p is 0.
     race = torch.empty_like(probs).exponential_().clamp_min_(FLOAT32_TINY)  # [n, V]
     return (probs / race).argmax(dim=-1)
+
+
+def top_k_top_p_on_device(
+    scaled: torch.Tensor,  # [n, V] float32: logits after the temperature
+    top_ks: torch.Tensor | None,  # [n] int64, 0 or less: no cut
+    top_ps: torch.Tensor | None,  # [n] float32, 1: no cut
+) -> torch.Tensor:  # [n, V]: the ids cut at -inf
+    """`logits_to_probs`' cuts with one sort of every row and no host: below the k-th
+    largest logit (ties with it stay), then, likeliest first (ties: the lower id first),
+    every id whose predecessors already cover top_p of what top-k kept."""
+    vocab = scaled.shape[-1]
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)  # [n, V]
+    if top_ks is not None:
+        ks = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab)  # [n]
+        kth = ordered.gather(-1, (ks - 1)[:, None])  # [n, 1]
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_ps is not None:
+        probs = ordered.softmax(dim=-1)  # [n, V]: renormalised over what top-k kept
+        covered = probs.cumsum(dim=-1) - probs  # [n, V]: the mass before each id
+        cut = (covered >= top_ps[:, None]) & (top_ps[:, None] < 1)
+        cut[:, 0] = False  # the likeliest always stays
+        ordered = ordered.masked_fill(cut, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)

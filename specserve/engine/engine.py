@@ -26,11 +26,11 @@ sequence by one verified step.
   last.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
-  (plainly, or where adaptive k drafts nothing), each greedy or sampling by temperature
-  alone without a seed (`chainable`), it decodes that many tokens each in one static
-  step (TokenChain, capturing a head's features), the host reading them back once;
-  tokens past a stop token or max_tokens are dropped as rejected drafts are. A request
-  that arrives meanwhile joins at the next step.
+  (plainly, or where adaptive k drafts nothing), each greedy or sampling without a seed
+  (`chainable`), it decodes that many tokens each in one static step (TokenChain,
+  capturing a head's features), the host reading them back once; tokens past a stop
+  token or max_tokens are dropped as rejected drafts are. A request that arrives
+  meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -101,12 +101,12 @@ def fusable(seq: Sequence) -> bool:
 
 def chainable(seq: Sequence) -> bool:
     """Whether a multi-step chain can decode this sequence (TokenChain): greedy, or
-    sampling at a temperature alone from the device's generator, so not seeded (its
-    draws are its own stream's), nor with top-k, top-p, logprobs or processed logits."""
+    sampling from the device's generator, so not seeded (its draws are its own
+    stream's); neither with logprobs nor processed logits."""
     params = seq.params
     if params.logprobs is not None or params.processes_logits:
         return False
-    return params.greedy or (params.seed is None and params.top_k <= 0 and params.top_p == 1)
+    return params.greedy or params.seed is None
 
 
 def may_adapt(seq: Sequence) -> bool:
@@ -509,9 +509,8 @@ class Engine:
         caches = [w.seq.cache for w in work]
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
-        temperatures = [0.0 if w.seq.params.greedy else w.seq.params.temperature for w in work]
-        firsts = [w.tokens[0] for w in work]
-        chains = static.token_chain(firsts, None, caches, steps, capture=capture, temperatures=temperatures)
+        firsts, params = [w.tokens[0] for w in work], [w.seq.params for w in work]
+        chains = static.token_chain(firsts, None, caches, steps, capture=capture, params=params)
         if chains is None:
             return None
         if features is not None:  # a head reads every position the chain fed

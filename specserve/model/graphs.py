@@ -34,7 +34,7 @@ import torch
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
-from specserve.sampling import sample_on_device
+from specserve.sampling import SamplingParams, sample_on_device
 
 if TYPE_CHECKING:
     from specserve.config import ModelConfig
@@ -239,7 +239,8 @@ class ChainKey(NamedTuple):
     bucket: int  # positions attention may read
     layers: tuple[int, ...] = ()  # a decoder's Capture.layers, every position's
     final: bool = False  # a decoder's Capture.final
-    sampled: bool = False  # some sequences sample by temperature (TokenChain.run's temperatures)
+    sampled: bool = False  # some sequences sample (TokenChain.run's params)
+    filtered: bool = False  # and some of those by top-k or top-p
 
 
 class TokenChain:
@@ -247,8 +248,8 @@ class TokenChain:
     position's token (mapped to a token id through `target_ids`, a head's draft
     vocabulary) and, for a head, its output feature feed the next position on the
     device, and one read-back returns every token and its confidence. A sequence's token
-    is the argmax, or with a temperature (`ChainKey.sampled`) a draw from the softmax
-    of its logits at that temperature (`sample_on_device`).
+    is the argmax, or where its params sample (`ChainKey.sampled`) a draw from the
+    distribution `logits_to_probs` gives (`sample_on_device`).
 
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
     many decode steps would give them, and the features a head reads of every position
@@ -259,8 +260,8 @@ class TokenChain:
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
-    the device's own generator; a seeded draw (a request's own stream), top-k, top-p or
-    a penalty depend on the host, so such a sequence decodes step by step.
+    the device's own generator; a seeded draw (a request's own stream) or a penalty
+    depends on the host, so such a sequence decodes step by step.
 
     Contract: greedy tokens are what the model's static steps position by position would
     give (only the bucket of positions attention reads may differ, which changes no value
@@ -278,9 +279,8 @@ class TokenChain:
         self.features = None  # [B, F]: each one's feature that made its first guess
         if static.feature_size:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
-        self.temperatures = None  # [B] float32: each one's temperature, 0 where it decodes greedily
-        if key.sampled:
-            self.temperatures = torch.zeros(key.batch, dtype=torch.float32, device=device)
+        # [3, B] float32: each one's temperature (0: greedy), top-k (0: none) and top-p
+        self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (target ids), confidences [B, positions], then a
@@ -298,8 +298,10 @@ class TokenChain:
                     captured.append(rest)  # a decoder's features of this position
                 draft = logits.argmax(dim=-1)  # [B]: columns of the logits
                 if key.sampled:
-                    sampled = sample_on_device(logits, self.temperatures)  # [B]
-                    draft = torch.where(self.temperatures > 0, sampled, draft)
+                    temperatures, top_ks, top_ps = self.sampling
+                    top_ks = top_ks.long() if key.filtered else None
+                    sampled = sample_on_device(logits, temperatures, top_ks, top_ps if key.filtered else None)
+                    draft = torch.where(temperatures > 0, sampled, draft)  # [B]
                 confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
                 guesses.append(tokens)
@@ -317,7 +319,7 @@ class TokenChain:
         features: torch.Tensor | None,
         caches: list[KVCache],
         capture: Capture | None = None,
-        temperatures: list[float] | None = None,  # with ChainKey.sampled: each one's, 0 where greedy
+        params: list[SamplingParams] | None = None,  # with ChainKey.sampled: each one's
     ) -> tuple[list[list[int]], list[list[float]]]:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
         feature that made it -> each one's further guesses and their confidences; a
@@ -342,8 +344,10 @@ class TokenChain:
         self.tokens.copy_(moved[3 * batch :])
         if self.features is not None:
             self.features[:n].copy_(features)
-        if self.temperatures is not None:
-            self.temperatures.copy_(torch.tensor(temperatures + [0.0] * padding, dtype=torch.float32))
+        if self.sampling is not None:  # greedy and padding rows: temperature 0
+            rows = [(0.0, 0, 1.0) if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
+            rows += [(0.0, 0, 1.0)] * padding
+            self.sampling.copy_(torch.tensor(rows, dtype=torch.float32).T)
         if self.graph is None:
             guesses, confidences, *captured = self.forward()
         else:
@@ -421,7 +425,7 @@ class StaticDecode:
         positions: int,
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column; None: the column
         capture: Capture | None = None,  # a decoder's features of every position fed, filled in place
-        temperatures: list[float] | None = None,  # each sequence's, 0 where greedy; None: every one greedy
+        params: list[SamplingParams] | None = None,  # each sequence's; None: every one greedy
     ) -> tuple[list[list[int]], list[list[float]]] | None:
         """`positions` further tokens for each sequence and their confidences (see
         TokenChain), or None where a cache lacks a slot or the room."""
@@ -429,11 +433,12 @@ class StaticDecode:
             return None
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
-        sampled = temperatures is not None and any(t > 0 for t in temperatures)
-        key = ChainKey(next_power_of_two(len(caches)), positions, bucket, sampled=sampled)
+        sampled = params is not None and not all(p.greedy for p in params)
+        filtered = sampled and any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+        key = ChainKey(next_power_of_two(len(caches)), positions, bucket, sampled=sampled, filtered=filtered)
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
                 self.chains[key] = TokenChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture, temperatures if sampled else None)
+            return self.chains[key].run(first_tokens, features, caches, capture, params if sampled else None)

@@ -279,16 +279,19 @@ def test_a_request_sampling_by_temperature_keeps_its_batch_in_chains(device):
     assert graphed.static.pool.num_free == 4
 
 
-def test_chains_sample_the_targets_distribution():
-    """Unseeded requests at a temperature, decoded in multi-step chains after their first
-    token: their 4-token outputs are distributed as the target's own sampling (chi-square
-    over all 4^4 continuations)."""
+@pytest.mark.parametrize(
+    "fields", [dict(temperature=0.5), dict(temperature=0.9, top_p=0.7), dict(temperature=1.4, top_k=2, top_p=0.95)]
+)
+def test_chains_sample_the_targets_distribution(fields):
+    """Unseeded requests sampling (a temperature far from 1, so that it counts; top-k and
+    top-p), decoded in multi-step chains after their first token: their 4-token outputs
+    are distributed as the target's own sampling (chi-square over all 4^4 continuations)."""
     from tests.chi_square import chi_square_p_value, target_continuation_probs
 
     vocab, prompt = 4, [0, 1, 2]
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
-    params = SamplingParams(max_tokens=4, temperature=0.5, ignore_eos=True)  # far from 1: the temperature counts
+    params = SamplingParams(max_tokens=4, ignore_eos=True, **fields)
     expected = target_continuation_probs(target, prompt, params)
     graphed = copy.deepcopy(target)
     graphed.use_cuda_graphs(num_slots=64, capacity=64)
@@ -302,7 +305,7 @@ def test_chains_sample_the_targets_distribution():
         while engine.has_unfinished():
             engine.step()
         samples += [s.output_ids for s in seqs]
-    assert {key.sampled for key in graphed.static.chains} == {True}
+    assert {(key.sampled, key.filtered) for key in graphed.static.chains} == {(True, len(fields) > 1)}
     assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
 
 

@@ -627,6 +627,34 @@ def test_sample_on_device_draws_from_the_softmax_at_each_rows_temperature(temper
     assert not (drawn == 3).any()
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(temperature=0.7, top_k=2),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.5, top_k=4, top_p=0.9),
+        dict(temperature=0.8, top_k=6, top_p=0.999),
+    ],
+)
+def test_sample_on_device_cuts_as_logits_to_probs_does(fields):
+    """Top-k then top-p on the device, row by row (a greedy row and an uncut one beside),
+    keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 0.5, 1.5, -3.0, 0.5])  # [V]: ties at 0.5
+    params = SamplingParams(**fields)
+    n = 6000
+    rows = logits.expand(n, -1)  # [N, V]
+    kinds = torch.arange(n) % 3  # 0: this row's params, 1: greedy, 2: the temperature alone
+    temperatures = torch.where(kinds == 1, 0.0, params.temperature)
+    top_ks = torch.where(kinds == 0, params.top_k, 0)
+    top_ps = torch.where(kinds == 0, params.top_p, 1.0)
+    torch.manual_seed(0)
+    drawn = sample_on_device(rows, temperatures, top_ks, top_ps)  # [N]
+    expected = logits_to_probs(logits[None], params)[0]
+    uncut = logits_to_probs(logits[None], SamplingParams(temperature=params.temperature))[0]
+    assert chi_square_p_value(drawn[kinds == 0].unsqueeze(1), expected) > 1e-3
+    assert chi_square_p_value(drawn[kinds == 2].unsqueeze(1), uncut) > 1e-3
+
+
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5]])
 def test_sample_refuses_a_row_without_mass(row):
     with pytest.raises(ValueError, match="no mass"):
