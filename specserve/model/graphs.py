@@ -344,10 +344,10 @@ class TokenChain:
         self.tokens.copy_(moved[3 * batch :])
         if self.features is not None:
             self.features[:n].copy_(features)
-        if self.sampling is not None:  # greedy and padding rows: temperature 0
-            rows = [(0.0, 0, 1.0) if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
-            rows += [(0.0, 0, 1.0)] * padding
-            self.sampling.copy_(torch.tensor(rows, dtype=torch.float32).T)
+        if self.sampling is not None:
+            unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
+            settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
+            self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32).T)
         if self.graph is None:
             guesses, confidences, *captured = self.forward()
         else:
