@@ -175,7 +175,7 @@ def replay(
         want = max(0, min(want, remaining - 1))
         drafted = accepted = dropped = 0
         if want:
-            least = adaptive.least_chance(1, 1 + want) if adaptive else 0.0  # as the engine asks
+            least = adaptive.least_chance(1, 1 + want, seq_id) if adaptive else 0.0  # as the engine asks
             drafted, accepted, dropped = trace.drafted_and_accepted(emitted, want, threshold, least)
             drafting = costs.draft_fixed + costs.draft_per_position * (drafted + dropped)
             # As the engine times it: a call that first reads a backlog is a reading sample.
@@ -194,7 +194,7 @@ def replay(
             adaptive.observe_target(drafted + 1, forward)
             adaptive.record(seq_id, drafted, accepted, dropped)
             if drafted and emitted < n:
-                adaptive.observe_first_guess(trace.confidence[emitted], accepted > 0)
+                adaptive.observe_first_guess(seq_id, trace.confidence[emitted], accepted > 0)
         step_tokens = min(accepted + 1, n - emitted)
         emitted += step_tokens
         # The draft's cache keeps what it read and the accepted guesses it fed; it has

@@ -264,8 +264,9 @@ class Engine:
             return [Draft.empty()] * len(decoding)
         least_chances = None
         if self.adaptive is not None:
-            least = self.adaptive.least_chance(batch, rows)
-            least_chances = [least if may_adapt(s) else 0.0 for s in decoding]
+            least_chances = [
+                self.adaptive.least_chance(batch, rows, s.seq_id) if may_adapt(s) else 0.0 for s in decoding
+            ]
         started = time.perf_counter()
         drafts = self.proposer.propose(decoding, wanted, least_chances)
         self._observe_draft([d.num_tokens + d.dropped for d in drafts], wanted, time.perf_counter() - started)
@@ -470,7 +471,7 @@ class Engine:
                     and seq.params.greedy
                     and not seq.params.processes_logits
                 ):
-                    self.adaptive.observe_first_guess(first_confidence, verdict.num_accepted > 0)
+                    self.adaptive.observe_first_guess(seq.seq_id, first_confidence, verdict.num_accepted > 0)
         self._compare_lookups(advanced)
         if self.proposer is not None:
             self.proposer.observe(advanced, [outcome.verdict.num_accepted for outcome in outcomes])

@@ -345,7 +345,9 @@ class AdaptiveSpecLength:
         self.target_steps = 0  # target forwards measured
         self.sequences: dict[int, Acceptance] = {}
         self.lookups: dict[int, Acceptance] = {}  # each sequence's lookup-first drafts
-        self.first_guesses = FirstGuesses()
+        # Each sequence's own: how sure a proposer is of a right guess moves with the text
+        # (a head sure and wrong on one answer would drop another's good guesses).
+        self.first_guesses: dict[int, FirstGuesses] = {}
         # What `best` weighs changes only with a measurement or a drafting step's record
         # (`_news` counts them); a plain step changes nothing but its clocks. So a batch
         # choosing plain decoding keeps that choice, unpriced, until there is news
@@ -608,22 +610,23 @@ class AdaptiveSpecLength:
             rows += k
         return ks
 
-    def least_chance(self, batch: int, rows: int) -> float:
-        """The least probability a greedy first guess needs, by its proposer, to be worth
-        its row in a step of `batch` decoding sequences and `rows` rows in all: the
+    def least_chance(self, batch: int, rows: int, seq_id: int) -> float:
+        """The least probability seq_id's greedy first guess needs, by its proposer, to be
+        worth its row in a step of `batch` decoding sequences and `rows` rows in all: the
         acceptance rate that pays for the seconds a drafted row adds on average, valued
         as `lookup_ks` values them (about a fifth of a token at batch 1 on our CPU
-        kernels, some hundredths on a GPU), through what the proposer's first guesses
+        kernels, some hundredths on a GPU), through what the sequence's first guesses
         earned by their probability (`FirstGuesses`). 0 where no row is drafted."""
         plain = self.plain_step(batch)
         if rows <= batch or plain <= 0:
             return 0.0
         per_row = (self.target_seconds(rows) - self.target_seconds(batch)) / (rows - batch)
-        return self.first_guesses.least_probability(MIN_SPEEDUP * batch * per_row / plain)
+        guesses = self.first_guesses.get(seq_id) or FirstGuesses()
+        return guesses.least_probability(MIN_SPEEDUP * batch * per_row / plain)
 
-    def observe_first_guess(self, probability: float, accepted: bool) -> None:
-        """A verified greedy first guess: its proposer's probability of it, and the verdict."""
-        self.first_guesses.record(probability, accepted)
+    def observe_first_guess(self, seq_id: int, probability: float, accepted: bool) -> None:
+        """seq_id's verified greedy first guess: its proposer's probability of it, and the verdict."""
+        self.first_guesses.setdefault(seq_id, FirstGuesses()).record(probability, accepted)
 
     def record_lookup(self, seq_id: int, proposed: int, matched: int) -> None:
         """A lookup draft of `proposed` tokens whose first `matched` the target emitted
@@ -666,3 +669,4 @@ class AdaptiveSpecLength:
     def free(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)
         self.lookups.pop(seq_id, None)
+        self.first_guesses.pop(seq_id, None)
