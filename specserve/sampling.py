@@ -1,4 +1,6 @@
-"""Sampling parameters, the logits -> probabilities transform, and seeded sampling.
+"""Sampling parameters, the logits -> probabilities transform, seeded sampling from a
+request's own stream (`sample`), and the same transform and a draw inside a CUDA graph
+from the device's generator (`sample_on_device`, for multi-step chains).
 
 One transform (temperature, then top-k, then top-p) serves the target and the draft:
 the verifier is lossless only if both distributions went through the same one.
