@@ -175,7 +175,7 @@ def replay(
         want = max(0, min(want, remaining - 1))
         drafted = accepted = dropped = 0
         if want:
-            least = adaptive.least_chance(1, 1 + want, seq_id) if adaptive else 0.0  # as the engine asks
+            least = adaptive.least_chances(1, 1 + want, [seq_id])[0] if adaptive else 0.0  # as the engine asks
             drafted, accepted, dropped = trace.drafted_and_accepted(emitted, want, threshold, least)
             drafting = costs.draft_fixed + costs.draft_per_position * (drafted + dropped)
             # As the engine times it: a call that first reads a backlog is a reading sample.

@@ -100,16 +100,14 @@ def train_recipe(
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
     trainer = new_trainer(make_method(recipe), recipe, target, FeatureSet.load(work / "features", keys), checkpoint)
-    measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else trainer.method
+    measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else None
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:
         figures = trainer.train_step()
         correct[0] += figures.correct[0]
         counted[0] += figures.counted[0]
         if trainer.position.step % eval_every == 0 or trainer.position.step == steps:
-            trained, trainer.method = trainer.method, measured
-            agreement = trainer.evaluate(held_out=True)
-            trainer.method = trained
+            agreement = trainer.evaluate(held_out=True, method=measured)
             row = {
                 "recipe": name,
                 "step": trainer.position.step,

@@ -264,9 +264,8 @@ class Engine:
             return [Draft.empty()] * len(decoding)
         least_chances = None
         if self.adaptive is not None:
-            least_chances = [
-                self.adaptive.least_chance(batch, rows, s.seq_id) if may_adapt(s) else 0.0 for s in decoding
-            ]
+            least = self.adaptive.least_chances(batch, rows, [s.seq_id for s in decoding])
+            least_chances = [chance if may_adapt(s) else 0.0 for chance, s in zip(least, decoding)]
         started = time.perf_counter()
         drafts = self.proposer.propose(decoding, wanted, least_chances)
         self._observe_draft([d.num_tokens + d.dropped for d in drafts], wanted, time.perf_counter() - started)

@@ -324,6 +324,9 @@ class FirstGuesses:
         return edge
 
 
+PRIOR_FIRST_GUESSES = FirstGuesses()  # never recorded: each bin at its middle probability
+
+
 class AdaptiveSpecLength:
     """Chooses each decoding sequence's k before a step; learns from the step after it."""
 
@@ -610,19 +613,20 @@ class AdaptiveSpecLength:
             rows += k
         return ks
 
-    def least_chance(self, batch: int, rows: int, seq_id: int) -> float:
-        """The least probability seq_id's greedy first guess needs, by its proposer, to be
-        worth its row in a step of `batch` decoding sequences and `rows` rows in all: the
-        acceptance rate that pays for the seconds a drafted row adds on average, valued
-        as `lookup_ks` values them (about a fifth of a token at batch 1 on our CPU
-        kernels, some hundredths on a GPU), through what the sequence's first guesses
-        earned by their probability (`FirstGuesses`). 0 where no row is drafted."""
+    def least_chances(self, batch: int, rows: int, seq_ids: list[int]) -> list[float]:
+        """The least probability each sequence's greedy first guess needs, by its
+        proposer, to be worth its row in a step of `batch` decoding sequences and `rows`
+        rows in all: the acceptance rate that pays for the seconds a drafted row adds on
+        average, valued as `lookup_ks` values them (about a fifth of a token at batch 1 on
+        our CPU kernels, some hundredths on a GPU), through what that sequence's first
+        guesses earned by their probability (`FirstGuesses`; the prior's where it has
+        none). 0 where no row is drafted."""
         plain = self.plain_step(batch)
         if rows <= batch or plain <= 0:
-            return 0.0
+            return [0.0] * len(seq_ids)
         per_row = (self.target_seconds(rows) - self.target_seconds(batch)) / (rows - batch)
-        guesses = self.first_guesses.get(seq_id) or FirstGuesses()
-        return guesses.least_probability(MIN_SPEEDUP * batch * per_row / plain)
+        rate = MIN_SPEEDUP * batch * per_row / plain
+        return [self.first_guesses.get(i, PRIOR_FIRST_GUESSES).least_probability(rate) for i in seq_ids]
 
     def observe_first_guess(self, seq_id: int, probability: float, accepted: bool) -> None:
         """seq_id's verified greedy first guess: its proposer's probability of it, and the verdict."""

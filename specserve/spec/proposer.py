@@ -76,7 +76,7 @@ class Proposer(Protocol):
         """Draft up to num_tokens[i] tokens after seqs[i].token_ids. A proposer that
         knows its guesses' probabilities drops a greedy sequence's first guess, and
         drafts nothing for it, where it gives that guess less than least_chances[i]
-        (`AdaptiveSpecLength.least_chance`)."""
+        (`AdaptiveSpecLength.least_chances`)."""
         ...
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:

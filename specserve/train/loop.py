@@ -217,15 +217,17 @@ class Trainer:
     # -- measurement --
 
     @torch.no_grad()
-    def evaluate(self, held_out: bool = True) -> Agreement:
-        """Top-1 agreement with the target per step over one split's windows."""
+    def evaluate(self, held_out: bool = True, method: HeadMethod | None = None) -> Agreement:
+        """Top-1 agreement with the target per step over one split's windows, by the
+        training method or by `method` (an EAGLE head measured over more unrolled steps)."""
+        method = method or self.method
         self.head.eval()
-        correct, counted, loss, batches = [0] * self.method.num_steps, [0] * self.method.num_steps, 0.0, 0
+        correct, counted, loss, batches = [0] * method.num_steps, [0] * method.num_steps, 0.0, 0
         windows = self.data.windows(held_out=held_out, length=self.settings.window)
         per_batch = max(1, self.settings.batch_tokens // self.settings.window)
         for i in range(0, len(windows), per_batch):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                figures = self.method.objective(self.head, self.data.batch(windows[i : i + per_batch]), self.vocab)
+                figures = method.objective(self.head, self.data.batch(windows[i : i + per_batch]), self.vocab)
             correct = [a + b for a, b in zip(correct, figures.correct)]
             counted = [a + b for a, b in zip(counted, figures.counted)]
             loss += figures.loss.item()

@@ -338,7 +338,7 @@ def test_a_first_guess_dropped_before_a_chain_teaches_adaptive_k():
     graphed.use_cuda_graphs(num_slots=1, capacity=256)
     proposer = DraftModelProposer(draft)
     adaptive = AdaptiveSpecLength(5, prior_draft_cost_ratio=0.2)
-    adaptive.least_chance = lambda batch, rows, seq_id: 1.01  # no first guess is worth its row
+    adaptive.least_chances = lambda batch, rows, seq_ids: [1.01] * len(seq_ids)  # no first guess is worth its row
     observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target  # steady costs
     adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 2e-3 * positions)
     adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)

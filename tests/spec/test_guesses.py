@@ -67,15 +67,15 @@ def test_the_least_chance_prices_a_drafted_row_at_plain_decodings_tokens_a_secon
     for _ in range(50):  # a row a sixth of a one-row forward: 10 ms + 2 ms a row
         for rows in range(1, 9):
             adaptive.observe_target(rows, 0.010 + 0.002 * rows)
-    assert adaptive.least_chance(1, 1, seq_id=0) == 0.0  # nothing drafted
+    assert adaptive.least_chances(1, 1, [0]) == [0.0]  # nothing drafted
     for probability in (0.45, 0.55):  # first guesses of 0.4-0.6 always accepted
         for _ in range(50):
             adaptive.observe_first_guess(0, probability, accepted=True)
     assert MIN_SPEEDUP * 0.002 / 0.012 < 0.2
-    assert adaptive.least_chance(1, 4, seq_id=0) == 0.2  # bins from 0.2 earn at least a row's 0.17
+    assert adaptive.least_chances(1, 4, [0]) == [0.2]  # bins from 0.2 earn at least a row's 0.17
     # Eight sequences: a row's seconds weigh against eight tokens a plain step (0.63).
     assert 0.6 < MIN_SPEEDUP * 8 * 0.002 / 0.026 < 0.65
-    assert adaptive.least_chance(8, 16, seq_id=0) == 0.4  # bins of 0.4-0.6 measured; 0.35 (prior) is too little
+    assert adaptive.least_chances(8, 16, [0]) == [0.4]  # bins of 0.4-0.6 measured; 0.35 (prior) is too little
 
 
 def test_a_sequences_first_guesses_set_its_own_least_chance_alone():
@@ -89,7 +89,7 @@ def test_a_sequences_first_guesses_set_its_own_least_chance_alone():
     for _ in range(200):
         adaptive.observe_first_guess(1, 0.9, accepted=False)
         adaptive.observe_first_guess(2, 0.9, accepted=True)
-    assert adaptive.least_chance(1, 4, seq_id=1) == 1.0  # no first guess of its is worth its row
-    assert adaptive.least_chance(1, 4, seq_id=2) == adaptive.least_chance(1, 4, seq_id=3) == 0.2  # the prior's
+    assert adaptive.least_chances(1, 4, [1]) == [1.0]  # no first guess of its is worth its row
+    assert adaptive.least_chances(1, 4, [2, 3]) == [0.2, 0.2]  # the prior's
     adaptive.free(1)
-    assert adaptive.least_chance(1, 4, seq_id=1) == 0.2
+    assert adaptive.least_chances(1, 4, [1]) == [0.2]

@@ -261,7 +261,7 @@ def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_st
         proposer.heads.head_scores = lambda h, i: heads_run[-1].append((i, h.shape[0])) or head_scores(h, i)
     adaptive = AdaptiveSpecLength(7, prior_cost_ratio(proposer, target))
     least = itertools.cycle([0.0, 0.9, 1.1])
-    adaptive.least_chance = lambda batch, rows, seq_id: next(least)
+    adaptive.least_chances = lambda batch, rows, seq_ids: [next(least)] * len(seq_ids)
     # Costs as a quiet machine measures them (see the next test), so that k > 0 is chosen.
     observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target
     adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 1e-3 * positions)

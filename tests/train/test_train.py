@@ -72,6 +72,17 @@ def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name
     assert all(torch.equal(a, b) for a, b in zip(trainer.head.state_dict().values(), loaded.state_dict().values()))
 
 
+def test_a_head_is_measured_over_more_steps_than_it_trains(tmp_path):
+    """evaluate(method=...) measures the same head by another method: an EAGLE-3 head
+    trained over 3 unrolled steps, measured over 5, reports those 5, its first 3 as the
+    training method's."""
+    trainer = trainer_on_one_text("eagle3", tmp_path, steps=20)
+    trainer.run(time.monotonic() + 600, lambda figures: None)
+    own, longer = trainer.evaluate(held_out=False), trainer.evaluate(held_out=False, method=EagleMethod(3, 5))
+    assert len(own.rates) == 3 and len(longer.rates) == 5
+    assert longer.rates[:3] == own.rates
+
+
 @pytest.mark.parametrize("loop", [{}, {"feature_noise": 0.3}])  # the noise's draws resume too
 def test_resumed_training_matches_an_uninterrupted_run(tmp_path, loop):
     whole = trainer_on_one_text("eagle3", tmp_path / "whole", steps=12, **loop)
