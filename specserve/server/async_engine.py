@@ -13,10 +13,14 @@ Invariants:
   (client gone: the handler's `finally` aborts it at once), or at shutdown.
 - At most `max_num_seqs + max_queue_len` requests are unfinished; one more gets
   `QueueFullError` (HTTP 429) at once, so waiting requests never pile up unbounded.
-- A request whose own verification fails (Engine.step isolates it) fails alone with
+- A request whose own verification fails (Engine.step isolates it), or whose own
+  output cannot be made (its text, its stop strings, its abort), fails alone with
   `EngineStepError`; a failing step as a whole fails the requests of that batch. Either
   way the thread goes on serving the others, and the error carries no internals (the
   log has the traceback).
+- No request waits forever: when the loop ends, at `stop` or on a bug of its own, every
+  request it holds or has yet to read gets an error, and later ones are refused
+  (`ShuttingDownError`) as /health turns 503.
 """
 
 from __future__ import annotations
@@ -101,12 +105,26 @@ class _Request:
 
 @dataclass
 class _Commands:
-    """Thread-safe inbox of the engine thread."""
+    """Thread-safe inbox of the engine thread; once closed, it takes no more requests."""
 
     inbox: queue.Queue = field(default_factory=queue.Queue)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: bool = False
 
     def put(self, kind: str, request: _Request | None = None) -> None:
-        self.inbox.put((kind, request))
+        """Raise ShuttingDownError for an "add" after `close` (nobody would read it)."""
+        with self._lock:
+            if self._closed:
+                if kind == "add":
+                    raise ShuttingDownError("the server is shutting down; retry against another replica")
+                return
+            self.inbox.put((kind, request))
+
+    def close(self) -> list[tuple[str, _Request | None]]:
+        """Take no more commands; return those not yet read."""
+        with self._lock:
+            self._closed = True
+            return self.drain(block=False)
 
     def drain(self, block: bool) -> list[tuple[str, _Request | None]]:
         items = []
@@ -138,6 +156,7 @@ class AsyncEngine:
         self.num_unfinished = 0  # touched on the event loop only
         self._commands = _Commands()
         self._requests: dict[int, _Request] = {}  # by seq_id; engine thread only
+        self._unread: list[tuple[str, _Request | None]] = []  # commands drained, not yet applied
         self._stat_logger = StatLogger(log_interval_s)
         self._spec_seen = engine.spec_stats.copy()
         self._finish_times: deque[float] = deque(maxlen=16)  # of the latest requests to leave
@@ -187,8 +206,8 @@ class AsyncEngine:
             outputs=asyncio.Queue(),
             loop=asyncio.get_running_loop(),
         )
-        self.num_unfinished += 1
         self._commands.put("add", request)
+        self.num_unfinished += 1
         try:
             while True:
                 item = await request.outputs.get()
@@ -233,26 +252,34 @@ class AsyncEngine:
     # ----- engine thread -----
 
     def run(self) -> None:
-        """The engine loop: apply commands, step, post outputs; returns after `stop`."""
+        """The engine loop: apply commands, step, post outputs; returns after `stop`, or
+        after a bug of the loop's own (logged), failing every request it holds."""
         self._running = True
+        error: Exception = ShuttingDownError("the server shut down before this request finished")
         try:
             self._loop()
+        except Exception:
+            log.exception("the engine loop failed; its requests are answered with an error")
+            error = EngineStepError()
         finally:
             self._running = False
+            for kind, request in self._unread + self._commands.close():
+                if kind == "add":  # never reached the engine
+                    request.done = True
+                    request.post(error)
+            self._fail(list(self._requests.values()), error)
 
     def _loop(self) -> None:
         while True:
-            for kind, request in self._commands.drain(block=not self.engine.has_unfinished()):
+            self._unread = self._commands.drain(block=not self.engine.has_unfinished())
+            while self._unread:
+                kind, request = self._unread.pop(0)
                 if kind == "add":
                     self._add(request)
                 elif kind == "abort":
                     self._abort(request)
                 else:
-                    self._fail(
-                        list(self._requests.values()),
-                        ShuttingDownError("the server shut down before this request finished"),
-                    )
-                    return
+                    return  # run() answers what is left, self._unread included
             if self.engine.has_unfinished():
                 self._step()
             self.metrics.set_queue(len(self.engine.running), len(self.engine.waiting))
@@ -282,8 +309,7 @@ class AsyncEngine:
 
     def _abort(self, request: _Request) -> None:
         if request.seq is not None and self._requests.pop(request.seq.seq_id, None) is not None:
-            self.engine.finish(request.seq.seq_id)
-            self._record_finish(request.seq)
+            self._end(request)
 
     def _step(self) -> None:
         try:
@@ -296,8 +322,13 @@ class AsyncEngine:
         now = time.perf_counter()
         for seq in advanced:
             request = self._requests.get(seq.seq_id)
-            if request is not None:
+            if request is None:
+                continue
+            try:
                 self._emit(request, now)
+            except Exception:  # this request's own output (its text, a stop string): it alone fails
+                log.exception("the output of request %d failed; the others go on", seq.seq_id)
+                self._fail([request], EngineStepError())
         spec = self.engine.spec_stats
         delta = spec - self._spec_seen
         self._spec_seen = spec.copy()
@@ -366,7 +397,17 @@ class AsyncEngine:
         """End these requests in the engine and answer each with `error`."""
         for request in requests:
             self._requests.pop(request.seq.seq_id, None)
-            self.engine.finish(request.seq.seq_id)
-            self._record_finish(request.seq)
+            if not request.done:  # an output that failed mid-way may have ended it already
+                self._end(request)
             request.done = True
             request.post(error)
+
+    def _end(self, request: _Request) -> None:
+        """Take a request's sequence out of the engine and count it as finished; a failure
+        of the engine's cleanup is logged, and the others go on."""
+        seq_id = request.seq.seq_id
+        try:
+            self.engine.finish(seq_id)  # it leaves the batch first, whatever fails after
+        except Exception:
+            log.exception("ending request %d failed", seq_id)
+        self._record_finish(request.seq)
