@@ -186,8 +186,7 @@ class SpecConfig:
     draft_confidence_threshold: float = 0.5
     # Our addition: choose each request's k per step from its acceptance and the
     # measured costs (spec/adaptive.py), from 0 (plain decoding) up to
-    # max_speculative_tokens; a seeded sampling request keeps num_speculative_tokens so
-    # its output repeats. False drafts num_speculative_tokens every step, as vLLM.
+    # max_speculative_tokens. False drafts num_speculative_tokens every step, as vLLM.
     adaptive: bool = True
     # Adaptive only; parse() makes it >= num_speculative_tokens (None for "medusa": its heads).
     max_speculative_tokens: int | None = 15

@@ -1,6 +1,15 @@
-"""Sampling parameters, the logits -> probabilities transform, seeded sampling from a
-request's own stream (`sample`), and the same transform and a draw inside a CUDA graph
-from the device's generator (`sample_on_device`, for multi-step chains).
+"""Sampling parameters, the logits -> probabilities transform, sampling by the inverse
+of the cumulative distribution (`sample`), and the same transform and a draw inside a
+CUDA graph from the device's generator (`sample_on_device`, for multi-step chains).
+
+Where a draw's uniform comes from:
+- An unseeded request draws from its own stream (`SamplingParams.make_generator`), in
+  whatever order its steps ask.
+- A seeded request's draw for the token at index p of its text (prompt included) is
+  `keyed_uniforms(seed_key(seed), p)`: a hash of the seed and p, whatever was drawn
+  before. So the token at p is a function of the target's distribution there and of the
+  seed alone, the same whichever steps, drafts or neighbours led to it (spec/verify.py,
+  `verify_keyed`).
 
 One transform (temperature, then top-k, then top-p) serves the target and the draft:
 the verifier is lossless only if both distributions went through the same one.
@@ -162,23 +171,54 @@ def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, kept)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample(
+    probs: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """probs [n, V] (non-negative; a row need not sum to 1) -> token ids [n] int64, one
-    draw per row from the request's stream, by the inverse of the cumulative distribution:
-    one uniform a row, where torch.multinomial draws V exponentials (2.3 ms a row over
-    152k ids on a CPU core, against 0.13 ms here). An id of zero probability is never
-    drawn; the cumulative sum is float32 rounded from a float64 running total on the CPU,
-    so a boundary is off by at most ~6e-8 of the row's mass. A row with no mass (or a NaN)
-    raises, as torch.multinomial does."""
+    draw per row by the inverse of the cumulative distribution: one uniform a row, from
+    the request's stream (`generator`) or given (`uniforms` [n] in [0, 1), a seeded
+    request's `keyed_uniforms`), where torch.multinomial draws V exponentials (2.3 ms a
+    row over 152k ids on a CPU core, against 0.13 ms here). An id of zero probability is
+    never drawn; the cumulative sum is float32 rounded from a float64 running total on
+    the CPU, so a boundary is off by at most ~6e-8 of the row's mass. A row with no mass
+    (or a NaN) raises, as torch.multinomial does."""
     cumulative = probs.float().cumsum(dim=-1)  # [n, V]
     total = cumulative[:, -1:]  # [n, 1]
     if not bool((total > 0).all()):
         raise ValueError("sampling from a distribution with no mass (all zero, or NaN)")
-    u = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=total.device) * total  # [n, 1]
+    if uniforms is None:
+        uniforms = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=total.device)  # [n, 1]
+    u = uniforms.to(total).view(total.shape) * total  # [n, 1]
     # u < total, also where the product rounds up: the first id whose cumulative exceeds
     # u then has mass of its own.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cumulative, u, right=True).squeeze(-1)
+
+
+# A 32-bit mixing function (Chris Wellons' lowbias32 shape, with multipliers below 2^31
+# so that no product of 32-bit values overflows int64): the same on Python ints and on
+# int64 tensors, on any device and inside a CUDA graph.
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):  # int, or int64 tensor, of values in [0, 2^32)
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK32
+    x = ((x ^ (x >> 15)) * 0x5BD1E995) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A request's seed (any int `SamplingParams` takes) as the 32-bit key of its draws."""
+    seed %= 2**64
+    return _mix32((seed & MASK32) ^ _mix32((seed >> 32) ^ 0x9E3779B9))
+
+
+def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """keys, positions int64 [n] (keys from `seed_key`, positions >= 0) -> uniforms [n]
+    float32 in [0, 1), on their device, each a hash of its key and position with 24 bits
+    of resolution (float32's, as the cumulative sum `sample` searches)."""
+    hashed = _mix32(keys ^ _mix32(positions & MASK32))  # [n]
+    return (hashed >> 8).to(torch.float32) * 2.0**-24
 
 
 def sample_on_device(

@@ -30,14 +30,21 @@ def chi_square_p_value(samples: torch.Tensor, expected_probs: torch.Tensor) -> f
     return float(torch.special.gammaincc(degrees_of_freedom / 2, statistic / 2))
 
 
-def seeded_outputs(engine, prompt: list[int], fields: dict, batches: int = 10, per_batch: int = 600) -> torch.Tensor:
+def seeded_outputs(
+    engine, prompt: list[int], fields: dict, batches: int = 10, per_batch: int = 600, keyed: bool = True
+) -> torch.Tensor:
     """[batches * per_batch, max_tokens]: the engine's outputs for prompt, each request
-    seeded apart (seed batch * 1000 + i), per_batch of them at a time."""
+    seeded apart by seed batch * 1000 + i, per_batch of them at a time: with `keyed`, the
+    request's seed (keyed draws, spec/verify.py); else an unseeded request's generator."""
     from specserve.sampling import SamplingParams
 
     samples = []
     for batch in range(batches):
-        seqs = [engine.add_request(prompt, SamplingParams(**fields, seed=batch * 1000 + i)) for i in range(per_batch)]
+        seeds = [batch * 1000 + i for i in range(per_batch)]
+        seqs = [engine.add_request(prompt, SamplingParams(**fields, seed=seed if keyed else None)) for seed in seeds]
+        if not keyed:
+            for seq, seed in zip(seqs, seeds):
+                seq.generator.manual_seed(seed)
         while engine.has_unfinished():
             engine.step()
         samples += [s.output_ids for s in seqs]

@@ -7,8 +7,10 @@ sequence by one verified step.
   drafts, ragged k), keeps 1..k+1 tokens a sequence and rolls the target cache back past
   rejected drafts; greedy sequences of a verifying `FusedDraftProposer` do so in one C call.
 - A step that feeds a prompt chunk (at most `prefill_chunk_size` tokens) drafts nothing,
-  so TTFT is what it is without speculation; a seeded sampling request's k never depends
-  on what shares its steps (`may_adapt`), so its output repeats.
+  so TTFT is what it is without speculation.
+- A seeded sampling request is verified by its keyed draws (spec/verify.py,
+  `verify_keyed`): its tokens are plain sampling's whatever k, drafts or neighbours its
+  steps had, so adaptive k chooses its k as any other's.
 - Lookup first (`lookup_first`) drafts from a sequence's own earlier tokens, and no k is
   chosen from the current step's outputs: the output stays the target's.
 - A joining request starts from the longest prefix of its prompt, all but its last token,
@@ -19,11 +21,8 @@ sequence by one verified step.
   budget the latest admitted is preempted (vLLM's recompute): its caches are dropped
   (kept in the prefix cache where there is one), it waits at the head of the queue, and
   it joins again by reading all but its newest token as a prompt, unscored, so that its
-  next step is the one it would have taken. Greedy output is unchanged, up to the
-  rounding of a read against a step's (as with prefix caching); so is a seeded
-  request's without speculation or with n-gram drafts. A seeded request whose proposer
-  must read its tokens again draws differently once they are read, so it is preempted
-  last.
+  next step is the one it would have taken. Greedy and seeded output is unchanged, up
+  to the rounding of a read against a step's (as with prefix caching).
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
   (plainly, or where adaptive k drafts nothing), each greedy or sampling without a seed
@@ -60,7 +59,7 @@ from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
-from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify
+from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify, verify_keyed
 
 DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for every row
 # Tokens a sequence decodes per engine step where multi-step decoding runs: the host's
@@ -109,13 +108,6 @@ def chainable(seq: Sequence) -> bool:
     return params.greedy or params.seed is None
 
 
-def may_adapt(seq: Sequence) -> bool:
-    """Whether adaptive speculation may choose how much of this sequence's draft to
-    verify. The choice follows measured timings, and a sampled token depends on where
-    the draft stopped: a seeded sampling request keeps the fixed k, so that it repeats."""
-    return seq.params.greedy or seq.params.seed is None
-
-
 class Engine:
     def __init__(
         self,
@@ -132,9 +124,8 @@ class Engine:
         num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
         kv_cache_positions: int | None = None,
     ):
-        """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py),
-        except a seeded sampling request's, which stays num_speculative_tokens so that
-        it repeats; without, every step drafts num_speculative_tokens. lookup_first
+        """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py);
+        without, every step drafts num_speculative_tokens. lookup_first
         (see `_look_up`), prefix_cache (the target's), num_scheduler_steps (1: off) and
         kv_cache_positions (None: no bound; it must hold one sequence of max_model_len):
         see the module's docstring. prefill_chunk_size None: the target's device's
@@ -242,17 +233,13 @@ class Engine:
 
     def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
         ks = [self.num_speculative_tokens] * len(decoding)
-        adaptable = [i for i, s in enumerate(decoding) if may_adapt(s)]
-        if self.adaptive is not None and adaptable:
-            seqs = [decoding[i] for i in adaptable]
-            chosen = self.adaptive.choose(
-                [s.seq_id for s in seqs],
-                [self.proposer.backlog(s) for s in seqs],
-                [s.remaining_tokens for s in seqs],
-                others=len(self.running) - len(seqs),
+        if self.adaptive is not None and decoding:
+            ks = self.adaptive.choose(
+                [s.seq_id for s in decoding],
+                [self.proposer.backlog(s) for s in decoding],
+                [s.remaining_tokens for s in decoding],
+                others=len(self.running) - len(decoding),
             )
-            for i, k in zip(adaptable, chosen):
-                ks[i] = k
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
 
@@ -264,8 +251,7 @@ class Engine:
             return [Draft.empty()] * len(decoding)
         least_chances = None
         if self.adaptive is not None:
-            least = self.adaptive.least_chances(batch, rows, [s.seq_id for s in decoding])
-            least_chances = [chance if may_adapt(s) else 0.0 for chance, s in zip(least, decoding)]
+            least_chances = self.adaptive.least_chances(batch, rows, [s.seq_id for s in decoding])
         started = time.perf_counter()
         drafts = self.proposer.propose(decoding, wanted, least_chances)
         self._observe_draft([d.num_tokens + d.dropped for d in drafts], wanted, time.perf_counter() - started)
@@ -305,12 +291,11 @@ class Engine:
                 if seq.lookup_pending is None:
                     seq.lookup_pending = (len(seq.token_ids), draft.tokens.tolist())
         # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks).
-        adaptable = [i for i in found if may_adapt(decoding[i])]
-        if self.adaptive is not None and adaptable:
+        if self.adaptive is not None and found:
             ks = self.adaptive.lookup_ks(
-                [decoding[i].seq_id for i in adaptable], [found[i].num_tokens for i in adaptable], len(decoding)
+                [decoding[i].seq_id for i in found], [found[i].num_tokens for i in found], len(decoding)
             )
-            for i, k in zip(adaptable, ks):
+            for i, k in zip(list(found), ks):
                 if k:
                     found[i] = Draft(found[i].tokens[:k])
                 else:
@@ -351,8 +336,7 @@ class Engine:
         decoding = [s for s in self.running.values() if s.prefilled]
         # A step that reads a prompt decodes the others plainly: a prompt's first token
         # waits for its step, so that step costs what it would without speculation.
-        prefilling = len(decoding) < len(self.running)
-        speculating = decoding if not prefilling else [s for s in decoding if not may_adapt(s)]
+        speculating = decoding if len(decoding) == len(self.running) else []
         looked_up = self._look_up(speculating)
         drafting = [s for i, s in enumerate(speculating) if i not in looked_up]
         wanted = self._num_draft_tokens(drafting)
@@ -422,13 +406,9 @@ class Engine:
 
     def _preempt_to_fit(self) -> None:
         """Preempt the latest admitted sequences until the rest fit the KV budget (one
-        sequence alone always fits: see __init__). A seeded sampling request that drafts
-        goes last: its proposer reads its tokens again when it rejoins, drafting nothing
-        meanwhile, which moves its generator's draws."""
+        sequence alone always fits: see __init__)."""
         while len(self.running) > 1 and self._over_budget(self.kv_positions_needed()):
-            latest_first = list(reversed(self.running.values()))
-            keeps_its_draws = [s for s in latest_first if self.proposer is None or may_adapt(s)]
-            seq = self.running.pop((keeps_its_draws or latest_first)[0].seq_id)
+            seq = self.running.pop(next(reversed(self.running)))
             if self.prefix_cache is not None:  # a prefix its rejoining may load instead of recomputing
                 self.prefix_cache.store(seq.token_ids, seq.cache)
             seq.cache.release()
@@ -574,6 +554,9 @@ class Engine:
             scores = processed_logits(scores, params, prompt, seq.output_ids, drafts, seq.stop_token_ids)
         if params.greedy:
             verdict = verdict_from_argmax(drafts, scores.argmax(dim=-1).tolist() if params.processes_logits else argmax)
+        elif params.seed is not None:
+            uniforms = seq.keyed_uniforms(len(seq.token_ids), len(drafts) + 1, scores.device)
+            verdict = verify_keyed(scores, w.draft, params, uniforms)
         else:
             verdict = verify(scores, w.draft, params, seq.generator)
         # The i-th emitted token is the one row i predicts (see specserve/logprobs.py);

@@ -19,7 +19,7 @@ import torch
 from specserve.logprobs import TokenLogprob
 from specserve.model.kv_cache import KVCache
 from specserve.penalties import distinct_ids
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, keyed_uniforms, seed_key
 from specserve.spec.stats import SpecStats
 
 
@@ -54,6 +54,16 @@ class Sequence:
     def prompt_distinct_ids(self) -> torch.Tensor:  # [U] int64
         """The prompt's distinct ids, what its penalties read (`penalties.distinct_ids`)."""
         return distinct_ids(self.token_ids[: self.num_prompt_tokens])
+
+    @functools.cached_property
+    def _key(self) -> int:
+        return seed_key(self.params.seed)
+
+    def keyed_uniforms(self, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """A seeded request's draws [count] float32 for its tokens at indices start,
+        start + 1, ... of token_ids (sampling.keyed_uniforms)."""
+        positions = torch.arange(start, start + count, dtype=torch.int64)
+        return keyed_uniforms(torch.full_like(positions, self._key), positions).to(device)
 
     @property
     def num_output_tokens(self) -> int:

@@ -569,8 +569,7 @@ class AdaptiveSpecLength:
         dropped (`Draft.dropped`: a step that dropped its first guess still drafted).
         A step no k was chosen for is not counted: the prefill step that gives a new
         sequence its first token (counted as a plain step, it would clear `fresh`
-        before the first choice, and the sequence would not probe at once), or a seeded
-        request's fixed k."""
+        before the first choice, and the sequence would not probe at once)."""
         state = self.sequences.get(seq_id)
         if state is None:
             return

@@ -16,8 +16,7 @@ With a `prefix_cache` (the draft's own, model/prefix_cache.py) a sequence's draf
 starts from the longest stored prefix of its tokens, and is stored when it is freed.
 Other sequences' draft caches are sources too, looked at before each chunk of a long
 catch-up, and a chunk that another sequence reads in the same call waits a call to be
-copied, as the engine does for the target; not for seeded sampling requests, whose
-drafts, and so their outputs, must not depend on what else runs.
+copied, as the engine does for the target.
 
 With a common head (`Decoder.add_common_head`, `"draft_vocab_size"`) a sequence's
 guesses score only the common token ids while its recent text keeps to them
@@ -88,13 +87,9 @@ class DraftModelProposer:
         # All but the newest token: a draft starts from its logits.
         self.prefix_cache.load(seq.token_ids, self.caches[seq.seq_id], len(seq.token_ids) - 1, self._live(seq))
 
-    def _shares(self, seq: SequenceView) -> bool:
-        """Whether seq may copy from, or wait for, other sequences' draft caches."""
-        return self.prefix_cache is not None and (seq.params.greedy or seq.params.seed is None)
-
     def _live(self, seq: SequenceView) -> list[tuple[list[int], KVCache]]:
-        """The other sequences' draft caches, as prefix cache sources (none where seq may not share)."""
-        if not self._shares(seq):
+        """The other sequences' draft caches, as prefix cache sources (none without a prefix cache)."""
+        if self.prefix_cache is None:
             return []
         return [(self._token_ids[i], cache) for i, cache in self.caches.items() if i != seq.seq_id]
 
@@ -117,9 +112,8 @@ class DraftModelProposer:
         """Where a sequence that wants drafts has more unseen tokens than a chunk (a
         sequence new to the draft has its whole prompt unseen), read one chunk of them
         and draft nothing for it this step: returns num_tokens with those set to 0. So the
-        batch never waits for a long draft prefill; for a seeded sampling request the rule
-        looks at the sequence alone, so its outputs do not depend on what else is in the
-        batch (others may copy from, or wait for, other sequences' caches: see above).
+        batch never waits for a long draft prefill (a sequence may copy from, or wait for,
+        other sequences' caches: see above).
 
         Every proposing call starts here, so this also starts the call's count of tokens
         read (last_catch_up, last_tokens_read), which the drafting after it adds to."""
@@ -132,13 +126,13 @@ class DraftModelProposer:
             new = seq.seq_id not in self.caches  # a new cache looks for its prefix as it is made
             if len(self.unseen(seq)) <= self.catch_up_chunk_size:
                 continue
-            if self._shares(seq) and not new:
+            if self.prefix_cache is not None and not new:
                 self._load_prefix(seq)  # what another sequence read since this one started reading
                 if len(self.unseen(seq)) <= self.catch_up_chunk_size:
                     continue
             start = self._cache(seq).length
             end = start + self.catch_up_chunk_size
-            if not reads.claim(seq.token_ids, start, end, self._shares(seq)):
+            if not reads.claim(seq.token_ids, start, end, self.prefix_cache is not None):
                 waiting.add(i)
                 continue
             long[i] = seq.token_ids[start:end]

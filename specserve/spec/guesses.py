@@ -2,9 +2,12 @@
 as each request asks. Shared by every proposer that scores (a draft model, EAGLE and
 Medusa heads).
 
-A greedy request's guess is the argmax. A sampling request's is drawn with the request's
-own generator from `logits_to_probs` under its params, and those probabilities go to the
-verifier with the draft (`Draft.probs`), so rejection sampling stays lossless. A
+A greedy request's guess is the argmax. A sampling request's is drawn from
+`logits_to_probs` under its params: an unseeded request's with its own generator, and
+those probabilities go to the verifier with the draft (`Draft.probs`), so rejection
+sampling stays lossless; a seeded request's with the keyed uniform of the position it
+guesses, the one the target's own draw there will take (spec/verify.py, `verify_keyed`),
+so that where the two distributions agree the guess is the target's token. A
 penalised request's scores are penalised as the target's rows will be
 (specserve/penalties.py), this step's earlier guesses counted, so the guesses are what
 the penalised target will choose. Scores may cover fewer ids than the vocabulary (a
@@ -82,7 +85,11 @@ class Guesser:
             return token, confidence, None
         row_probs = logits_to_probs(row_logits, params)  # [1, width]
         row_probs = F.pad(row_probs, (0, self.vocab_size - row_probs.shape[-1]))  # [1, V]
-        token = int(sample(row_probs, seq.generator))
+        if params.seed is None:
+            token = int(sample(row_probs, seq.generator))
+        else:
+            position = len(seq.token_ids) + len(drafted)  # the index of the token guessed
+            token = int(sample(row_probs, uniforms=seq.keyed_uniforms(position, 1, row_probs.device)))
         return token, float(row_probs[0, token]), row_probs[0]
 
     def penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:

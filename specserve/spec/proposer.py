@@ -48,9 +48,13 @@ class SequenceView(Protocol):
     token_ids: list[int]  # prompt + output so far; the last one is the next step's input
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator  # the request's own random stream, shared with the verifier
+    generator: torch.Generator  # an unseeded request's own random stream, shared with the verifier
     stop_token_ids: frozenset[int]  # EOS ids and the request's own: none before params.min_tokens
     prompt_distinct_ids: torch.Tensor  # [U] int64: what penalties read of the prompt (penalties.distinct_ids)
+
+    def keyed_uniforms(self, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """A seeded request's draws [count] for its tokens at indices start.. (sampling.py)."""
+        ...
 
 
 class Proposer(Protocol):

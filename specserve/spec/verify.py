@@ -12,9 +12,16 @@ Invariants:
   provided the draft tokens were sampled from `draft_probs` and both distributions went
   through the same `logits_to_probs` transform. A deterministic draft (`probs=None`) is
   a one-hot distribution on its token.
-- All randomness comes from the request's generator, drawn in a fixed order (k uniforms
-  per sequence, then one draw per sequence), so seeded runs repeat. With k = 0 the draw
-  is the same one `sampling.sample` would make.
+- An unseeded request's randomness comes from its generator, drawn in a fixed order (k
+  uniforms, then one draw). With k = 0 the draw is the one `sampling.sample` makes.
+- A seeded request is verified by `verify_keyed`: each row's own token is the target's
+  draw with the keyed uniform of its position (sampling.py), the drafts up to the first
+  that differs are kept, then that row's own token. Every emitted token is the target's
+  draw at its position, so the output is plain sampling's, token for token, whatever was
+  drafted, however many rows were verified and whatever ran beside (up to the rounding
+  of a verified row against a plain step's). A draft drawn with the same uniforms
+  (spec/guesses.py) is accepted nearly as often as by rejection sampling
+  (benchmarks/EXPERIMENTS.md, "Seeded requests verified by keyed draws").
 
 Bonus and recovered tokens are one case: the draft has nothing at row k, so the
 residual max(0, target_probs - draft_probs) there is target_probs itself.
@@ -58,14 +65,22 @@ def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams, ge
     return Verdict(tokens=tokens[0, : accepted + 1].tolist(), num_accepted=accepted)
 
 
+def verify_keyed(target_logits: torch.Tensor, draft: Draft, params: SamplingParams, uniforms: torch.Tensor) -> Verdict:
+    """A seeded request's step: target_logits [k+1, V], uniforms [k+1] the keyed draws of
+    the rows' positions (see the module's docstring)."""
+    own = sample(logits_to_probs(target_logits, params), uniforms=uniforms).tolist()  # [k+1]
+    return verdict_from_argmax(draft.tokens.tolist(), own)
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens a and b share (at most the shorter's length)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def verdict_from_argmax(drafted: list[int], target_argmax: list[int]) -> Verdict:
-    """Greedy verification where the target's argmax of each of the k+1 rows is already
-    known (the fused step): the drafts up to the first that differs, then the argmax."""
+    """Verification where the target's own token for each of the k+1 rows is known (its
+    argmax, or a seeded request's keyed draw): the drafts up to the first that differs,
+    then that row's own token."""
     accepted = common_prefix_length(drafted, target_argmax)
     return Verdict(tokens=target_argmax[: accepted + 1], num_accepted=accepted)
 

@@ -12,10 +12,11 @@ from specserve.config import CPU_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_CHUNK_SIZE,
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, logits_to_probs, sample
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft
+from specserve.spec.verify import Verdict
 from tests.conftest import DEVICES, tiny_config
 
 EOS = 95
@@ -159,6 +160,70 @@ def test_seeded_sampling_repeats_with_speculation(target, device):
     assert other.generate(PROMPTS[0], SamplingParams(**{**params.__dict__, "seed": 99})).output_ids != first
 
 
+SEEDED = [
+    SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=1.3, top_k=20, repetition_penalty=1.2, seed=-5, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("params", SEEDED, ids=["top-p", "top-k-penalised"])
+@pytest.mark.parametrize(
+    "proposer_kind, k, adaptive",
+    [("draft", 3, False), ("draft", 7, True), ("ngram", 5, False), ("ngram", 5, True)],
+    ids=["draft-k3", "draft-adaptive", "ngram-k5", "ngram-adaptive"],
+)
+def test_a_seeded_request_gets_plain_samplings_tokens_whatever_drafts_it(target, params, proposer_kind, k, adaptive):
+    """Keyed draws: a seeded request's tokens are those plain sampling gives it, at any k
+    (adaptive's, timed on this machine, too), beside a greedy and an unseeded sampling
+    request whose steps change its batches."""
+    from specserve.spec.adaptive import AdaptiveSpecLength
+
+    expected = plain_tokens(target, PROMPTS[1], params)
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2)) if proposer_kind == "draft" else NgramProposer(1, 3)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=k,
+        adaptive=AdaptiveSpecLength(15, 0.3) if adaptive else None,
+    )
+    neighbours = [(PROMPTS[0], GREEDY), (PROMPTS[3], SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))]
+    seqs = [engine.add_request(prompt, p) for prompt, p in [neighbours[0], (PROMPTS[1], params), neighbours[1]]]
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs[1].output_ids == expected
+    assert seqs[1].spec.num_drafts > 0 or adaptive
+    assert seqs[0].output_ids == plain_tokens(target, PROMPTS[0])
+
+
+def test_the_check_rejects_a_keyed_verifier_that_keeps_what_the_target_allows(monkeypatch):
+    """The distribution test above fails a keyed verifier with a bug: one that keeps a
+    draft wherever the target gives it any probability."""
+    import specserve.engine.engine as engine_module
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
+
+    def keeps_what_the_target_allows(scores, draft, params, uniforms):
+        probs = logits_to_probs(scores, params)  # [k+1, V]
+        own = sample(probs, uniforms=uniforms).tolist()
+        drafts = draft.tokens.tolist()
+        kept = next((i for i, t in enumerate(drafts) if probs[i, t] == 0), len(drafts))
+        return Verdict(drafts[:kept] + own[kept : kept + 1], kept)
+
+    monkeypatch.setattr(engine_module, "verify_keyed", keeps_what_the_target_allows)
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    params = dict(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS % vocab],
+        proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)),
+        num_speculative_tokens=3,
+    )
+    samples = seeded_outputs(engine, prompt, params, batches=4)
+    assert chi_square_p_value(samples, target_continuation_probs(target, prompt, SamplingParams(**params))) < 1e-4
+
+
 def test_request_validation(target):
     engine = Engine(target, eos_token_ids=[EOS], max_model_len=32)
     with pytest.raises(ConfigError, match="maximum model length 32"):
@@ -184,11 +249,25 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "draft_head, lookup_first, cut_short",
-    [(4, None, False), (3, None, False), (4, 1, False), (4, 1, True)],
-    ids=["whole-vocabulary", "draft-guesses-3-of-4-ids", "lookup-first", "lookups-cut-short"],
+    "draft_head, lookup_first, cut_short, keyed",
+    [
+        (4, None, False, True),
+        (3, None, False, True),
+        (4, 1, False, True),
+        (4, 1, True, True),
+        (4, None, False, False),
+        (4, 1, False, False),
+    ],
+    ids=[
+        "whole-vocabulary",
+        "draft-guesses-3-of-4-ids",
+        "lookup-first",
+        "lookups-cut-short",
+        "whole-vocabulary-unseeded",
+        "lookup-first-unseeded",
+    ],
 )
-def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first, cut_short):
+def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first, cut_short, keyed):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4),
@@ -196,7 +275,8 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     each sequence's guesses over those or every id, by its text),
     where lookups draft in place of the model (one-hot drafts beside the model's), and
     where only the first token of each lookup is verified, as adaptive speculation cuts
-    them under load (the rest still compared with what follows)."""
+    them under load (the rest still compared with what follows). Seeded requests are
+    verified by their keyed draws, unseeded ones by rejection sampling."""
     from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
 
     vocab, length, prompt = 4, 4, [0, 1, 2]
@@ -220,7 +300,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
         look_up = engine._look_up
         engine._look_up = lambda decoding: {i: Draft(d.tokens[:1]) for i, d in look_up(decoding).items()}
     lookups = log_lookups(engine)
-    samples = seeded_outputs(engine, prompt, params)
+    samples = seeded_outputs(engine, prompt, params, keyed=keyed)
     stats = engine.spec_stats
     assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
@@ -404,23 +484,23 @@ def test_draft_catches_up_on_a_long_prompt_in_chunks(target):
 
 @pytest.mark.parametrize("proposer_kind", ["none", "draft"])
 def test_a_request_whose_verification_fails_ends_alone(target, monkeypatch, proposer_kind):
-    """A request whose own arithmetic fails (here: a verifier that raises for seed 13)
+    """A request whose own arithmetic fails (here: a verifier that raises at top-k 13)
     finishes with "error" and its `failure`; the sequence beside it in the batch gets
     its solo tokens."""
     import specserve.engine.engine as engine_module
 
     real_verify = engine_module.verify
 
-    def failing_for_seed_13(scores, draft, params, generator):
-        if params.seed == 13:
+    def failing_at_top_k_13(scores, draft, params, generator):
+        if params.top_k == 13:
             raise RuntimeError("probabilities are not finite")
         return real_verify(scores, draft, params, generator)
 
-    monkeypatch.setattr(engine_module, "verify", failing_for_seed_13)
+    monkeypatch.setattr(engine_module, "verify", failing_at_top_k_13)
     proposer = None if proposer_kind == "none" else DraftModelProposer(perturbed(target, 0.3, seed=2))
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3 if proposer else 0)
     neighbour = engine.add_request(PROMPTS[1], GREEDY)
-    failing = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=1.0, seed=13))
+    failing = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=1.0, top_k=13))
     returned = []
     while engine.has_unfinished():
         returned += engine.step()
@@ -432,8 +512,8 @@ def test_a_request_whose_verification_fails_ends_alone(target, monkeypatch, prop
 
 def test_steps_that_read_a_prompt_decode_the_others_plainly(target):
     """While a new prompt is read in chunks, the proposer is not called (no drafting, no
-    draft reading the prompt) and each decoding sequence gets one token a step; a seeded
-    sampling request keeps drafting (its k must not depend on its company)."""
+    draft reading the prompt) and each decoding sequence, a seeded sampling one too,
+    gets one token a step."""
     proposer = DraftModelProposer(copy.deepcopy(target))  # always right: 4 tokens a drafting step
     calls = []
     propose = proposer.propose
@@ -447,10 +527,10 @@ def test_steps_that_read_a_prompt_decode_the_others_plainly(target):
     late = engine.add_request(list(range(10, 40)), GREEDY)  # 30 tokens: 4 steps of 8
     calls.clear()
     while not late.prefilled:
-        before = greedy.num_output_tokens
+        before = greedy.num_output_tokens, seeded.num_output_tokens
         engine.step()
-        assert greedy.num_output_tokens == before + 1
-    assert calls and all(ids == [seeded.seq_id] for ids in calls)
+        assert (greedy.num_output_tokens, seeded.num_output_tokens) == (before[0] + 1, before[1] + 1)
+    assert not calls
     calls.clear()
     engine.step()
     assert calls and greedy.seq_id in calls[0]

@@ -87,9 +87,9 @@ def test_a_seeded_request_samples_the_same_tokens_through_a_preemption(proposer_
     assert engine.num_preemptions > 0
 
 
-def test_a_seeded_request_with_a_draft_model_is_preempted_last():
-    """Its draft reads its tokens again when it rejoins, moving its draws: the greedy
-    requests beside it are preempted instead, and its tokens are those it has alone."""
+def test_a_preempted_seeded_request_with_a_draft_model_keeps_its_tokens():
+    """Preempted as the latest admitted, its draft reads its tokens again when it rejoins,
+    drafting less meanwhile: its tokens are still those it has alone (keyed draws)."""
     seeded = SamplingParams(max_tokens=150, temperature=0.9, seed=7, ignore_eos=True)
     batch = [(PROMPTS[0], LONG_GREEDY), (PROMPTS[1], LONG_GREEDY), (PROMPTS[2], seeded)]
     alone = run_all(engine_with("draft", None), batch[2:], None)
@@ -97,7 +97,7 @@ def test_a_seeded_request_with_a_draft_model_is_preempted_last():
     seqs = [engine.add_request(prompt, params) for prompt, params in batch]
     while engine.has_unfinished():
         engine.step()
-    assert engine.num_preemptions > 0 and seqs[2].num_preemptions == 0
+    assert seqs[2].num_preemptions > 0
     assert seqs[2].output_ids == alone[0]
 
 

@@ -18,11 +18,15 @@ import torch
 
 from specserve.penalties import apply_penalties
 from specserve.sampling import (
+    SEED_MAX,
+    SEED_MIN,
     InvalidSamplingValue,
     SamplingParams,
+    keyed_uniforms,
     logits_to_probs,
     sample,
     sample_on_device,
+    seed_key,
     top_p_kept,
 )
 from specserve.spec.proposer import Draft
@@ -34,6 +38,7 @@ from specserve.spec.verify import (
     verdict_from_argmax,
     verify,
     verify_batch,
+    verify_keyed,
 )
 from tests.chi_square import chi_square_p_value
 
@@ -610,6 +615,38 @@ def test_sample_never_draws_an_id_without_mass_when_the_uniform_reaches_the_tota
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
     probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     assert sample(probs, torch.Generator()).tolist() == [1, 2]
+
+
+def test_keyed_uniforms_are_uniform_and_independent_across_positions_and_seeds():
+    """Over 400 consecutive seeds x 50 positions: each draw uniform (20 bins), and pairs
+    of draws at neighbouring positions, and of neighbouring seeds, independent (10 x 10)."""
+    seeds, positions = torch.arange(400), torch.arange(50)
+    keys = torch.tensor([seed_key(int(seed)) for seed in seeds])
+    draws = keyed_uniforms(keys[:, None].expand(-1, 50).reshape(-1), positions.repeat(400)).view(400, 50)
+    assert draws.dtype == torch.float32 and 0 <= draws.min() and draws.max() < 1
+    flat = (draws.flatten() * 20).long()[:, None]
+    assert chi_square_p_value(flat, torch.full((20,), 1 / 20)) > 1e-3
+    uniform_pairs = torch.full((10, 10), 1 / 100)
+    for first, second in ((draws[:, :-1], draws[:, 1:]), (draws[:-1], draws[1:])):
+        pairs = torch.stack([(first.flatten() * 10).long(), (second.flatten() * 10).long()], dim=1)
+        assert chi_square_p_value(pairs, uniform_pairs) > 1e-3
+
+
+def test_seed_key_takes_every_seed_the_params_take():
+    assert seed_key(-1) == seed_key(2**64 - 1) and seed_key(0) != seed_key(2**32) != seed_key(1)
+    assert all(0 <= seed_key(seed) < 2**32 for seed in (SEED_MIN, SEED_MAX, 0, 7))
+
+
+def test_verify_keyed_keeps_the_drafts_equal_to_the_targets_own_draws():
+    """Each row's own token is the target's draw with that row's uniform; the drafts up
+    to the first that differs are kept, then that row's own token."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 3  # [k+1, V]
+    uniforms = torch.tensor([0.1, 0.5, 0.9, 0.3])
+    own = sample(logits_to_probs(logits, params), uniforms=uniforms).tolist()
+    for drafts, kept in ((own[:3], 3), (own[:1] + [(own[1] + 1) % 6, own[2]], 1), ([(own[0] + 1) % 6] * 3, 0)):
+        verdict = verify_keyed(logits, Draft.of(drafts), params, uniforms)
+        assert verdict.num_accepted == kept and verdict.tokens == own[: kept + 1]
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
