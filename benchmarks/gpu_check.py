@@ -85,8 +85,8 @@ CUDA_TESTS = [
 ]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32
-# The plain section's sampled rows: every request of its largest batch, without and with top-p.
-SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
+# The plain section's sampled rows: every request of its largest batch, without and with top-p, and seeded.
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P, SAMPLED_SEED = 0.8, 0.95, 7
 DTYPE = torch.bfloat16
 
 
@@ -157,11 +157,17 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode_rate(
-    engine: Engine, batch: int, prompt_len: int, tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
 ) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
     prefilled and given its first token, then the rest timed to the end."""
-    params = SamplingParams(max_tokens=tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -252,16 +258,17 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
                 tokens_per_s=rate,
                 roofline_tokens_per_s=roofline,
             )
-        # Unseeded sampling requests decode in the same chains as greedy ones.
+        # Sampling requests, seeded ones too, decode in the same chains as greedy ones.
         batch = max(args.batches)
         engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
-        for top_p in (1.0, SAMPLED_TOP_P):
-            sampling = dict(temperature=SAMPLED_TEMPERATURE, top_p=top_p)
+        for top_p, seed in ((1.0, None), (SAMPLED_TOP_P, None), (1.0, SAMPLED_SEED)):
+            sampling = dict(temperature=SAMPLED_TEMPERATURE, top_p=top_p, seed=seed)
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
             rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
+            seeded = "" if seed is None else f", seed {seed}"
             table.add(
                 "plain",
-                f"{mode}, batch {batch}, temperature {SAMPLED_TEMPERATURE}, top-p {top_p:g}",
+                f"{mode}, batch {batch}, temperature {SAMPLED_TEMPERATURE}, top-p {top_p:g}{seeded}",
                 f"{rate:.0f} tok/s",
                 mode=mode,
                 batch=batch,

@@ -183,11 +183,18 @@ def sample(
     the CPU, so a boundary is off by at most ~6e-8 of the row's mass. A row with no mass
     (or a NaN) raises, as torch.multinomial does."""
     cumulative = probs.float().cumsum(dim=-1)  # [n, V]
-    total = cumulative[:, -1:]  # [n, 1]
-    if not bool((total > 0).all()):
+    if not bool((cumulative[:, -1] > 0).all()):
         raise ValueError("sampling from a distribution with no mass (all zero, or NaN)")
     if uniforms is None:
-        uniforms = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=total.device)  # [n, 1]
+        uniforms = torch.rand(len(cumulative), generator=generator, dtype=cumulative.dtype, device=cumulative.device)
+    return inverse_cdf(cumulative, uniforms)
+
+
+def inverse_cdf(cumulative: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """cumulative [n, V] float32 (rows with mass), uniforms [n] in [0, 1) -> [n] int64: the
+    first id whose cumulative sum exceeds its row's uniform share of the total; nothing
+    read back to the host."""
+    total = cumulative[:, -1:]  # [n, 1]
     u = uniforms.to(total).view(total.shape) * total  # [n, 1]
     # u < total, also where the product rounds up: the first id whose cumulative exceeds
     # u then has mass of its own.
@@ -226,13 +233,15 @@ def sample_on_device(
     temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: any id (the caller takes its argmax)
     top_ks: torch.Tensor | None = None,  # [n] int64, 0 or less: no cut; None: no row cuts
     top_ps: torch.Tensor | None = None,  # [n] float32, 1: no cut; None: no row cuts
+    uniforms: torch.Tensor | None = None,  # [n] float32: a keyed row's draw, NaN for the others; None: none keyed
 ) -> torch.Tensor:  # [n] int64
     """One draw per row from the distribution `logits_to_probs` gives (temperature, then
     top-k, then top-p), with nothing read back to the host and no shape that depends on
     the values, so a CUDA graph can hold it: the exponential race (argmax of p / E,
     E ~ Exp(1), which picks i with probability p_i) drawn from the device's default
-    generator, whose state a graph advances on every replay. Not a request's own stream:
-    a seeded request cannot sample here. Top-k and top-p sort every row once."""
+    generator, whose state a graph advances on every replay; or, where a row has a
+    uniform (a seeded request's keyed draw), the inverse of the cumulative distribution
+    at it, as `sample` draws it. Top-k and top-p sort every row once."""
     logits = logits.float()
     divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors  # [n, V]
@@ -241,7 +250,10 @@ def sample_on_device(
     probs = scaled.softmax(dim=-1)  # [n, V]
     # Clamped: a draw of exactly 0 would make p / E infinite, or NaN where p is 0.
     race = torch.empty_like(probs).exponential_().clamp_min_(FLOAT32_TINY)  # [n, V]
-    return (probs / race).argmax(dim=-1)
+    raced = (probs / race).argmax(dim=-1)  # [n]
+    if uniforms is None:
+        return raced
+    return torch.where(uniforms.isnan(), raced, inverse_cdf(probs.cumsum(dim=-1), uniforms.nan_to_num(0.0)))
 
 
 def top_k_top_p_on_device(

@@ -25,11 +25,11 @@ sequence by one verified step.
   to the rounding of a read against a step's (as with prefix caching).
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
-  (plainly, or where adaptive k drafts nothing), each greedy or sampling without a seed
-  (`chainable`), it decodes that many tokens each in one static step (TokenChain,
-  capturing a head's features), the host reading them back once; tokens past a stop
-  token or max_tokens are dropped as rejected drafts are. A request that arrives
-  meanwhile joins at the next step.
+  (plainly, or where adaptive k drafts nothing), each greedy or sampling without
+  penalties or logprobs (`chainable`), it decodes that many tokens each in one static
+  step (TokenChain, capturing a head's features), the host reading them back once;
+  tokens past a stop token or max_tokens are dropped as rejected drafts are. A request
+  that arrives meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -100,12 +100,9 @@ def fusable(seq: Sequence) -> bool:
 
 def chainable(seq: Sequence) -> bool:
     """Whether a multi-step chain can decode this sequence (TokenChain): greedy, or
-    sampling from the device's generator, so not seeded (its draws are its own
-    stream's); neither with logprobs nor processed logits."""
-    params = seq.params
-    if params.logprobs is not None or params.processes_logits:
-        return False
-    return params.greedy or params.seed is None
+    sampling (unseeded from the device's generator, seeded by its keyed draws), neither
+    with logprobs nor processed logits."""
+    return seq.params.logprobs is None and not seq.params.processes_logits
 
 
 class Engine:

@@ -34,7 +34,7 @@ import torch
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
-from specserve.sampling import SamplingParams, sample_on_device
+from specserve.sampling import SamplingParams, keyed_uniforms, sample_on_device, seed_key
 
 if TYPE_CHECKING:
     from specserve.config import ModelConfig
@@ -241,6 +241,7 @@ class ChainKey(NamedTuple):
     final: bool = False  # a decoder's Capture.final
     sampled: bool = False  # some sequences sample (TokenChain.run's params)
     filtered: bool = False  # and some of those by top-k or top-p
+    keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
 
 
 class TokenChain:
@@ -249,7 +250,9 @@ class TokenChain:
     vocabulary) and, for a head, its output feature feed the next position on the
     device, and one read-back returns every token and its confidence. A sequence's token
     is the argmax, or where its params sample (`ChainKey.sampled`) a draw from the
-    distribution `logits_to_probs` gives (`sample_on_device`).
+    distribution `logits_to_probs` gives (`sample_on_device`): from the device's own
+    generator, or a seeded request's keyed draw of that position, the one its host steps
+    would take.
 
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
     many decode steps would give them, and the features a head reads of every position
@@ -260,12 +263,13 @@ class TokenChain:
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
-    the device's own generator; a seeded draw (a request's own stream) or a penalty
-    depends on the host, so such a sequence decodes step by step.
+    the device's own generator or a keyed one; an unseeded request's own stream, a
+    penalty or logprobs depend on the host, so such a sequence decodes step by step.
 
-    Contract: greedy tokens are what the model's static steps position by position would
-    give (only the bucket of positions attention reads may differ, which changes no value
-    but rounding); a sampled token follows the distribution such a step's logits give.
+    Contract: greedy and keyed tokens are what the model's static steps position by
+    position would give (only the bucket of positions attention reads may differ, which
+    changes no value but rounding); a sampled token follows the distribution such a
+    step's logits give.
     The chain writes its positions at cache.length + j of each cache without counting
     them in `length`: the caller counts what it keeps.
     """
@@ -281,6 +285,8 @@ class TokenChain:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
         # [3, B] float32: each one's temperature (0: greedy), top-k (0: none) and top-p
         self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
+        # [B] int64: each one's key of its draws (sampling.seed_key), -1 where it has none
+        self.draw_keys = torch.full((key.batch,), -1, dtype=torch.int64, device=device) if key.keyed else None
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (target ids), confidences [B, positions], then a
@@ -300,7 +306,11 @@ class TokenChain:
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
                     top_ks = top_ks.long() if key.filtered else None
-                    sampled = sample_on_device(logits, temperatures, top_ks, top_ps if key.filtered else None)
+                    uniforms = None
+                    if key.keyed:  # the draw for the token after position starts + j
+                        uniforms = keyed_uniforms(self.draw_keys.clamp_min(0), starts + j + 1)  # [B]
+                        uniforms = uniforms.masked_fill(self.draw_keys < 0, float("nan"))
+                    sampled = sample_on_device(logits, temperatures, top_ks, top_ps if key.filtered else None, uniforms)
                     draft = torch.where(temperatures > 0, sampled, draft)  # [B]
                 confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
@@ -348,6 +358,9 @@ class TokenChain:
             unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
             settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
             self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32).T)
+        if self.draw_keys is not None:
+            keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
+            self.draw_keys.copy_(torch.tensor(keys + [-1] * padding, dtype=torch.int64))
         if self.graph is None:
             guesses, confidences, *captured = self.forward()
         else:
@@ -435,7 +448,10 @@ class StaticDecode:
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         sampled = params is not None and not all(p.greedy for p in params)
         filtered = sampled and any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
-        key = ChainKey(next_power_of_two(len(caches)), positions, bucket, sampled=sampled, filtered=filtered)
+        keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
+        key = ChainKey(
+            next_power_of_two(len(caches)), positions, bucket, sampled=sampled, filtered=filtered, keyed=keyed
+        )
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):

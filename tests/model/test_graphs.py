@@ -237,8 +237,8 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
 def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     """num_scheduler_steps = 4 on static steps: greedy requests decode 4 tokens a step
     (TokenChain), and each still gives its plain tokens, ending at its stop token or
-    max_tokens mid-chain; a sampled request beside them decodes step by step, its seeded
-    tokens as alone; every slot comes back."""
+    max_tokens mid-chain; a seeded sampling request beside them decodes in the chains
+    too, its tokens as alone (its keyed draws); every slot comes back."""
     target = on(random_decoder("qwen3", seed=1), device)
     plain = [run(target, lambda: None, [(p, GREEDY)])[0][0] for p in PROMPTS[:3]]
     stop = plain[0][9]  # a token the first request meets mid-chain
@@ -256,7 +256,7 @@ def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     assert outputs[0] == plain[0][: plain[0].index(stop) + 1]
     assert outputs[1:3] == [plain[1][:13], plain[2][:21]]
     assert outputs[3] == alone
-    assert {key.positions for key in graphed.static.chains} == {4}
+    assert {(key.positions, key.keyed) for key in graphed.static.chains} == {(4, True), (4, False)}
     assert graphed.static.pool.num_free == 4
     _, engine = run(graphed, lambda: None, requests[:1], num_scheduler_steps=1)
     assert {key.positions for key in graphed.static.chains} == {4}  # 1: no chain was asked for
@@ -277,6 +277,24 @@ def test_a_request_sampling_by_temperature_keeps_its_batch_in_chains(device):
     assert outputs[:3] == plain and len(outputs[3]) == 30
     assert {(key.positions, key.sampled) for key in graphed.static.chains} == {(4, True), (4, False)}
     assert graphed.static.pool.num_free == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_requests_in_chains_keep_plain_samplings_tokens(device):
+    """Seeded requests sampling with top-k and top-p decode in keyed chains beside an
+    unseeded one, each with the tokens plain sampling gives it alone."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    seeded = [
+        SamplingParams(max_tokens=30, temperature=0.7, top_p=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=1.2, top_k=5, seed=2**63, ignore_eos=True),
+    ]
+    alone = [run(target, lambda: None, [(PROMPTS[i], params)])[0][0] for i, params in enumerate(seeded)]
+    requests = [*zip(PROMPTS, seeded), (PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))]
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    outputs, _ = run(graphed, lambda: None, requests, num_scheduler_steps=4)
+    assert outputs[:2] == alone and len(outputs[2]) == 30
+    assert any(key.keyed and key.filtered for key in graphed.static.chains)
 
 
 @pytest.mark.parametrize(
