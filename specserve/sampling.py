@@ -220,12 +220,20 @@ def seed_key(seed: int) -> int:
     return _mix32((seed & MASK32) ^ _mix32((seed >> 32) ^ 0x9E3779B9))
 
 
+def _keyed_bits(key, position):  # ints, or int64 tensors: 24 bits of a hash of both
+    return _mix32(key ^ _mix32(position & MASK32)) >> 8
+
+
 def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """keys, positions int64 [n] (keys from `seed_key`, positions >= 0) -> uniforms [n]
     float32 in [0, 1), on their device, each a hash of its key and position with 24 bits
     of resolution (float32's, as the cumulative sum `sample` searches)."""
-    hashed = _mix32(keys ^ _mix32(positions & MASK32))  # [n]
-    return (hashed >> 8).to(torch.float32) * 2.0**-24
+    return _keyed_bits(keys, positions).to(torch.float32) * 2.0**-24
+
+
+def keyed_uniform(key: int, position: int) -> float:
+    """`keyed_uniforms` of one key and position, on the host (exact in float32)."""
+    return _keyed_bits(key, position) * 2.0**-24
 
 
 def sample_on_device(

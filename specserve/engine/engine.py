@@ -26,10 +26,11 @@ sequence by one verified step.
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
   (plainly, or where adaptive k drafts nothing), each greedy or sampling without
-  penalties or logprobs (`chainable`), it decodes that many tokens each in one static
-  step (TokenChain, capturing a head's features), the host reading them back once;
-  tokens past a stop token or max_tokens are dropped as rejected drafts are. A request
-  that arrives meanwhile joins at the next step.
+  penalties or min_tokens (`chainable`), it decodes that many tokens each in one static
+  step (TokenChain, capturing a head's features, and the logprobs a request asks
+  for), the host reading them back once; tokens past a stop token or max_tokens are
+  dropped as rejected drafts are. A request that arrives meanwhile joins at the next
+  step.
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ def fusable(seq: Sequence) -> bool:
 
 def chainable(seq: Sequence) -> bool:
     """Whether a multi-step chain can decode this sequence (TokenChain): greedy, or
-    sampling (unseeded from the device's generator, seeded by its keyed draws), neither
-    with logprobs nor processed logits."""
-    return seq.params.logprobs is None and not seq.params.processes_logits
+    sampling (unseeded from the device's generator, seeded by its keyed draws), with or
+    without logprobs, and without penalties or min_tokens (processed logits)."""
+    return not seq.params.processes_logits
 
 
 class Engine:
@@ -487,7 +488,7 @@ class Engine:
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
         firsts, params = [w.tokens[0] for w in work], [w.seq.params for w in work]
-        chains = static.token_chain(firsts, None, caches, steps, capture=capture, params=params)
+        chains = static.token_chain(firsts, None, caches, steps, capture=capture, params=params, confidences=False)
         if chains is None:
             return None
         if features is not None:  # a head reads every position the chain fed
@@ -496,7 +497,8 @@ class Engine:
             cache.length += steps  # the newest token and every token but the last (step() cuts the rest)
         # A first guess dropped before the chain is still the proposer's news to adaptive k.
         return [
-            _Outcome(w.seq, 0, Verdict(tokens, 0), num_dropped=w.draft.dropped) for w, tokens in zip(work, chains[0])
+            _Outcome(w.seq, 0, Verdict(tokens, 0), logprobs, w.draft.dropped)
+            for w, tokens, logprobs in zip(work, chains.tokens, chains.logprobs)
         ]
 
     def _forward_and_verify(self, work: list[_Work]) -> list[_Outcome]:

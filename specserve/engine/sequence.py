@@ -19,7 +19,7 @@ import torch
 from specserve.logprobs import TokenLogprob
 from specserve.model.kv_cache import KVCache
 from specserve.penalties import distinct_ids
-from specserve.sampling import SamplingParams, keyed_uniforms, seed_key
+from specserve.sampling import SamplingParams, keyed_uniform, seed_key
 from specserve.spec.stats import SpecStats
 
 
@@ -61,9 +61,9 @@ class Sequence:
 
     def keyed_uniforms(self, start: int, count: int, device: torch.device) -> torch.Tensor:
         """A seeded request's draws [count] float32 for its tokens at indices start,
-        start + 1, ... of token_ids (sampling.keyed_uniforms)."""
-        positions = torch.arange(start, start + count, dtype=torch.int64)
-        return keyed_uniforms(torch.full_like(positions, self._key), positions).to(device)
+        start + 1, ... of token_ids (sampling.keyed_uniforms), made on the host."""
+        draws = [keyed_uniform(self._key, position) for position in range(start, start + count)]
+        return torch.tensor(draws, dtype=torch.float32, device=device)
 
     @property
     def num_output_tokens(self) -> int:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
+from specserve.logprobs import MAX_LOGPROBS, TokenLogprob
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
@@ -242,13 +243,25 @@ class ChainKey(NamedTuple):
     sampled: bool = False  # some sequences sample (TokenChain.run's params)
     filtered: bool = False  # and some of those by top-k or top-p
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
+    confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
+    logprobs: bool = False  # each token's logprob and the MAX_LOGPROBS likeliest (a target's)
+
+
+class Chained(NamedTuple):
+    """A chain's further tokens of each sequence, their confidences (empty lists where
+    not asked for), and their logprobs where a sequence's params ask (else None)."""
+
+    tokens: list[list[int]]
+    confidences: list[list[float]]
+    logprobs: list[list[TokenLogprob] | None]
 
 
 class TokenChain:
     """k positions of B sequences as one static step (a graph on a GPU): each
     position's token (mapped to a token id through `target_ids`, a head's draft
     vocabulary) and, for a head, its output feature feed the next position on the
-    device, and one read-back returns every token and its confidence. A sequence's token
+    device, and one read-back returns every token, its confidence and, for a request
+    that asks, its logprobs (specserve/logprobs.py: the raw logits'). A sequence's token
     is the argmax, or where its params sample (`ChainKey.sampled`) a draw from the
     distribution `logits_to_probs` gives (`sample_on_device`): from the device's own
     generator, or a seeded request's keyed draw of that position, the one its host steps
@@ -263,8 +276,9 @@ class TokenChain:
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
-    the device's own generator or a keyed one; an unseeded request's own stream, a
-    penalty or logprobs depend on the host, so such a sequence decodes step by step.
+    the device's own generator or a keyed one, nor a token's logprobs; an unseeded
+    request's own stream or a penalty depend on the host, so such a sequence decodes
+    step by step.
 
     Contract: greedy and keyed tokens are what the model's static steps position by
     position would give (only the bucket of positions attention reads may differ, which
@@ -289,11 +303,13 @@ class TokenChain:
         self.draw_keys = torch.full((key.batch,), -1, dtype=torch.int64, device=device) if key.keyed else None
 
         def forward() -> list[torch.Tensor]:
-            """guesses [B, positions] (target ids), confidences [B, positions], then a
-            decoder's captured features, each [B, positions, F]."""
+            """guesses [B, positions] (target ids), confidences [B, positions] (or [B, 0]),
+            then with key.logprobs each token's logprob [B, positions] and the likeliest
+            ids' [B, positions, MAX_LOGPROBS] (or the vocabulary's size) and their ids,
+            then a decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
-            guesses, confidences, captured = [], [], []
+            guesses, confidences, captured, logprobs = [], [], [], []
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
@@ -312,13 +328,21 @@ class TokenChain:
                         uniforms = uniforms.masked_fill(self.draw_keys < 0, float("nan"))
                     sampled = sample_on_device(logits, temperatures, top_ks, top_ps if key.filtered else None, uniforms)
                     draft = torch.where(temperatures > 0, sampled, draft)  # [B]
-                confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
+                if key.confidences:
+                    confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
+                if key.logprobs:  # as logprobs.token_logprobs
+                    row_logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+                    top_values, top_ids = row_logprobs.topk(min(MAX_LOGPROBS, row_logprobs.shape[-1]), dim=-1)
+                    logprobs.append((row_logprobs.gather(1, draft[:, None]).squeeze(1), top_values, top_ids))
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
                 guesses.append(tokens)
-            by_kind = [torch.stack(kind, dim=1) for kind in zip(*captured)]  # each [B, positions, F]
-            return [torch.stack(guesses, dim=1), torch.stack(confidences, dim=1), *by_kind]
+            stacked = [torch.stack(guesses, dim=1)]
+            stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
+            stacked += [torch.stack(kind, dim=1) for kind in zip(*logprobs)]  # [B, positions(, MAX_LOGPROBS)]
+            return stacked + [torch.stack(kind, dim=1) for kind in zip(*captured)]  # each [B, positions, F]
 
         self.forward = forward
+        self.key = key
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.outputs = capture_graph(forward, static.memory)
@@ -329,12 +353,12 @@ class TokenChain:
         features: torch.Tensor | None,
         caches: list[KVCache],
         capture: Capture | None = None,
-        params: list[SamplingParams] | None = None,  # with ChainKey.sampled: each one's
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        params: list[SamplingParams] | None = None,  # with ChainKey.sampled or logprobs: each one's
+    ) -> Chained:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
-        feature that made it -> each one's further guesses and their confidences; a
-        decoder's `capture` (as its ChainKey asks) is filled with the features of every
-        position fed, [n * positions, F], sequence by sequence."""
+        feature that made it -> each one's further guesses, their confidences and
+        logprobs; a decoder's `capture` (as its ChainKey asks) is filled with the
+        features of every position fed, [n * positions, F], sequence by sequence."""
         batch = self.tokens.shape[0]
         n, padding = len(caches), batch - len(caches)
         host = torch.tensor(
@@ -357,21 +381,43 @@ class TokenChain:
         if self.sampling is not None:
             unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
             settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
-            self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32).T)
+            self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32, device="cpu").T)
         if self.draw_keys is not None:
             keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
-            self.draw_keys.copy_(torch.tensor(keys + [-1] * padding, dtype=torch.int64))
+            self.draw_keys.copy_(torch.tensor(keys + [-1] * padding, dtype=torch.int64, device="cpu"))
         if self.graph is None:
-            guesses, confidences, *captured = self.forward()
+            outputs = self.forward()
         else:
             self.graph.replay()
-            guesses, confidences, *captured = self.outputs
+            outputs = self.outputs
+        guesses, confidences = outputs[:2]
+        logprob_parts, captured = (outputs[2:5], outputs[5:]) if self.key.logprobs else ([], outputs[2:])
         if capture is not None:  # copies: the next replay overwrites the graph's outputs
             capture.fill([rows[:n].flatten(0, 1).clone() for rows in captured])
-        # One read-back for both: token ids are exact in float64.
-        rows = torch.cat([guesses[:n].double(), confidences[:n].double()], dim=1).tolist()
-        positions = guesses.shape[1]
-        return [[int(t) for t in r[:positions]] for r in rows], [r[positions:] for r in rows]
+        # One read-back for all: token ids are exact in float64.
+        columns = [guesses[:n], confidences[:n]] + [part[:n].flatten(1) for part in logprob_parts]
+        rows = torch.cat([c.double() for c in columns], dim=1).tolist()
+        positions, width = guesses.shape[1], confidences.shape[1]
+        tokens = [[int(t) for t in r[:positions]] for r in rows]
+        logprobs = [None] * n
+        if self.key.logprobs:
+            for i, (row, q) in enumerate(zip(rows, params)):
+                if q.logprobs is not None:
+                    top_width = logprob_parts[1].shape[-1]
+                    logprobs[i] = chained_logprobs(row[positions + width :], tokens[i], top_width, q.logprobs)
+        return Chained(tokens, [r[positions : positions + width] for r in rows], logprobs)
+
+
+def chained_logprobs(flat: list[float], tokens: list[int], width: int, num_top: int) -> list[TokenLogprob]:
+    """One sequence's logprobs from its read-back row: each token's logprob [P], then
+    the `width` likeliest logprobs of each position [P, width] and their ids, flat."""
+    positions = len(tokens)
+    chosen, values, ids = flat[:positions], flat[positions : positions * (1 + width)], flat[positions * (1 + width) :]
+    top = [slice(j * width, j * width + num_top) for j in range(positions)]
+    return [
+        TokenLogprob(token, chosen[j], tuple(zip(map(int, ids[top[j]]), values[top[j]])))
+        for j, token in enumerate(tokens)
+    ]
 
 
 class StaticDecode:
@@ -439,9 +485,10 @@ class StaticDecode:
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column; None: the column
         capture: Capture | None = None,  # a decoder's features of every position fed, filled in place
         params: list[SamplingParams] | None = None,  # each sequence's; None: every one greedy
-    ) -> tuple[list[list[int]], list[list[float]]] | None:
-        """`positions` further tokens for each sequence and their confidences (see
-        TokenChain), or None where a cache lacks a slot or the room."""
+        confidences: bool = True,  # False: none computed (a target's chain)
+    ) -> Chained | None:
+        """`positions` further tokens for each sequence, their confidences and logprobs
+        (see TokenChain), or None where a cache lacks a slot or the room."""
         if any(c.slot is None or c.length + positions > self.pool.capacity for c in caches):
             return None
         end = max(c.length for c in caches) + positions
@@ -449,12 +496,20 @@ class StaticDecode:
         sampled = params is not None and not all(p.greedy for p in params)
         filtered = sampled and any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
+        logprobs = params is not None and any(p.logprobs is not None for p in params)
         key = ChainKey(
-            next_power_of_two(len(caches)), positions, bucket, sampled=sampled, filtered=filtered, keyed=keyed
+            next_power_of_two(len(caches)),
+            positions,
+            bucket,
+            sampled=sampled,
+            filtered=filtered,
+            keyed=keyed,
+            confidences=confidences,
+            logprobs=logprobs,
         )
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
                 self.chains[key] = TokenChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture, params if sampled else None)
+            return self.chains[key].run(first_tokens, features, caches, capture, params)

@@ -183,7 +183,7 @@ class DraftChains:
         if drafted is None:
             return None
         taken = []
-        for i, tokens, confidences in zip(going_on, *drafted):
+        for i, tokens, confidences in zip(going_on, drafted.tokens, drafted.confidences):
             before = len(self.drafted[i])
             for token, confidence in zip(tokens, confidences):
                 if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:

@@ -297,6 +297,34 @@ def test_seeded_requests_in_chains_keep_plain_samplings_tokens(device):
     assert any(key.keyed and key.filtered for key in graphed.static.chains)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_asking_for_logprobs_decode_in_chains_with_the_step_by_step_figures(device):
+    """Requests asking for logprobs (greedy with 5 alternatives, seeded sampling with 0)
+    decode in chains beside one that asks for none: each gets the tokens and logprobs it
+    gets step by step, one per token; the target's chains compute no confidences."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    requests = [
+        (PROMPTS[0], SamplingParams(max_tokens=14, temperature=0.0, logprobs=5, ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(max_tokens=11, temperature=0.9, seed=3, logprobs=0, ignore_eos=True)),
+        (PROMPTS[2], GREEDY),
+    ]
+    step_by_step = Engine(target, eos_token_ids=[EOS])
+    expected = [step_by_step.generate(prompt, params) for prompt, params in requests]
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)
+    engine = Engine(graphed, eos_token_ids=[EOS], num_scheduler_steps=4)
+    seqs = [engine.add_request(prompt, params) for prompt, params in requests]
+    while engine.has_unfinished():
+        engine.step()
+    assert {(key.logprobs, key.confidences) for key in graphed.static.chains} == {(True, False), (False, False)}
+    for seq, alone in zip(seqs, expected):
+        assert seq.output_ids == alone.output_ids and len(seq.logprobs) == len(alone.logprobs)
+        for got, want in zip(seq.logprobs, alone.logprobs):
+            assert got.token_id == want.token_id and [i for i, _ in got.top] == [i for i, _ in want.top]
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
+
+
 @pytest.mark.parametrize(
     "fields", [dict(temperature=0.5), dict(temperature=0.9, top_p=0.7), dict(temperature=1.4, top_k=2, top_p=0.95)]
 )
@@ -395,7 +423,7 @@ def test_a_decoders_token_chain_guesses_what_its_steps_guess(layers, final):
         caches.append(cache)
         firsts.append(int(logits[-1].argmax()))
     capture = Capture(layers=layers, final=final) if layers else None
-    guesses, confidences = model.static.token_chain(firsts, None, caches, positions=4, capture=capture)
+    guesses, confidences, _ = model.static.token_chain(firsts, None, caches, positions=4, capture=capture)
     assert [c.length for c in caches] == [len(p) for p in PROMPTS[:2]]
     for b, (cache, token, got, got_confidences) in enumerate(zip(caches, firsts, guesses, confidences)):
         expected, expected_confidences = [], []

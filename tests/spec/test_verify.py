@@ -22,6 +22,7 @@ from specserve.sampling import (
     SEED_MIN,
     InvalidSamplingValue,
     SamplingParams,
+    keyed_uniform,
     keyed_uniforms,
     logits_to_probs,
     sample,
@@ -624,6 +625,7 @@ def test_keyed_uniforms_are_uniform_and_independent_across_positions_and_seeds()
     keys = torch.tensor([seed_key(int(seed)) for seed in seeds])
     draws = keyed_uniforms(keys[:, None].expand(-1, 50).reshape(-1), positions.repeat(400)).view(400, 50)
     assert draws.dtype == torch.float32 and 0 <= draws.min() and draws.max() < 1
+    assert [keyed_uniform(int(keys[7]), p) for p in range(50)] == draws[7].tolist()  # the host's alike
     flat = (draws.flatten() * 20).long()[:, None]
     assert chi_square_p_value(flat, torch.full((20,), 1 / 20)) > 1e-3
     uniform_pairs = torch.full((10, 10), 1 / 100)
