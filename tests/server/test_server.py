@@ -355,12 +355,15 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
     assert token_prompt.choices[0].text == reference.choices[0].text
 
 
-def test_seeds_repeat_and_differ(spec):
-    def sample(seed: int) -> str:
+def test_seeds_repeat_differ_and_give_the_plain_servers_text(plain, spec):
+    """A seed gives the same text every time, and the same with or without speculation
+    (keyed draws: spec/verify.py)."""
+
+    def sample(seed: int, server: ServerProcess = spec) -> str:
         return (
-            client(spec)
+            client(server)
             .completions.create(
-                model="smol",
+                model="smol" if server is spec else MODEL,
                 prompt=PROMPTS[3],
                 max_tokens=24,
                 temperature=1.0,
@@ -373,7 +376,7 @@ def test_seeds_repeat_and_differ(spec):
         )
 
     first = sample(7)
-    assert sample(7) == first
+    assert sample(7) == first == sample(7, plain)
     assert len({first, sample(8), sample(9)}) > 1
 
 
