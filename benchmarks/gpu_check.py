@@ -85,8 +85,10 @@ CUDA_TESTS = [
 ]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32
-# The plain section's sampled rows: every request of its largest batch, without and with top-p, and seeded.
-SAMPLED_TEMPERATURE, SAMPLED_TOP_P, SAMPLED_SEED = 0.8, 0.95, 7
+# The plain section's rows of its largest batch sampling at a temperature: every request
+# alone, with top-p, seeded, and penalised.
+SAMPLED_TEMPERATURE = 0.8
+SAMPLED_ROWS = ({}, {"top_p": 0.95}, {"seed": 7}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
 DTYPE = torch.bfloat16
 
 
@@ -157,17 +159,14 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode_rate(
-    engine: Engine,
-    batch: int,
-    prompt_len: int,
-    tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
+    engine: Engine, batch: int, prompt_len: int, tokens: int, **sampling: float | int
 ) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
-    prefilled and given its first token, then the rest timed to the end."""
-    params = SamplingParams(max_tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+    prefilled and given its first token, then the rest timed to the end; `sampling`:
+    SamplingParams' fields (none: greedy)."""
+    params = SamplingParams(
+        max_tokens=tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True, **sampling
+    )
     seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -258,17 +257,16 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
                 tokens_per_s=rate,
                 roofline_tokens_per_s=roofline,
             )
-        # Sampling requests, seeded ones too, decode in the same chains as greedy ones.
+        # Sampling requests, seeded or penalised too, decode in the same chains as greedy ones.
         batch = max(args.batches)
         engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
-        for top_p, seed in ((1.0, None), (SAMPLED_TOP_P, None), (1.0, SAMPLED_SEED)):
-            sampling = dict(temperature=SAMPLED_TEMPERATURE, top_p=top_p, seed=seed)
+        for fields in SAMPLED_ROWS:
+            sampling = dict(temperature=SAMPLED_TEMPERATURE, **fields)
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
             rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
-            seeded = "" if seed is None else f", seed {seed}"
             table.add(
                 "plain",
-                f"{mode}, batch {batch}, temperature {SAMPLED_TEMPERATURE}, top-p {top_p:g}{seeded}",
+                f"{mode}, batch {batch}, " + ", ".join(f"{name} {value:g}" for name, value in sampling.items()),
                 f"{rate:.0f} tok/s",
                 mode=mode,
                 batch=batch,

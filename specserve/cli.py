@@ -182,8 +182,8 @@ def add_model_flags(parser: argparse.ArgumentParser, positional: bool = False) -
         type=int,
         default=DEFAULT_NUM_SCHEDULER_STEPS,
         help="tokens each sequence decodes per engine step where the target runs CUDA graphs and a step "
-        "drafts nothing and only decodes requests that are greedy or sample, without penalties "
-        "or min_tokens (vLLM's multi-step scheduling): the host reads them back once; 1: a step a token",
+        "drafts nothing and reads no prompt (vLLM's multi-step scheduling): the host reads them back once; "
+        "1: a step a token",
     )
 
 

@@ -74,28 +74,52 @@ def apply_penalties(
         prompt_ids = distinct_ids(prompt_ids)
     # Only the ids in the text move, so the work is over those U ids, not the vocabulary
     # (the dense way took ~14 ms a step at 8 rows of 151936 ids on 2 cores).
-    generated = torch.tensor([*output_ids, *drafts], dtype=torch.int64)
+    ids, in_prompt, emitted, draft_index = counted_text(prompt_ids, output_ids, drafts, device)
+    counts = emitted.unsqueeze(0).repeat(rows, 1)  # [k+1, U]: output counts before each row
+    if drafts:
+        one_hot = torch.zeros(rows, len(ids), device=device)
+        one_hot[torch.arange(1, rows, device=device), draft_index] = 1.0  # row i+1 saw draft i
+        counts += one_hot.cumsum(dim=0)
+    penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for logprobs
+    out[:, ids] = penalised(logits[:, ids].float(), counts, in_prompt.unsqueeze(0), *penalties)
+    return out
+
+
+def counted_text(
+    prompt_ids: torch.Tensor,  # [P] int64: `distinct_ids` of the prompt
+    output_ids: Sequence[int],
+    drafts: Sequence[int] = (),
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ids of a text [U] int64, ascending; whether each is in the prompt
+    [U] bool; how often the output holds each [U] float32; and each draft's index into
+    the ids [len(drafts)]: all the penalties read of it."""
+    generated = torch.tensor([*output_ids, *drafts], dtype=torch.int64, device="cpu")
     text = torch.cat([prompt_ids, generated]).to(device)
     ids, where = torch.unique(text, return_inverse=True)  # [U], [len(text)]: each token's index into ids
     num_prompt, num_output = len(prompt_ids), len(output_ids)
     emitted = torch.zeros(len(ids), device=device).index_add_(
         0, where[num_prompt : num_prompt + num_output], torch.ones(num_output, device=device)
     )  # [U]
-    counts = emitted.unsqueeze(0).repeat(rows, 1)  # [k+1, U]: output counts before each row
-    if drafts:
-        one_hot = torch.zeros(rows, len(ids), device=device)
-        one_hot[torch.arange(1, rows, device=device), where[num_prompt + num_output :]] = 1.0  # row i+1 saw draft i
-        counts += one_hot.cumsum(dim=0)
-    scores = logits[:, ids].float()  # [k+1, U]
-    if params.repetition_penalty != 1.0:
-        in_prompt = torch.zeros(len(ids), dtype=torch.bool, device=device)
-        in_prompt[where[:num_prompt]] = True
-        seen = in_prompt.unsqueeze(0) | (counts > 0)  # [k+1, U]
-        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-        scores = torch.where(seen, penalised, scores)
-    scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for logprobs
+    in_prompt = torch.zeros(len(ids), dtype=torch.bool, device=device)
+    in_prompt[where[:num_prompt]] = True
+    return ids, in_prompt, emitted, where[num_prompt + num_output :]
+
+
+def penalised(
+    scores: torch.Tensor,  # float32, any shape
+    counts: torch.Tensor,  # float32, as scores: each id's count in the output before the row
+    in_prompt: torch.Tensor,  # bool, broadcast to scores
+    repetition: float | torch.Tensor,  # a number, or a tensor broadcast to scores (1: off)
+    frequency: float | torch.Tensor,  # (0: off)
+    presence: float | torch.Tensor,  # (0: off)
+) -> torch.Tensor:
+    """The penalties' arithmetic, element by element: `apply_penalties` over the ids of a
+    text, and a multi-step chain over the whole vocabulary (model/graphs.py)."""
+    seen = in_prompt | (counts > 0)
+    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    scores = scores - frequency * counts - presence * (counts > 0).float()
     # A logit divided by a tiny repetition penalty overflows: keep it finite, so the
     # sampler's shift by the row's largest logit never computes inf - inf.
-    out[:, ids] = scores.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-    return out
+    return scores.clamp(-FLOAT32_MAX, FLOAT32_MAX)

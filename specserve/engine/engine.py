@@ -25,12 +25,11 @@ sequence by one verified step.
   to the rounding of a read against a step's (as with prefix caching).
 - Multi-step decoding (`num_scheduler_steps`, vLLM's name): where the target runs static
   steps (CUDA graphs) and a step would only decode sequences without drafts or prompts
-  (plainly, or where adaptive k drafts nothing), each greedy or sampling without
-  penalties or min_tokens (`chainable`), it decodes that many tokens each in one static
-  step (TokenChain, capturing a head's features, and the logprobs a request asks
-  for), the host reading them back once; tokens past a stop token or max_tokens are
-  dropped as rejected drafts are. A request that arrives meanwhile joins at the next
-  step.
+  (plainly, or where adaptive k drafts nothing), it decodes that many tokens each in
+  one static step (TokenChain: greedy or sampled, penalised, with the logprobs a
+  request asks for, capturing a head's features), the host reading them back once;
+  tokens past a stop token or max_tokens are dropped as rejected drafts are. A request
+  that arrives meanwhile joins at the next step.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
+from specserve.model.graphs import ProcessedText
 from specserve.model.prefix_cache import ChunkReads, PrefixCache
 from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams
@@ -97,13 +97,6 @@ def fusable(seq: Sequence) -> bool:
     the raw logits, so not for sampling, logprobs, penalties or min_tokens."""
     params = seq.params
     return params.greedy and params.logprobs is None and not params.processes_logits
-
-
-def chainable(seq: Sequence) -> bool:
-    """Whether a multi-step chain can decode this sequence (TokenChain): greedy, or
-    sampling (unseeded from the device's generator, seeded by its keyed draws), with or
-    without logprobs, and without penalties or min_tokens (processed logits)."""
-    return not seq.params.processes_logits
 
 
 class Engine:
@@ -473,7 +466,7 @@ class Engine:
     def _decode_ahead(self, work: list[_Work]) -> list[_Outcome] | None:
         """Multi-step decoding (see the module's docstring): each sequence's next
         num_scheduler_steps tokens from one static step, or None where this step is not
-        plain decoding of `chainable` sequences alone (or a cache lacks the room). With a proposer,
+        plain decoding alone (or a cache lacks the room). With a proposer,
         only where adaptive k chose plain decoding for the step (a draft model catches up
         the chain's tokens when it drafts again, a head reads the features the chain
         captured), and not while adaptive waits for a plain step to be measured."""
@@ -482,13 +475,21 @@ class Engine:
             return None
         if self.proposer is not None and (self.adaptive is None or self.adaptive.measuring_plain(len(work))):
             return None
-        if not all(w.seq.prefilled and len(w.tokens) == 1 and chainable(w.seq) for w in work):
+        if not all(w.seq.prefilled and len(w.tokens) == 1 for w in work):
             return None
         caches = [w.seq.cache for w in work]
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
         firsts, params = [w.tokens[0] for w in work], [w.seq.params for w in work]
-        chains = static.token_chain(firsts, None, caches, steps, capture=capture, params=params, confidences=False)
+        texts = [
+            ProcessedText(w.seq.prompt_distinct_ids, w.seq.output_ids, w.seq.stop_token_ids)
+            if w.seq.params.processes_logits
+            else None
+            for w in work
+        ]
+        chains = static.token_chain(
+            firsts, None, caches, steps, capture=capture, params=params, confidences=False, texts=texts
+        )
         if chains is None:
             return None
         if features is not None:  # a head reads every position the chain fed

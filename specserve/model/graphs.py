@@ -35,6 +35,7 @@ from specserve.logprobs import MAX_LOGPROBS, TokenLogprob
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
+from specserve.penalties import counted_text, penalised
 from specserve.sampling import SamplingParams, keyed_uniforms, sample_on_device, seed_key
 
 if TYPE_CHECKING:
@@ -245,6 +246,19 @@ class ChainKey(NamedTuple):
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
     confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
     logprobs: bool = False  # each token's logprob and the MAX_LOGPROBS likeliest (a target's)
+    # Some sequences' logits are processed (penalties, min_tokens): the most distinct ids
+    # of a text and stop ids of a sequence the chain holds, each a power of two; 0: none.
+    distinct: int = 0
+    stops: int = 0
+
+
+class ProcessedText(NamedTuple):
+    """What a sequence whose logits are processed (penalties.processed_logits) brings to
+    a chain: its prompt's distinct ids [P] int64, its output so far, its stop ids."""
+
+    prompt_ids: torch.Tensor
+    output_ids: list[int]
+    stop_ids: frozenset[int]
 
 
 class Chained(NamedTuple):
@@ -265,7 +279,8 @@ class TokenChain:
     is the argmax, or where its params sample (`ChainKey.sampled`) a draw from the
     distribution `logits_to_probs` gives (`sample_on_device`): from the device's own
     generator, or a seeded request's keyed draw of that position, the one its host steps
-    would take.
+    would take; of the logits a step by step decode would process, where its params ask
+    (`ChainKey.distinct`: penalties and min_tokens, `penalties.processed_logits`).
 
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
     many decode steps would give them, and the features a head reads of every position
@@ -276,9 +291,9 @@ class TokenChain:
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
-    the device's own generator or a keyed one, nor a token's logprobs; an unseeded
-    request's own stream or a penalty depend on the host, so such a sequence decodes
-    step by step.
+    the device's own generator or a keyed one, a penalty or a token's logprobs. A
+    proposer's sampled or penalised guesses are still drawn on the host, a position a
+    step (`DraftChains.draft_on_the_device` takes greedy ones alone).
 
     Contract: greedy and keyed tokens are what the model's static steps position by
     position would give (only the bucket of positions attention reads may differ, which
@@ -301,6 +316,14 @@ class TokenChain:
         self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
         # [B] int64: each one's key of its draws (sampling.seed_key), -1 where it has none
         self.draw_keys = torch.full((key.batch,), -1, dtype=torch.int64, device=device) if key.keyed else None
+        if key.distinct:
+            # [4, B]: repetition (1: off), frequency and presence penalties, and output
+            # tokens to come before min_tokens; [3, B, distinct]: each text's distinct ids,
+            # their counts in its output and whether its prompt holds them (0 padding
+            # adds nothing); [2, B, stops]: stop ids, 1 where there is one.
+            self.penalties = torch.zeros(4, key.batch, dtype=torch.float32, device=device)
+            self.text = torch.zeros(3, key.batch, key.distinct, dtype=torch.float32, device=device)
+            self.stop_ids = torch.zeros(2, key.batch, key.stops, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (target ids), confidences [B, positions] (or [B, 0]),
@@ -318,6 +341,7 @@ class TokenChain:
                     features = rest[0]  # a head's output feature feeds its next position
                 else:
                     captured.append(rest)  # a decoder's features of this position
+                raw, logits = logits, logits if not key.distinct else self._processed(logits, j)
                 draft = logits.argmax(dim=-1)  # [B]: columns of the logits
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
@@ -330,11 +354,13 @@ class TokenChain:
                     draft = torch.where(temperatures > 0, sampled, draft)  # [B]
                 if key.confidences:
                     confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
-                if key.logprobs:  # as logprobs.token_logprobs
-                    row_logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+                if key.logprobs:  # as logprobs.token_logprobs: the raw logits'
+                    row_logprobs = raw.float().log_softmax(dim=-1)  # [B, V]
                     top_values, top_ids = row_logprobs.topk(min(MAX_LOGPROBS, row_logprobs.shape[-1]), dim=-1)
                     logprobs.append((row_logprobs.gather(1, draft[:, None]).squeeze(1), top_values, top_ids))
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
+                if key.distinct:  # the next position's penalties count this token
+                    self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
                 guesses.append(tokens)
             stacked = [torch.stack(guesses, dim=1)]
             stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
@@ -343,9 +369,46 @@ class TokenChain:
 
         self.forward = forward
         self.key = key
+        self.counts = self.in_prompt = self.stop_mask = None  # [B, V] each, made at a chain's first position
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.outputs = capture_graph(forward, static.memory)
+
+    def _processed(self, logits: torch.Tensor, j: int) -> torch.Tensor:
+        """logits [B, V] at position j -> float32 [B, V] as penalties.processed_logits
+        gives them, row by row: penalised for the row's text so far, this chain's tokens
+        counted, and its stop ids given no probability before its min_tokens-th token."""
+        if j == 0:  # each text's counts, prompt ids and stop ids over the vocabulary
+            ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
+            dense = torch.zeros_like(logits, dtype=torch.float32)  # [B, V]
+            self.counts = dense.scatter_add(1, ids, self.text[1])
+            self.in_prompt = dense.scatter_add(1, ids, self.text[2]) > 0
+            self.stop_mask = dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
+        repetition, frequency, presence, early = self.penalties[:, :, None]  # [B, 1] each
+        scores = penalised(logits.float(), self.counts, self.in_prompt, repetition, frequency, presence)
+        return scores.masked_fill(self.stop_mask & (early > j), float("-inf"))
+
+    def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
+        """Each processed sequence's penalties and text into the chain's inputs (a plain
+        one's: no penalty, nothing counted)."""
+        penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * self.key.batch, device="cpu").T  # [4, B]
+        text = torch.zeros(3, self.key.batch, self.key.distinct, device="cpu")
+        stop_ids = torch.zeros(2, self.key.batch, self.key.stops, device="cpu")
+        for i, (q, processed) in enumerate(zip(params, texts)):
+            if processed is None:
+                continue
+            early = max(0, q.min_tokens - len(processed.output_ids))
+            penalties[:, i] = torch.tensor(
+                [q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early], device="cpu"
+            )
+            ids, in_prompt, emitted, _ = counted_text(processed.prompt_ids, processed.output_ids)
+            text[:, i, : len(ids)] = torch.stack([ids.float(), emitted, in_prompt.float()])
+            stops = sorted(processed.stop_ids) if early else []
+            stop_ids[0, i, : len(stops)] = torch.tensor(stops, dtype=torch.float32, device="cpu")
+            stop_ids[1, i, : len(stops)] = 1.0
+        self.penalties.copy_(penalties)
+        self.text.copy_(text)
+        self.stop_ids.copy_(stop_ids)
 
     def run(
         self,
@@ -353,7 +416,8 @@ class TokenChain:
         features: torch.Tensor | None,
         caches: list[KVCache],
         capture: Capture | None = None,
-        params: list[SamplingParams] | None = None,  # with ChainKey.sampled or logprobs: each one's
+        params: list[SamplingParams] | None = None,  # with ChainKey.sampled, logprobs or distinct: each one's
+        texts: list[ProcessedText | None] | None = None,  # with ChainKey.distinct: each processed one's
     ) -> Chained:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
         feature that made it -> each one's further guesses, their confidences and
@@ -385,6 +449,8 @@ class TokenChain:
         if self.draw_keys is not None:
             keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
             self.draw_keys.copy_(torch.tensor(keys + [-1] * padding, dtype=torch.int64, device="cpu"))
+        if self.key.distinct:
+            self._set_texts(params, texts)
         if self.graph is None:
             outputs = self.forward()
         else:
@@ -486,6 +552,7 @@ class StaticDecode:
         capture: Capture | None = None,  # a decoder's features of every position fed, filled in place
         params: list[SamplingParams] | None = None,  # each sequence's; None: every one greedy
         confidences: bool = True,  # False: none computed (a target's chain)
+        texts: list[ProcessedText | None] | None = None,  # each sequence's whose logits are processed
     ) -> Chained | None:
         """`positions` further tokens for each sequence, their confidences and logprobs
         (see TokenChain), or None where a cache lacks a slot or the room."""
@@ -497,6 +564,9 @@ class StaticDecode:
         filtered = sampled and any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
         logprobs = params is not None and any(p.logprobs is not None for p in params)
+        processed = [t for t in texts or () if t is not None]
+        distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
+        stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
         key = ChainKey(
             next_power_of_two(len(caches)),
             positions,
@@ -506,10 +576,12 @@ class StaticDecode:
             keyed=keyed,
             confidences=confidences,
             logprobs=logprobs,
+            distinct=distinct,
+            stops=stops,
         )
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
                 self.chains[key] = TokenChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture, params)
+            return self.chains[key].run(first_tokens, features, caches, capture, params, texts)

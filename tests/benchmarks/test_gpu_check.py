@@ -25,14 +25,15 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     assert gpu_check.main(args) == 0
     rows = json.loads(out.read_text())
     assert not [r for r in rows if r["what"] == "failed"], rows
+    fields = [field for row in gpu_check.SAMPLED_ROWS for field in row]
     plain = {
-        (r["mode"], r["batch"], r.get("top_p", 0), r.get("seed")): r["tokens_per_s"]
+        (r["mode"], r["batch"], tuple(r.get(field) for field in fields)): r["tokens_per_s"]
         for r in rows
         if r["section"] == "plain"
     }
-    greedy = {(m, b, 0, None) for m in ("eager", "graphs") for b in (1, 2)}
-    sampled = {(1, None), (gpu_check.SAMPLED_TOP_P, None), (1, gpu_check.SAMPLED_SEED)}
-    assert set(plain) == greedy | {(m, 2, p, seed) for m in ("eager", "graphs") for p, seed in sampled}
+    greedy = {(m, b, (None,) * len(fields)) for m in ("eager", "graphs") for b in (1, 2)}
+    sampled = {tuple(row.get(field) for field in fields) for row in gpu_check.SAMPLED_ROWS}
+    assert set(plain) == greedy | {(m, 2, row) for m in ("eager", "graphs") for row in sampled}
     assert min(plain.values()) > 0
     assert {r["what"] for r in rows if r["section"] == "profile"} == {"skipped"}  # a GPU's
     heads = [r for r in rows if r["section"] == "heads" and "k" in r]
