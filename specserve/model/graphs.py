@@ -333,6 +333,7 @@ class TokenChain:
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
             guesses, confidences, captured, logprobs = [], [], [], []
+            spread = None  # with key.distinct: each row's counts, prompt ids and stop ids, [B, V] each
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
@@ -341,7 +342,11 @@ class TokenChain:
                     features = rest[0]  # a head's output feature feeds its next position
                 else:
                     captured.append(rest)  # a decoder's features of this position
-                raw, logits = logits, logits if not key.distinct else self._processed(logits, j)
+                raw = logits
+                if key.distinct:
+                    if spread is None:
+                        spread = self._texts_over(logits)
+                    logits = self._processed(logits, j, *spread)
                 draft = logits.argmax(dim=-1)  # [B]: columns of the logits
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
@@ -360,7 +365,7 @@ class TokenChain:
                     logprobs.append((row_logprobs.gather(1, draft[:, None]).squeeze(1), top_values, top_ids))
                 tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
                 if key.distinct:  # the next position's penalties count this token
-                    self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
+                    spread[0].scatter_add_(1, tokens[:, None], torch.ones_like(spread[0][:, :1]))
                 guesses.append(tokens)
             stacked = [torch.stack(guesses, dim=1)]
             stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
@@ -369,24 +374,29 @@ class TokenChain:
 
         self.forward = forward
         self.key = key
-        self.counts = self.in_prompt = self.stop_mask = None  # [B, V] each, made at a chain's first position
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.outputs = capture_graph(forward, static.memory)
 
-    def _processed(self, logits: torch.Tensor, j: int) -> torch.Tensor:
+    def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's text spread over the vocabulary of logits [B, V]: its output counts
+        [B, V] float32 (the chain adds its tokens as it goes), its prompt's ids and its
+        stop ids [B, V] bool."""
+        ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
+        dense = torch.zeros_like(logits, dtype=torch.float32)  # [B, V]
+        counts = dense.scatter_add(1, ids, self.text[1])
+        return counts, dense.scatter_add(1, ids, self.text[2]) > 0, dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
+
+    def _processed(
+        self, logits: torch.Tensor, j: int, counts: torch.Tensor, in_prompt: torch.Tensor, stop_mask: torch.Tensor
+    ) -> torch.Tensor:
         """logits [B, V] at position j -> float32 [B, V] as penalties.processed_logits
-        gives them, row by row: penalised for the row's text so far, this chain's tokens
-        counted, and its stop ids given no probability before its min_tokens-th token."""
-        if j == 0:  # each text's counts, prompt ids and stop ids over the vocabulary
-            ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
-            dense = torch.zeros_like(logits, dtype=torch.float32)  # [B, V]
-            self.counts = dense.scatter_add(1, ids, self.text[1])
-            self.in_prompt = dense.scatter_add(1, ids, self.text[2]) > 0
-            self.stop_mask = dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
+        gives them, row by row: penalised for the row's text so far (`_texts_over`, this
+        chain's tokens counted), and its stop ids given no probability before its
+        min_tokens-th token."""
         repetition, frequency, presence, early = self.penalties[:, :, None]  # [B, 1] each
-        scores = penalised(logits.float(), self.counts, self.in_prompt, repetition, frequency, presence)
-        return scores.masked_fill(self.stop_mask & (early > j), float("-inf"))
+        scores = penalised(logits.float(), counts, in_prompt, repetition, frequency, presence)
+        return scores.masked_fill(stop_mask & (early > j), float("-inf"))
 
     def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
         """Each processed sequence's penalties and text into the chain's inputs (a plain

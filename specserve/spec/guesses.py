@@ -71,8 +71,9 @@ class Guesser:
     ) -> tuple[int, float, torch.Tensor | None]:
         """One draft position of one sequence from its row of scores [1, width] (and its
         argmax as a token id and confidence, computed for the batch): the token, the
-        proposer's probability of it, and the distribution [V] it was sampled from (None:
-        greedy). target_ids [width]: the token id of each column; None: ids [0, width)."""
+        proposer's probability of it, and the distribution [V] it was sampled from, which
+        rejection sampling reads (None: greedy, or seeded, whose keyed verification reads
+        none). target_ids [width]: the token id of each column; None: ids [0, width)."""
         params = seq.params
         if params.greedy and not params.processes_logits:
             return argmax, confidence, None
@@ -87,10 +88,10 @@ class Guesser:
         row_probs = F.pad(row_probs, (0, self.vocab_size - row_probs.shape[-1]))  # [1, V]
         if params.seed is None:
             token = int(sample(row_probs, seq.generator))
-        else:
-            position = len(seq.token_ids) + len(drafted)  # the index of the token guessed
-            token = int(sample(row_probs, uniforms=seq.keyed_uniforms(position, 1, row_probs.device)))
-        return token, float(row_probs[0, token]), row_probs[0]
+            return token, float(row_probs[0, token]), row_probs[0]
+        position = len(seq.token_ids) + len(drafted)  # the index of the token guessed
+        token = int(sample(row_probs, uniforms=seq.keyed_uniforms(position, 1, row_probs.device)))
+        return token, float(row_probs[0, token]), None
 
     def penalised(self, seq: SequenceView, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
         """A guess's scores [1, width] -> [1, V] with the request's penalties and
