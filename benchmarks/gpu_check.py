@@ -1,8 +1,9 @@
 """One check of a GPU machine, in one table: the CUDA tests, decode speed against the
 memory roofline (eager, CUDA graphs, graphs with --compile), long contexts, the ceiling
 of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
-heads'), adaptive k against plain decoding by batch size, transformers' static cache,
-and a streamed chat through `specserve serve` (plainly and with a random EAGLE-3 head).
+heads', for a greedy request and at `--sampled-ks` for a seeded sampling one), adaptive
+k against plain decoding by batch size, transformers' static cache, and a streamed chat
+through `specserve serve` (plainly and with a random EAGLE-3 head).
 
 Speed does not depend on the weights' values, so every model here has random weights of
 a catalogue model's shapes: only its config.json is read, and the served model's
@@ -89,6 +90,8 @@ PROMPT_TOKENS = 32
 # alone, with top-p, seeded, and penalised.
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_ROWS = ({}, {"top_p": 0.95}, {"seed": 7}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
+# The request whose drafting the ceiling's sampled rows time: seeded, cut by top-p.
+SAMPLED_GUESSES = {"temperature": SAMPLED_TEMPERATURE, "top_p": 0.95, "seed": 7}
 DTYPE = torch.bfloat16
 
 
@@ -372,11 +375,16 @@ def section_long(table: Table, args, config: ModelConfig, device: torch.device) 
         release_memory()
 
 
-def add_ceiling_rows(table: Table, section: str, label: str, engine: Engine, ks: list[int], args) -> None:
+def add_ceiling_rows(
+    table: Table, section: str, label: str, engine: Engine, ks: list[int], args, sampling: dict | None = None
+) -> None:
     """The engine's measured ceiling per k (every draft accepted: measured_ceiling.py),
-    a draft position's share of a plain step, and the best k."""
+    a draft position's share of a plain step, and the best k; for a greedy request, or
+    one sampling as `sampling` asks."""
     ids = prompts(1, PROMPT_TOKENS, engine.target.config.vocab_size)[0]
-    rows = measure(engine, ids, ks, rounds=args.rounds, max_tokens=args.ceiling_tokens)
+    rows = measure(engine, ids, ks, rounds=args.rounds, max_tokens=args.ceiling_tokens, sampling=sampling)
+    if sampling is not None:
+        label += ", " + ", ".join(f"{name} {value:g}" for name, value in sampling.items())
     plain = rows[0]["step_s"]
     for row in rows[1:]:
         position = row["drafting_s"] / row["k"] / plain
@@ -401,6 +409,8 @@ def section_ceiling(table: Table, args, target_config: ModelConfig, draft_config
         proposer = DraftModelProposer(draft, confidence_threshold=0.0)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.ks), max_num_seqs=1)
         add_ceiling_rows(table, "ceiling", f"{mode}, draft model", engine, args.ks, args)
+        if args.sampled_ks:  # its chains draw a sampled request's guesses too
+            add_ceiling_rows(table, "ceiling", f"{mode}, draft model", engine, args.sampled_ks, args, SAMPLED_GUESSES)
         del target, draft, engine, proposer
         release_memory()
 
@@ -429,6 +439,9 @@ def section_heads(table: Table, args, config: ModelConfig, device: torch.device)
         proposer = random_head_proposer(method, target, args.heads_mode, 1, args)
         engine = Engine(target, [], proposer=proposer, num_speculative_tokens=max(args.head_ks), max_num_seqs=1)
         add_ceiling_rows(table, "heads", f"{args.heads_mode}, {method}", engine, args.head_ks, args)
+        if args.sampled_ks and method != "medusa":
+            label = f"{args.heads_mode}, {method}"
+            add_ceiling_rows(table, "heads", label, engine, args.sampled_ks, args, SAMPLED_GUESSES)
         del target, proposer, engine
         release_memory()
 
@@ -654,6 +667,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
     parser.add_argument("--contexts", type=int_list, default=[4096, 16384], help="positions before decoding (long)")
     parser.add_argument("--ks", type=int_list, default=[1, 3, 5, 7, 11, 15])
+    parser.add_argument(
+        "--sampled-ks", type=int_list, default=[7], help="the ceiling's and heads' ks timed for a sampling request"
+    )
     parser.add_argument("--tokens", type=int, default=128, help="tokens a batch-1 run decodes")
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens each sequence of a batch decodes")
     parser.add_argument("--ceiling-tokens", type=int, default=96)

@@ -1,6 +1,7 @@
 """Sampling parameters, the logits -> probabilities transform, sampling by the inverse
 of the cumulative distribution (`sample`), and the same transform and a draw inside a
-CUDA graph from the device's generator (`sample_on_device`, for multi-step chains).
+CUDA graph from the device's generator (`sample_on_device`, for multi-step chains and
+a proposer's chains of guesses).
 
 Where a draw's uniform comes from:
 - An unseeded request draws from its own stream (`SamplingParams.make_generator`), in
@@ -236,32 +237,50 @@ def keyed_uniform(key: int, position: int) -> float:
     return _keyed_bits(key, position) * 2.0**-24
 
 
-def sample_on_device(
+def probs_on_device(
     logits: torch.Tensor,  # [n, V]
-    temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: any id (the caller takes its argmax)
+    temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: the softmax (the caller takes its argmax)
     top_ks: torch.Tensor | None = None,  # [n] int64, 0 or less: no cut; None: no row cuts
     top_ps: torch.Tensor | None = None,  # [n] float32, 1: no cut; None: no row cuts
-    uniforms: torch.Tensor | None = None,  # [n] float32: a keyed row's draw, NaN for the others; None: none keyed
-) -> torch.Tensor:  # [n] int64
-    """One draw per row from the distribution `logits_to_probs` gives (temperature, then
-    top-k, then top-p), with nothing read back to the host and no shape that depends on
-    the values, so a CUDA graph can hold it: the exponential race (argmax of p / E,
-    E ~ Exp(1), which picks i with probability p_i) drawn from the device's default
-    generator, whose state a graph advances on every replay; or, where a row has a
-    uniform (a seeded request's keyed draw), the inverse of the cumulative distribution
-    at it, as `sample` draws it. Top-k and top-p sort every row once."""
+) -> torch.Tensor:  # [n, V] float32
+    """Each row's distribution as `logits_to_probs` gives it (temperature, then top-k,
+    then top-p), with nothing read back to the host and no shape that depends on the
+    values, so a CUDA graph can hold it. Top-k and top-p sort every row once."""
     logits = logits.float()
     divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors  # [n, V]
     if top_ks is not None or top_ps is not None:
         scaled = top_k_top_p_on_device(scaled, top_ks, top_ps)
-    probs = scaled.softmax(dim=-1)  # [n, V]
+    return scaled.softmax(dim=-1)
+
+
+def draw_on_device(
+    probs: torch.Tensor,  # [n, V]
+    uniforms: torch.Tensor | None = None,  # [n] float32: a keyed row's draw, NaN for the others; None: none keyed
+) -> torch.Tensor:  # [n] int64
+    """One draw per row of probs, as a CUDA graph can hold it: the exponential race
+    (argmax of p / E, E ~ Exp(1), which picks i with probability p_i) drawn from the
+    device's default generator, whose state a graph advances on every replay; or, where
+    a row has a uniform (a seeded request's keyed draw), the inverse of the cumulative
+    distribution at it, as `sample` draws it."""
     # Clamped: a draw of exactly 0 would make p / E infinite, or NaN where p is 0.
     race = torch.empty_like(probs).exponential_().clamp_min_(FLOAT32_TINY)  # [n, V]
     raced = (probs / race).argmax(dim=-1)  # [n]
     if uniforms is None:
         return raced
     return torch.where(uniforms.isnan(), raced, inverse_cdf(probs.cumsum(dim=-1), uniforms.nan_to_num(0.0)))
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [n, V]
+    temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: any id (the caller takes its argmax)
+    top_ks: torch.Tensor | None = None,
+    top_ps: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:  # [n] int64
+    """`draw_on_device` from `probs_on_device`: one draw per row from the distribution
+    `logits_to_probs` gives, inside a CUDA graph if need be."""
+    return draw_on_device(probs_on_device(logits, temperatures, top_ks, top_ps), uniforms)
 
 
 def top_k_top_p_on_device(

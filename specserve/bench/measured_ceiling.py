@@ -43,12 +43,16 @@ def always_drafting(draft: str, k: int, method: str = "draft_model") -> SpecConf
     )
 
 
-def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -> dict[str, float]:
+def step_costs(
+    engine: Engine, prompt_ids: list[int], k: int, max_tokens: int, sampling: dict | None = None
+) -> dict[str, float]:
     """Median seconds of a decode step drafting exactly k (0: plain), and of its
     drafting and verifying parts (the fused call's own timing, else the proposer's
-    call against the rest of the step)."""
+    call against the rest of the step), for a request with SamplingParams' `sampling`
+    fields (None: greedy)."""
     engine.num_speculative_tokens = k
-    seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    fields = {"temperature": 0.0} if sampling is None else sampling
+    seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields))
     steps, parts = [], []
     fused = isinstance(engine.proposer, FusedDraftProposer)
     proposing: list[float] = []  # seconds of the step's proposer calls (unfused)
@@ -86,14 +90,17 @@ def step_costs(engine: Engine, prompt_ids: list[int], k: int, max_tokens: int) -
     return costs
 
 
-def measure(engine: Engine, prompt_ids: list[int], ks: list[int], rounds: int, max_tokens: int) -> list[dict]:
+def measure(
+    engine: Engine, prompt_ids: list[int], ks: list[int], rounds: int, max_tokens: int, sampling: dict | None = None
+) -> list[dict]:
     """One row per k: the medians over rounds of its step costs and of its speed at full
-    acceptance against the same round's plain step."""
+    acceptance against the same round's plain step (a request sampling as `sampling`
+    asks, or greedy)."""
     settings = [0, *ks]
     runs: dict[int, list[dict]] = {k: [] for k in settings}
     for r in range(rounds):
         for k in settings if r % 2 == 0 else reversed(settings):
-            runs[k].append(step_costs(engine, prompt_ids, k, max_tokens))
+            runs[k].append(step_costs(engine, prompt_ids, k, max_tokens, sampling))
     plain = [run["step_s"] for run in runs[0]]
     rows = []
     for k in settings:

@@ -36,7 +36,7 @@ from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
 from specserve.penalties import counted_text, penalised
-from specserve.sampling import SamplingParams, keyed_uniforms, sample_on_device, seed_key
+from specserve.sampling import SamplingParams, draw_on_device, keyed_uniforms, probs_on_device, seed_key
 
 if TYPE_CHECKING:
     from specserve.config import ModelConfig
@@ -234,7 +234,7 @@ def capture_graph(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[to
 
 
 class ChainKey(NamedTuple):
-    """What a captured greedy chain is made for."""
+    """What a captured chain is made for."""
 
     batch: int  # sequences, padded to a power of two
     positions: int  # draft positions after the first guess
@@ -246,6 +246,11 @@ class ChainKey(NamedTuple):
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
     confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
     logprobs: bool = False  # each token's logprob and the MAX_LOGPROBS likeliest (a target's)
+    # A proposer's: the vocabulary its sampled and processed rows are drawn over, the
+    # logits widened to it (a head's draft vocabulary, a draft's common head); 0: the
+    # logits' own columns.
+    vocab: int = 0
+    draft_probs: bool = False  # and each sampled row's distribution (rejection sampling's)
     # Some sequences' logits are processed (penalties, min_tokens): the most distinct ids
     # of a text and stop ids of a sequence the chain holds, each a power of two; 0: none.
     distinct: int = 0
@@ -263,11 +268,15 @@ class ProcessedText(NamedTuple):
 
 class Chained(NamedTuple):
     """A chain's further tokens of each sequence, their confidences (empty lists where
-    not asked for), and their logprobs where a sequence's params ask (else None)."""
+    not asked for), their logprobs where a sequence's params ask (else None), and with
+    ChainKey.draft_probs the distribution each sampled guess was drawn from, [n,
+    positions, vocab] on the device (a greedy or seeded row's hold what it would have
+    been drawn from)."""
 
     tokens: list[list[int]]
     confidences: list[list[float]]
     logprobs: list[list[TokenLogprob] | None]
+    probs: torch.Tensor | None = None
 
 
 class TokenChain:
@@ -285,20 +294,23 @@ class TokenChain:
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
     many decode steps would give them, and the features a head reads of every position
     it fed (`Capture`), as those steps would capture them. A proposer's chain drafts
-    greedy guesses.
+    each sequence's guesses as `Guesser.guess` would, position by position: a greedy
+    one's argmax (of its processed scores, where its params ask), a sampled one's draw
+    and, for an unseeded one, the distribution it was drawn from (`ChainKey.draft_probs`),
+    the sampled and processed rows over the target's whole vocabulary (`ChainKey.vocab`).
 
     Why: drafting a position at a time reads each guess back before the next step can be
     fed, so on a GPU a position costs a replay, a read-back and the host's bookkeeping,
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
-    the device's own generator or a keyed one, a penalty or a token's logprobs. A
-    proposer's sampled or penalised guesses are still drawn on the host, a position a
-    step (`DraftChains.draft_on_the_device` takes greedy ones alone).
+    the device's own generator or a keyed one, a penalty or a token's logprobs; so one
+    sampled or penalised request keeps no batch a position a step.
 
     Contract: greedy and keyed tokens are what the model's static steps position by
     position would give (only the bucket of positions attention reads may differ, which
     changes no value but rounding); a sampled token follows the distribution such a
-    step's logits give.
+    step's logits give. A keyed row draws the token at index `draw_from` + j of its
+    text at position j (the target's: its cache's length + 1).
     The chain writes its positions at cache.length + j of each cache without counting
     them in `length`: the caller counts what it keeps.
     """
@@ -314,25 +326,28 @@ class TokenChain:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
         # [3, B] float32: each one's temperature (0: greedy), top-k (0: none) and top-p
         self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
-        # [B] int64: each one's key of its draws (sampling.seed_key), -1 where it has none
-        self.draw_keys = torch.full((key.batch,), -1, dtype=torch.int64, device=device) if key.keyed else None
+        # [2, B] int64: each one's key of its draws (sampling.seed_key), -1 where it has
+        # none, and the index in its text of the token its first position draws
+        self.draws = torch.full((2, key.batch), -1, dtype=torch.int64, device=device) if key.keyed else None
         if key.distinct:
-            # [4, B]: repetition (1: off), frequency and presence penalties, and output
-            # tokens to come before min_tokens; [3, B, distinct]: each text's distinct ids,
-            # their counts in its output and whether its prompt holds them (0 padding
-            # adds nothing); [2, B, stops]: stop ids, 1 where there is one.
-            self.penalties = torch.zeros(4, key.batch, dtype=torch.float32, device=device)
+            # [5, B]: repetition (1: off), frequency and presence penalties, output tokens
+            # to come before min_tokens, and 1 where the row is processed at all;
+            # [3, B, distinct]: each text's distinct ids, their counts in its output and
+            # whether its prompt holds them (0 padding adds nothing); [2, B, stops]: stop
+            # ids, 1 where there is one.
+            self.penalties = torch.zeros(5, key.batch, dtype=torch.float32, device=device)
             self.text = torch.zeros(3, key.batch, key.distinct, dtype=torch.float32, device=device)
             self.stop_ids = torch.zeros(2, key.batch, key.stops, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
-            """guesses [B, positions] (target ids), confidences [B, positions] (or [B, 0]),
+            """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]),
             then with key.logprobs each token's logprob [B, positions] and the likeliest
             ids' [B, positions, MAX_LOGPROBS] (or the vocabulary's size) and their ids,
+            with key.draft_probs the sampled rows' distributions [B, positions, vocab],
             then a decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
-            guesses, confidences, captured, logprobs = [], [], [], []
+            guesses, confidences, captured, logprobs, draft_probs = [], [], [], [], []
             spread = None  # with key.distinct: each row's counts, prompt ids and stop ids, [B, V] each
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
@@ -342,34 +357,41 @@ class TokenChain:
                     features = rest[0]  # a head's output feature feeds its next position
                 else:
                     captured.append(rest)  # a decoder's features of this position
-                raw = logits
+                scores = self._widened(logits, target_ids) if key.vocab else logits  # [B, V]: columns are ids
                 if key.distinct:
                     if spread is None:
-                        spread = self._texts_over(logits)
-                    logits = self._processed(logits, j, *spread)
-                draft = logits.argmax(dim=-1)  # [B]: columns of the logits
+                        spread = self._texts_over(scores)
+                    scores = self._processed(scores, j, *spread)
+                chosen, confidence = self._greedy(logits, scores, target_ids)  # [B] columns of scores, [B]
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
                     top_ks = top_ks.long() if key.filtered else None
                     uniforms = None
-                    if key.keyed:  # the draw for the token after position starts + j
-                        uniforms = keyed_uniforms(self.draw_keys.clamp_min(0), starts + j + 1)  # [B]
-                        uniforms = uniforms.masked_fill(self.draw_keys < 0, float("nan"))
-                    sampled = sample_on_device(logits, temperatures, top_ks, top_ps if key.filtered else None, uniforms)
-                    draft = torch.where(temperatures > 0, sampled, draft)  # [B]
-                if key.confidences:
-                    confidences.append(logits.softmax(dim=-1).amax(dim=-1))  # [B], as Guesser.greedy_guesses
+                    if key.keyed:  # the draw for the token at index draw_from + j
+                        keys, draw_from = self.draws
+                        uniforms = keyed_uniforms(keys.clamp_min(0), draw_from + j)  # [B]
+                        uniforms = uniforms.masked_fill(keys < 0, float("nan"))
+                    probs = probs_on_device(scores, temperatures, top_ks, top_ps if key.filtered else None)  # [B, V]
+                    drawn = draw_on_device(probs, uniforms)  # [B]
+                    chosen = torch.where(temperatures > 0, drawn, chosen)
+                    if confidence is not None:  # a draw's probability, as Guesser.guess gives it
+                        confidence = torch.where(temperatures > 0, probs.gather(1, drawn[:, None])[:, 0], confidence)
+                    if key.draft_probs:
+                        draft_probs.append(probs)
+                if confidence is not None:
+                    confidences.append(confidence)
                 if key.logprobs:  # as logprobs.token_logprobs: the raw logits'
-                    row_logprobs = raw.float().log_softmax(dim=-1)  # [B, V]
+                    row_logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
                     top_values, top_ids = row_logprobs.topk(min(MAX_LOGPROBS, row_logprobs.shape[-1]), dim=-1)
-                    logprobs.append((row_logprobs.gather(1, draft[:, None]).squeeze(1), top_values, top_ids))
-                tokens = draft if target_ids is None else target_ids[draft]  # [B] token ids
+                    logprobs.append((row_logprobs.gather(1, chosen[:, None]).squeeze(1), top_values, top_ids))
+                tokens = chosen if key.vocab or target_ids is None else target_ids[chosen]  # [B] token ids
                 if key.distinct:  # the next position's penalties count this token
                     spread[0].scatter_add_(1, tokens[:, None], torch.ones_like(spread[0][:, :1]))
                 guesses.append(tokens)
             stacked = [torch.stack(guesses, dim=1)]
             stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
             stacked += [torch.stack(kind, dim=1) for kind in zip(*logprobs)]  # [B, positions(, MAX_LOGPROBS)]
+            stacked += [torch.stack(draft_probs, dim=1)] if draft_probs else []  # [B, positions, vocab]
             return stacked + [torch.stack(kind, dim=1) for kind in zip(*captured)]  # each [B, positions, F]
 
         self.forward = forward
@@ -377,6 +399,37 @@ class TokenChain:
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.outputs = capture_graph(forward, static.memory)
+
+    def _widened(self, logits: torch.Tensor, target_ids: torch.Tensor | None) -> torch.Tensor:
+        """A proposer's logits [B, width] -> float32 [B, key.vocab], -inf at the ids its
+        columns do not score, as Guesser.guess widens a sampled or processed row."""
+        wide = logits.new_full((logits.shape[0], self.key.vocab), float("-inf"), dtype=torch.float32)
+        if target_ids is None:  # a draft's common head: the first ids
+            wide[:, : logits.shape[1]] = logits
+            return wide
+        return wide.index_copy(1, target_ids, logits.float())
+
+    def _greedy(
+        self, logits: torch.Tensor, scores: torch.Tensor, target_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy choice, a column of scores [B, V] (logits [B, width]
+        widened and processed where the key asks), and its probability where the key
+        asks for confidences (Guesser.greedy_guesses). A widened chain's unprocessed rows
+        choose among their own columns, as a guess step by step does (ties included)."""
+        chosen = scores.argmax(dim=-1)  # [B]
+        confidence = scores.softmax(dim=-1).amax(dim=-1) if self.key.confidences else None
+        if not self.key.vocab:
+            return chosen, confidence
+        own = logits.argmax(dim=-1)
+        own = own if target_ids is None else target_ids[own]  # [B] ids
+        own_confidence = logits.softmax(dim=-1).amax(dim=-1) if self.key.confidences else None
+        if not self.key.distinct:
+            return own, own_confidence
+        processed = self.penalties[4] > 0  # [B]
+        chosen = torch.where(processed, chosen, own)
+        if confidence is not None:
+            confidence = torch.where(processed, confidence, own_confidence)
+        return chosen, confidence
 
     def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's text spread over the vocabulary of logits [B, V]: its output counts
@@ -394,14 +447,14 @@ class TokenChain:
         gives them, row by row: penalised for the row's text so far (`_texts_over`, this
         chain's tokens counted), and its stop ids given no probability before its
         min_tokens-th token."""
-        repetition, frequency, presence, early = self.penalties[:, :, None]  # [B, 1] each
+        repetition, frequency, presence, early, _ = self.penalties[:, :, None]  # [B, 1] each
         scores = penalised(logits.float(), counts, in_prompt, repetition, frequency, presence)
         return scores.masked_fill(stop_mask & (early > j), float("-inf"))
 
     def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
         """Each processed sequence's penalties and text into the chain's inputs (a plain
         one's: no penalty, nothing counted)."""
-        penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * self.key.batch, device="cpu").T  # [4, B]
+        penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]] * self.key.batch, device="cpu").T  # [5, B]
         text = torch.zeros(3, self.key.batch, self.key.distinct, device="cpu")
         stop_ids = torch.zeros(2, self.key.batch, self.key.stops, device="cpu")
         for i, (q, processed) in enumerate(zip(params, texts)):
@@ -409,7 +462,7 @@ class TokenChain:
                 continue
             early = max(0, q.min_tokens - len(processed.output_ids))
             penalties[:, i] = torch.tensor(
-                [q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early], device="cpu"
+                [q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early, 1.0], device="cpu"
             )
             ids, in_prompt, emitted, _ = counted_text(processed.prompt_ids, processed.output_ids)
             text[:, i, : len(ids)] = torch.stack([ids.float(), emitted, in_prompt.float()])
@@ -428,11 +481,13 @@ class TokenChain:
         capture: Capture | None = None,
         params: list[SamplingParams] | None = None,  # with ChainKey.sampled, logprobs or distinct: each one's
         texts: list[ProcessedText | None] | None = None,  # with ChainKey.distinct: each processed one's
+        draw_from: list[int] | None = None,  # with ChainKey.keyed: see TokenChain; None: each cache's length + 1
     ) -> Chained:
         """first_tokens and (a head's) features [n, F]: each sequence's first guess and the
-        feature that made it -> each one's further guesses, their confidences and
-        logprobs; a decoder's `capture` (as its ChainKey asks) is filled with the
-        features of every position fed, [n * positions, F], sequence by sequence."""
+        feature that made it -> each one's further guesses, their confidences, logprobs
+        and draft probabilities; a decoder's `capture` (as its ChainKey asks) is filled
+        with the features of every position fed, [n * positions, F], sequence by
+        sequence."""
         batch = self.tokens.shape[0]
         n, padding = len(caches), batch - len(caches)
         host = torch.tensor(
@@ -456,9 +511,10 @@ class TokenChain:
             unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
             settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
             self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32, device="cpu").T)
-        if self.draw_keys is not None:
+        if self.draws is not None:
             keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
-            self.draw_keys.copy_(torch.tensor(keys + [-1] * padding, dtype=torch.int64, device="cpu"))
+            draw_from = [c.length + 1 for c in caches] if draw_from is None else draw_from
+            self.draws.copy_(torch.tensor([keys + [-1] * padding, draw_from + [0] * padding], device="cpu"))
         if self.key.distinct:
             self._set_texts(params, texts)
         if self.graph is None:
@@ -466,10 +522,13 @@ class TokenChain:
         else:
             self.graph.replay()
             outputs = self.outputs
-        guesses, confidences = outputs[:2]
-        logprob_parts, captured = (outputs[2:5], outputs[5:]) if self.key.logprobs else ([], outputs[2:])
-        if capture is not None:  # copies: the next replay overwrites the graph's outputs
-            capture.fill([rows[:n].flatten(0, 1).clone() for rows in captured])
+        guesses, confidences, *rest = outputs
+        logprob_parts = rest[:3] if self.key.logprobs else []
+        rest = rest[len(logprob_parts) :]
+        # Copies: the next replay overwrites the graph's outputs.
+        probs = rest.pop(0)[:n].clone() if self.key.draft_probs else None
+        if capture is not None:
+            capture.fill([rows[:n].flatten(0, 1).clone() for rows in rest])
         # One read-back for all: token ids are exact in float64.
         columns = [guesses[:n], confidences[:n]] + [part[:n].flatten(1) for part in logprob_parts]
         rows = torch.cat([c.double() for c in columns], dim=1).tolist()
@@ -481,7 +540,7 @@ class TokenChain:
                 if q.logprobs is not None:
                     top_width = logprob_parts[1].shape[-1]
                     logprobs[i] = chained_logprobs(row[positions + width :], tokens[i], top_width, q.logprobs)
-        return Chained(tokens, [r[positions : positions + width] for r in rows], logprobs)
+        return Chained(tokens, [r[positions : positions + width] for r in rows], logprobs, probs)
 
 
 def chained_logprobs(flat: list[float], tokens: list[int], width: int, num_top: int) -> list[TokenLogprob]:
@@ -563,9 +622,12 @@ class StaticDecode:
         params: list[SamplingParams] | None = None,  # each sequence's; None: every one greedy
         confidences: bool = True,  # False: none computed (a target's chain)
         texts: list[ProcessedText | None] | None = None,  # each sequence's whose logits are processed
+        vocab: int = 0,  # a proposer's: the target's vocabulary size (ChainKey.vocab); 0: a target's chain
+        draw_from: list[int] | None = None,  # see TokenChain.run
     ) -> Chained | None:
-        """`positions` further tokens for each sequence, their confidences and logprobs
-        (see TokenChain), or None where a cache lacks a slot or the room."""
+        """`positions` further tokens for each sequence, their confidences, logprobs and
+        a proposer's draft probabilities (see TokenChain), or None where a cache lacks a
+        slot or the room."""
         if any(c.slot is None or c.length + positions > self.pool.capacity for c in caches):
             return None
         end = max(c.length for c in caches) + positions
@@ -577,6 +639,8 @@ class StaticDecode:
         processed = [t for t in texts or () if t is not None]
         distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
         stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
+        widened = vocab if sampled or processed else 0
+        assert not (widened and logprobs), "a proposer's chain gives no logprobs"
         key = ChainKey(
             next_power_of_two(len(caches)),
             positions,
@@ -588,10 +652,12 @@ class StaticDecode:
             logprobs=logprobs,
             distinct=distinct,
             stops=stops,
+            vocab=widened,
+            draft_probs=bool(widened) and any(not p.greedy and p.seed is None for p in params or ()),
         )
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
             if key not in self.chains:
                 self.chains[key] = TokenChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture, params, texts)
+            return self.chains[key].run(first_tokens, features, caches, capture, params, texts, draw_from)

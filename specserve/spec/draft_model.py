@@ -189,7 +189,7 @@ class DraftModelProposer:
             chains.add(order, self.draft(flat, segments, last_rows, [common[i] for i in order]))  # [len(order), width]
             # The newest guess is fed only if another one is wanted after it.
             inputs = {i: [chains.newest(i)] for i in chains.active()}
-            if inputs and self.draft.static is not None:  # the rest of greedy chains in one graph
+            if inputs and self.draft.static is not None:  # the rest of the chains in one graph
                 caches = [self._cache(seqs[i]) for i in inputs]
                 taken = chains.draft_on_the_device(self.draft.static, list(inputs), caches)
                 if taken is not None:

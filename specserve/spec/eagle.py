@@ -109,7 +109,7 @@ class EagleProposer:
                 and chains.draft_on_the_device(self.head.static, going_on, caches, fed, self.head.target_ids)
                 is not None
             ):
-                break  # the rest of greedy chains in one graph
+                break  # the rest of the chains in one graph
             hidden, logits = self.head.step(
                 torch.tensor([chains.newest(i) for i in going_on], device=self.head.device),
                 fed,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
+from specserve.model.graphs import ProcessedText
 from specserve.penalties import processed_logits
 from specserve.sampling import logits_to_probs, sample
 from specserve.spec.heads.vocab import widen_to_target_vocab
@@ -172,24 +173,41 @@ class DraftChains:
         target_ids: torch.Tensor | None = None,  # [width]: the token id of each logits column (a head's)
     ) -> list[int] | None:
         """Draft the rest of each chain in `going_on` in one static step of `static`
-        (TokenChain, model/graphs.py), where every one of them is greedy and unpenalised,
-        taking its guesses as `add` would one by one: up to its count, stopping after an
-        unsure one. Returns how many guesses each took (the tokens the chain fed that it
+        (TokenChain, model/graphs.py), each guess as `add` would take it: up to its
+        count, stopping after an unsure one, a sampled guess with the distribution it was
+        drawn from. Returns how many guesses each took (the tokens the chain fed that it
         keeps), or None where it drafted nothing this way."""
-        if not all(self.seqs[i].params.greedy and not self.seqs[i].params.processes_logits for i in going_on):
-            return None
-        positions = max(self.num_tokens[i] - len(self.drafted[i]) for i in going_on)
-        firsts = [self.newest(i) for i in going_on]
-        drafted = static.token_chain(firsts, features, caches, positions, target_ids)
+        seqs = [self.seqs[i] for i in going_on]
+        params = [seq.params for seq in seqs]
+        texts = [
+            ProcessedText(
+                seq.prompt_distinct_ids, [*seq.token_ids[seq.num_prompt_tokens :], *self.drafted[i]], seq.stop_token_ids
+            )
+            if seq.params.processes_logits
+            else None
+            for i, seq in zip(going_on, seqs)
+        ]
+        drafted = static.token_chain(
+            [self.newest(i) for i in going_on],
+            features,
+            caches,
+            max(self.num_tokens[i] - len(self.drafted[i]) for i in going_on),
+            target_ids,
+            params=params,
+            texts=texts,
+            vocab=self.guesser.vocab_size,
+            draw_from=[len(seq.token_ids) + len(self.drafted[i]) for i, seq in zip(going_on, seqs)],
+        )
         if drafted is None:
             return None
         taken = []
-        for i, tokens, confidences in zip(going_on, drafted.tokens, drafted.confidences):
+        for row, (i, tokens, confidences) in enumerate(zip(going_on, drafted.tokens, drafted.confidences)):
             before = len(self.drafted[i])
-            for token, confidence in zip(tokens, confidences):
+            keeps_probs = not params[row].greedy and params[row].seed is None  # rejection sampling reads them
+            for j, (token, confidence) in enumerate(zip(tokens, confidences)):
                 if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
                     break
-                self._take(i, token, confidence)
+                self._take(i, token, confidence, drafted.probs[row, j] if keeps_probs else None)
             taken.append(len(self.drafted[i]) - before)
         return taken
 

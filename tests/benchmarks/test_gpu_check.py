@@ -21,7 +21,7 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     args += ["--adaptive-mode", "graphs", "--adaptive-k", "2", "--adaptive-max-k", "3"]
     args += ["--tokens", "6", "--batch-tokens", "4", "--contexts", "40", "--long-modes", "graphs"]
     args += ["--ks", "1,2", "--head-ks", "1,2", "--ceiling-tokens", "16", "--rounds", "1", "--draft-vocab", "48"]
-    args += ["--ceiling-modes", "graphs", "--heads-mode", "graphs", "--json-out", str(out)]
+    args += ["--ceiling-modes", "graphs", "--heads-mode", "graphs", "--sampled-ks", "2", "--json-out", str(out)]
     assert gpu_check.main(args) == 0
     rows = json.loads(out.read_text())
     assert not [r for r in rows if r["what"] == "failed"], rows
@@ -37,10 +37,12 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     assert min(plain.values()) > 0
     assert {r["what"] for r in rows if r["section"] == "profile"} == {"skipped"}  # a GPU's
     heads = [r for r in rows if r["section"] == "heads" and "k" in r]
-    assert {(r["what"].split(",")[1].split()[0], r["k"]) for r in heads} == {
-        (m, k) for m in ("eagle3", "medusa") for k in (1, 2)
-    }
-    assert len([r for r in rows if r["section"] == "ceiling" and "k" in r]) == 2
+    sampled_row = "temperature 0.8, top_p 0.95, seed 7 k = 2"  # a seeded request's guesses, in the chains
+    assert {(r["what"].split(",")[1].split()[0], r["k"], r["what"].endswith(sampled_row)) for r in heads} == {
+        (m, k, False) for m in ("eagle3", "medusa") for k in (1, 2)
+    } | {("eagle3", 2, True)}
+    ceiling = [r["what"] for r in rows if r["section"] == "ceiling" and "k" in r]
+    assert len(ceiling) == 3 and ceiling[-1].endswith(sampled_row)
     adaptive = {(r["kind"], r["batch"]): r["ratio"] for r in rows if r["section"] == "adaptive"}
     assert set(adaptive) == {(p, b) for p in ("draft", "ngram", "eagle3") for b in (1, 2)}
     assert min(adaptive.values()) > 0

@@ -21,6 +21,7 @@ from specserve.model.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.guesses import DraftChains
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.ngram import NgramProposer
 from tests.conftest import DEVICES, tiny_config
@@ -352,6 +353,106 @@ def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_ste
     assert any(key.distinct for key in graphed.static.chains)
 
 
+# Beside a greedy request, every kind a proposer's chains take: penalised greedy with
+# min_tokens, seeded sampling cut by top-p, and seeded sampling with a penalty.
+MIXED = [
+    GREEDY,
+    SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.4, min_tokens=20, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=1.1, presence_penalty=0.7, seed=2**40, ignore_eos=True),
+]
+
+
+def drafts_of(proposer) -> list[list[list[int]]]:
+    """Every `propose` call's drafts from now on, each sequence's tokens."""
+    calls, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, least=None: calls.append(r := propose(seqs, ks, least)) or r
+    return calls
+
+
+def chained_and_stepped(monkeypatch, target: Decoder, draft: Decoder, requests: list) -> tuple[list, set, Engine]:
+    """Graphed copies of target and draft serve `requests` twice, the draft's positions
+    after each first guess in chains (TokenChain) and then one static step a position;
+    each output is plain decoding's alone both times, and so is every draft. Returns the
+    chained run's drafts (each `propose` call's, every sequence's tokens), its draft's
+    chain keys and its engine."""
+    alone = [Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids for prompt, params in requests]
+    runs = {}
+    for chained in (True, False):
+        graphed, graphed_draft = copy.deepcopy(target), copy.deepcopy(draft)
+        for model in (graphed, graphed_draft):
+            model.use_cuda_graphs(num_slots=4, capacity=128)
+        if not chained:
+            monkeypatch.setattr(DraftChains, "draft_on_the_device", lambda *args, **kwargs: None)
+        proposer = DraftModelProposer(graphed_draft)
+        calls = drafts_of(proposer)
+        outputs, engine = run(graphed, lambda: proposer, requests)
+        assert outputs == alone
+        runs[chained] = [[d.tokens.tolist() for d in call] for call in calls], set(graphed_draft.static.chains), engine
+    assert runs[True][0] == runs[False][0] and not runs[False][1]
+    return runs[True]
+
+
+def test_a_draft_models_chains_guess_for_every_kind_of_request_as_its_steps_do(monkeypatch):
+    """A graphed draft model drafts the positions after each first guess in one static
+    step (TokenChain) for greedy, penalised and seeded sampling requests alike: every
+    guess is the one its static steps position by position give (`Guesser.guess`), and
+    each output stays the one plain decoding gives it alone."""
+    target = random_decoder("qwen3", seed=1)
+    _, keys, engine = chained_and_stepped(
+        monkeypatch, target, perturbed(target, 0.3, seed=2), list(zip(PROMPTS, MIXED))
+    )
+    assert 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
+    assert any(key.sampled and key.keyed and key.vocab and key.distinct for key in keys)
+
+
+def repeating(model: Decoder) -> Decoder:
+    """A draft whose layers add nothing and whose head is its embedding table: each
+    position's guess is the token fed there, unless a penalty forbids it."""
+    repeater = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in repeater.layers:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        repeater.lm_head.weight.copy_(repeater.embed_tokens.weight)
+    return repeater
+
+
+def test_a_penalised_chain_counts_the_guesses_before_it(monkeypatch):
+    """A draft that repeats each token it is fed, for a request whose repetition penalty
+    forbids every token of its text: each guess, in the chain as step by step, counts the
+    guesses before it, so no guess repeats one."""
+    target = random_decoder("qwen3", seed=1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=50.0, ignore_eos=True)
+    drafts, _, _ = chained_and_stepped(monkeypatch, target, repeating(target), [([7], params)])
+    drafts = [call[0] for call in drafts]
+    assert all(len(set(tokens)) == len(tokens) for tokens in drafts)
+    assert sum(len(tokens) == 3 for tokens in drafts) > 3  # chains of two positions after the first guess
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["seeded", "unseeded"])
+def test_a_draft_models_chains_of_sampled_guesses_keep_the_targets_distribution(keyed):
+    """Sampling requests drafted by a graphed draft model, every position after the
+    first guess drawn in its chain (an unseeded one's from the device's generator, its
+    distribution handed to rejection sampling): the 4-token outputs are distributed as
+    the target's own sampling (chi-square over all 4^4)."""
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
+
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    draft = perturbed(target, 1.5, seed=4)
+    draft.use_cuda_graphs(num_slots=8, capacity=16)
+    params = dict(max_tokens=4, temperature=0.6, top_p=0.95, ignore_eos=True)  # far from 1, so that it counts
+    expected = target_continuation_probs(target, prompt, SamplingParams(**params))
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=DraftModelProposer(draft), num_speculative_tokens=3)
+    torch.manual_seed(0)  # the chains' draws: the device's generator
+    samples = seeded_outputs(engine, prompt, params, batches=5, keyed=keyed)
+    assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
+    assert {(key.keyed, key.draft_probs) for key in draft.static.chains} == {(keyed, not keyed)}
+    assert chi_square_p_value(samples, expected) > 1e-4
+
+
 @pytest.mark.parametrize(
     "fields", [dict(temperature=0.5), dict(temperature=0.9, top_p=0.7), dict(temperature=1.4, top_k=2, top_p=0.95)]
 )
@@ -450,7 +551,7 @@ def test_a_decoders_token_chain_guesses_what_its_steps_guess(layers, final):
         caches.append(cache)
         firsts.append(int(logits[-1].argmax()))
     capture = Capture(layers=layers, final=final) if layers else None
-    guesses, confidences, _ = model.static.token_chain(firsts, None, caches, positions=4, capture=capture)
+    guesses, confidences, *_ = model.static.token_chain(firsts, None, caches, positions=4, capture=capture)
     assert [c.length for c in caches] == [len(p) for p in PROMPTS[:2]]
     for b, (cache, token, got, got_confidences) in enumerate(zip(caches, firsts, guesses, confidences)):
         expected, expected_confidences = [], []

@@ -24,7 +24,7 @@ from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.factory import head_proposer
-from specserve.spec.guesses import Guesser
+from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.heads.checkpoint import save_head
 from specserve.spec.heads.eagle import EagleConfig, EagleHead
 from specserve.spec.heads.medusa import MedusaHeads
@@ -121,7 +121,7 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_
         head.static.in_place = head_attention == "in-place"  # already so on a GPU with Triton
     engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, prefill_chunk_size=8)
     penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
-    requests = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], penalised)]  # guessed on the host, step by step
+    requests = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], penalised)]  # its chains penalised too
     for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
         assert seq.output_ids == plain_tokens(target, prompt, params)
     stats = engine.spec_stats
@@ -133,6 +133,43 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_
         assert {key.rows for key in head.static.steps} >= {1, 2}  # catch-ups of one pair and more
         assert head.static.chains  # the greedy chains ran as one static step each (TokenChain)
         assert head.static.pool.num_free == 8 and not proposer.caches
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_heads_chains_guess_for_every_kind_of_request_as_its_steps_do(noisy, method, monkeypatch):
+    """A graphed EAGLE head drafts the positions after each first guess in one static
+    step (TokenChain) for greedy, penalised and seeded sampling requests alike (EAGLE-3's
+    shuffled draft vocabulary widened to the target's for the latter two): every guess
+    is the one its static steps position by position give, and each output stays the
+    one plain decoding gives it alone."""
+    target, perm = noisy
+    kinds = [
+        GREEDY,
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, min_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.1, frequency_penalty=0.6, seed=2**40, ignore_eos=True),
+        GREEDY,
+    ]
+    requests = list(zip(PROMPTS + [[8, 8, 8]], kinds))
+    drafts, chains = {}, {}
+    for chained in (True, False):
+        head = copy.deepcopy(right_head(method, target, perm))
+        graphed = copy.deepcopy(target)
+        graphed.use_cuda_graphs(num_slots=8, capacity=128)
+        proposer = proposer_of(head, graphed)
+        head.use_cuda_graphs(num_slots=8, capacity=128)
+        if not chained:
+            monkeypatch.setattr(DraftChains, "draft_on_the_device", lambda *args, **kwargs: None)
+        calls, propose = [], proposer.propose
+        proposer.propose = lambda seqs, ks, least=None: calls.append(r := propose(seqs, ks, least)) or r
+        engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+        for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+            assert seq.output_ids == plain_tokens(target, prompt, params)
+        assert 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
+        drafts[chained] = [[d.tokens.tolist() for d in call] for call in calls]
+        chains[chained] = {(key.keyed, key.vocab > 0, key.distinct > 0) for key in head.static.chains}
+    assert drafts[True] == drafts[False]
+    assert (True, True, True) in chains[True] and not chains[False]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -483,4 +520,31 @@ def test_speculative_engine_samples_the_target_distribution(method, quantization
     samples = seeded_outputs(engine, prompt, params, batches=5)
     stats = engine.spec_stats
     assert 0.1 < stats.acceptance_rate < 0.95
+    assert chi_square_p_value(samples, expected) > 1e-4
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["seeded", "unseeded"])
+def test_an_eagle_heads_chains_of_sampled_guesses_keep_the_targets_distribution(keyed):
+    """Sampling requests drafted by a graphed EAGLE-3 head over 3 of the 4 ids in its
+    own order, every position after the first guess drawn in its chain over the widened
+    vocabulary (an unseeded one's from the device's generator, its distribution handed
+    to rejection sampling): the 4-token outputs are distributed as the target's own
+    sampling (chi-square over all 4^4)."""
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
+
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    config = target_config(vocab_size=vocab, num_layers=4)
+    target = Decoder(config).eval()
+    head = EagleHead(EagleConfig.for_target(config, 3, draft_vocab_size=3)).eval()
+    head.target_ids = torch.tensor([3, 0, 1])  # id 2 only ever comes from the target's residual
+    params = dict(max_tokens=4, temperature=0.6, top_p=0.95, ignore_eos=True)
+    expected = target_continuation_probs(target, prompt, SamplingParams(**params))
+    proposer = proposer_of(head, target)
+    head.use_cuda_graphs(num_slots=8, capacity=16)
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    torch.manual_seed(0)  # the chains' draws: the device's generator
+    samples = seeded_outputs(engine, prompt, params, batches=5, keyed=keyed)
+    assert 0.1 < engine.spec_stats.acceptance_rate < 0.95
+    assert {(key.keyed, key.draft_probs, key.vocab) for key in head.static.chains} == {(keyed, not keyed, vocab)}
     assert chi_square_p_value(samples, expected) > 1e-4

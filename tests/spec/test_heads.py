@@ -256,7 +256,7 @@ def test_a_token_chain_in_one_static_step_guesses_what_steps_guess(tmp_path, lay
         caches.append(cache)
         firsts.append(int(head.to_target_ids(logits.argmax(-1))))
         hiddens.append(hidden[-1])
-    guesses, confidences, _ = head.static.token_chain(firsts, torch.stack(hiddens), caches, 3, head.target_ids)
+    guesses, confidences, *_ = head.static.token_chain(firsts, torch.stack(hiddens), caches, 3, head.target_ids)
     assert [c.length for c in caches] == [5, 2]
     for cache, first, hidden, got, got_confidences in zip(caches, firsts, hiddens, guesses, confidences):
         token, expected, expected_confidences = first, [], []
