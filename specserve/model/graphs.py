@@ -9,16 +9,21 @@ A graph replays the same kernels on the same addresses with the same shapes, so 
 step it captures (`static_forward`) is not Decoder.forward's ragged one:
 - every sequence's cache is a slot of one `CachePool` (kv_cache.py), found by index;
 - every sequence feeds n rows, the most any of them feeds this step (1: a decode step;
-  k + 1: a verification of k drafts); a sequence with fewer (another k, a prompt chunk)
-  and the rows that pad the batch to a power of two write their keys and values to
-  the pool's scratch slot, and their logits are dropped;
+  k + 1: a verification of k drafts; past MAX_GRAPH_ROWS, a read of a few dozen tokens,
+  the next power of two); a sequence with fewer (another k, a prompt chunk) and the
+  rows that pad the batch to a power of two write their keys and values to the pool's
+  scratch slot, and their logits are dropped;
 - attention reads each slot in place, every row up to its own position
   (slot_attention.py, where Triton runs), or else a gathered copy of the first `bucket`
   positions of each slot under a causal mask; `bucket` is the smallest power of two
   from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity.
 A graph is captured for each (batch, rows, bucket), and the features a head proposer
-asks the target for (`Capture`), the first time a step needs it. A
-prompt's prefill of more than MAX_GRAPH_ROWS rows runs eagerly, on the same slots.
+asks the target for (`Capture`), the first time a step needs it. Reads of more than
+MAX_GRAPH_ROWS tokens a sequence (a short prompt, a draft model's backlog after plain
+steps, a head's catch-up) run as graphs of 32 to MAX_READ_ROWS rows while the padded
+batch holds at most MAX_STEP_ROWS rows: eagerly such a read is a launch-bound forward,
+several replays' time (benchmarks/EXPERIMENTS.md, "Adaptive k on a GPU where nothing is
+accepted"). A longer one runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
 tests check it against Decoder.forward (Triton's kernels by its interpreter). Its speed
@@ -42,7 +47,9 @@ if TYPE_CHECKING:
     from specserve.config import ModelConfig
     from specserve.model.decoder import Capture, Decoder, Segment
 
-MAX_GRAPH_ROWS = 16  # rows per sequence a graph takes: k + 1 for k up to 15 drafts
+MAX_GRAPH_ROWS = 16  # rows per sequence any row count has a graph of: k + 1 for k up to 15 drafts
+MAX_READ_ROWS = 128  # past that, powers of two: the most tokens of a sequence a graph reads
+MAX_STEP_ROWS = 512  # rows of a padded batch (sequences x rows), past MAX_GRAPH_ROWS a sequence
 MIN_BUCKET = 256  # positions attention reads at the least
 
 
@@ -584,10 +591,23 @@ class StaticDecode:
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
-        pool, 1 to MAX_GRAPH_ROWS new tokens each."""
-        return bool(segments) and all(
-            s.cache.pool is self.pool and 0 < s.num_tokens <= MAX_GRAPH_ROWS for s in segments
+        pool, each with new tokens, and rows for them (`step_rows_for`)."""
+        return (
+            bool(segments)
+            and all(s.cache.pool is self.pool and s.num_tokens > 0 for s in segments)
+            and self.step_rows_for(segments) is not None
         )
+
+    def step_rows_for(self, segments: list[Segment]) -> int | None:
+        """Rows a sequence feeds in the static step over `segments`: the most new tokens
+        of any, past MAX_GRAPH_ROWS the next power of two (a read), or None where no
+        graph takes them (see the module's docstring)."""
+        rows = max(s.num_tokens for s in segments)
+        if rows <= MAX_GRAPH_ROWS:
+            return rows
+        rows = next_power_of_two(rows)
+        fits = rows <= min(MAX_READ_ROWS, self.pool.capacity)  # a padding row sits at its row index
+        return rows if fits and next_power_of_two(len(segments)) * rows <= MAX_STEP_ROWS else None
 
     def run(
         self,
@@ -600,7 +620,7 @@ class StaticDecode:
         logits [T, head_size] float32, then the features `capture` asks for, in Capture's
         order. The caches' slots must be taken (KVCache.reserve) and their lengths not
         yet advanced."""
-        rows = max(s.num_tokens for s in segments)
+        rows = self.step_rows_for(segments)
         end = max(s.cache.length + s.num_tokens for s in segments)
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         key = StepKey(next_power_of_two(len(segments)), rows, bucket)

@@ -29,7 +29,7 @@ the sequence's run starts at the first position the target computed, and the hea
 from there, counting its positions from 0 (RoPE is relative, so that is the same head).
 It misses the prefix's context: fewer accepted guesses, never a wrong output. With CUDA
 graphs, the target's steps capture the features inside the graph (model/graphs.py), and
-the head's own steps of up to MAX_GRAPH_ROWS pairs run as graphs of their own
+the head's own steps (catch-ups of up to MAX_READ_ROWS pairs) run as graphs of their own
 (`EagleHead.use_cuda_graphs`), each head cache a slot of the head's pool.
 """
 

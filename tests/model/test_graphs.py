@@ -36,13 +36,15 @@ def small_buckets(monkeypatch):
     monkeypatch.setattr(graphs, "MIN_BUCKET", 8)
 
 
-@pytest.mark.parametrize("new_tokens", [(1, 1, 1), (4, 4, 4), (1, 4, 3)])
+@pytest.mark.parametrize("new_tokens", [(1, 1, 1), (4, 4, 4), (1, 4, 3), (1, 20, 3)])
 def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     """Three sequences (a batch padded to 4), each feeding 1 token (a decode step), 4
-    (verifying 3 drafts) or a mix (the rows the others lack pad), against the eager
-    forward on caches of their own; and nothing but the step's rows changes the slots."""
+    (verifying 3 drafts), a mix (the rows the others lack pad) or a read of 20 tokens
+    among them (32 rows a sequence), after their prompts were read by a static step of
+    32 rows, against the eager forward on caches of their own; and nothing but the
+    step's rows changes the slots."""
     model = random_decoder(arch, seed=3)
-    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]  # 20 tokens: read eagerly, into the slots
+    prompts = [[5, 9, 13, 5, 9, 2, 7], [1, 2, 3], list(range(10, 30))]  # 20 tokens: a read of 32 rows
     new = [[11 + i + j for j in range(n)] for i, n in enumerate(new_tokens)]
 
     def step(caches: list[KVCache]) -> torch.Tensor:
@@ -57,13 +59,31 @@ def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     caches = [model.new_cache() for _ in prompts]
     got = step(caches)  # [sum(new_tokens), V]
     assert [c.slot for c in caches] == [0, 1, 2] and model.static.pool.num_free == 1
-    assert list(model.static.steps) == [
-        graphs.StepKey(4, max(new_tokens), 32)
-    ]  # 3 padded to 4; 20 + 4 positions: bucket 32
+    rows = max(new_tokens) if max(new_tokens) <= graphs.MAX_GRAPH_ROWS else 32
+    # 3 padded to 4; at most 23 positions: bucket 32
+    assert set(model.static.steps) == {graphs.StepKey(4, 32, 32), graphs.StepKey(4, rows, 32)}
     assert [c.length for c in caches] == [len(p) + n for p, n in zip(prompts, new_tokens)]
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     for cache, prompt, n in zip(caches, prompts, new_tokens):  # nothing written past each sequence's rows
         assert cache.keys[:, :, len(prompt) + n :].abs().sum() == 0
+
+
+def test_reads_of_more_than_max_graph_rows_take_a_power_of_two_while_they_fit(monkeypatch):
+    """A sequence reading 17 to MAX_READ_ROWS tokens feeds the next power of two rows,
+    within the pool's capacity and MAX_STEP_ROWS for the padded batch; past those the
+    forward runs eagerly."""
+    model = random_decoder("qwen3", seed=3)
+    model.use_cuda_graphs(num_slots=4, capacity=64)
+    monkeypatch.setattr(graphs, "MAX_STEP_ROWS", 128)
+    caches = [model.new_cache() for _ in range(3)]
+
+    def rows(*tokens: int) -> int | None:
+        segments = [Segment(cache, n) for cache, n in zip(caches, tokens)]
+        return model.static.step_rows_for(segments) if model.static.handles(segments) else None
+
+    assert [rows(5), rows(16), rows(17), rows(40)] == [5, 16, 32, 64]
+    assert rows(65) is None  # 128 rows: past the pool's capacity
+    assert [rows(40, 1), rows(40, 1, 1)] == [64, None]  # 3 sequences pad to 4: 256 rows
 
 
 @pytest.fixture
@@ -487,12 +507,15 @@ def test_chains_sample_the_targets_distribution(fields):
 def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(proposer_kind):
     """Where adaptive k finds drafting does not pay (a draft that is always wrong, n-gram
     on text that never repeats), its plain steps decode in multi-step chains: the target's
-    chains run, and the output is plain decoding's."""
+    chains run, and the output is plain decoding's. A graphed draft reads what it has not
+    seen (a 30-token prompt, a backlog after plain steps) in static steps of up to
+    MAX_READ_ROWS rows, and gives its slots back."""
     target = random_decoder("qwen3", seed=1)
     requests = [(PROMPTS[i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in (0, 3)]
     expected = [run(target, lambda: None, [r])[0][0] for r in requests]
     graphed, wrong_draft = copy.deepcopy(target), perturbed(target, 5.0, seed=2)
-    graphed.use_cuda_graphs(num_slots=2, capacity=128)
+    for model in (graphed, wrong_draft):
+        model.use_cuda_graphs(num_slots=2, capacity=128)
     make_proposer = {
         "draft": lambda: DraftModelProposer(wrong_draft),
         "ngram": lambda: NgramProposer(3, 3),
@@ -501,6 +524,9 @@ def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(p
     assert outputs == expected
     assert {key.positions for key in graphed.static.chains} == {4}
     assert graphed.static.pool.num_free == 2
+    if proposer_kind == "draft":
+        assert max(key.rows for key in wrong_draft.static.steps) > graphs.MAX_GRAPH_ROWS
+        assert wrong_draft.static.pool.num_free == 2
 
 
 def test_a_first_guess_dropped_before_a_chain_teaches_adaptive_k():

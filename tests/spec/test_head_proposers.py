@@ -106,7 +106,7 @@ def test_heads_on_a_target_with_cuda_graphs_keep_its_output(noisy, method, head_
     """The target's static steps capture the features the head reads (model/graphs.py):
     verifications run as graphs (eagerly on the CPU) and the output stays plain decoding's.
     An EAGLE head's own steps run as static steps too, attending over a gathered copy or
-    in place (a catch-up of more than MAX_GRAPH_ROWS pairs: eagerly, on its pool slot)."""
+    in place (a catch-up of more than MAX_READ_ROWS pairs: eagerly, on its pool slot)."""
     if head_attention != "eager" and method == "medusa":
         pytest.skip("Medusa heads have no steps of their own")
     if head_attention == "in-place":

@@ -153,7 +153,7 @@ class EagleHead(nn.Module):
         )
 
     def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
-        """Run head steps of up to MAX_GRAPH_ROWS pairs a sequence as CUDA graphs, as
+        """Run head steps of a few pairs a sequence as CUDA graphs (model/graphs.py), as
         Decoder.use_cuda_graphs runs the target's (on a CPU the same static steps run
         eagerly: tests use this)."""
         if self.static is not None:
