@@ -423,15 +423,17 @@ class TokenChain:
         widened and processed where the key asks), and its probability where the key
         asks for confidences (Guesser.greedy_guesses). A widened chain's unprocessed rows
         choose among their own columns, as a guess step by step does (ties included)."""
+        wanted = self.key.confidences
+        if self.key.vocab:
+            own = logits.argmax(dim=-1)
+            own = own if target_ids is None else target_ids[own]  # [B] ids
+            own_confidence = logits.softmax(dim=-1).amax(dim=-1) if wanted else None
+            if not self.key.distinct:  # no row processed
+                return own, own_confidence
         chosen = scores.argmax(dim=-1)  # [B]
-        confidence = scores.softmax(dim=-1).amax(dim=-1) if self.key.confidences else None
+        confidence = scores.softmax(dim=-1).amax(dim=-1) if wanted else None
         if not self.key.vocab:
             return chosen, confidence
-        own = logits.argmax(dim=-1)
-        own = own if target_ids is None else target_ids[own]  # [B] ids
-        own_confidence = logits.softmax(dim=-1).amax(dim=-1) if self.key.confidences else None
-        if not self.key.distinct:
-            return own, own_confidence
         processed = self.penalties[4] > 0  # [B]
         chosen = torch.where(processed, chosen, own)
         if confidence is not None:
