@@ -1,7 +1,7 @@
 """Sampling parameters, the logits -> probabilities transform, sampling by the inverse
 of the cumulative distribution (`sample`), and the same transform and a draw inside a
-CUDA graph from the device's generator (`sample_on_device`, for multi-step chains and
-a proposer's chains of guesses).
+CUDA graph from the device's generator (`probs_on_device`, `draw_on_device`: for
+multi-step chains and a proposer's chains of guesses).
 
 Where a draw's uniform comes from:
 - An unseeded request draws from its own stream (`SamplingParams.make_generator`), in
@@ -269,18 +269,6 @@ def draw_on_device(
     if uniforms is None:
         return raced
     return torch.where(uniforms.isnan(), raced, inverse_cdf(probs.cumsum(dim=-1), uniforms.nan_to_num(0.0)))
-
-
-def sample_on_device(
-    logits: torch.Tensor,  # [n, V]
-    temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: any id (the caller takes its argmax)
-    top_ks: torch.Tensor | None = None,
-    top_ps: torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
-) -> torch.Tensor:  # [n] int64
-    """`draw_on_device` from `probs_on_device`: one draw per row from the distribution
-    `logits_to_probs` gives, inside a CUDA graph if need be."""
-    return draw_on_device(probs_on_device(logits, temperatures, top_ks, top_ps), uniforms)
 
 
 def top_k_top_p_on_device(

@@ -293,7 +293,7 @@ class TokenChain:
     device, and one read-back returns every token, its confidence and, for a request
     that asks, its logprobs (specserve/logprobs.py: the raw logits'). A sequence's token
     is the argmax, or where its params sample (`ChainKey.sampled`) a draw from the
-    distribution `logits_to_probs` gives (`sample_on_device`): from the device's own
+    distribution `logits_to_probs` gives (`probs_on_device`, `draw_on_device`): from the device's own
     generator, or a seeded request's keyed draw of that position, the one its host steps
     would take; of the logits a step by step decode would process, where its params ask
     (`ChainKey.distinct`: penalties and min_tokens, `penalties.processed_logits`).

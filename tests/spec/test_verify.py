@@ -22,11 +22,12 @@ from specserve.sampling import (
     SEED_MIN,
     InvalidSamplingValue,
     SamplingParams,
+    draw_on_device,
     keyed_uniform,
     keyed_uniforms,
     logits_to_probs,
+    probs_on_device,
     sample,
-    sample_on_device,
     seed_key,
     top_p_kept,
 )
@@ -652,14 +653,14 @@ def test_verify_keyed_keeps_the_drafts_equal_to_the_targets_own_draws():
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
-def test_sample_on_device_draws_from_the_softmax_at_each_rows_temperature(temperature):
+def test_draws_on_device_come_from_the_softmax_at_each_rows_temperature(temperature):
     """The race a multi-step chain samples with: each id as often as logits_to_probs gives
     it at the row's temperature, an id at -inf never, rows at temperature 0 beside them."""
     logits = torch.tensor([2.0, -1.0, 0.5, float("-inf"), 1.5, -30.0])  # [V]
     rows = logits.expand(6000, -1)  # [N, V]
     temperatures = torch.tensor([temperature, 0.0]).repeat(3000)  # [N]: every other row greedy
     torch.manual_seed(0)
-    drawn = sample_on_device(rows, temperatures)  # [N]
+    drawn = draw_on_device(probs_on_device(rows, temperatures))  # [N]
     expected = logits_to_probs(logits[None], SamplingParams(temperature=temperature))[0]
     sampled = drawn[temperatures > 0]
     assert chi_square_p_value(sampled.unsqueeze(1), expected) > 1e-3
@@ -675,7 +676,7 @@ def test_sample_on_device_draws_from_the_softmax_at_each_rows_temperature(temper
         dict(temperature=0.8, top_k=6, top_p=0.999),
     ],
 )
-def test_sample_on_device_cuts_as_logits_to_probs_does(fields):
+def test_probs_on_device_cut_as_logits_to_probs_does(fields):
     """Top-k then top-p on the device, row by row (a greedy row and an uncut one beside),
     keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays."""
     logits = torch.tensor([2.0, -1.0, 0.5, 0.5, 1.5, -3.0, 0.5])  # [V]: ties at 0.5
@@ -686,10 +687,13 @@ def test_sample_on_device_cuts_as_logits_to_probs_does(fields):
     temperatures = torch.where(kinds == 1, 0.0, params.temperature)
     top_ks = torch.where(kinds == 0, params.top_k, 0)
     top_ps = torch.where(kinds == 0, params.top_p, 1.0)
+    probs = probs_on_device(rows, temperatures, top_ks, top_ps)  # [N, V]
     torch.manual_seed(0)
-    drawn = sample_on_device(rows, temperatures, top_ks, top_ps)  # [N]
+    drawn = draw_on_device(probs)  # [N]
     expected = logits_to_probs(logits[None], params)[0]
     uncut = logits_to_probs(logits[None], SamplingParams(temperature=params.temperature))[0]
+    torch.testing.assert_close(probs[0], expected)  # what a proposer's chain hands to rejection sampling
+    torch.testing.assert_close(probs[2], uncut)
     assert chi_square_p_value(drawn[kinds == 0].unsqueeze(1), expected) > 1e-3
     assert chi_square_p_value(drawn[kinds == 2].unsqueeze(1), uncut) > 1e-3
 
