@@ -487,13 +487,16 @@ class Engine:
             else None
             for w in work
         ]
+        started = time.perf_counter()
         chains = static.token_chain(
             firsts, None, caches, steps, capture=capture, params=params, confidences=False, texts=texts
-        )
+        )  # its tokens read back: the chain's work waited for
         if chains is None:
             return None
         if features is not None:  # a head reads every position the chain fed
             features.read(capture, [FedRows(w.seq.seq_id, w.seq.cache.length, steps) for w in work])
+        if self.adaptive is not None:  # plain decoding's price where it chains
+            self.adaptive.observe_chain(len(work), steps, time.perf_counter() - started)
         for cache in caches:
             cache.length += steps  # the newest token and every token but the last (step() cuts the rest)
         # A first guess dropped before the chain is still the proposer's news to adaptive k.

@@ -11,6 +11,9 @@ Costs are measured from the engine's own timings, recent ones weighing more:
   CPU kernels 9-16 rows take a second pass of arithmetic, a cost no line follows; a
   plain step that no forward measured (every step drafted) is measured once by a plain
   step (`measuring_plain`);
+- plain decoding, where the target decodes it in multi-step chains (engine.py): a
+  chain's token as a share of that forward, by batch size (`ChainShares`); one
+  drafting sequence turns the whole batch's chain into a single step;
 - drafting as a line, draft_fixed + per_position * k, timed only on proposer calls with
   at most MAX_CATCH_UP tokens to catch up;
 - reading a backlog into the draft (a new prompt, the tokens of plain steps) as a line
@@ -21,10 +24,11 @@ The draft's lines are kept in units of a one-row target forward as measured at t
 drafts, so a slow phase of the machine leaves the draft's price as soon as the target is
 fast again.
 
-For a batch of B decoding sequences a plain step costs T(B), the target's forward of B
-rows, and drafting k tokens each makes the forward one of B * (1 + D(k)) rows:
+For a batch of B decoding sequences a plain token costs P(B): T(B), the target's forward
+of B rows, or its chain's share of it. Drafting k tokens each makes the forward one of
+B * (1 + D(k)) rows:
 
-    speedup(k) = E(k) * T(B) / (T(B * (1 + D(k))) + draft_fixed + D(k) * per_position)
+    speedup(k) = E(k) * P(B) / (T(B * (1 + D(k))) + draft_fixed + D(k) * per_position)
 
 The draft runs for the whole batch at once, so the batch's ks are chosen together
 (`batch_ks`). Where no k beats plain decoding by MIN_SPEEDUP (a run of drafting goes on
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 
 # Proposer calls that catch up at most this many tokens (the recovered or bonus token, and
 # the last accepted draft after a full acceptance) are timed as drafting, longer ones as
@@ -224,6 +229,31 @@ class ForwardCosts:
         self.shape[rows] = total / weight
 
 
+class ChainShares:
+    """What a token of plain decoding costs in a multi-step chain, as a share of the
+    target's forward of as many rows (one a sequence) predicted when the chain ran: a
+    mean by batch size, recent chains weighing more (SHAPE_DECAY). A batch never chained
+    takes the share of the nearest one that was (by their ratio), and 1 where none was:
+    where the target runs no chains, plain decoding is that forward.
+
+    A share, not seconds, so that a chain's price follows the machine's pace as the
+    forward's does (ForwardCosts)."""
+
+    def __init__(self):
+        self.sums: dict[int, tuple[float, float]] = {}  # batch -> decaying (weight, weight * share)
+
+    def share(self, batch: int) -> float:
+        if not self.sums:
+            return 1.0
+        nearest = min(self.sums, key=lambda b: (abs(math.log(b / batch)), b))
+        weight, total = self.sums[nearest]
+        return total / weight
+
+    def observe(self, batch: int, share: float) -> None:
+        weight, total = self.sums.get(batch, (0.0, 0.0))
+        self.sums[batch] = SHAPE_DECAY * weight + 1, SHAPE_DECAY * total + share
+
+
 class Acceptance:
     """What one sequence's drafts have earned, position by position, as decaying counts.
 
@@ -342,6 +372,7 @@ class AdaptiveSpecLength:
         # over within a few dozen steps. The target's costs are in seconds once its first
         # step is measured; the draft's fits stay in units.
         self.target = ForwardCosts()
+        self.chains = ChainShares()
         r = prior_draft_cost_ratio
         self.draft = LinearFit(((1, r), (5, 5 * r)))
         self.read = LinearFit(((0, 0.0), (64, 32 * r)))
@@ -359,8 +390,9 @@ class AdaptiveSpecLength:
         self._plain_choice: tuple[tuple, list[float]] | None = None
 
     def plain_step(self, batch: int) -> float:
-        """Predicted seconds of a plain decode step of `batch` sequences."""
-        return self.target_seconds(batch)
+        """Predicted seconds of plain decoding's token for each of `batch` sequences: the
+        target's forward of `batch` rows, or its chain's share of it (`ChainShares`)."""
+        return self.target_seconds(batch) * self.chains.share(batch)
 
     def target_seconds(self, rows: float) -> float:
         """Predicted seconds of a target forward of `rows` rows in all (an expected
@@ -369,7 +401,7 @@ class AdaptiveSpecLength:
 
     def _unit(self) -> float:
         """Seconds of a one-row target forward now: the unit of the draft's fits."""
-        return max(self.plain_step(1), 1e-12)
+        return max(self.target_seconds(1), 1e-12)
 
     def _in_seconds(self, fit: LinearFit) -> tuple[float, float]:
         """A fit kept in units of a one-row target forward, as (intercept, slope) in seconds."""
@@ -449,7 +481,7 @@ class AdaptiveSpecLength:
         if count == 0 or plain <= 0:
             return floor, [0] * count
         # A verified row's cost, on average over every row a step may add.
-        per_row = (self.target_seconds(batch * (1 + self.max_k)) - plain) / (batch * self.max_k)
+        per_row = (self.target_seconds(batch * (1 + self.max_k)) - self.target_seconds(batch)) / (batch * self.max_k)
         curves = [a.curves() for a in acceptances]  # (E, D) per sequence
         limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
 
@@ -593,7 +625,9 @@ class AdaptiveSpecLength:
         in a step of `batch` decoding sequences: the k whose expected extra tokens best
         outweigh the seconds its rows add to the forward, each second valued at plain
         decoding's tokens per second (times MIN_SPEEDUP); 0 where none does. The rows of
-        the lookups chosen before a sequence's are counted in its forward."""
+        the lookups chosen before a sequence's are counted in its forward, and the first
+        lookup verified pays for the chain it breaks (`ChainShares`), whether or not
+        the proposer drafts in the same step: lookups are chosen first."""
         plain = self.plain_step(batch)
         if plain <= 0:
             return list(proposed)
@@ -604,10 +638,12 @@ class AdaptiveSpecLength:
         for seq_id, most in zip(seq_ids, proposed):
             tokens, _ = self._state(seq_id, self.lookups).curves()
             base = self.target_seconds(rows)
-            gains = [
-                tokens[k] - 1 - value * (self.target_seconds(rows + k) - base) for k in range(min(most, self.max_k) + 1)
+            broken = base - plain if rows == batch else 0.0  # a single step where a chain would run
+            gains = [0.0] + [
+                tokens[k] - 1 - value * (self.target_seconds(rows + k) - base + broken)
+                for k in range(1, min(most, self.max_k) + 1)
             ]
-            k = max(range(len(gains)), key=gains.__getitem__)  # gains[0] = 0: k = 0 unless one gains
+            k = max(range(len(gains)), key=gains.__getitem__)  # k = 0 unless one gains
             ks.append(k)
             rows += k
         return ks
@@ -651,6 +687,14 @@ class AdaptiveSpecLength:
         self.target.observe(rows, seconds)
         self.target_steps += 1
         self._news += 1
+
+    def observe_chain(self, batch: int, positions: int, seconds: float) -> None:
+        """A multi-step chain of `batch` sequences that decoded `positions` tokens each
+        in `seconds`. Not news (see `_news`): while a batch decodes plainly, a chain's
+        price only confirms that choice. Chains before the first measured target
+        forward are not counted: the forward's price is still the prior's."""
+        if self.target.measured:
+            self.chains.observe(batch, seconds / positions / self.target_seconds(batch))
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """A proposer call that drafted up to `positions` tokens per sequence. Calls

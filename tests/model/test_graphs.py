@@ -507,9 +507,10 @@ def test_chains_sample_the_targets_distribution(fields):
 def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(proposer_kind):
     """Where adaptive k finds drafting does not pay (a draft that is always wrong, n-gram
     on text that never repeats), its plain steps decode in multi-step chains: the target's
-    chains run, and the output is plain decoding's. A graphed draft reads what it has not
-    seen (a 30-token prompt, a backlog after plain steps) in static steps of up to
-    MAX_READ_ROWS rows, and gives its slots back."""
+    chains run, their price is what adaptive k weighs drafting against, and the output is
+    plain decoding's. A graphed draft reads what it has not seen (a 30-token prompt, a
+    backlog after plain steps) in static steps of up to MAX_READ_ROWS rows, and gives its
+    slots back."""
     target = random_decoder("qwen3", seed=1)
     requests = [(PROMPTS[i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in (0, 3)]
     expected = [run(target, lambda: None, [r])[0][0] for r in requests]
@@ -523,6 +524,7 @@ def test_adaptive_k_that_drafts_nothing_decodes_in_chains_and_keeps_the_output(p
     outputs, engine = run(graphed, make_proposer, requests, adaptive=True, max_num_seqs=2, num_scheduler_steps=4)
     assert outputs == expected
     assert {key.positions for key in graphed.static.chains} == {4}
+    assert set(engine.adaptive.chains.sums) & {1, 2} and engine.adaptive.chains.share(2) > 0
     assert graphed.static.pool.num_free == 2
     if proposer_kind == "draft":
         assert max(key.rows for key in wrong_draft.static.steps) > graphs.MAX_GRAPH_ROWS

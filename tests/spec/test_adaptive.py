@@ -641,3 +641,28 @@ def test_a_new_prompt_probes_where_the_prior_says_drafting_does_not_pay():
         ctl.record(1, k, k)  # every draft accepted
     assert ks[0] == adaptive_module.PROBE_TOKENS  # at once: waiting tells nothing about the text
     assert min(ks[2:]) > 7
+
+
+def test_where_plain_decoding_chains_drafting_must_beat_the_chains_price():
+    """Where the target decodes plainly in multi-step chains, a plain token costs the
+    chain's share of a forward, and one drafting sequence makes the batch's step a single
+    forward: a draft that pays against single steps does not against chains at 0.6 of
+    them, nor does a lookup whose first token is right half the time. A batch size never
+    chained takes the share of the nearest one that was."""
+    ctl = controller()
+    for matched in [1, 0] * 15:
+        ctl.record_lookup(1, 7, matched)
+    assert ctl.best_k(steady(0.8), batch=1) > 0 and ctl.lookup_ks([1], [7], batch=1) != [0]
+    for _ in range(5):
+        ctl.observe_chain(1, 8, 8 * 0.6 * ctl.target_seconds(1))
+    assert ctl.plain_step(1) == pytest.approx(0.6 * ctl.target_seconds(1))
+    assert ctl.best_k(steady(0.8), batch=1) == 0 and ctl.lookup_ks([1], [7], batch=1) == [0]
+    assert ctl.best_k(steady(0.95), batch=1) > 0  # a draft that pays for the chain still drafts
+    ctl.observe_chain(32, 8, 8 * 0.9 * ctl.target_seconds(32))
+    assert [ctl.chains.share(b) for b in (2, 16, 64)] == pytest.approx([0.6, 0.9, 0.9])
+
+
+def test_chains_before_a_measured_forward_are_not_priced():
+    ctl = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.5)
+    ctl.observe_chain(4, 8, 0.01)
+    assert ctl.chains.share(4) == 1.0 and ctl.plain_step(4) == ctl.target_seconds(4)
