@@ -87,9 +87,11 @@ CUDA_TESTS = [
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32
 # The plain section's rows of its largest batch sampling at a temperature: every request
-# alone, with top-p, seeded, and penalised.
+# with the temperature alone, with top-p, seeded, and penalised.
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_ROWS = ({}, {"top_p": 0.95}, {"seed": 7}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
+# And one row where one request alone samples with top-p beside greedy ones: what it costs them.
+SAMPLED_ALONE = {"top_p": 0.95}
 # The request whose drafting the ceiling's sampled rows time: seeded, cut by top-p.
 SAMPLED_GUESSES = {"temperature": SAMPLED_TEMPERATURE, "top_p": 0.95, "seed": 7}
 DTYPE = torch.bfloat16
@@ -162,15 +164,20 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode_rate(
-    engine: Engine, batch: int, prompt_len: int, tokens: int, **sampling: float | int
+    engine: Engine, batch: int, prompt_len: int, tokens: int, alone: bool = False, **sampling: float | int
 ) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
     prefilled and given its first token, then the rest timed to the end; `sampling`:
-    SamplingParams' fields (none: greedy)."""
+    SamplingParams' fields (none: greedy), of every sequence or, `alone`, of the first
+    alone beside greedy ones."""
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     params = SamplingParams(
         max_tokens=tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True, **sampling
     )
-    seqs = [engine.add_request(p, params) for p in prompts(batch, prompt_len, engine.target.config.vocab_size)]
+    seqs = [
+        engine.add_request(p, greedy if alone and i else params)
+        for i, p in enumerate(prompts(batch, prompt_len, engine.target.config.vocab_size))
+    ]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
     synchronize()
@@ -263,17 +270,19 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
         # Sampling requests, seeded or penalised too, decode in the same chains as greedy ones.
         batch = max(args.batches)
         engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
-        for fields in SAMPLED_ROWS:
+        for fields, alone in [(fields, False) for fields in SAMPLED_ROWS] + [(SAMPLED_ALONE, True)]:
             sampling = dict(temperature=SAMPLED_TEMPERATURE, **fields)
-            decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
-            rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], **sampling)
+            decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], alone, **sampling)
+            rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], alone, **sampling)
+            label = ", ".join(f"{name} {value:g}" for name, value in sampling.items())
             table.add(
                 "plain",
-                f"{mode}, batch {batch}, " + ", ".join(f"{name} {value:g}" for name, value in sampling.items()),
+                f"{mode}, batch {batch}, " + (f"one request {label}, the others greedy" if alone else label),
                 f"{rate:.0f} tok/s",
                 mode=mode,
                 batch=batch,
                 tokens_per_s=rate,
+                alone=alone,
                 **sampling,
             )
         del model, engine

@@ -242,15 +242,21 @@ def probs_on_device(
     temperatures: torch.Tensor,  # [n] float32; a row at 0 or less: the softmax (the caller takes its argmax)
     top_ks: torch.Tensor | None = None,  # [n] int64, 0 or less: no cut; None: no row cuts
     top_ps: torch.Tensor | None = None,  # [n] float32, 1: no cut; None: no row cuts
+    cut_rows: torch.Tensor | None = None,  # [m] int64: the only rows that may cut (repeats allowed); None: any
 ) -> torch.Tensor:  # [n, V] float32
     """Each row's distribution as `logits_to_probs` gives it (temperature, then top-k,
     then top-p), with nothing read back to the host and no shape that depends on the
-    values, so a CUDA graph can hold it. Top-k and top-p sort every row once."""
+    values, so a CUDA graph can hold it. Top-k and top-p sort each row that may cut
+    once: so one request cutting costs a batch one row's sort, not every row's."""
     logits = logits.float()
     divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors  # [n, V]
     if top_ks is not None or top_ps is not None:
-        scaled = top_k_top_p_on_device(scaled, top_ks, top_ps)
+        if cut_rows is None:
+            scaled = top_k_top_p_on_device(scaled, top_ks, top_ps)
+        else:  # a repeated row is cut alike both times
+            picked = [None if values is None else values[cut_rows] for values in (top_ks, top_ps)]
+            scaled = scaled.index_copy(0, cut_rows, top_k_top_p_on_device(scaled[cut_rows], *picked))
     return scaled.softmax(dim=-1)
 
 

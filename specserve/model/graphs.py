@@ -57,6 +57,11 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def cuts(params: SamplingParams) -> bool:
+    """Whether a request's draws are cut by top-k or top-p (ChainKey.filtered)."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1)
+
+
 class StepInputs(NamedTuple):
     """The static tensors a captured step reads, written before each replay."""
 
@@ -249,7 +254,9 @@ class ChainKey(NamedTuple):
     layers: tuple[int, ...] = ()  # a decoder's Capture.layers, every position's
     final: bool = False  # a decoder's Capture.final
     sampled: bool = False  # some sequences sample (TokenChain.run's params)
-    filtered: bool = False  # and some of those by top-k or top-p
+    # And some of those cut by top-k or top-p: how many, padded to a power of two (only
+    # their rows are sorted); 0: none.
+    filtered: int = 0
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
     confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
     logprobs: bool = False  # each token's logprob and the MAX_LOGPROBS likeliest (a target's)
@@ -333,6 +340,8 @@ class TokenChain:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
         # [3, B] float32: each one's temperature (0: greedy), top-k (0: none) and top-p
         self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
+        # [filtered] int64: the rows top-k or top-p cut, the first repeated as padding
+        self.cut_rows = torch.zeros(key.filtered, dtype=torch.int64, device=device) if key.filtered else None
         # [2, B] int64: each one's key of its draws (sampling.seed_key), -1 where it has
         # none, and the index in its text of the token its first position draws
         self.draws = torch.full((2, key.batch), -1, dtype=torch.int64, device=device) if key.keyed else None
@@ -372,13 +381,14 @@ class TokenChain:
                 chosen, confidence = self._greedy(logits, scores, target_ids)  # [B] columns of scores, [B]
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
-                    top_ks = top_ks.long() if key.filtered else None
+                    top_ks = top_ks.long()
                     uniforms = None
                     if key.keyed:  # the draw for the token at index draw_from + j
                         keys, draw_from = self.draws
                         uniforms = keyed_uniforms(keys.clamp_min(0), draw_from + j)  # [B]
                         uniforms = uniforms.masked_fill(keys < 0, float("nan"))
-                    probs = probs_on_device(scores, temperatures, top_ks, top_ps if key.filtered else None)  # [B, V]
+                    cut_by = (top_ks, top_ps, self.cut_rows) if key.filtered else ()
+                    probs = probs_on_device(scores, temperatures, *cut_by)  # [B, V]
                     drawn = draw_on_device(probs, uniforms)  # [B]
                     chosen = torch.where(temperatures > 0, drawn, chosen)
                     if confidence is not None:  # a draw's probability, as Guesser.guess gives it
@@ -520,6 +530,9 @@ class TokenChain:
             unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
             settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
             self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32, device="cpu").T)
+        if self.cut_rows is not None:
+            cut = [i for i, q in enumerate(params) if cuts(q)]
+            self.cut_rows.copy_(torch.tensor(cut + cut[:1] * (len(self.cut_rows) - len(cut)), device="cpu"))
         if self.draws is not None:
             keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
             draw_from = [c.length + 1 for c in caches] if draw_from is None else draw_from
@@ -655,7 +668,7 @@ class StaticDecode:
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         sampled = params is not None and not all(p.greedy for p in params)
-        filtered = sampled and any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+        filtered = sum(map(cuts, params)) if sampled else 0
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
         logprobs = params is not None and any(p.logprobs is not None for p in params)
         processed = [t for t in texts or () if t is not None]
@@ -668,7 +681,7 @@ class StaticDecode:
             positions,
             bucket,
             sampled=sampled,
-            filtered=filtered,
+            filtered=next_power_of_two(filtered) if filtered else 0,
             keyed=keyed,
             confidences=confidences,
             logprobs=logprobs,

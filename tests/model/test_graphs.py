@@ -302,20 +302,22 @@ def test_a_request_sampling_by_temperature_keeps_its_batch_in_chains(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_requests_in_chains_keep_plain_samplings_tokens(device):
-    """Seeded requests sampling with top-k and top-p decode in keyed chains beside an
-    unseeded one, each with the tokens plain sampling gives it alone."""
+    """Seeded requests sampling with top-k and top-p decode in keyed chains after an
+    unseeded one that cuts nothing, each with the tokens plain sampling gives it alone:
+    only their rows are cut (three, the first repeated to pad them to four)."""
     target = on(random_decoder("qwen3", seed=1), device)
     seeded = [
         SamplingParams(max_tokens=30, temperature=0.7, top_p=0.8, seed=11, ignore_eos=True),
         SamplingParams(max_tokens=25, temperature=1.2, top_k=5, seed=2**63, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, top_k=3, top_p=0.5, seed=5, ignore_eos=True),
     ]
     alone = [run(target, lambda: None, [(PROMPTS[i], params)])[0][0] for i, params in enumerate(seeded)]
-    requests = [*zip(PROMPTS, seeded), (PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))]
+    requests = [(PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)), *zip(PROMPTS, seeded)]
     graphed = copy.deepcopy(target)
     graphed.use_cuda_graphs(num_slots=4, capacity=128)
     outputs, _ = run(graphed, lambda: None, requests, num_scheduler_steps=4)
-    assert outputs[:2] == alone and len(outputs[2]) == 30
-    assert any(key.keyed and key.filtered for key in graphed.static.chains)
+    assert outputs[1:] == alone and len(outputs[0]) == 30
+    assert any(key.keyed and key.filtered == 4 for key in graphed.static.chains)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -499,7 +501,7 @@ def test_chains_sample_the_targets_distribution(fields):
         while engine.has_unfinished():
             engine.step()
         samples += [s.output_ids for s in seqs]
-    assert {(key.sampled, key.filtered) for key in graphed.static.chains} == {(True, len(fields) > 1)}
+    assert {(key.sampled, bool(key.filtered)) for key in graphed.static.chains} == {(True, len(fields) > 1)}
     assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
 
 

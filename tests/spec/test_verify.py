@@ -678,7 +678,8 @@ def test_draws_on_device_come_from_the_softmax_at_each_rows_temperature(temperat
 )
 def test_probs_on_device_cut_as_logits_to_probs_does(fields):
     """Top-k then top-p on the device, row by row (a greedy row and an uncut one beside),
-    keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays."""
+    keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays. Cutting
+    only the rows that cut (one repeated) gives the same."""
     logits = torch.tensor([2.0, -1.0, 0.5, 0.5, 1.5, -3.0, 0.5])  # [V]: ties at 0.5
     params = SamplingParams(**fields)
     n = 6000
@@ -688,6 +689,8 @@ def test_probs_on_device_cut_as_logits_to_probs_does(fields):
     top_ks = torch.where(kinds == 0, params.top_k, 0)
     top_ps = torch.where(kinds == 0, params.top_p, 1.0)
     probs = probs_on_device(rows, temperatures, top_ks, top_ps)  # [N, V]
+    cut_rows = torch.cat([torch.nonzero(kinds == 0)[:, 0], torch.tensor([3])])  # [N / 3 + 1]
+    assert torch.equal(probs_on_device(rows, temperatures, top_ks, top_ps, cut_rows), probs)
     torch.manual_seed(0)
     drawn = draw_on_device(probs)  # [N]
     expected = logits_to_probs(logits[None], params)[0]
