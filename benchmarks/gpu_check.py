@@ -1,5 +1,6 @@
 """One check of a GPU machine, in one table: the CUDA tests, decode speed against the
-memory roofline (eager, CUDA graphs, graphs with --compile), long contexts, the ceiling
+memory roofline (eager, CUDA graphs, graphs with --compile), what on-device sampling's
+pieces cost, long contexts, the ceiling
 of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
 heads', for a greedy request and at `--sampled-ks` for a seeded sampling one), adaptive
 k against plain decoding by batch size, transformers' static cache, and a streamed chat
@@ -51,7 +52,8 @@ from specserve.engine.engine import DEFAULT_NUM_SCHEDULER_STEPS, Engine  # noqa:
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
-from specserve.sampling import SamplingParams  # noqa: E402
+from specserve.model.graphs import capture_graph  # noqa: E402
+from specserve.sampling import SamplingParams, draw_on_device, probs_on_device  # noqa: E402
 from specserve.spec.adaptive import AdaptiveSpecLength  # noqa: E402
 from specserve.spec.cost import prior_cost_ratio  # noqa: E402
 from specserve.spec.draft_model import DraftModelProposer  # noqa: E402
@@ -63,7 +65,18 @@ from specserve.spec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from specserve.spec.medusa import MedusaProposer  # noqa: E402
 from specserve.spec.ngram import NgramProposer  # noqa: E402
 
-SECTIONS = ("tests", "plain", "profile", "ceiling", "heads", "adaptive", "long", "serve", "transformers")  # in order
+SECTIONS = (  # in order
+    "tests",
+    "plain",
+    "sampling",
+    "profile",
+    "ceiling",
+    "heads",
+    "adaptive",
+    "long",
+    "serve",
+    "transformers",
+)
 # gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
 # max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling); single: one
 # token an engine step (--num-scheduler-steps 1), where plain greedy decoding otherwise
@@ -291,6 +304,50 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
 
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def section_sampling(table: Table, args, config: ModelConfig, device: torch.device) -> None:
+    """What a chain's sampling costs a position over the target's vocabulary, by rows
+    (`--sampling-rows`: a batch, or a batch's positions): each piece captured in a graph
+    and replayed, so the figures are the GPU's alone. The distribution at a temperature,
+    cut by top-p on every row and on one row of them (`cut_rows`), the stable sort that
+    cut is made of, and the draws: the exponential race, a keyed row's inverse CDF."""
+    if device.type != "cuda":
+        table.add("sampling", "skipped", "-", "needs a GPU")
+        return
+    generator = torch.Generator(device=device).manual_seed(0)
+    for rows in args.sampling_rows:
+        logits = 4 * torch.randn(rows, config.vocab_size, device=device, generator=generator)  # [rows, V]
+        temperatures = torch.full((rows,), SAMPLED_TEMPERATURE, device=device)
+        top_ps = torch.full((rows,), 0.95, device=device)
+        uniforms = torch.rand(rows, device=device, generator=generator)
+        probs = logits.softmax(dim=-1)
+        one_row = torch.zeros(1, dtype=torch.int64, device=device)
+        pieces = {
+            "the distribution at a temperature": lambda: probs_on_device(logits, temperatures),
+            "cut by top-p 0.95, every row": lambda: probs_on_device(logits, temperatures, None, top_ps),
+            "cut by top-p 0.95, one row": lambda: probs_on_device(logits, temperatures, None, top_ps, one_row),
+            "a stable sort of every row": lambda: logits.sort(dim=-1, descending=True, stable=True).values,
+            "a draw (the exponential race)": lambda: draw_on_device(probs),
+            "a keyed draw (inverse CDF)": lambda: draw_on_device(probs, uniforms),
+        }
+        for what, piece in pieces.items():
+            us = replay_seconds(piece) * 1e6
+            table.add("sampling", f"{rows} rows: {what}", f"{us:.0f} us", rows=rows, piece=what, us=us)
+        release_memory()
+
+
+def replay_seconds(piece, replays: int = 50) -> float:
+    """Seconds a replay of `piece` (returning a tensor) captured as a CUDA graph takes."""
+    graph, _ = capture_graph(lambda: [piece()], torch.cuda.graph_pool_handle())
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 def section_profile(table: Table, args, config: ModelConfig, device: torch.device) -> None:
@@ -679,6 +736,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sampled-ks", type=int_list, default=[7], help="the ceiling's and heads' ks timed for a sampling request"
     )
+    parser.add_argument(
+        "--sampling-rows", type=int_list, default=[1, 32, 256], help="rows the sampling section's pieces take"
+    )
     parser.add_argument("--tokens", type=int, default=128, help="tokens a batch-1 run decodes")
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens each sequence of a batch decodes")
     parser.add_argument("--ceiling-tokens", type=int, default=96)
@@ -713,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "tests": (section_tests, args),
         "plain": (section_plain, args, target_config, device, bandwidth),
+        "sampling": (section_sampling, args, target_config, device),
         "profile": (section_profile, args, target_config, device),
         "heads": (section_heads, args, target_config, device),
         "adaptive": (section_adaptive, args, target_config, draft_config, device),

@@ -17,7 +17,8 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
         (tmp_path / name / "config.json").write_text(json.dumps(tiny_config("qwen2", num_layers=layers).to_hf()))
     out = tmp_path / "check.json"
     args = ["--device", "cpu", "--models", str(tmp_path), "--target", "target", "--draft", "draft"]
-    args += ["--sections", "plain,profile,ceiling,heads,adaptive,long", "--modes", "eager,graphs", "--batches", "1,2"]
+    args += ["--sections", "plain,sampling,profile,ceiling,heads,adaptive,long", "--modes", "eager,graphs"]
+    args += ["--batches", "1,2"]
     args += ["--adaptive-mode", "graphs", "--adaptive-k", "2", "--adaptive-max-k", "3"]
     args += ["--tokens", "6", "--batch-tokens", "4", "--contexts", "40", "--long-modes", "graphs"]
     args += ["--ks", "1,2", "--head-ks", "1,2", "--ceiling-tokens", "16", "--rounds", "1", "--draft-vocab", "48"]
@@ -27,15 +28,17 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     assert not [r for r in rows if r["what"] == "failed"], rows
     fields = [field for row in gpu_check.SAMPLED_ROWS for field in row]
     plain = {
-        (r["mode"], r["batch"], tuple(r.get(field) for field in fields)): r["tokens_per_s"]
+        (r["mode"], r["batch"], tuple(r.get(field) for field in fields), r.get("alone")): r["tokens_per_s"]
         for r in rows
         if r["section"] == "plain"
     }
-    greedy = {(m, b, (None,) * len(fields)) for m in ("eager", "graphs") for b in (1, 2)}
-    sampled = {tuple(row.get(field) for field in fields) for row in gpu_check.SAMPLED_ROWS}
-    assert set(plain) == greedy | {(m, 2, row) for m in ("eager", "graphs") for row in sampled}
+    greedy = {(m, b, (None,) * len(fields), None) for m in ("eager", "graphs") for b in (1, 2)}
+    sampled = {(tuple(row.get(field) for field in fields), False) for row in gpu_check.SAMPLED_ROWS}
+    sampled.add((tuple(gpu_check.SAMPLED_ALONE.get(field) for field in fields), True))
+    assert set(plain) == greedy | {(m, 2, *row) for m in ("eager", "graphs") for row in sampled}
     assert min(plain.values()) > 0
-    assert {r["what"] for r in rows if r["section"] == "profile"} == {"skipped"}  # a GPU's
+    for section in ("sampling", "profile"):  # a GPU's
+        assert {r["what"] for r in rows if r["section"] == section} == {"skipped"}
     heads = [r for r in rows if r["section"] == "heads" and "k" in r]
     sampled_row = "temperature 0.8, top_p 0.95, seed 7 k = 2"  # a seeded request's guesses, in the chains
     assert {(r["what"].split(",")[1].split()[0], r["k"], r["what"].endswith(sampled_row)) for r in heads} == {
