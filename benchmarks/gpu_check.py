@@ -177,12 +177,18 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode_rate(
-    engine: Engine, batch: int, prompt_len: int, tokens: int, alone: bool = False, **sampling: float | int
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    tokens: int,
+    alone: bool = False,
+    first_tokens: list[float] | None = None,
+    **sampling: float | int,
 ) -> tuple[float, list[list[int]]]:
     """(decode tokens a second over the batch, each sequence's tokens): every sequence
-    prefilled and given its first token, then the rest timed to the end; `sampling`:
-    SamplingParams' fields (none: greedy), of every sequence or, `alone`, of the first
-    alone beside greedy ones."""
+    prefilled and given its first token (the seconds that took appended to
+    `first_tokens`), then the rest timed to the end; `sampling`: SamplingParams' fields
+    (none: greedy), of every sequence or, `alone`, of the first alone beside greedy ones."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     params = SamplingParams(
         max_tokens=tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True, **sampling
@@ -191,9 +197,13 @@ def decode_rate(
         engine.add_request(p, greedy if alone and i else params)
         for i, p in enumerate(prompts(batch, prompt_len, engine.target.config.vocab_size))
     ]
+    synchronize()
+    arrived = time.perf_counter()
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
     synchronize()
+    if first_tokens is not None:
+        first_tokens.append(time.perf_counter() - arrived)
     done = sum(s.num_output_tokens for s in seqs)
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -262,7 +272,8 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
         for batch in args.batches:
             engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])  # warm-up: captures this batch's graphs
-            rate, outputs = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch])
+            first_tokens: list[float] = []
+            rate, outputs = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], first_tokens=first_tokens)
             same = ""
             if mode == "eager":
                 reference[batch] = outputs
@@ -274,11 +285,12 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
                 "plain",
                 f"{mode}, batch {batch}",
                 f"{rate:.0f} tok/s",
-                f"{share}{same}; set-up {load_s:.0f} s",
+                f"{share}{same}; every first token after {first_tokens[0] * 1e3:.0f} ms; set-up {load_s:.0f} s",
                 mode=mode,
                 batch=batch,
                 tokens_per_s=rate,
                 roofline_tokens_per_s=roofline,
+                first_tokens_s=first_tokens[0],
             )
         # Sampling requests, seeded or penalised too, decode in the same chains as greedy ones.
         batch = max(args.batches)

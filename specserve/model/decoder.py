@@ -542,12 +542,12 @@ class Decoder(nn.Module):
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         if self.static is not None and self.static.handles(segments):
             with attention_backends(self.device):
-                logits, *features = self.static.run(input_ids, segments, capture)  # [T, head_size]: every row
+                logits, *features = self.static.run(input_ids, segments, capture, logits_rows=logits_rows)
             if capture is not None:
                 capture.fill(features)
             for seg in segments:
                 seg.cache.length += seg.num_tokens
-            return logits if logits_rows is None else logits[logits_rows]  # every id: the graph holds lm_head
+            return logits  # [R, head_size], every id: the graph holds lm_head
 
         rope = self.rope_table(max((s.cache.length + s.num_tokens for s in segments), default=0))
         h = self.embed_tokens(input_ids)  # [T, hidden]

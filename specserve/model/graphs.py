@@ -22,8 +22,11 @@ asks the target for (`Capture`), the first time a step needs it. Reads of more t
 MAX_GRAPH_ROWS tokens a sequence (a short prompt, a draft model's backlog after plain
 steps, a head's catch-up) run as graphs of 32 to MAX_READ_ROWS rows while the padded
 batch holds at most MAX_STEP_ROWS rows: eagerly such a read is a launch-bound forward,
-several replays' time (benchmarks/EXPERIMENTS.md, "Adaptive k on a GPU where nothing is
-accepted"). A longer one runs eagerly, on the same slots.
+several replays' time, and with many sequences a segment at a time far more
+(benchmarks/EXPERIMENTS.md, "Adaptive k on a GPU where nothing is accepted", "Prompts
+read beside decoding sequences"). A read computes the logits of the rows asked for alone
+(`StepKey.scored`: a prompt chunk's last row at most), so its size is its activations',
+not a logits row per token. A longer read runs eagerly, on the same slots.
 
 On a CPU no graphs exist: there the same static step runs eagerly, which is how the
 tests check it against Decoder.forward (Triton's kernels by its interpreter). Its speed
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
 MAX_GRAPH_ROWS = 16  # rows per sequence any row count has a graph of: k + 1 for k up to 15 drafts
 MAX_READ_ROWS = 128  # past that, powers of two: the most tokens of a sequence a graph reads
-MAX_STEP_ROWS = 512  # rows of a padded batch (sequences x rows), past MAX_GRAPH_ROWS a sequence
+MAX_STEP_ROWS = 2048  # rows of a padded batch (sequences x rows), past MAX_GRAPH_ROWS a sequence
 MIN_BUCKET = 256  # positions attention reads at the least
 
 
@@ -70,6 +73,7 @@ class StepInputs(NamedTuple):
     slots: torch.Tensor  # [B] int64: each sequence's pool slot
     lengths: torch.Tensor  # [B] int64: each sequence's new tokens (the rest of its n rows pad)
     features: torch.Tensor | None  # [B n, F]: a head's input feature of each row; None for a decoder
+    scored: torch.Tensor | None = None  # [StepKey.scored] int64: the rows whose logits it computes; None: all
 
 
 class StepRows(NamedTuple):
@@ -134,8 +138,9 @@ def decoder_step(decoder: Decoder, static: StaticDecode, inputs: StepInputs, key
     depend on the key alone: no host syncs, no Python branch on a tensor's value.
     Writes the new keys and values into the pool (a padding row's into the scratch
     slot, at its row index) and reads each sequence's first `bucket` positions. Returns
-    every row's logits [B n, head_size] float32, then the features Capture asks for:
-    [B n, len(key.layers) * hidden], then [B n, hidden]."""
+    every row's logits [B n, head_size] float32 (with key.scored, the scored rows'
+    [scored, head_size]), then the features Capture asks for: [B n, len(key.layers) *
+    hidden], then [B n, hidden]."""
     rows = step_rows(static, inputs, key.bucket)
     h = decoder.embed_tokens(inputs.input_ids.flatten())  # [B n, hidden]
     captured = []  # the inputs of the captured layers, in layer order
@@ -144,7 +149,7 @@ def decoder_step(decoder: Decoder, static: StaticDecode, inputs: StepInputs, key
             captured.append(h)
         q, k, v = block.project_rotated_qkv(h, rows.cos, rows.rotated_sin)  # [B n, heads or kv_heads, head_dim]
         h = block.finish(h, attend(static, i, q, k, v, rows, inputs, key.bucket))  # [B n, hidden]
-    outputs = [decoder.score(h)]
+    outputs = [decoder.score(h if inputs.scored is None else h[inputs.scored])]
     if key.layers:
         outputs.append(in_asked_order(key.layers, captured))
     if key.final:
@@ -160,6 +165,8 @@ class StepKey(NamedTuple):
     bucket: int  # positions attention may read
     layers: tuple[int, ...] = ()  # Capture.layers
     final: bool = False  # Capture.final
+    # A read's: the rows whose logits it computes, padded to a power of two; 0: every row.
+    scored: int = 0
 
 
 StepFunction = Callable[["StaticDecode", StepInputs, StepKey], list[torch.Tensor]]
@@ -179,17 +186,24 @@ class _Step:
             self.features = torch.zeros(
                 key.batch * key.rows, static.feature_size, dtype=static.pool.keys.dtype, device=device
             )
-        inputs = StepInputs(self.input_ids, *self.index, self.features)
+        # [S] int64: the step's rows whose logits it computes (padding: row 0)
+        self.scored = torch.zeros(key.scored, dtype=torch.int64, device=device) if key.scored else None
+        inputs = StepInputs(self.input_ids, *self.index, self.features, self.scored)
         self.forward: Callable[[], list[torch.Tensor]] = lambda: static.step(static, inputs, key)
         self.graph: torch.cuda.CUDAGraph | None = None
         if static.capture:
             self.graph, self.outputs = capture_graph(self.forward, static.memory)
 
     def run(
-        self, input_ids: torch.Tensor, segments: list[Segment], features: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        segments: list[Segment],
+        features: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """input_ids [T] of the segments, in order (and features [T, F]) -> the step's
-        outputs for those T rows, [T, ...] each."""
+        logits of logits_rows [R, ...] (None: of all T rows), then its other outputs for
+        the T rows, [T, ...] each."""
         batch, rows = self.input_ids.shape
         padding = batch - len(segments)
         lengths = [s.num_tokens for s in segments]
@@ -216,17 +230,25 @@ class _Step:
         moved = host.to(self.index.device)  # one copy to the device
         self.index.copy_(moved[: 3 * batch].view(3, batch))
         rows_of_sources = moved[3 * batch : 3 * batch + batch * rows]
+        rows_of_tokens = moved[3 * batch + batch * rows :]
         self.input_ids.view(-1).copy_(input_ids[rows_of_sources])
         if self.features is not None:
             self.features.copy_(features[rows_of_sources])
+        if self.scored is not None:  # logits_rows' rows of the step; the rest pad with row 0
+            self.scored.zero_()
+            self.scored[: len(logits_rows)] = rows_of_tokens[logits_rows]
         if self.graph is None:
             outputs = self.forward()
         else:
             self.graph.replay()
             outputs = self.outputs
         # Gathers, so copies: the next replay overwrites the graph's outputs.
-        rows_of_tokens = moved[3 * batch + batch * rows :]
-        return [output[rows_of_tokens] for output in outputs]
+        logits, *rest = outputs
+        if self.scored is not None:  # the scored rows, in order: written before the step ran
+            logits = logits[: len(logits_rows)].clone()
+        else:
+            logits = logits[rows_of_tokens if logits_rows is None else rows_of_tokens[logits_rows]]
+        return [logits] + [output[rows_of_tokens] for output in rest]
 
 
 def capture_graph(forward: Callable[[], list[torch.Tensor]], memory) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
@@ -630,20 +652,25 @@ class StaticDecode:
         segments: list[Segment],
         capture: Capture | None = None,  # a decoder's features to capture (its StepKey's layers and final)
         features: torch.Tensor | None = None,  # [T, feature_size]: a head's input features
+        logits_rows: torch.Tensor | None = None,  # [R] on the device: rows of the T whose logits are wanted
     ) -> list[torch.Tensor]:
-        """The step's outputs for the T rows, [T, ...] each (see `handles`): a decoder's
-        logits [T, head_size] float32, then the features `capture` asks for, in Capture's
-        order. The caches' slots must be taken (KVCache.reserve) and their lengths not
-        yet advanced."""
+        """The step's outputs (see `handles`): the logits of logits_rows [R, width]
+        float32 (None: of every row, [T, width]), then the other outputs for the T rows,
+        [T, ...] each: a decoder's features `capture` asks for, in Capture's order; a
+        head's output features. A read computes the logits of logits_rows alone
+        (StepKey.scored): a prompt's chunk wants its last row's at most. The caches'
+        slots must be taken (KVCache.reserve) and their lengths not yet advanced."""
         rows = self.step_rows_for(segments)
         end = max(s.cache.length + s.num_tokens for s in segments)
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
         key = StepKey(next_power_of_two(len(segments)), rows, bucket)
+        if rows > MAX_GRAPH_ROWS and logits_rows is not None:
+            key = key._replace(scored=next_power_of_two(max(len(logits_rows), 1)))
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         if key not in self.steps:
             self.steps[key] = _Step(self, key)
-        return self.steps[key].run(input_ids, segments, features)
+        return self.steps[key].run(input_ids, segments, features, logits_rows)
 
     @torch.inference_mode()
     def token_chain(

@@ -37,6 +37,8 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     sampled.add((tuple(gpu_check.SAMPLED_ALONE.get(field) for field in fields), True))
     assert set(plain) == greedy | {(m, 2, *row) for m in ("eager", "graphs") for row in sampled}
     assert min(plain.values()) > 0
+    first_tokens = [r["first_tokens_s"] for r in rows if "first_tokens_s" in r]  # the greedy rows'
+    assert len(first_tokens) == 4 and min(first_tokens) > 0
     for section in ("sampling", "profile"):  # a GPU's
         assert {r["what"] for r in rows if r["section"] == section} == {"skipped"}
     heads = [r for r in rows if r["section"] == "heads" and "k" in r]

@@ -60,12 +60,39 @@ def test_a_static_step_gives_the_eager_forwards_logits(arch, new_tokens):
     got = step(caches)  # [sum(new_tokens), V]
     assert [c.slot for c in caches] == [0, 1, 2] and model.static.pool.num_free == 1
     rows = max(new_tokens) if max(new_tokens) <= graphs.MAX_GRAPH_ROWS else 32
-    # 3 padded to 4; at most 23 positions: bucket 32
-    assert set(model.static.steps) == {graphs.StepKey(4, 32, 32), graphs.StepKey(4, rows, 32)}
+    # 3 padded to 4; at most 23 positions: bucket 32; the prompts' read scores no row
+    assert set(model.static.steps) == {graphs.StepKey(4, 32, 32, scored=1), graphs.StepKey(4, rows, 32)}
     assert [c.length for c in caches] == [len(p) + n for p, n in zip(prompts, new_tokens)]
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     for cache, prompt, n in zip(caches, prompts, new_tokens):  # nothing written past each sequence's rows
         assert cache.keys[:, :, len(prompt) + n :].abs().sum() == 0
+
+
+def test_a_read_computes_the_logits_of_the_rows_asked_for_alone(arch):
+    """A read (more than MAX_GRAPH_ROWS tokens of a sequence) asked for some rows'
+    logits, in any order, computes those alone (StepKey.scored, padded to a power of
+    two) and gives the eager forward's; asked for none, it gives none."""
+    model = random_decoder(arch, seed=3)
+    prompts, new = [[5, 9, 13], [1, 2]], [[7], list(range(10, 30))]  # 1 and 20 tokens: a read of 32 rows
+    wanted = [20, 0, 7]  # the read's last row, the decoding row, a row inside the read
+
+    def step(caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        model(torch.tensor([t for p in prompts for t in p]), [Segment(c, len(p)) for c, p in zip(caches, prompts)])
+        segments = [Segment(c, len(t)) for c, t in zip(caches, new)]
+        flat = torch.tensor([t for tokens in new for t in tokens])
+        logits = model(flat, segments, torch.tensor(wanted))  # [3, V]
+        for cache in caches:
+            cache.truncate(cache.length - 1)
+        tail = [Segment(caches[0], 1), Segment(caches[1], 17)]
+        none = model(torch.tensor([8] + list(range(40, 57))), tail, torch.empty(0, dtype=torch.int64))
+        return logits, none
+
+    expected, _ = step([model.new_cache() for _ in prompts])
+    model.use_cuda_graphs(num_slots=2, capacity=64)
+    got, none = step([model.new_cache() for _ in prompts])
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert none.shape == (0, model.config.vocab_size)
+    assert {key.scored for key in model.static.steps if key.rows == 32} == {4, 1}
 
 
 def test_reads_of_more_than_max_graph_rows_take_a_power_of_two_while_they_fit(monkeypatch):

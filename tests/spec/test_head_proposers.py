@@ -207,6 +207,29 @@ def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_
     assert any(proposed)  # a probe after chains read the features they captured
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_graphed_heads_catch_up_of_a_prompt_scores_its_last_row_alone(noisy, method):
+    """An EAGLE head on static steps reads a 30-token prompt in one read of 32 rows that
+    computes the draft logits of its last row alone (StepKey.scored), as the target's
+    read of that prompt does: every draft is the eager head's, and the output plain
+    decoding's."""
+    target, perm = noisy
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[3], GREEDY)]
+    drafted = []
+    for graphs in (False, True):
+        head, model = copy.deepcopy(right_head(method, target, perm)), copy.deepcopy(target)
+        if graphs:
+            for graphed in (model, head):
+                graphed.use_cuda_graphs(num_slots=4, capacity=128)
+        engine = Engine(model, eos_token_ids=[EOS], proposer=proposer_of(head, model), num_speculative_tokens=3)
+        for seq, (prompt, params) in zip(run_batch(engine, requests), requests):
+            assert seq.output_ids == plain_tokens(target, prompt, params)
+        drafted.append((engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens))
+    assert drafted[0] == drafted[1] and drafted[0][1] > 0
+    for graphed in (model, head):
+        assert any(key.rows == 32 and key.scored for key in graphed.static.steps)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_random_heads_keep_the_output_the_targets(method):
     torch.manual_seed(5)

@@ -172,14 +172,14 @@ class EagleHead(nn.Module):
 
     def static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
         """`forward` with static shapes (model/graphs.py): every row's draft logits
-        [B n, draft_vocab_size] float32, then its output feature [B n, H] (logits first,
-        then features, as a decoder's static step)."""
+        [B n, draft_vocab_size] float32 (with key.scored, the scored rows'), then its
+        output feature [B n, H] (logits first, then features, as a decoder's static step)."""
         rows = step_rows(static, inputs, key.bucket)
         embeddings = self.target.embed_tokens(inputs.input_ids.flatten()).to(self.dtype)  # [B n, H]
         qkv, residual = self.attention_inputs(embeddings, inputs.features)
         q, k, v = self.layer.self_attn.rotated_qkv(qkv, rows.cos, rows.rotated_sin)
         hidden = self.layer.finish(residual, attend(static, 0, q, k, v, rows, inputs, key.bucket))  # [B n, H]
-        return [self.draft_logits(hidden), hidden]
+        return [self.draft_logits(hidden if inputs.scored is None else hidden[inputs.scored]), hidden]
 
     @torch.inference_mode()
     def project_target_features(self, target_features: torch.Tensor) -> torch.Tensor:
@@ -205,8 +205,8 @@ class EagleHead(nn.Module):
         segments: list[Segment],
         logits_rows: torch.Tensor | None = None,  # [R]: rows whose draft logits are wanted; None: none
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] output features; [R, draft_vocab_size] float32
-        """forward, and the draft logits of `logits_rows` (a captured step computes every
-        row's in its graph; an eager one those rows' alone)."""
+        """forward, and the draft logits of `logits_rows` (a captured decode step
+        computes every row's in its graph; a read, and an eager step, those rows' alone)."""
         if self.target is None:
             raise RuntimeError("an EAGLE head needs the target's embedding first (share_target)")
         assert features.shape == (token_ids.shape[0], self.config.hidden_size), features.shape
@@ -215,10 +215,12 @@ class EagleHead(nn.Module):
             seg.cache.reserve(seg.cache.length + seg.num_tokens)
         if self.static is not None and self.static.handles(segments):
             with attention_backends(self.device):
-                logits, hidden = self.static.run(token_ids, segments, features=features.to(self.dtype))
+                wanted = token_ids.new_empty(0) if logits_rows is None else logits_rows
+                features = features.to(self.dtype)
+                logits, hidden = self.static.run(token_ids, segments, features=features, logits_rows=wanted)
             for seg in segments:
                 seg.cache.length += seg.num_tokens
-            return hidden, None if logits_rows is None else logits[logits_rows]
+            return hidden, None if logits_rows is None else logits
         hidden = self._eager_step(token_ids, features, segments)
         return hidden, None if logits_rows is None else self.draft_logits(hidden[logits_rows])
 
