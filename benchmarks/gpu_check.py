@@ -103,8 +103,9 @@ PROMPT_TOKENS = 32
 # with the temperature alone, with top-p, seeded, and penalised.
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_ROWS = ({}, {"top_p": 0.95}, {"seed": 7}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
-# And one row where one request alone samples with top-p beside greedy ones: what it costs them.
-SAMPLED_ALONE = {"top_p": 0.95}
+# And rows where one request alone samples (with top-p; penalised) beside greedy ones:
+# what it costs them.
+SAMPLED_ALONE = ({"top_p": 0.95}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
 # The request whose drafting the ceiling's sampled rows time: seeded, cut by top-p.
 SAMPLED_GUESSES = {"temperature": SAMPLED_TEMPERATURE, "top_p": 0.95, "seed": 7}
 DTYPE = torch.bfloat16
@@ -295,7 +296,7 @@ def section_plain(table: Table, args, config: ModelConfig, device: torch.device,
         # Sampling requests, seeded or penalised too, decode in the same chains as greedy ones.
         batch = max(args.batches)
         engine = Engine(model, eos_token_ids=[], max_num_seqs=batch, num_scheduler_steps=scheduler_steps(mode))
-        for fields, alone in [(fields, False) for fields in SAMPLED_ROWS] + [(SAMPLED_ALONE, True)]:
+        for fields, alone in [(fields, False) for fields in SAMPLED_ROWS] + [(f, True) for f in SAMPLED_ALONE]:
             sampling = dict(temperature=SAMPLED_TEMPERATURE, **fields)
             decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], alone, **sampling)
             rate, _ = decode_rate(engine, batch, PROMPT_TOKENS, tokens_of[batch], alone, **sampling)

@@ -288,9 +288,11 @@ class ChainKey(NamedTuple):
     vocab: int = 0
     draft_probs: bool = False  # and each sampled row's distribution (rejection sampling's)
     # Some sequences' logits are processed (penalties, min_tokens): the most distinct ids
-    # of a text and stop ids of a sequence the chain holds, each a power of two; 0: none.
+    # of a text and stop ids of a sequence the chain holds, and how many sequences (only
+    # their rows are processed), each a power of two; 0: none.
     distinct: int = 0
     stops: int = 0
+    processed: int = 0
 
 
 class ProcessedText(NamedTuple):
@@ -368,14 +370,18 @@ class TokenChain:
         # none, and the index in its text of the token its first position draws
         self.draws = torch.full((2, key.batch), -1, dtype=torch.int64, device=device) if key.keyed else None
         if key.distinct:
-            # [5, B]: repetition (1: off), frequency and presence penalties, output tokens
-            # to come before min_tokens, and 1 where the row is processed at all;
-            # [3, B, distinct]: each text's distinct ids, their counts in its output and
-            # whether its prompt holds them (0 padding adds nothing); [2, B, stops]: stop
-            # ids, 1 where there is one.
-            self.penalties = torch.zeros(5, key.batch, dtype=torch.float32, device=device)
-            self.text = torch.zeros(3, key.batch, key.distinct, dtype=torch.float32, device=device)
-            self.stop_ids = torch.zeros(2, key.batch, key.stops, dtype=torch.float32, device=device)
+            # Only the P processed rows are processed (ChainKey.processed): [B] bool, where a
+            # row is; [P] int64, which, padded with an unprocessed one (processed as if
+            # penalised by nothing). Of each: [4, P] repetition (1: off), frequency and
+            # presence penalties and output tokens to come before min_tokens; [3, P,
+            # distinct] its text's distinct ids, their counts in its output and whether its
+            # prompt holds them (0 padding adds nothing); [2, P, stops] stop ids, 1 where
+            # there is one.
+            self.processed = torch.zeros(key.batch, dtype=torch.bool, device=device)
+            self.processed_rows = torch.zeros(key.processed, dtype=torch.int64, device=device)
+            self.penalties = torch.zeros(4, key.processed, dtype=torch.float32, device=device)
+            self.text = torch.zeros(3, key.processed, key.distinct, dtype=torch.float32, device=device)
+            self.stop_ids = torch.zeros(2, key.processed, key.stops, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]),
@@ -386,7 +392,7 @@ class TokenChain:
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
             guesses, confidences, captured, logprobs, draft_probs = [], [], [], [], []
-            spread = None  # with key.distinct: each row's counts, prompt ids and stop ids, [B, V] each
+            spread = None  # with key.distinct: each processed row's counts, prompt ids and stop ids, [P, V] each
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
@@ -397,9 +403,10 @@ class TokenChain:
                     captured.append(rest)  # a decoder's features of this position
                 scores = self._widened(logits, target_ids) if key.vocab else logits  # [B, V]: columns are ids
                 if key.distinct:
+                    rows = self.processed_rows
                     if spread is None:
-                        spread = self._texts_over(scores)
-                    scores = self._processed(scores, j, *spread)
+                        spread = self._texts_over(scores[rows])
+                    scores = scores.index_copy(0, rows, self._processed(scores[rows], j, *spread))
                 chosen, confidence = self._greedy(logits, scores, target_ids)  # [B] columns of scores, [B]
                 if key.sampled:
                     temperatures, top_ks, top_ps = self.sampling
@@ -425,7 +432,8 @@ class TokenChain:
                     logprobs.append((row_logprobs.gather(1, chosen[:, None]).squeeze(1), top_values, top_ids))
                 tokens = chosen if key.vocab or target_ids is None else target_ids[chosen]  # [B] token ids
                 if key.distinct:  # the next position's penalties count this token
-                    spread[0].scatter_add_(1, tokens[:, None], torch.ones_like(spread[0][:, :1]))
+                    counted = tokens[self.processed_rows, None]  # [P, 1]
+                    spread[0].scatter_add_(1, counted, torch.ones_like(spread[0][:, :1]))
                 guesses.append(tokens)
             stacked = [torch.stack(guesses, dim=1)]
             stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
@@ -466,50 +474,57 @@ class TokenChain:
         confidence = scores.softmax(dim=-1).amax(dim=-1) if wanted else None
         if not self.key.vocab:
             return chosen, confidence
-        processed = self.penalties[4] > 0  # [B]
+        processed = self.processed  # [B]
         chosen = torch.where(processed, chosen, own)
         if confidence is not None:
             confidence = torch.where(processed, confidence, own_confidence)
         return chosen, confidence
 
     def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's text spread over the vocabulary of logits [B, V]: its output counts
-        [B, V] float32 (the chain adds its tokens as it goes), its prompt's ids and its
-        stop ids [B, V] bool."""
+        """Each processed row's text spread over the vocabulary of its logits [P, V]: its
+        output counts [P, V] float32 (the chain adds its tokens as it goes), its prompt's
+        ids and its stop ids [P, V] bool."""
         ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
-        dense = torch.zeros_like(logits, dtype=torch.float32)  # [B, V]
+        dense = torch.zeros_like(logits, dtype=torch.float32)  # [P, V]
         counts = dense.scatter_add(1, ids, self.text[1])
         return counts, dense.scatter_add(1, ids, self.text[2]) > 0, dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
 
     def _processed(
         self, logits: torch.Tensor, j: int, counts: torch.Tensor, in_prompt: torch.Tensor, stop_mask: torch.Tensor
     ) -> torch.Tensor:
-        """logits [B, V] at position j -> float32 [B, V] as penalties.processed_logits
-        gives them, row by row: penalised for the row's text so far (`_texts_over`, this
-        chain's tokens counted), and its stop ids given no probability before its
-        min_tokens-th token."""
-        repetition, frequency, presence, early, _ = self.penalties[:, :, None]  # [B, 1] each
+        """The processed rows' logits [P, V] at position j -> float32 [P, V] as
+        penalties.processed_logits gives them, row by row: penalised for the row's text so
+        far (`_texts_over`, this chain's tokens counted), and its stop ids given no
+        probability before its min_tokens-th token."""
+        repetition, frequency, presence, early = self.penalties[:, :, None]  # [P, 1] each
         scores = penalised(logits.float(), counts, in_prompt, repetition, frequency, presence)
         return scores.masked_fill(stop_mask & (early > j), float("-inf"))
 
     def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
-        """Each processed sequence's penalties and text into the chain's inputs (a plain
-        one's: no penalty, nothing counted)."""
-        penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]] * self.key.batch, device="cpu").T  # [5, B]
-        text = torch.zeros(3, self.key.batch, self.key.distinct, device="cpu")
-        stop_ids = torch.zeros(2, self.key.batch, self.key.stops, device="cpu")
-        for i, (q, processed) in enumerate(zip(params, texts)):
+        """Each processed sequence's penalties and text into the chain's inputs, the rows
+        that pad them an unprocessed row's: no penalty, nothing counted."""
+        rows = [i for i, processed in enumerate(texts) if processed is not None]
+        unprocessed = next((i for i in range(self.key.batch) if i >= len(texts) or texts[i] is None), None)
+        rows += [unprocessed] * (self.key.processed - len(rows))  # one exists wherever padding is needed
+        penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * self.key.processed, device="cpu").T  # [4, P]
+        text = torch.zeros(3, self.key.processed, self.key.distinct, device="cpu")
+        stop_ids = torch.zeros(2, self.key.processed, self.key.stops, device="cpu")
+        for r, i in enumerate(rows):
+            processed = texts[i] if i < len(texts) else None
             if processed is None:
                 continue
+            q = params[i]
             early = max(0, q.min_tokens - len(processed.output_ids))
-            penalties[:, i] = torch.tensor(
-                [q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early, 1.0], device="cpu"
-            )
+            penalties[:, r] = torch.tensor([q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early])
             ids, in_prompt, emitted, _ = counted_text(processed.prompt_ids, processed.output_ids)
-            text[:, i, : len(ids)] = torch.stack([ids.float(), emitted, in_prompt.float()])
+            text[:, r, : len(ids)] = torch.stack([ids.float(), emitted, in_prompt.float()])
             stops = sorted(processed.stop_ids) if early else []
-            stop_ids[0, i, : len(stops)] = torch.tensor(stops, dtype=torch.float32, device="cpu")
-            stop_ids[1, i, : len(stops)] = 1.0
+            stop_ids[0, r, : len(stops)] = torch.tensor(stops, dtype=torch.float32, device="cpu")
+            stop_ids[1, r, : len(stops)] = 1.0
+        flags = torch.zeros(self.key.batch, dtype=torch.bool, device="cpu")
+        flags[[i for i, processed in enumerate(texts) if processed is not None]] = True
+        self.processed.copy_(flags)
+        self.processed_rows.copy_(torch.tensor(rows, dtype=torch.int64, device="cpu"))
         self.penalties.copy_(penalties)
         self.text.copy_(text)
         self.stop_ids.copy_(stop_ids)
@@ -714,6 +729,7 @@ class StaticDecode:
             logprobs=logprobs,
             distinct=distinct,
             stops=stops,
+            processed=next_power_of_two(len(processed)) if processed else 0,
             vocab=widened,
             draft_probs=bool(widened) and any(not p.greedy and p.seed is None for p in params or ()),
         )

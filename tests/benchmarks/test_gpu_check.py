@@ -34,7 +34,7 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     }
     greedy = {(m, b, (None,) * len(fields), None) for m in ("eager", "graphs") for b in (1, 2)}
     sampled = {(tuple(row.get(field) for field in fields), False) for row in gpu_check.SAMPLED_ROWS}
-    sampled.add((tuple(gpu_check.SAMPLED_ALONE.get(field) for field in fields), True))
+    sampled |= {(tuple(row.get(field) for field in fields), True) for row in gpu_check.SAMPLED_ALONE}
     assert set(plain) == greedy | {(m, 2, *row) for m in ("eager", "graphs") for row in sampled}
     assert min(plain.values()) > 0
     first_tokens = [r["first_tokens_s"] for r in rows if "first_tokens_s" in r]  # the greedy rows'

@@ -378,28 +378,29 @@ def test_requests_asking_for_logprobs_decode_in_chains_with_the_step_by_step_fig
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_step_tokens(device):
     """Requests with penalties (greedy, and seeded sampling), and two whose stop token
-    min_tokens holds off, decode in chains beside a plain one, each with the tokens it
-    gets step by step (penalties.processed_logits on every row)."""
+    min_tokens holds off, decode in chains after a plain one, each with the tokens it
+    gets step by step (penalties.processed_logits on its rows alone, ChainKey.processed:
+    as they finish, the chains pad them with the plain row)."""
     target = on(random_decoder("qwen3", seed=1), device)
     step_by_step = Engine(target, eos_token_ids=[EOS])
     plain = step_by_step.generate(PROMPTS[2], GREEDY).output_ids
     a, b = [i for i in range(10, len(plain)) if plain[i] not in plain[:i]][:2]  # met in chains
     requests = [
+        (PROMPTS[3], GREEDY),
         (PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5)),
         (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, presence_penalty=0.8, seed=4, ignore_eos=True)),
         # Its stop token, first met at a, allowed from there: it ends there.
         (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=a, stop_token_ids=(plain[a],))),
         # Its stop token, first met at b, held off there.
         (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=b + 1, stop_token_ids=(plain[b],))),
-        (PROMPTS[3], GREEDY),
     ]
     expected = [step_by_step.generate(prompt, params).output_ids for prompt, params in requests]
-    assert expected[2] == plain[: a + 1] and expected[3][:b] == plain[:b] and expected[3][b] != plain[b]
+    assert expected[3] == plain[: a + 1] and expected[4][:b] == plain[:b] and expected[4][b] != plain[b]
     graphed = copy.deepcopy(target)
     graphed.use_cuda_graphs(num_slots=5, capacity=128)
     outputs, _ = run(graphed, lambda: None, requests, max_num_seqs=5, num_scheduler_steps=4)
     assert outputs == expected
-    assert any(key.distinct for key in graphed.static.chains)
+    assert {key.processed for key in graphed.static.chains if key.distinct} >= {4}
 
 
 # Beside a greedy request, every kind a proposer's chains take: penalised greedy with
