@@ -275,9 +275,10 @@ class ChainKey(NamedTuple):
     bucket: int  # positions attention may read
     layers: tuple[int, ...] = ()  # a decoder's Capture.layers, every position's
     final: bool = False  # a decoder's Capture.final
-    sampled: bool = False  # some sequences sample (TokenChain.run's params)
-    # And some of those cut by top-k or top-p: how many, padded to a power of two (only
-    # their rows are sorted); 0: none.
+    # Some sequences sample (TokenChain.run's params): how many, padded to a power of two
+    # (only their rows are drawn); 0: none. And some of those cut by top-k or top-p: how
+    # many, likewise (only their rows are sorted).
+    sampled: int = 0
     filtered: int = 0
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
     confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
@@ -307,14 +308,14 @@ class ProcessedText(NamedTuple):
 class Chained(NamedTuple):
     """A chain's further tokens of each sequence, their confidences (empty lists where
     not asked for), their logprobs where a sequence's params ask (else None), and with
-    ChainKey.draft_probs the distribution each sampled guess was drawn from, [n,
-    positions, vocab] on the device (a greedy or seeded row's hold what it would have
-    been drawn from)."""
+    ChainKey.draft_probs the distributions each sampled sequence's guesses were drawn
+    from, by its index: [positions, vocab] on the device (a seeded one's hold what it
+    would have been drawn from)."""
 
     tokens: list[list[int]]
     confidences: list[list[float]]
     logprobs: list[list[TokenLogprob] | None]
-    probs: torch.Tensor | None = None
+    probs: dict[int, torch.Tensor] | None = None
 
 
 class TokenChain:
@@ -362,13 +363,16 @@ class TokenChain:
         self.features = None  # [B, F]: each one's feature that made its first guess
         if static.feature_size:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
-        # [3, B] float32: each one's temperature (0: greedy), top-k (0: none) and top-p
-        self.sampling = torch.zeros(3, key.batch, dtype=torch.float32, device=device) if key.sampled else None
-        # [filtered] int64: the rows top-k or top-p cut, the first repeated as padding
+        # Only the S sampled rows draw (ChainKey.sampled): [S] int64, which, padded with a
+        # greedy one (temperature 0: its draw is not taken). Of each: [3, S] float32 its
+        # temperature, top-k (0: none) and top-p; [2, S] int64 its key of its draws
+        # (sampling.seed_key), -1 where it has none, and the index in its text of the token
+        # its first position draws. [filtered] int64: which of them top-k or top-p cut,
+        # the first repeated as padding.
+        self.sampled_rows = torch.zeros(key.sampled, dtype=torch.int64, device=device) if key.sampled else None
+        self.sampling = torch.zeros(3, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
+        self.draws = torch.full((2, key.sampled), -1, dtype=torch.int64, device=device) if key.keyed else None
         self.cut_rows = torch.zeros(key.filtered, dtype=torch.int64, device=device) if key.filtered else None
-        # [2, B] int64: each one's key of its draws (sampling.seed_key), -1 where it has
-        # none, and the index in its text of the token its first position draws
-        self.draws = torch.full((2, key.batch), -1, dtype=torch.int64, device=device) if key.keyed else None
         if key.distinct:
             # Only the P processed rows are processed (ChainKey.processed): [B] bool, where a
             # row is; [P] int64, which, padded with an unprocessed one (processed as if
@@ -387,7 +391,7 @@ class TokenChain:
             """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]),
             then with key.logprobs each token's logprob [B, positions] and the likeliest
             ids' [B, positions, MAX_LOGPROBS] (or the vocabulary's size) and their ids,
-            with key.draft_probs the sampled rows' distributions [B, positions, vocab],
+            with key.draft_probs the sampled rows' distributions [S, positions, vocab],
             then a decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
@@ -409,19 +413,22 @@ class TokenChain:
                     scores = scores.index_copy(0, rows, self._processed(scores[rows], j, *spread))
                 chosen, confidence = self._greedy(logits, scores, target_ids)  # [B] columns of scores, [B]
                 if key.sampled:
-                    temperatures, top_ks, top_ps = self.sampling
-                    top_ks = top_ks.long()
+                    rows = self.sampled_rows
+                    temperatures, top_ks, top_ps = self.sampling  # [S] each
                     uniforms = None
                     if key.keyed:  # the draw for the token at index draw_from + j
                         keys, draw_from = self.draws
-                        uniforms = keyed_uniforms(keys.clamp_min(0), draw_from + j)  # [B]
+                        uniforms = keyed_uniforms(keys.clamp_min(0), draw_from + j)  # [S]
                         uniforms = uniforms.masked_fill(keys < 0, float("nan"))
-                    cut_by = (top_ks, top_ps, self.cut_rows) if key.filtered else ()
-                    probs = probs_on_device(scores, temperatures, *cut_by)  # [B, V]
-                    drawn = draw_on_device(probs, uniforms)  # [B]
-                    chosen = torch.where(temperatures > 0, drawn, chosen)
+                    cut_by = (top_ks.long(), top_ps, self.cut_rows) if key.filtered else ()
+                    probs = probs_on_device(scores[rows], temperatures, *cut_by)  # [S, V]
+                    drawn = torch.where(temperatures > 0, draw_on_device(probs, uniforms), chosen[rows])  # [S]
                     if confidence is not None:  # a draw's probability, as Guesser.guess gives it
-                        confidence = torch.where(temperatures > 0, probs.gather(1, drawn[:, None])[:, 0], confidence)
+                        drawn_confidence = probs.gather(1, drawn[:, None])[:, 0]
+                        confidence = confidence.index_copy(
+                            0, rows, torch.where(temperatures > 0, drawn_confidence, confidence[rows])
+                        )
+                    chosen = chosen.index_copy(0, rows, drawn)
                     if key.draft_probs:
                         draft_probs.append(probs)
                 if confidence is not None:
@@ -438,7 +445,7 @@ class TokenChain:
             stacked = [torch.stack(guesses, dim=1)]
             stacked.append(torch.stack(confidences, dim=1) if confidences else stacked[0][:, :0].float())
             stacked += [torch.stack(kind, dim=1) for kind in zip(*logprobs)]  # [B, positions(, MAX_LOGPROBS)]
-            stacked += [torch.stack(draft_probs, dim=1)] if draft_probs else []  # [B, positions, vocab]
+            stacked += [torch.stack(draft_probs, dim=1)] if draft_probs else []  # [S, positions, vocab]
             return stacked + [torch.stack(kind, dim=1) for kind in zip(*captured)]  # each [B, positions, F]
 
         self.forward = forward
@@ -499,6 +506,24 @@ class TokenChain:
         repetition, frequency, presence, early = self.penalties[:, :, None]  # [P, 1] each
         scores = penalised(logits.float(), counts, in_prompt, repetition, frequency, presence)
         return scores.masked_fill(stop_mask & (early > j), float("-inf"))
+
+    def _set_sampling(self, params: list[SamplingParams], sampled: list[int], draw_from: list[int]) -> None:
+        """The sampled sequences' rows (`sampled`, padded with a greedy row), settings,
+        keys of their draws and which of them cut, into the chain's inputs."""
+        greedy = next((i for i in range(self.key.batch) if i >= len(params) or params[i].greedy), None)
+        rows = sampled + [greedy] * (self.key.sampled - len(sampled))  # one exists wherever padding is needed
+        settings = [(params[i].temperature, max(params[i].top_k, 0), params[i].top_p) for i in sampled]
+        settings += [(0.0, 0, 1.0)] * (len(rows) - len(sampled))  # temperature 0: its draw is not taken
+        self.sampled_rows.copy_(torch.tensor(rows, dtype=torch.int64, device="cpu"))
+        self.sampling.copy_(torch.tensor(settings, dtype=torch.float32, device="cpu").T)
+        if self.cut_rows is not None:
+            cut = [r for r, i in enumerate(sampled) if cuts(params[i])]
+            self.cut_rows.copy_(torch.tensor(cut + cut[:1] * (len(self.cut_rows) - len(cut)), device="cpu"))
+        if self.draws is not None:
+            keys = [-1 if params[i].seed is None else seed_key(params[i].seed) for i in sampled]
+            starts = [draw_from[i] for i in sampled]
+            padding = len(rows) - len(sampled)
+            self.draws.copy_(torch.tensor([keys + [-1] * padding, starts + [0] * padding], device="cpu"))
 
     def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
         """Each processed sequence's penalties and text into the chain's inputs, the rows
@@ -563,17 +588,9 @@ class TokenChain:
         self.tokens.copy_(moved[3 * batch :])
         if self.features is not None:
             self.features[:n].copy_(features)
-        if self.sampling is not None:
-            unsampled = (0.0, 0, 1.0)  # a greedy or padding row's: temperature 0
-            settings = [unsampled if q.greedy else (q.temperature, max(q.top_k, 0), q.top_p) for q in params]
-            self.sampling.copy_(torch.tensor(settings + [unsampled] * padding, dtype=torch.float32, device="cpu").T)
-        if self.cut_rows is not None:
-            cut = [i for i, q in enumerate(params) if cuts(q)]
-            self.cut_rows.copy_(torch.tensor(cut + cut[:1] * (len(self.cut_rows) - len(cut)), device="cpu"))
-        if self.draws is not None:
-            keys = [-1 if q.greedy or q.seed is None else seed_key(q.seed) for q in params]
-            draw_from = [c.length + 1 for c in caches] if draw_from is None else draw_from
-            self.draws.copy_(torch.tensor([keys + [-1] * padding, draw_from + [0] * padding], device="cpu"))
+        sampled = [i for i, q in enumerate(params or ()) if not q.greedy]
+        if self.sampled_rows is not None:
+            self._set_sampling(params, sampled, [c.length + 1 for c in caches] if draw_from is None else draw_from)
         if self.key.distinct:
             self._set_texts(params, texts)
         if self.graph is None:
@@ -585,7 +602,10 @@ class TokenChain:
         logprob_parts = rest[:3] if self.key.logprobs else []
         rest = rest[len(logprob_parts) :]
         # Copies: the next replay overwrites the graph's outputs.
-        probs = rest.pop(0)[:n].clone() if self.key.draft_probs else None
+        probs = None
+        if self.key.draft_probs:
+            kept = rest.pop(0)[: len(sampled)].clone()  # [len(sampled), positions, vocab]
+            probs = {i: kept[r] for r, i in enumerate(sampled)}
         if capture is not None:
             capture.fill([rows[:n].flatten(0, 1).clone() for rows in rest])
         # One read-back for all: token ids are exact in float64.
@@ -709,7 +729,7 @@ class StaticDecode:
             return None
         end = max(c.length for c in caches) + positions
         bucket = min(max(next_power_of_two(end), MIN_BUCKET), self.pool.capacity)
-        sampled = params is not None and not all(p.greedy for p in params)
+        sampled = sum(not p.greedy for p in params) if params is not None else 0
         filtered = sum(map(cuts, params)) if sampled else 0
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
         logprobs = params is not None and any(p.logprobs is not None for p in params)
@@ -722,7 +742,7 @@ class StaticDecode:
             next_power_of_two(len(caches)),
             positions,
             bucket,
-            sampled=sampled,
+            sampled=next_power_of_two(sampled) if sampled else 0,
             filtered=next_power_of_two(filtered) if filtered else 0,
             keyed=keyed,
             confidences=confidences,

@@ -207,7 +207,7 @@ class DraftChains:
             for j, (token, confidence) in enumerate(zip(tokens, confidences)):
                 if i in self.stopped or len(self.drafted[i]) >= self.num_tokens[i]:
                     break
-                self._take(i, token, confidence, drafted.probs[row, j] if keeps_probs else None)
+                self._take(i, token, confidence, drafted.probs[row][j] if keeps_probs else None)
             taken.append(len(self.drafted[i]) - before)
         return taken
 

@@ -323,7 +323,7 @@ def test_a_request_sampling_by_temperature_keeps_its_batch_in_chains(device):
     graphed.use_cuda_graphs(num_slots=4, capacity=128)
     outputs, _ = run(graphed, lambda: None, requests, num_scheduler_steps=4)
     assert outputs[:3] == plain and len(outputs[3]) == 30
-    assert {(key.positions, key.sampled) for key in graphed.static.chains} == {(4, True), (4, False)}
+    assert {(key.positions, key.sampled) for key in graphed.static.chains} == {(4, 1), (4, 0)}  # its row alone
     assert graphed.static.pool.num_free == 4
 
 
@@ -456,6 +456,40 @@ def test_a_draft_models_chains_guess_for_every_kind_of_request_as_its_steps_do(m
     assert any(key.sampled and key.keyed and key.vocab and key.distinct for key in keys)
 
 
+def test_a_proposers_chain_hands_each_sampled_sequence_the_distributions_it_drew_from():
+    """Behind a greedy sequence, seeded and unseeded ones sampling at different
+    temperatures (one cut by top-p) draft in one chain: each one's distributions
+    (Chained.probs, by its index) are those its guesses were drawn from, so each guess's
+    confidence is its probability there, and a seeded guess is the keyed draw from it;
+    the one cut by top-p alone leaves ids out."""
+    from specserve.sampling import inverse_cdf, keyed_uniform, seed_key
+
+    model = random_decoder("llama", seed=5)
+    model.use_cuda_graphs(num_slots=4, capacity=64)
+    caches = [model.new_cache() for _ in range(4)]
+    model(torch.tensor([t for p in PROMPTS for t in p]), [Segment(c, len(p)) for c, p in zip(caches, PROMPTS)])
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=2**40),
+    ]
+    draw_from = [len(p) + 1 for p in PROMPTS]
+    vocab = model.config.vocab_size
+    chained = model.static.token_chain(
+        [1, 2, 3, 4], None, caches, 3, params=params, texts=[None] * 4, vocab=vocab, draw_from=draw_from
+    )
+    assert sorted(chained.probs) == [1, 2, 3]
+    for i, q in enumerate(params[1:], start=1):
+        for j, (token, confidence) in enumerate(zip(chained.tokens[i], chained.confidences[i])):
+            drawn_from = chained.probs[i][j]  # [V]
+            assert drawn_from[token].item() == pytest.approx(confidence)
+            assert bool((drawn_from == 0).any()) == (q.top_p < 1)
+            if q.seed is not None:
+                uniform = torch.tensor([keyed_uniform(seed_key(q.seed), draw_from[i] + j)])
+                assert inverse_cdf(drawn_from.cumsum(0)[None], uniform).item() == token
+
+
 def repeating(model: Decoder) -> Decoder:
     """A draft whose layers add nothing and whose head is its embedding table: each
     position's guess is the token fed there, unless a penalty forbids it."""
@@ -529,7 +563,7 @@ def test_chains_sample_the_targets_distribution(fields):
         while engine.has_unfinished():
             engine.step()
         samples += [s.output_ids for s in seqs]
-    assert {(key.sampled, bool(key.filtered)) for key in graphed.static.chains} == {(True, len(fields) > 1)}
+    assert {(bool(key.sampled), bool(key.filtered)) for key in graphed.static.chains} == {(True, len(fields) > 1)}
     assert chi_square_p_value(torch.tensor(samples), expected) > 1e-4
 
 
