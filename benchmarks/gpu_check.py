@@ -103,9 +103,9 @@ PROMPT_TOKENS = 32
 # with the temperature alone, with top-p, seeded, and penalised.
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_ROWS = ({}, {"top_p": 0.95}, {"seed": 7}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
-# And rows where one request alone samples (at the temperature, with top-p, penalised)
-# beside greedy ones: what it costs them.
-SAMPLED_ALONE = ({}, {"top_p": 0.95}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2})
+# And rows where one request alone samples (at the temperature, with top-p, penalised,
+# asking for logprobs) beside greedy ones: what it costs them.
+SAMPLED_ALONE = ({}, {"top_p": 0.95}, {"repetition_penalty": 1.1, "frequency_penalty": 0.2}, {"logprobs": 5})
 # The request whose drafting the ceiling's sampled rows time: seeded, cut by top-p.
 SAMPLED_GUESSES = {"temperature": SAMPLED_TEMPERATURE, "top_p": 0.95, "seed": 7}
 DTYPE = torch.bfloat16

@@ -282,7 +282,9 @@ class ChainKey(NamedTuple):
     filtered: int = 0
     keyed: bool = False  # and some of those with a seed (sampling.keyed_uniforms)
     confidences: bool = True  # each token's probability (a proposer's), or none (the target's)
-    logprobs: bool = False  # each token's logprob and the MAX_LOGPROBS likeliest (a target's)
+    # A target's: some sequences ask for each token's logprob and the MAX_LOGPROBS
+    # likeliest: how many, padded to a power of two (only their rows' are computed).
+    logprobs: int = 0
     # A proposer's: the vocabulary its sampled and processed rows are drawn over, the
     # logits widened to it (a head's draft vocabulary, a draft's common head); 0: the
     # logits' own columns.
@@ -373,6 +375,8 @@ class TokenChain:
         self.sampling = torch.zeros(3, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
         self.draws = torch.full((2, key.sampled), -1, dtype=torch.int64, device=device) if key.keyed else None
         self.cut_rows = torch.zeros(key.filtered, dtype=torch.int64, device=device) if key.filtered else None
+        # [L] int64: the rows whose logprobs are computed (ChainKey.logprobs), the first repeated as padding
+        self.logprob_rows = torch.zeros(key.logprobs, dtype=torch.int64, device=device) if key.logprobs else None
         if key.distinct:
             # Only the P processed rows are processed (ChainKey.processed): [B] bool, where a
             # row is; [P] int64, which, padded with an unprocessed one (processed as if
@@ -389,8 +393,9 @@ class TokenChain:
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]),
-            then with key.logprobs each token's logprob [B, positions] and the likeliest
-            ids' [B, positions, MAX_LOGPROBS] (or the vocabulary's size) and their ids,
+            then with key.logprobs each asking row's token's logprob [L, positions] and
+            the likeliest ids' [L, positions, MAX_LOGPROBS] (or the vocabulary's size) and
+            their ids,
             with key.draft_probs the sampled rows' distributions [S, positions, vocab],
             then a decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
@@ -434,9 +439,10 @@ class TokenChain:
                 if confidence is not None:
                     confidences.append(confidence)
                 if key.logprobs:  # as logprobs.token_logprobs: the raw logits'
-                    row_logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+                    rows = self.logprob_rows
+                    row_logprobs = logits[rows].float().log_softmax(dim=-1)  # [L, V]
                     top_values, top_ids = row_logprobs.topk(min(MAX_LOGPROBS, row_logprobs.shape[-1]), dim=-1)
-                    logprobs.append((row_logprobs.gather(1, chosen[:, None]).squeeze(1), top_values, top_ids))
+                    logprobs.append((row_logprobs.gather(1, chosen[rows, None]).squeeze(1), top_values, top_ids))
                 tokens = chosen if key.vocab or target_ids is None else target_ids[chosen]  # [B] token ids
                 if key.distinct:  # the next position's penalties count this token
                     counted = tokens[self.processed_rows, None]  # [P, 1]
@@ -589,6 +595,9 @@ class TokenChain:
         if self.features is not None:
             self.features[:n].copy_(features)
         sampled = [i for i, q in enumerate(params or ()) if not q.greedy]
+        asked = [i for i, q in enumerate(params or ()) if q.logprobs is not None] if self.key.logprobs else []
+        if self.logprob_rows is not None:
+            self.logprob_rows.copy_(torch.tensor(asked + asked[:1] * (self.key.logprobs - len(asked)), device="cpu"))
         if self.sampled_rows is not None:
             self._set_sampling(params, sampled, [c.length + 1 for c in caches] if draw_from is None else draw_from)
         if self.key.distinct:
@@ -608,18 +617,22 @@ class TokenChain:
             probs = {i: kept[r] for r, i in enumerate(sampled)}
         if capture is not None:
             capture.fill([rows[:n].flatten(0, 1).clone() for rows in rest])
-        # One read-back for all: token ids are exact in float64.
-        columns = [guesses[:n], confidences[:n]] + [part[:n].flatten(1) for part in logprob_parts]
-        rows = torch.cat([c.double() for c in columns], dim=1).tolist()
-        positions, width = guesses.shape[1], confidences.shape[1]
+        # One read-back for all (token ids are exact in float64): each sequence's tokens
+        # and confidences, then each asking one's logprobs.
+        parts = [torch.cat([guesses[:n], confidences[:n]], dim=1)]  # [n, positions + width]
+        if asked:
+            parts.append(torch.cat([part[: len(asked)].flatten(1) for part in logprob_parts], dim=1))
+        read = torch.cat([part.double().flatten() for part in parts]).tolist()
+        positions, per_row = guesses.shape[1], parts[0].shape[1]
+        rows = [read[i * per_row : (i + 1) * per_row] for i in range(n)]
         tokens = [[int(t) for t in r[:positions]] for r in rows]
-        logprobs = [None] * n
-        if self.key.logprobs:
-            for i, (row, q) in enumerate(zip(rows, params)):
-                if q.logprobs is not None:
-                    top_width = logprob_parts[1].shape[-1]
-                    logprobs[i] = chained_logprobs(row[positions + width :], tokens[i], top_width, q.logprobs)
-        return Chained(tokens, [r[positions : positions + width] for r in rows], logprobs, probs)
+        logprobs: list[list[TokenLogprob] | None] = [None] * n
+        if asked:
+            start, size, top_width = n * per_row, parts[1].shape[1], logprob_parts[1].shape[-1]
+            for r, i in enumerate(asked):
+                flat = read[start + r * size : start + (r + 1) * size]
+                logprobs[i] = chained_logprobs(flat, tokens[i], top_width, params[i].logprobs)
+        return Chained(tokens, [r[positions:] for r in rows], logprobs, probs)
 
 
 def chained_logprobs(flat: list[float], tokens: list[int], width: int, num_top: int) -> list[TokenLogprob]:
@@ -732,7 +745,7 @@ class StaticDecode:
         sampled = sum(not p.greedy for p in params) if params is not None else 0
         filtered = sum(map(cuts, params)) if sampled else 0
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
-        logprobs = params is not None and any(p.logprobs is not None for p in params)
+        logprobs = sum(p.logprobs is not None for p in params) if params is not None else 0
         processed = [t for t in texts or () if t is not None]
         distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
         stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
@@ -746,7 +759,7 @@ class StaticDecode:
             filtered=next_power_of_two(filtered) if filtered else 0,
             keyed=keyed,
             confidences=confidences,
-            logprobs=logprobs,
+            logprobs=next_power_of_two(logprobs) if logprobs else 0,
             distinct=distinct,
             stops=stops,
             processed=next_power_of_two(len(processed)) if processed else 0,

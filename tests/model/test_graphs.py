@@ -350,13 +350,14 @@ def test_seeded_requests_in_chains_keep_plain_samplings_tokens(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_requests_asking_for_logprobs_decode_in_chains_with_the_step_by_step_figures(device):
     """Requests asking for logprobs (greedy with 5 alternatives, seeded sampling with 0)
-    decode in chains beside one that asks for none: each gets the tokens and logprobs it
-    gets step by step, one per token; the target's chains compute no confidences."""
+    decode in chains after one that asks for none: each gets the tokens and logprobs it
+    gets step by step, one per token, computed on the asking rows alone; the target's
+    chains compute no confidences."""
     target = on(random_decoder("qwen3", seed=1), device)
     requests = [
+        (PROMPTS[2], GREEDY),
         (PROMPTS[0], SamplingParams(max_tokens=14, temperature=0.0, logprobs=5, ignore_eos=True)),
         (PROMPTS[1], SamplingParams(max_tokens=11, temperature=0.9, seed=3, logprobs=0, ignore_eos=True)),
-        (PROMPTS[2], GREEDY),
     ]
     step_by_step = Engine(target, eos_token_ids=[EOS])
     expected = [step_by_step.generate(prompt, params) for prompt, params in requests]
@@ -366,7 +367,8 @@ def test_requests_asking_for_logprobs_decode_in_chains_with_the_step_by_step_fig
     seqs = [engine.add_request(prompt, params) for prompt, params in requests]
     while engine.has_unfinished():
         engine.step()
-    assert {(key.logprobs, key.confidences) for key in graphed.static.chains} == {(True, False), (False, False)}
+    assert {key.logprobs for key in graphed.static.chains} == {2, 1, 0}  # as the asking ones finish
+    assert not any(key.confidences for key in graphed.static.chains)
     for seq, alone in zip(seqs, expected):
         assert seq.output_ids == alone.output_ids and len(seq.logprobs) == len(alone.logprobs)
         for got, want in zip(seq.logprobs, alone.logprobs):
