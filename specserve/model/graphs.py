@@ -345,7 +345,10 @@ class TokenChain:
     several times what its weights need (benchmarks/EXPERIMENTS.md, "An EAGLE head's own
     steps graphed and compiled"). A greedy token needs no host, nor does a draw from
     the device's own generator or a keyed one, a penalty or a token's logprobs; so one
-    sampled or penalised request keeps no batch a position a step.
+    sampled or penalised request keeps no batch a position a step. And each of those is
+    computed on the rows of the requests that ask alone (ChainKey.sampled, filtered,
+    processed, logprobs: gathered, then written back), so such a request costs its
+    batch its own rows' work over the vocabulary, not every row's.
 
     Contract: greedy and keyed tokens are what the model's static steps position by
     position would give (only the bucket of positions attention reads may differ, which
