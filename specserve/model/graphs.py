@@ -395,12 +395,11 @@ class TokenChain:
             self.stop_ids = torch.zeros(2, key.processed, key.stops, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
-            """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]),
-            then with key.logprobs each asking row's token's logprob [L, positions] and
-            the likeliest ids' [L, positions, MAX_LOGPROBS] (or the vocabulary's size) and
-            their ids,
-            with key.draft_probs the sampled rows' distributions [S, positions, vocab],
-            then a decoder's captured features, each [B, positions, F]."""
+            """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]);
+            with key.logprobs, each asking row's token's logprob [L, positions], the
+            likeliest ids' [L, positions, MAX_LOGPROBS] (or the vocabulary's size) and
+            their ids; with key.draft_probs, the sampled rows' distributions [S,
+            positions, vocab]; then a decoder's captured features, each [B, positions, F]."""
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
             guesses, confidences, captured, logprobs, draft_probs = [], [], [], [], []
