@@ -9,7 +9,7 @@ the prompt's logprobs, ...) are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, field_validator
 
@@ -211,19 +211,22 @@ class CompletionRequest(_Sampling):
         return batch
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    """One part of a message's content: text is served; another type (an image, audio)
+    is refused by name (ChatCompletionRequest.refuse_unsupported)."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
     role: str
-    content: str | Annotated[list[TextPart], StopAtFirst()] | None = None
+    content: str | Annotated[list[ContentPart], StopAtFirst()] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -252,6 +255,15 @@ class ChatCompletionRequest(_Sampling):
                     f"unknown role {message.role!r}; use one of {list(CHAT_ROLES)}",
                     param=f"messages[{i}].role",
                 )
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type != "text":
+                    raise APIError(
+                        f"content parts of type {part.type!r} are not supported; send text parts "
+                        '({"type": "text", "text": ...})',
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                if part.text is None:
+                    raise APIError("a text part needs its text", param=f"messages[{i}].content[{j}].text")
 
     logprobs_param: ClassVar[str] = "top_logprobs"
 

@@ -75,7 +75,7 @@ def test_missing_prompt():
     "body, param",
     [
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content"),
         ({"messages": []}, "messages"),
         ({"messages": [USER], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"messages": [USER], "stop": [1]}, "stop"),
@@ -128,6 +128,12 @@ def test_error_body_is_openai_shaped():
         (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (chat, {"response_format": {"type": "json_object"}}, "response_format"),
         (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
+            "messages[0].content[1].type",
+        ),
+        (chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(make, fields, param):
