@@ -60,6 +60,19 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def padded_count(n: int) -> int:
+    """A ChainKey's count of rows: n padded to a power of two; 0 for none."""
+    return next_power_of_two(n) if n else 0
+
+
+def padded_rows(rows: list[int], size: int, among: int) -> list[int]:
+    """rows padded to `size` with a row of [0, among) outside them, which asks for nothing
+    (greedy, unprocessed, uncut, no logprobs): its work changes nothing or is dropped.
+    One exists wherever padding is needed, as size <= among."""
+    outside = next((i for i in range(among) if i not in rows), None)
+    return rows + [outside] * (size - len(rows))
+
+
 def cuts(params: SamplingParams) -> bool:
     """Whether a request's draws are cut by top-k or top-p (ChainKey.filtered)."""
     return not params.greedy and (params.top_k > 0 or params.top_p < 1)
@@ -373,12 +386,12 @@ class TokenChain:
         # temperature, top-k (0: none) and top-p; [2, S] int64 its key of its draws
         # (sampling.seed_key), -1 where it has none, and the index in its text of the token
         # its first position draws. [filtered] int64: which of them top-k or top-p cut,
-        # the first repeated as padding.
+        # padded with one that does not (`padded_rows`).
         self.sampled_rows = torch.zeros(key.sampled, dtype=torch.int64, device=device) if key.sampled else None
         self.sampling = torch.zeros(3, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
         self.draws = torch.full((2, key.sampled), -1, dtype=torch.int64, device=device) if key.keyed else None
         self.cut_rows = torch.zeros(key.filtered, dtype=torch.int64, device=device) if key.filtered else None
-        # [L] int64: the rows whose logprobs are computed (ChainKey.logprobs), the first repeated as padding
+        # [L] int64: the rows whose logprobs are computed (ChainKey.logprobs), padded (`padded_rows`)
         self.logprob_rows = torch.zeros(key.logprobs, dtype=torch.int64, device=device) if key.logprobs else None
         if key.distinct:
             # Only the P processed rows are processed (ChainKey.processed): [B] bool, where a
@@ -518,15 +531,14 @@ class TokenChain:
     def _set_sampling(self, params: list[SamplingParams], sampled: list[int], draw_from: list[int]) -> None:
         """The sampled sequences' rows (`sampled`, padded with a greedy row), settings,
         keys of their draws and which of them cut, into the chain's inputs."""
-        greedy = next((i for i in range(self.key.batch) if i >= len(params) or params[i].greedy), None)
-        rows = sampled + [greedy] * (self.key.sampled - len(sampled))  # one exists wherever padding is needed
+        rows = padded_rows(sampled, self.key.sampled, self.key.batch)
         settings = [(params[i].temperature, max(params[i].top_k, 0), params[i].top_p) for i in sampled]
         settings += [(0.0, 0, 1.0)] * (len(rows) - len(sampled))  # temperature 0: its draw is not taken
         self.sampled_rows.copy_(torch.tensor(rows, dtype=torch.int64, device="cpu"))
         self.sampling.copy_(torch.tensor(settings, dtype=torch.float32, device="cpu").T)
         if self.cut_rows is not None:
-            cut = [r for r, i in enumerate(sampled) if cuts(params[i])]
-            self.cut_rows.copy_(torch.tensor(cut + cut[:1] * (len(self.cut_rows) - len(cut)), device="cpu"))
+            cut = [r for r, i in enumerate(sampled) if cuts(params[i])]  # among the sampled rows
+            self.cut_rows.copy_(torch.tensor(padded_rows(cut, self.key.filtered, self.key.sampled), device="cpu"))
         if self.draws is not None:
             keys = [-1 if params[i].seed is None else seed_key(params[i].seed) for i in sampled]
             starts = [draw_from[i] for i in sampled]
@@ -536,17 +548,12 @@ class TokenChain:
     def _set_texts(self, params: list[SamplingParams], texts: list[ProcessedText | None]) -> None:
         """Each processed sequence's penalties and text into the chain's inputs, the rows
         that pad them an unprocessed row's: no penalty, nothing counted."""
-        rows = [i for i, processed in enumerate(texts) if processed is not None]
-        unprocessed = next((i for i in range(self.key.batch) if i >= len(texts) or texts[i] is None), None)
-        rows += [unprocessed] * (self.key.processed - len(rows))  # one exists wherever padding is needed
+        processed_rows = [i for i, processed in enumerate(texts) if processed is not None]
         penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * self.key.processed, device="cpu").T  # [4, P]
         text = torch.zeros(3, self.key.processed, self.key.distinct, device="cpu")
         stop_ids = torch.zeros(2, self.key.processed, self.key.stops, device="cpu")
-        for r, i in enumerate(rows):
-            processed = texts[i] if i < len(texts) else None
-            if processed is None:
-                continue
-            q = params[i]
+        for r, i in enumerate(processed_rows):
+            processed, q = texts[i], params[i]
             early = max(0, q.min_tokens - len(processed.output_ids))
             penalties[:, r] = torch.tensor([q.repetition_penalty, q.frequency_penalty, q.presence_penalty, early])
             ids, in_prompt, emitted, _ = counted_text(processed.prompt_ids, processed.output_ids)
@@ -555,8 +562,9 @@ class TokenChain:
             stop_ids[0, r, : len(stops)] = torch.tensor(stops, dtype=torch.float32, device="cpu")
             stop_ids[1, r, : len(stops)] = 1.0
         flags = torch.zeros(self.key.batch, dtype=torch.bool, device="cpu")
-        flags[[i for i, processed in enumerate(texts) if processed is not None]] = True
+        flags[processed_rows] = True
         self.processed.copy_(flags)
+        rows = padded_rows(processed_rows, self.key.processed, self.key.batch)
         self.processed_rows.copy_(torch.tensor(rows, dtype=torch.int64, device="cpu"))
         self.penalties.copy_(penalties)
         self.text.copy_(text)
@@ -599,7 +607,7 @@ class TokenChain:
         sampled = [i for i, q in enumerate(params or ()) if not q.greedy]
         asked = [i for i, q in enumerate(params or ()) if q.logprobs is not None] if self.key.logprobs else []
         if self.logprob_rows is not None:
-            self.logprob_rows.copy_(torch.tensor(asked + asked[:1] * (self.key.logprobs - len(asked)), device="cpu"))
+            self.logprob_rows.copy_(torch.tensor(padded_rows(asked, self.key.logprobs, self.key.batch), device="cpu"))
         if self.sampled_rows is not None:
             self._set_sampling(params, sampled, [c.length + 1 for c in caches] if draw_from is None else draw_from)
         if self.key.distinct:
@@ -757,14 +765,14 @@ class StaticDecode:
             next_power_of_two(len(caches)),
             positions,
             bucket,
-            sampled=next_power_of_two(sampled) if sampled else 0,
-            filtered=next_power_of_two(filtered) if filtered else 0,
+            sampled=padded_count(sampled),
+            filtered=padded_count(filtered),
             keyed=keyed,
             confidences=confidences,
-            logprobs=next_power_of_two(logprobs) if logprobs else 0,
+            logprobs=padded_count(logprobs),
             distinct=distinct,
             stops=stops,
-            processed=next_power_of_two(len(processed)) if processed else 0,
+            processed=padded_count(len(processed)),
             vocab=widened,
             draft_probs=bool(widened) and any(not p.greedy and p.seed is None for p in params or ()),
         )
