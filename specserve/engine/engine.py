@@ -433,8 +433,7 @@ class Engine:
             if seq.seq_id not in not_proposed and self.adaptive is not None:
                 self.adaptive.record(seq.seq_id, num_drafted, verdict.num_accepted, num_dropped)
                 if not num_drafted:  # a multi-step chain's further tokens: as many plain steps (the probes' clock)
-                    for _ in verdict.tokens[1:]:
-                        self.adaptive.record(seq.seq_id, 0, 0)
+                    self.adaptive.record_plain(seq.seq_id, len(verdict.tokens) - 1)
                 if (
                     num_drafted
                     and first_confidence is not None

@@ -620,6 +620,13 @@ class AdaptiveSpecLength:
         state.drafting_steps += 1
         state.probing = False
 
+    def record_plain(self, seq_id: int, steps: int) -> None:
+        """`steps` more plain steps of one sequence, as many `record(seq_id, 0, 0)` (a chain's)."""
+        state = self.sequences.get(seq_id)
+        if state is not None and steps > 0:
+            state.fresh = False
+            state.plain_steps += steps
+
     def lookup_ks(self, seq_ids: list[int], proposed: list[int], batch: int) -> list[int]:
         """How many tokens of each sequence's lookup draft (`proposed` long) to verify
         in a step of `batch` decoding sequences: the k whose expected extra tokens best

@@ -15,10 +15,15 @@ never reach a head.
 
 Positions the target loaded from its prefix cache have no features (no forward computed
 them): rows that do not continue a run (a gap) start a new run there, and the head reads
-from that position on (spec/eagle.py). Rows are copies: a view would keep a whole
-forward's capture alive for as long as one sequence waits to be read. A sequence that
-decodes plainly for n steps holds n rows (EAGLE-3 reads 3 hidden sizes a row: on a
-Llama-3.1-8B target 24 KiB, a fifth of its KV cache per position).
+from that position on (spec/eagle.py). A sequence that decodes plainly for n steps holds
+n rows (EAGLE-3 reads 3 hidden sizes a row: on a Llama-3.1-8B target 24 KiB, a fifth of
+its KV cache per position).
+
+Each forward's capture is copied once (the static steps reuse their buffers) and every
+sequence keeps a view of its rows in that copy: one copy a forward, not one a sequence,
+which on a GPU is the host's time a step. A view keeps the whole copy alive, so a run
+joins its views into rows of its own once it holds VIEWS_JOINED of them: a run in the
+batch keeps the copies of at most its last VIEWS_JOINED - 1 forwards alive for its rows.
 """
 
 from __future__ import annotations
@@ -39,32 +44,63 @@ class FedRows(NamedTuple):
     num_rows: int
 
 
+# A run joins its views of forwards' copies into rows of its own at this many (see above).
+VIEWS_JOINED = 16
+
+
 @dataclass
 class FeatureRun:
     origin: int  # the first position of the run: the head's position 0
     start: int  # the first position not read yet
     chunks: list[torch.Tensor] = field(default_factory=list)  # rows of positions [start, end), in order: [n_i, F]
+    length: int = 0  # rows in chunks
+    views: int = 0  # how many of the last chunks are views of a forward's copy (fewer than VIEWS_JOINED)
 
     def __len__(self) -> int:
-        return sum(chunk.shape[0] for chunk in self.chunks)
+        return self.length
 
     @property
     def end(self) -> int:
-        return self.start + len(self)
+        return self.start + self.length
+
+    def append(self, rows: torch.Tensor) -> None:  # [n, F]: a view of a forward's copy
+        """Add the rows of positions [end, end + n)."""
+        if not rows.shape[0]:
+            return
+        self.chunks.append(rows)
+        self.length += rows.shape[0]
+        self.views += 1
+        if self.views >= VIEWS_JOINED:
+            self.chunks[-self.views :] = [torch.cat(self.chunks[-self.views :])]
+            self.views = 0
 
     def take(self, n: int) -> torch.Tensor:  # [n, F]
         """Read the rows of positions [start, start + n)."""
-        rows = self._joined()
-        self.chunks = [rows[n:]] if n < rows.shape[0] else []
-        self.start += n
-        return rows[:n]
+        assert n <= self.length, f"{n} rows asked of a run of {self.length}"
+        taken, count = [self.chunks[0][:0]] if n == 0 else [], 0
+        while count < n:
+            is_view = self.views == len(self.chunks)  # views are the last chunks: the first is one if all are
+            self.views -= is_view
+            chunk = self.chunks.pop(0)
+            taken.append(chunk[: n - count])
+            if chunk.shape[0] > n - count:  # the rest stays, a view where the chunk was
+                self.chunks.insert(0, chunk[n - count :])
+                self.views += is_view
+            count += taken[-1].shape[0]
+        self.start, self.length = self.start + n, self.length - n
+        return torch.cat(taken) if len(taken) > 1 else taken[0]
 
     def truncate(self, end: int) -> None:
         """Forget the rows of positions from `end` on (drafts the target rejected)."""
         keep = end - self.start
         assert keep >= 0, f"position {end} was read already (the run reads from {self.start})"
-        if keep < len(self):
-            self.chunks = [self._joined()[:keep]] if keep else []
+        while self.length > keep:
+            chunk, excess = self.chunks.pop(), self.length - keep
+            if chunk.shape[0] > excess:  # its first rows stay, a view where the chunk was
+                self.chunks.append(chunk[: chunk.shape[0] - excess])
+            else:
+                self.views = max(self.views - 1, 0)
+            self.length -= min(excess, chunk.shape[0])
 
     def newest(self) -> torch.Tensor:  # [F]
         """The row of position end - 1."""
@@ -74,11 +110,6 @@ class FeatureRun:
         """Drop the rows of positions before `position` unread (for a head that reads the newest alone)."""
         if position > self.start:
             self.take(position - self.start)
-
-    def _joined(self) -> torch.Tensor:  # [len(self), F]
-        if len(self.chunks) > 1:
-            self.chunks = [torch.cat(self.chunks)]
-        return self.chunks[0]
 
 
 class TargetFeatures:
@@ -96,13 +127,12 @@ class TargetFeatures:
         """Keep each sequence's rows of a forward that captured `new_capture()`; `fed` in
         the order of the forward's stream."""
         rows = capture.layer_inputs if self.layers else capture.final_hidden  # [T, F]
-        first = 0
-        for seq_id, start, num_rows in fed:
+        sizes = [f.num_rows for f in fed]
+        for (seq_id, start, _), piece in zip(fed, rows[: sum(sizes)].clone().split(sizes)):
             run = self.runs.get(seq_id)
             if run is None or run.end != start:  # new, or after positions no forward computed
                 run = self.runs[seq_id] = FeatureRun(origin=start, start=start)
-            run.chunks.append(rows[first : first + num_rows].clone())
-            first += num_rows
+            run.append(piece)
 
     def truncate(self, seq_id: int, end: int) -> None:
         run = self.runs.get(seq_id)
