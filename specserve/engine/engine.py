@@ -157,6 +157,7 @@ class Engine:
         self.num_preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # in order of admission
+        self.chained: set[int] = set()  # the sequences the last step decoded in a multi-step chain
         self.spec_stats = SpecStats()  # every sequence's drafts, for metrics
         self._next_id = itertools.count()
 
@@ -225,11 +226,15 @@ class Engine:
     def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
         ks = [self.num_speculative_tokens] * len(decoding)
         if self.adaptive is not None and decoding:
+            remaining = [s.remaining_tokens for s in decoding]
+            # What a chain left to read comes back after the next chain: it pays within one.
+            spreads = [self.num_scheduler_steps if s.seq_id in self.chained else n for s, n in zip(decoding, remaining)]
             ks = self.adaptive.choose(
                 [s.seq_id for s in decoding],
                 [self.proposer.backlog(s) for s in decoding],
-                [s.remaining_tokens for s in decoding],
+                remaining,
                 others=len(self.running) - len(decoding),
+                spreads=spreads,
             )
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
@@ -418,6 +423,7 @@ class Engine:
         check `finished` on each, finished ones have left the batch."""
         work, fused, fused_wanted, not_proposed = self._schedule()
         outcomes = None if fused else self._decode_ahead(work)
+        self.chained = set() if outcomes is None else {outcome.seq.seq_id for outcome in outcomes}
         if outcomes is None:
             outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]

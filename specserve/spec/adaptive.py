@@ -10,7 +10,7 @@ Costs are measured from the engine's own timings, recent ones weighing more:
 - the target's forward by its row count, each count as measured (`ForwardCosts`): on our
   CPU kernels 9-16 rows take a second pass of arithmetic, a cost no line follows; a
   plain step that no forward measured (every step drafted) is measured once by a plain
-  step (`measuring_plain`);
+  step (`measuring_plain`), as is the forward itself where every step chained;
 - plain decoding, where the target decodes it in multi-step chains (engine.py): a
   chain's token as a share of that forward, by batch size (`ChainShares`); one
   drafting sequence turns the whole batch's chain into a single step;
@@ -377,6 +377,7 @@ class AdaptiveSpecLength:
         self.draft = LinearFit(((1, r), (5, 5 * r)))
         self.read = LinearFit(((0, 0.0), (64, 32 * r)))
         self.target_steps = 0  # target forwards measured
+        self.unpriced_chains = 0  # multi-step chains before the first (see measuring_plain)
         self.sequences: dict[int, Acceptance] = {}
         self.lookups: dict[int, Acceptance] = {}  # each sequence's lookup-first drafts
         # Each sequence's own: how sure a proposer is of a right guess moves with the text
@@ -519,18 +520,29 @@ class AdaptiveSpecLength:
         return best, best_ks
 
     def choose(
-        self, seq_ids: list[int], backlogs: list[int] | None = None, remaining: list[int] | None = None, others: int = 0
+        self,
+        seq_ids: list[int],
+        backlogs: list[int] | None = None,
+        remaining: list[int] | None = None,
+        others: int = 0,
+        spreads: list[int] | None = None,
     ) -> list[int]:
         """k for each decoding sequence of this step (before any cap on remaining tokens);
-        backlogs and remaining (per sequence): see `read_cost`; others: see `batch_ks`."""
+        backlogs and remaining (per sequence): see `read_cost`; others: see `batch_ks`.
+        spreads (per sequence): the tokens a drafting step's read is spread over where
+        fewer than `remaining`: a backlog a multi-step chain left comes back after every
+        chain that follows a draft, so it must pay within a chain (the engine's
+        num_scheduler_steps). A probe's read is spread over `remaining` either way."""
         states = [self._state(seq_id) for seq_id in seq_ids]
         if self.measuring_plain(len(seq_ids) + others):  # a pause: runs, probes and their clocks go on after
             for state in states:
                 state.chosen, state.probing = 0, False
             return [0] * len(states)
-        read_costs = [0.0] * len(states)
+        read_costs = drafting_reads = [0.0] * len(states)
         if backlogs is not None and remaining is not None:
-            read_costs = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
+            read_costs = drafting_reads = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
+            if spreads is not None:
+                drafting_reads = [self.read_cost(b, min(r, s)) for b, r, s in zip(backlogs, remaining, spreads)]
         batch = len(seq_ids) + others
         hopeful = None  # worked out once, if some sequence is due a probe
         # A batch whose every sequence is in a run of drafting goes on at a lower bar
@@ -538,7 +550,7 @@ class AdaptiveSpecLength:
         running = self.target_steps >= COSTS_KNOWN_STEPS and all(state.drafting_steps for state in states)
         floor = CONTINUE_SPEEDUP if running and states else MIN_SPEEDUP
         ks = []
-        for state, k, read in zip(states, self._batch_ks(seq_ids, states, read_costs, others, floor), read_costs):
+        for state, k, read in zip(states, self._batch_ks(seq_ids, states, drafting_reads, others, floor), read_costs):
             if k == 0 and state.drafting_steps:  # a run of drafting ends: did it last?
                 lasted = state.drafting_steps >= PROBE_INTERVAL
                 state.probe_interval = PROBE_INTERVAL if lasted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
@@ -572,7 +584,12 @@ class AdaptiveSpecLength:
 
     def measuring_plain(self, batch: int) -> bool:
         """Whether this step decodes plainly to measure a plain step of `batch`
-        sequences, which every forward so far outgrew (PLAIN_MEASURED_AFTER)."""
+        sequences, which every forward so far outgrew (PLAIN_MEASURED_AFTER); or the
+        target's forward at all, where every step so far decoded in multi-step chains
+        (or drafted only guesses it dropped): without it no cost is known, and the
+        draft's and the chains' would be priced by the priors for good."""
+        if not self.target.measured:
+            return self.unpriced_chains > 0
         return self.target_steps >= PLAIN_MEASURED_AFTER and self.target.measured_only_above(batch)
 
     def _speedup_after_a_full_probe(self, batch: int) -> float:
@@ -702,6 +719,8 @@ class AdaptiveSpecLength:
         forward are not counted: the forward's price is still the prior's."""
         if self.target.measured:
             self.chains.observe(batch, seconds / positions / self.target_seconds(batch))
+        else:
+            self.unpriced_chains += 1
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """A proposer call that drafted up to `positions` tokens per sequence. Calls

@@ -546,6 +546,28 @@ def test_a_probe_whose_reading_costs_more_than_drafting_could_gain_is_skipped():
     assert any(probes(1, remaining=10**6)) and not any(probes(2, remaining=20))
 
 
+def test_a_backlog_a_chain_left_must_pay_within_a_chain():
+    """After a multi-step chain, drafting reads the chain's tokens first, and reads them
+    again after every chain that follows a failed draft: spread over a chain's tokens
+    (spreads), that read stops a draft that would pay it back over the whole answer. A
+    probe's read is still spread over the answer, so probes go on."""
+    ctl = controller(per_position=0.1)  # a head's cheap positions
+    for _ in range(100):
+        ctl.observe_read(8, 0, 0.5)  # 8 tokens read: half a plain step
+    ctl.sequences[1] = steady(0.3)
+    assert ctl.choose([1], backlogs=[8], remaining=[200], spreads=[8]) == [0]
+    assert ctl.choose([1], backlogs=[8], remaining=[200])[0] > 0
+    assert ctl.choose([1], backlogs=[8], remaining=[200], spreads=[200])[0] > 0
+
+    ctl.sequences[2] = steady(0.3)
+    ctl.sequences[2].probe_interval = 2
+    ks = []
+    for _ in range(8):
+        ks += ctl.choose([2], backlogs=[8], remaining=[10**6], spreads=[8])
+        ctl.record(2, ks[-1], 0)
+    assert adaptive_module.PROBE_TOKENS in ks
+
+
 def int4_pair_costs(per_position: float = 0.0184) -> AdaptiveSpecLength:
     """Costs measured on the int4 pair (seconds): drafting near break-even at the prior."""
     ctl = controller(fixed=0.037, per_row=0.0086, draft_fixed=0.0028, per_position=per_position)
@@ -662,7 +684,15 @@ def test_where_plain_decoding_chains_drafting_must_beat_the_chains_price():
     assert [ctl.chains.share(b) for b in (2, 16, 64)] == pytest.approx([0.6, 0.9, 0.9])
 
 
-def test_chains_before_a_measured_forward_are_not_priced():
+def test_chains_before_a_measured_forward_are_not_priced_but_ask_for_one():
+    """A chain before any measured forward cannot be priced, and where every step
+    chains none would ever be: the next step decodes plainly to measure one, once."""
     ctl = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.5)
+    assert not ctl.measuring_plain(4)
     ctl.observe_chain(4, 8, 0.01)
     assert ctl.chains.share(4) == 1.0 and ctl.plain_step(4) == ctl.target_seconds(4)
+    assert ctl.measuring_plain(4) and ctl.choose([1, 2, 3, 4]) == [0] * 4
+    ctl.observe_target(4, 0.002)
+    assert not ctl.measuring_plain(4)
+    ctl.observe_chain(4, 8, 8 * 0.001)
+    assert ctl.chains.share(4) == pytest.approx(0.5)

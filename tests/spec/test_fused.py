@@ -132,7 +132,7 @@ def test_fused_engine_output_is_the_targets_own(target, draft, adaptive, lookup_
 class NeverDrafts(FreeCosts):
     """Adaptive that decodes plainly: k = 0 for every sequence, no probes."""
 
-    def choose(self, seq_ids, backlogs=None, remaining=None, others=0):
+    def choose(self, seq_ids, backlogs=None, remaining=None, others=0, spreads=None):
         return [0] * len(seq_ids)
 
 

@@ -20,7 +20,8 @@ from specserve.model.decoder import Capture, Decoder, Segment
 from specserve.model.prefix_cache import PrefixCache
 from specserve.model.quant import QuantizedLinear
 from specserve.sampling import SamplingParams
-from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec import adaptive as adaptive_module
+from specserve.spec.adaptive import AdaptiveSpecLength, LinearFit
 from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.factory import head_proposer
@@ -173,11 +174,13 @@ def test_an_eagle_heads_chains_guess_for_every_kind_of_request_as_its_steps_do(n
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_the_head(noisy, method):
+def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_the_head(noisy, method, monkeypatch):
     """On static steps, a head adaptive k finds not worth drafting (a random one, its
     draft priced dear) leaves the target decoding 4 tokens a step in multi-step chains,
     which capture the features the head reads: its runs stay at the verified positions,
-    its probes read them, and the output stays plain decoding's."""
+    its probes (every 4 plain steps a sequence here, reading priced free) read them, and
+    the output stays plain decoding's."""
+    monkeypatch.setattr(adaptive_module, "PROBE_INTERVAL", 2)
     target, perm = noisy
     graphed = copy.deepcopy(target)
     graphed.use_cuda_graphs(num_slots=4, capacity=128)
@@ -186,6 +189,7 @@ def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_
     observe_draft, observe_target = adaptive.observe_draft, adaptive.observe_target
     adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 5e-3 * positions)
     adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
+    adaptive.read = LinearFit(((0, 0.0), (64, 0.0)))  # reading free: a probe is never too dear
     engine = Engine(
         graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive,
         num_scheduler_steps=4,
@@ -193,6 +197,10 @@ def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_
     proposed, propose = [], proposer.propose
     proposer.propose = lambda seqs, num_tokens, least=None: (
         proposed.append(bool(graphed.static.chains)) or propose(seqs, num_tokens, least)  # after a chain?
+    )
+    spreads, choose = [], adaptive.choose
+    adaptive.choose = lambda *args, **kwargs: (
+        spreads.append((set(engine.chained), kwargs["spreads"])) or choose(*args, **kwargs)
     )
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(prompt, params) for prompt in PROMPTS[:2]]
@@ -205,6 +213,10 @@ def test_where_adaptive_k_drafts_nothing_the_target_decodes_in_chains_that_feed_
         assert seq.output_ids == plain_tokens(target, prompt, params)
     assert any(key.positions == 4 and (key.layers or key.final) for key in graphed.static.chains)
     assert any(proposed)  # a probe after chains read the features they captured
+    assert adaptive.target_steps > 0  # chains alone priced nothing: a plain step was measured
+    # What a chain left is to be read within a chain; a prompt's, within the answer.
+    assert any(chained and set(spread) == {4} for chained, spread in spreads)
+    assert all(spread[0] > 4 for chained, spread in spreads if not chained)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
