@@ -435,10 +435,12 @@ class AdaptiveSpecLength:
         """Seconds per emitted token of reading `backlog` tokens into the proposer
         before a sequence's first draft, spread over the `remaining` tokens it may still
         emit (it pays once, and every drafting step after that gains)."""
-        if backlog <= MAX_CATCH_UP:
-            return 0.0
+        return self._read_costs([backlog], [remaining])[0]
+
+    def _read_costs(self, backlogs: list[int], spreads: list[int]) -> list[float]:
+        """`read_cost` of each backlog spread over as many tokens, the line priced once."""
         intercept, slope = self.read_costs()
-        return (intercept + slope * backlog) / max(remaining, 1)
+        return [0.0 if b <= MAX_CATCH_UP else (intercept + slope * b) / max(n, 1) for b, n in zip(backlogs, spreads)]
 
     def batch_ks(
         self,
@@ -540,9 +542,9 @@ class AdaptiveSpecLength:
             return [0] * len(states)
         read_costs = drafting_reads = [0.0] * len(states)
         if backlogs is not None and remaining is not None:
-            read_costs = drafting_reads = [self.read_cost(b, r) for b, r in zip(backlogs, remaining)]
-            if spreads is not None:
-                drafting_reads = [self.read_cost(b, min(r, s)) for b, r, s in zip(backlogs, remaining, spreads)]
+            read_costs = drafting_reads = self._read_costs(backlogs, remaining)
+            if spreads is not None and spreads != remaining:
+                drafting_reads = self._read_costs(backlogs, [min(r, n) for r, n in zip(remaining, spreads)])
         batch = len(seq_ids) + others
         hopeful = None  # worked out once, if some sequence is due a probe
         # A batch whose every sequence is in a run of drafting goes on at a lower bar
