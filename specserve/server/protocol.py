@@ -239,6 +239,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
@@ -247,6 +248,10 @@ class ChatCompletionRequest(_Sampling):
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):  # asks for a call no tool can answer
+            raise APIError(
+                f"tool_choice {self.tool_choice!r} asks for a tool call; tools are not supported", param="tool_choice"
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError('only response_format {"type": "text"} is supported', param="response_format")
         for i, message in enumerate(self.messages):

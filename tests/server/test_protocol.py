@@ -126,6 +126,8 @@ def test_error_body_is_openai_shaped():
         (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
         (chat, {"top_logprobs": 2}, "top_logprobs"),
         (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (chat, {"tool_choice": "required"}, "tool_choice"),
+        (chat, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         (chat, {"response_format": {"type": "json_object"}}, "response_format"),
         (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
         (
@@ -160,6 +162,7 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
             logprobs=True,
             top_logprobs=0,
             tools=[],
+            tool_choice="none",
             response_format={"type": "text"},
             messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")],
         ),
