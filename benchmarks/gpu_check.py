@@ -546,7 +546,8 @@ def section_adaptive(table: Table, args, config: ModelConfig, draft_config: Mode
     """Adaptive k against plain decoding on one target, by batch size, engines taking
     turns round by round: with random weights next to nothing is accepted, so adaptive
     should settle on plain decoding (at or above 0.98x) and its drafting, while it
-    learns, is what it costs. Draft model, n-gram and an EAGLE-3 head."""
+    learns, is what it costs. Draft model, n-gram and an EAGLE-3 head by default
+    (`--adaptive-proposers`: also an EAGLE-1 head and Medusa heads, one a `--head-ks`)."""
     slots = max(args.batches)
     target = build(config, device, args.adaptive_mode, slots, args.capacity, seed=0)
     draft = build(draft_config, device, args.adaptive_mode, slots, args.capacity, seed=1)
@@ -560,13 +561,15 @@ def section_adaptive(table: Table, args, config: ModelConfig, draft_config: Mode
         for batch in args.batches:
             tokens = args.tokens if batch == 1 else args.batch_tokens
             plain = Engine(target, eos_token_ids=[], max_num_seqs=batch)
+            # Medusa drafts one token a head: k and its maximum are the head count.
+            heads = proposer.heads.config.num_heads if kind == "medusa" else None
             adaptive = Engine(
                 target,
                 eos_token_ids=[],
                 proposer=proposer,
-                num_speculative_tokens=args.adaptive_k,
+                num_speculative_tokens=heads or args.adaptive_k,
                 max_num_seqs=batch,
-                adaptive=AdaptiveSpecLength(args.adaptive_max_k, prior_cost_ratio(proposer, target)),
+                adaptive=AdaptiveSpecLength(heads or args.adaptive_max_k, prior_cost_ratio(proposer, target)),
             )
             ratios = []
             for round_ in range(args.rounds + 1):  # round 0 warms both up (graphs, compiles)
@@ -736,7 +739,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adaptive-mode", choices=MODES, default="graphs+compile")
     parser.add_argument(
         "--adaptive-proposers",
-        type=comma_list(("draft", "ngram", "eagle3"), "proposer(s)"),
+        type=comma_list(("draft", "ngram", "eagle", "eagle3", "medusa"), "proposer(s)"),
         default=["draft", "ngram", "eagle3"],
     )
     parser.add_argument("--adaptive-k", type=int, default=7, help="num_speculative_tokens of the adaptive engines")

@@ -76,8 +76,13 @@ class FeatureRun:
 
     def take(self, n: int) -> torch.Tensor:  # [n, F]
         """Read the rows of positions [start, start + n)."""
+        taken = self._pop_front(n) if n else [self.chunks[0][:0]]
+        return torch.cat(taken) if len(taken) > 1 else taken[0]
+
+    def _pop_front(self, n: int) -> list[torch.Tensor]:
+        """Remove the rows of positions [start, start + n); returns them as pieces, in order."""
         assert n <= self.length, f"{n} rows asked of a run of {self.length}"
-        taken, count = [self.chunks[0][:0]] if n == 0 else [], 0
+        taken, count = [], 0
         while count < n:
             is_view = self.views == len(self.chunks)  # views are the last chunks: the first is one if all are
             self.views -= is_view
@@ -88,7 +93,7 @@ class FeatureRun:
                 self.views += is_view
             count += taken[-1].shape[0]
         self.start, self.length = self.start + n, self.length - n
-        return torch.cat(taken) if len(taken) > 1 else taken[0]
+        return taken
 
     def truncate(self, end: int) -> None:
         """Forget the rows of positions from `end` on (drafts the target rejected)."""
@@ -106,10 +111,17 @@ class FeatureRun:
         """The row of position end - 1."""
         return self.chunks[-1][-1]
 
-    def forget_before(self, position: int) -> None:
-        """Drop the rows of positions before `position` unread (for a head that reads the newest alone)."""
-        if position > self.start:
-            self.take(position - self.start)
+    def keep_only(self, position: int) -> None:
+        """Keep the row of `position` alone (a head that reads the newest verified row):
+        one view, whatever chunks held the run."""
+        index = position - self.start
+        assert 0 <= index < self.length, f"position {position} is not in the run [{self.start}, {self.end})"
+        for chunk in self.chunks:
+            if index < chunk.shape[0]:
+                self.chunks = [chunk[index : index + 1]]
+                break
+            index -= chunk.shape[0]
+        self.start, self.length, self.views = position, 1, 1
 
 
 class TargetFeatures:

@@ -66,10 +66,8 @@ class MedusaProposer:
         return chains.drafts()
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
-        for seq in seqs:
-            end = len(seq.token_ids) - 1
-            self.features.truncate(seq.seq_id, end)
-            self.features.runs[seq.seq_id].forget_before(end - 1)  # only the newest verified row is read
+        for seq in seqs:  # only the newest verified row is read
+            self.features.runs[seq.seq_id].keep_only(len(seq.token_ids) - 2)
 
     def free(self, seq_id: int) -> None:
         self.features.free(seq_id)

@@ -78,3 +78,15 @@ def test_the_count_of_views_follows_reads_and_cuts():
         run.append(rows_of(start, 1))
     assert run.views == 0 and len(run.chunks) == 1
     torch.testing.assert_close(run.take(len(run)), rows_of(5, VIEWS_JOINED))
+
+
+def test_keeping_the_newest_row_alone_takes_it_from_whichever_chunk_holds_it():
+    run = FeatureRun(origin=0, start=0)
+    for start, n in ((0, 3), (3, 4)):
+        run.append(rows_of(start, n))
+    run.keep_only(5)  # the newest verified: drafts past it were rejected
+    assert (run.start, run.end, len(run.chunks)) == (5, 6, 1)
+    torch.testing.assert_close(run.newest(), rows_of(5, 1)[0])
+    run.append(rows_of(6, 2))
+    run.keep_only(6)
+    torch.testing.assert_close(run.take(1), rows_of(6, 1))
