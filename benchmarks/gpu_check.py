@@ -49,6 +49,7 @@ from specserve.bench.options import comma_list  # noqa: E402
 from specserve.bench.roofline import measure_read_bandwidth  # noqa: E402
 from specserve.config import ModelConfig  # noqa: E402
 from specserve.engine.engine import DEFAULT_NUM_SCHEDULER_STEPS, Engine  # noqa: E402
+from specserve.logprobs import MAX_LOGPROBS  # noqa: E402
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
@@ -324,7 +325,8 @@ def section_sampling(table: Table, args, config: ModelConfig, device: torch.devi
     (`--sampling-rows`: a batch, or a batch's positions): each piece captured in a graph
     and replayed, so the figures are the GPU's alone. The distribution at a temperature,
     cut by top-p on every row and on one row of them (`cut_rows`), the stable sort that
-    cut is made of, and the draws: the exponential race, a keyed row's inverse CDF."""
+    cut is made of, the draws (the exponential race, a keyed row's inverse CDF), and the
+    logprobs a chain computes for the rows that ask, every row and one."""
     if device.type != "cuda":
         table.add("sampling", "skipped", "-", "needs a GPU")
         return
@@ -343,11 +345,18 @@ def section_sampling(table: Table, args, config: ModelConfig, device: torch.devi
             "a stable sort of every row": lambda: logits.sort(dim=-1, descending=True, stable=True).values,
             "a draw (the exponential race)": lambda: draw_on_device(probs),
             "a keyed draw (inverse CDF)": lambda: draw_on_device(probs, uniforms),
+            f"logprobs (log-softmax, top {MAX_LOGPROBS}), every row": lambda: top_logprobs(logits),
+            f"logprobs (log-softmax, top {MAX_LOGPROBS}), one row": lambda: top_logprobs(logits[one_row]),
         }
         for what, piece in pieces.items():
             us = replay_seconds(piece) * 1e6
             table.add("sampling", f"{rows} rows: {what}", f"{us:.0f} us", rows=rows, piece=what, us=us)
         release_memory()
+
+
+def top_logprobs(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n, MAX_LOGPROBS]
+    """The likeliest ids' logprobs, as a chain computes them for a row that asks (TokenChain)."""
+    return logits.float().log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1).values
 
 
 def replay_seconds(piece, replays: int = 50) -> float:
