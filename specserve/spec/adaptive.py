@@ -435,9 +435,9 @@ class AdaptiveSpecLength:
         """Seconds per emitted token of reading `backlog` tokens into the proposer
         before a sequence's first draft, spread over the `remaining` tokens it may still
         emit (it pays once, and every drafting step after that gains)."""
-        return self._read_costs([backlog], [remaining])[0]
+        return self._reads_per_token([backlog], [remaining])[0]
 
-    def _read_costs(self, backlogs: list[int], spreads: list[int]) -> list[float]:
+    def _reads_per_token(self, backlogs: list[int], spreads: list[int]) -> list[float]:
         """`read_cost` of each backlog spread over as many tokens, the line priced once."""
         intercept, slope = self.read_costs()
         return [0.0 if b <= MAX_CATCH_UP else (intercept + slope * b) / max(n, 1) for b, n in zip(backlogs, spreads)]
@@ -542,9 +542,9 @@ class AdaptiveSpecLength:
             return [0] * len(states)
         read_costs = drafting_reads = [0.0] * len(states)
         if backlogs is not None and remaining is not None:
-            read_costs = drafting_reads = self._read_costs(backlogs, remaining)
+            read_costs = drafting_reads = self._reads_per_token(backlogs, remaining)
             if spreads is not None and spreads != remaining:
-                drafting_reads = self._read_costs(backlogs, [min(r, n) for r, n in zip(remaining, spreads)])
+                drafting_reads = self._reads_per_token(backlogs, [min(r, n) for r, n in zip(remaining, spreads)])
         batch = len(seq_ids) + others
         hopeful = None  # worked out once, if some sequence is due a probe
         # A batch whose every sequence is in a run of drafting goes on at a lower bar
@@ -621,13 +621,13 @@ class AdaptiveSpecLength:
         A step no k was chosen for is not counted: the prefill step that gives a new
         sequence its first token (counted as a plain step, it would clear `fresh`
         before the first choice, and the sequence would not probe at once)."""
+        if num_drafted == 0 and not num_dropped:
+            self.record_plain(seq_id, 1)
+            return
         state = self.sequences.get(seq_id)
         if state is None:
             return
         state.fresh = False
-        if num_drafted == 0 and not num_dropped:
-            state.plain_steps += 1
-            return
         self._news += 1
         if state.probing and num_accepted == num_drafted and not num_dropped:
             # The text may have turned predictable: forget the streak that stopped drafting
