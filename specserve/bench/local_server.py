@@ -39,10 +39,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    """The server's output goes to a temporary file, removed once the process is stopped;
+    `log()` still returns it after that."""
+
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout_s: float = 180):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="specserve-server-", suffix=".log")[1])
+        self._stopped_log: str | None = None
         command = [
             sys.executable,
             "-m",
@@ -61,6 +65,7 @@ class ServerProcess:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.process.poll() is not None:
+                self.stop()
                 raise ServerStartError("exited during start-up", self.log())
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -73,6 +78,8 @@ class ServerProcess:
             time.sleep(0.2)
 
     def log(self) -> str:
+        if self._stopped_log is not None:
+            return self._stopped_log
         return self.log_path.read_text()
 
     def terminate(self) -> None:
@@ -86,3 +93,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._stopped_log is None:
+            self._stopped_log = self.log_path.read_text()
+            self.log_path.unlink(missing_ok=True)

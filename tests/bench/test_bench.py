@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import random
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import cli
 from specserve.bench.benchmark import load_tokenizer
-from specserve.bench.local_server import ServerProcess, free_port
+from specserve.bench.local_server import ServerProcess, ServerStartError, free_port
 from specserve.bench.workload import Lengths, build_requests, builtin_workload, shared_prefix, sonnet_prompt
 
 MODEL = "smollm2-135m"
@@ -385,6 +386,16 @@ def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
 # ----- a real server -----
 
 
+def test_a_server_that_cannot_start_says_why_and_leaves_no_log(monkeypatch):
+    made = []
+    mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", lambda **kw: made.append(mkstemp(**kw)) or made[-1])
+    with pytest.raises(ServerStartError, match="max-num-seqs") as failed:
+        ServerProcess(MODEL, "--max-num-seqs", "zero", startup_timeout_s=60)
+    assert "'zero'" in failed.value.log
+    assert len(made) == 1 and not Path(made[0][1]).exists()
+
+
 @pytest.fixture(scope="module")
 def ngram_server(prepared_cache):
     server = ServerProcess(
@@ -401,6 +412,7 @@ def ngram_server(prepared_cache):
     )
     yield server
     server.stop()
+    assert not server.log_path.exists() and "Application startup complete" in server.log()
 
 
 def counters(url: str) -> dict[str, float]:
