@@ -54,8 +54,9 @@ The measurements behind the constants below: benchmarks/EXPERIMENTS.md, "Adaptiv
 from __future__ import annotations
 
 import bisect
-import functools
 import math
+
+import numpy as np
 
 # Proposer calls that catch up at most this many tokens (the recovered or bonus token, and
 # the last accepted draft after a full acceptance) are timed as drafting, longer ones as
@@ -478,48 +479,57 @@ class AdaptiveSpecLength:
         within a step or two; a prompt read for a batch that is about to grow is wasted)."""
         count = len(acceptances)
         batch = count + others
-        read_costs = read_costs or [0.0] * count
-        draft_fixed, per_position = self.draft_costs()
         plain = self.plain_step(batch)
         if count == 0 or plain <= 0:
             return floor, [0] * count
         # A verified row's cost, on average over every row a step may add.
         per_row = (self.target_seconds(batch * (1 + self.max_k)) - self.target_seconds(batch)) / (batch * self.max_k)
-        curves = [a.curves() for a in acceptances]  # (E, D) per sequence
-        limits = [a.deepest_asked() + K_GROWTH for a in acceptances]  # see K_GROWTH
-
-        @functools.cache  # the candidates repeat across horizons and passes
-        def speedup(ks: tuple[int, ...]) -> float:
-            tokens = others + sum(E[k] for (E, _), k in zip(curves, ks))
-            drafted = [D[k] for (_, D), k in zip(curves, ks)]
-            if not any(ks):
-                return 1.0
-            # Drafting costs the positions drafted and a first guess dropped (1 - D[1] of them).
-            positions = max(D[k] + 1 - D[1] for (_, D), k in zip(curves, ks) if k)
-            step = self.target_seconds(batch + sum(drafted)) + draft_fixed + per_position * positions
-            step += sum(read * E[k] for (E, _), k, read in zip(curves, ks, read_costs) if k)
-            return tokens * plain / (batch * step)
-
+        curves = np.array([a.curves() for a in acceptances])  # [B, 2, K + 1]: E, D
+        tokens, drafted = curves[:, 0], curves[:, 1]  # [B, K + 1]
+        limits = np.array([a.deepest_asked() for a in acceptances]) + K_GROWTH  # [B]: see K_GROWTH
+        # Per sequence and k, what a candidate step sums (tokens, rows) or takes the
+        # largest of (the draft's positions, and a first guess dropped: 1 - D[1] of
+        # them), and the reading it is charged where it drafts.
+        charged = np.zeros_like(curves)  # [B, 2, K + 1]: positions, reading; 0 at k = 0
+        charged[:, 0, 1:] = drafted[:, 1:] + 1 - drafted[:, 1:2]
+        if read_costs is not None:
+            charged[:, 1, 1:] = np.array(read_costs)[:, None] * tokens[:, 1:]
+        table = np.concatenate([curves, charged], axis=1).transpose(1, 0, 2).reshape(4, -1)  # [4, B * (K + 1)]
+        offsets = np.arange(count) * (self.max_k + 1)  # [B]: each sequence's k = 0 in a row of `table`
+        horizons = np.arange(1, self.max_k + 1)[:, None]  # [K, 1]
+        every_one = np.minimum(horizons, limits)  # [K, B]: each drafting up to the horizon
+        forwards: dict[float, float] = {}  # seconds of a forward by its rows, as the candidates ask
         best, best_ks = floor, [0] * count
         for _ in range(2):  # the second pass values a verified row at the first pass's best speed
             row_value = per_row * best * batch / plain  # tokens a verified row must earn
-            worth = []  # per sequence: the best k up to each horizon
-            for tokens, drafted in curves:
-                upto = [0]
-                for k in range(1, self.max_k + 1):
-                    previous = upto[-1]
-                    better = tokens[k] - row_value * drafted[k] > tokens[previous] - row_value * drafted[previous]
-                    upto.append(k if better else previous)
-                worth.append(upto)
-            for horizon in range(1, self.max_k + 1):
-                for ks in (
-                    tuple(min(horizon, limit) for limit in limits),
-                    tuple(min(upto[horizon], limit) for upto, limit in zip(worth, limits)),
-                ):
-                    speed = speedup(ks)
-                    if speed > best:
-                        best, best_ks = speed, list(ks)
+            worth = tokens - row_value * drafted  # [B, K + 1]
+            # Per sequence, the best k up to each horizon (the first of equals): the last
+            # k up to it whose worth beats every smaller k's.
+            rises = np.ones_like(worth, dtype=bool)
+            rises[:, 1:] = worth[:, 1:] > np.maximum.accumulate(worth, axis=1)[:, :-1]
+            best_upto = np.maximum.accumulate(np.where(rises, np.arange(self.max_k + 1), 0), axis=1)[:, 1:].T  # [K, B]
+            # Horizon by horizon, both choices: the first of the fastest wins.
+            candidates = np.stack([every_one, np.minimum(best_upto, limits)], axis=1).reshape(-1, count)  # [2K, B]
+            speeds = self._speedups(table.take(candidates + offsets, axis=1), others, plain, forwards)
+            fastest = int(speeds.argmax())
+            if speeds[fastest] <= best:
+                break  # the second pass would value rows as the first did
+            best, best_ks = float(speeds[fastest]), candidates[fastest].tolist()
         return best, best_ks
+
+    def _speedups(self, taken: np.ndarray, others: int, plain: float, forwards: dict[float, float]) -> np.ndarray:
+        """Predicted speedup [N] of each candidate step from what each of its sequences
+        takes of `best`'s table [4, N, B]: tokens, rows, positions, reading. `forwards`
+        keeps the target's seconds by row count across calls."""
+        batch = taken.shape[2] + others
+        draft_fixed, per_position = self.draft_costs()
+        emitted, rows, _, reading = taken.sum(axis=2)  # [N] each
+        longest = taken[2].max(axis=1)  # [N]: 0 where none drafts
+        rows = (batch + rows).tolist()  # many alike
+        for r in set(rows).difference(forwards):
+            forwards[r] = self.target_seconds(r)
+        step = np.array([forwards[r] for r in rows]) + draft_fixed + per_position * longest + reading
+        return np.where(longest > 0, (others + emitted) * plain / (batch * step), 1.0)
 
     def choose(
         self,
