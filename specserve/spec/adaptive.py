@@ -523,9 +523,9 @@ class AdaptiveSpecLength:
         keeps the target's seconds by row count across calls."""
         batch = taken.shape[2] + others
         draft_fixed, per_position = self.draft_costs()
-        emitted, rows, _, reading = taken.sum(axis=2)  # [N] each
+        emitted, drafted, _, reading = taken.sum(axis=2)  # [N] each
         longest = taken[2].max(axis=1)  # [N]: 0 where none drafts
-        rows = (batch + rows).tolist()  # many alike
+        rows = (batch + drafted).tolist()  # the forward's, many alike
         for r in set(rows).difference(forwards):
             forwards[r] = self.target_seconds(r)
         step = np.array([forwards[r] for r in rows]) + draft_fixed + per_position * longest + reading
