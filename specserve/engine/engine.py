@@ -323,7 +323,7 @@ class Engine:
         k for (drafted by lookup, or decoded plainly beside a prompt)."""
         self._preempt_to_fit()
         while self.waiting and len(self.running) < self.max_num_seqs:
-            if self._over_budget(self.kv_positions_needed() + self._positions_needed(self.waiting[0])):
+            if self._over_budget(joining=self.waiting[0]):
                 break  # first in, first admitted: it waits for room
             seq = self.waiting.popleft()
             if self.prefix_cache is not None and not seq.num_preemptions:
@@ -397,13 +397,18 @@ class Engine:
             return 0.0
         return sum(s.cache.capacity for s in self.running.values()) / self.kv_cache_positions
 
-    def _over_budget(self, positions: int) -> bool:
-        return self.kv_cache_positions is not None and positions > self.kv_cache_positions
+    def _over_budget(self, joining: Sequence | None = None) -> bool:
+        """Whether the running sequences (and `joining`) outgrow kv_cache_positions; never
+        without a bound, where the storage they take is not even summed."""
+        if self.kv_cache_positions is None:
+            return False
+        extra = 0 if joining is None else self._positions_needed(joining)
+        return self.kv_positions_needed() + extra > self.kv_cache_positions
 
     def _preempt_to_fit(self) -> None:
         """Preempt the latest admitted sequences until the rest fit the KV budget (one
         sequence alone always fits: see __init__)."""
-        while len(self.running) > 1 and self._over_budget(self.kv_positions_needed()):
+        while len(self.running) > 1 and self._over_budget():
             seq = self.running.pop(next(reversed(self.running)))
             if self.prefix_cache is not None:  # a prefix its rejoining may load instead of recomputing
                 self.prefix_cache.store(seq.token_ids, seq.cache)
