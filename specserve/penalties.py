@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties on the target's logits, row by row.
+"""Logit bias, repetition, frequency and presence penalties on the target's logits,
+row by row.
 
 A penalty makes a token's logit depend on the text before it, so under speculation
 the row that scores the token after the i-th draft is penalised as if the drafts
@@ -11,7 +12,9 @@ As vLLM applies them (and in its order): the repetition penalty (Keskar et al. 2
 1 = off) divides a positive logit and multiplies a negative one, for every token that
 occurs in the prompt or the output; then the frequency penalty is subtracted once per
 occurrence in the output, and the presence penalty once for any occurrence there
-(OpenAI's definitions). Logprobs stay the raw ones (specserve/logprobs.py).
+(OpenAI's definitions). A request's logit bias (OpenAI's) is added before them, as
+vLLM adds it; it reads no text, so every row gets the same. Logprobs stay the raw ones
+(specserve/logprobs.py).
 
 Proposers penalise their guesses the same way (spec/guesses.py, with the step's
 earlier guesses counted), so they guess what the penalised target will choose; any
@@ -45,17 +48,30 @@ def processed_logits(
     stop_ids: Collection[int],
 ) -> torch.Tensor:
     """logits [k+1, V] -> [k+1, V] float32 (a copy) as the request samples from them, row i
-    scoring output token len(output_ids) + i: penalised (`apply_penalties`), and on the
-    rows before the min_tokens-th output token the stop ids (EOS and the request's own)
-    given no probability, as vLLM's min_tokens does."""
+    scoring output token len(output_ids) + i: biased (`biased`), penalised
+    (`apply_penalties`), and on the rows before the min_tokens-th output token the stop
+    ids (EOS and the request's own) given no probability, as vLLM's min_tokens does."""
+    if params.logit_bias:
+        logits = biased(logits, params.logit_bias)
     if params.penalized:
         out = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
     else:
-        out = logits.to(torch.float32, copy=True)
+        out = logits.to(torch.float32, copy=not params.logit_bias)
     early_rows = params.min_tokens - len(output_ids)
     if early_rows > 0:
         masked = [i for i in stop_ids if i < out.shape[-1]]
         out[:early_rows, masked] = float("-inf")
+    return out
+
+
+def biased(logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """logits [n, V] -> float32 [n, V] (a copy) with each (id, bias) pair's bias added to
+    that id's logit in every row; ids past V (a narrower head's) are left out."""
+    width = logits.shape[-1]
+    ids = torch.tensor([i for i, _ in logit_bias if i < width], dtype=torch.int64, device=logits.device)
+    values = torch.tensor([b for i, b in logit_bias if i < width], dtype=torch.float32, device=logits.device)
+    out = logits.to(torch.float32, copy=True)
+    out[:, ids] += values
     return out
 
 

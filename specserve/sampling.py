@@ -39,6 +39,9 @@ GREEDY_TEMPERATURE = 1e-5
 # finite there (1e-300 rounds to 0, and a logit divided by it to infinity).
 FLOAT32_TINY, FLOAT32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
+# OpenAI's range of a logit bias: -100 bans a token, 100 all but forces it.
+LOGIT_BIAS_MAX = 100.0
+
 # Candidates top-p looks among before it sorts every id (`top_p_kept`).
 TOP_P_CANDIDATES = (256, 4096)
 # What torch.Generator.manual_seed takes.
@@ -73,8 +76,17 @@ class SamplingParams:
     # vLLM's: no stop token id (EOS or the request's own) and no stop string ends the
     # output before this many tokens (penalties.py gives the ids no probability).
     min_tokens: int = 0
+    # OpenAI's: each token id's bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX], added to its
+    # logit before the penalties. Given as a dict or (id, bias) pairs (a later pair of
+    # the same id wins), kept as pairs, ids ascending.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        try:
+            pairs = tuple(sorted(dict(self.logit_bias).items()))
+        except (TypeError, ValueError):
+            raise InvalidSamplingValue("logit_bias", "must map token ids to biases", self.logit_bias) from None
+        object.__setattr__(self, "logit_bias", pairs)
         checks = [  # (parameter, within its range, the range)
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             (
@@ -98,6 +110,11 @@ class SamplingParams:
                 FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX,
                 f"must be a number in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}]",
             ),
+            (
+                "logit_bias",
+                all(isinstance(i, int) and i >= 0 and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for i, b in pairs),
+                f"must map token ids >= 0 to numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]",
+            ),
         ]
         for param, ok, rule in checks:
             if not ok:
@@ -115,7 +132,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (`penalties.processed_logits`):
         such a request's tokens cannot come from the raw logits' argmax."""
-        return self.penalized or self.min_tokens > 0
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A request's own random stream on the models' device: seeded runs repeat,

@@ -1,5 +1,6 @@
-"""Repetition, frequency and presence penalties: the formula, plain decoding with them,
-and speculation that stays lossless with them (greedy equivalence, chi-square)."""
+"""Logit bias, repetition, frequency and presence penalties: the formula, plain decoding
+with them, and speculation that stays lossless with them (greedy equivalence,
+chi-square)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,19 @@ from tests.conftest import tiny_config
 from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.3)
+# A bias that bans and one that lifts.
+LOGIT_BIAS = dict(logit_bias=((1, -100.0), (3, 2.5)))
 
 
 def reference_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], before: list[int]
 ) -> torch.Tensor:
-    """One row [V], token by token: the definitions, with `before` the output so far."""
+    """One row [V], token by token: the definitions, with `before` the output so far
+    (the logit bias first, as vLLM adds it)."""
     out = logits.clone().float()
+    for token, bias in params.logit_bias:
+        if token < out.shape[0]:
+            out[token] += bias
     for token in range(out.shape[0]):
         count = before.count(token)
         if token in prompt or count:
@@ -50,6 +57,29 @@ def test_each_row_is_penalised_as_if_the_drafts_before_it_were_emitted():
     assert torch.equal(logits, raw)  # a copy: the raw logits still serve logprobs
     first = apply_penalties(logits[:1], params, prompt, [], [])  # a prompt's first token
     assert torch.allclose(first[0], reference_penalties(logits[0], params, prompt, []))
+
+
+def test_the_logit_bias_is_added_to_every_row_before_the_penalties():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 10) * 3
+    raw = logits.clone()
+    prompt, output, drafts = [1, 2], [3, 3], [5, 1]
+    past_the_head = dict(logit_bias=((1, -100.0), (3, 2.5), (40, 7.0)))  # 40: a narrower head's logits lack it
+    for fields in (past_the_head, past_the_head | PENALTIES):
+        params = SamplingParams(**fields)
+        assert params.processes_logits and params.penalized == ("repetition_penalty" in fields)
+        ours = processed_logits(logits, params, prompt, output, drafts, stop_ids=())
+        for i in range(3):
+            assert torch.allclose(ours[i], reference_penalties(logits[i], params, prompt, output + drafts[:i])), i
+    assert torch.equal(logits, raw)
+    assert ours[:, 1].max() < raw[:, 1].min() - 90  # -100 bans the id whatever the penalties
+    assert torch.equal(processed_logits(logits, SamplingParams(), prompt, output, drafts, ()), raw)
+
+
+def test_a_logit_bias_is_kept_as_pairs_ids_ascending_a_later_pair_winning():
+    assert SamplingParams(logit_bias={5: 1.0, 2: -3}).logit_bias == ((2, -3), (5, 1.0))
+    assert SamplingParams(logit_bias=[(5, 1.0), (2, 2.0), (5, -1.0)]).logit_bias == ((2, 2.0), (5, -1.0))
+    assert SamplingParams(logit_bias={5: 1.0}) == SamplingParams(logit_bias=((5, 1.0),))
 
 
 def test_a_prompts_distinct_ids_penalise_as_the_prompt_itself():
@@ -77,6 +107,11 @@ def test_no_penalty_leaves_the_logits_alone():
         {"frequency_penalty": -2.1},
         {"repetition_penalty": 0.0},
         {"repetition_penalty": float("inf")},
+        {"logit_bias": ((3, 100.5),)},
+        {"logit_bias": ((3, float("nan")),)},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": {2.5: 1.0}},
+        {"logit_bias": (3, 4)},
     ],
 )
 def test_out_of_range_penalties_are_refused(fields):
@@ -92,7 +127,7 @@ def target() -> Decoder:
 def penalised_greedy_by_hand(
     target: Decoder, prompt: list[int], params: SamplingParams, stop_ids: set[int] = frozenset()
 ) -> list[int]:
-    """Greedy decoding one full forward per token, penalties by the reference, and
+    """Greedy decoding one full forward per token, bias and penalties by the reference, and
     `stop_ids` out of reach before min_tokens tokens (the whole max_tokens: no stop)."""
     output: list[int] = []
     for _ in range(params.max_tokens):
@@ -105,21 +140,30 @@ def penalised_greedy_by_hand(
     return output
 
 
-def test_plain_decoding_with_penalties_is_the_definition(target):
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **PENALTIES)
+@pytest.mark.parametrize("processing", ["penalties", "logit-bias"])
+def test_plain_decoding_with_penalties_is_the_definition(target, processing):
+    unprocessed = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS[:2]:
+        raw = Engine(target, eos_token_ids=[EOS]).generate(prompt, unprocessed).output_ids
+        processing_fields = PENALTIES if processing == "penalties" else banned_and_lifted(raw)
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **processing_fields)
         ours = Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
         assert ours == penalised_greedy_by_hand(target, prompt, params)
-        unpenalised = (
-            Engine(target, eos_token_ids=[EOS])
-            .generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-            .output_ids
-        )
-        assert ours != unpenalised  # the penalties do change this text
+        assert ours != raw  # the processing does change this text
+        if processing == "logit-bias":
+            assert raw[0] not in ours
 
 
+def banned_and_lifted(text: list[int]) -> dict:
+    """A logit bias that bans the first token of an unprocessed greedy text and lifts a
+    token it never writes a little: fields of SamplingParams."""
+    lifted = next(t for t in range(10, 100) if t not in text)
+    return dict(logit_bias=tuple(sorted([(text[0], -100.0), (lifted, 3.0)])))
+
+
+@pytest.mark.parametrize("processing", ["penalties", "penalties and logit bias"])
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
-def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind):
+def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind, processing):
     proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else DraftModelProposer(perturbed(target, 0.3, seed=2))
     engine = Engine(
         target,
@@ -128,7 +172,9 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
         num_speculative_tokens=4,
         lookup_first=1 if "lookup" in proposer_kind else None,
     )
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
+    bias = banned_and_lifted(Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], GREEDY_24).output_ids)
+    fields = PENALTIES | (bias if "bias" in processing else {})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **fields)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     while engine.has_unfinished():
         engine.step()
@@ -140,30 +186,40 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
     assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens > 0 or proposer_kind == "ngram")
 
 
+GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
 def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
     """The draft penalises its guesses as the target will (its earlier guesses in the
     step counted), so a draft that is the target has every guess accepted."""
     engine = Engine(
         target, eos_token_ids=[EOS], proposer=DraftModelProposer(copy.deepcopy(target)), num_speculative_tokens=4
     )
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **PENALTIES, **LOGIT_BIAS)
     seq = engine.generate(PROMPTS[1], params)
     assert seq.output_ids == Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], params).output_ids
     assert engine.spec_stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("min_tokens", [0, 4], ids=["penalties", "penalties-and-min-tokens"])
-def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens):
+@pytest.mark.parametrize(
+    "min_tokens, bias",
+    [(0, True), (4, False)],
+    ids=["penalties-and-logit-bias", "penalties-and-min-tokens"],
+)
+def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens, bias):
     """At temperature > 0 with every penalty on, 4-token outputs through a draft that is
     often wrong are distributed as sampling the penalised target one token at a time
     (chi-square over all 4^4 outputs); with min_tokens = max_tokens and a stop id, with
-    that id masked too, and it never appears."""
+    that id masked too, and it never appears; with a logit bias, biased first, and the
+    banned id never appears."""
     vocab, length, prompt, stop = 4, 4, [0, 1, 2], 2
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
     fields = dict(max_tokens=length, temperature=0.9, ignore_eos=True, **PENALTIES)
     if min_tokens:
         fields |= dict(min_tokens=min_tokens, stop_token_ids=(stop,))
+    if bias:
+        fields |= LOGIT_BIAS
     params = SamplingParams(**fields)
 
     expected = torch.ones([vocab] * length, dtype=torch.float64)
@@ -184,6 +240,7 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_to
     )
     samples = seeded_outputs(engine, prompt, fields)
     assert not min_tokens or not (samples == stop).any()
+    assert not bias or not (samples == 1).any()
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
 

@@ -172,7 +172,7 @@ class Engine:
                 f"is {total} tokens, more than the maximum model length {self.max_model_len}; "
                 "shorten the prompt or lower max_tokens"
             )
-        self.check_token_ids(itertools.chain(prompt_ids, params.stop_token_ids))
+        self.check_token_ids(itertools.chain(prompt_ids, params.stop_token_ids, (i for i, _ in params.logit_bias)))
 
     def check_token_ids(self, ids: Iterable[int]) -> None:
         """Raise ConfigError naming the first ids outside the target's vocabulary."""

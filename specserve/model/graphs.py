@@ -303,12 +303,14 @@ class ChainKey(NamedTuple):
     # logits' own columns.
     vocab: int = 0
     draft_probs: bool = False  # and each sampled row's distribution (rejection sampling's)
-    # Some sequences' logits are processed (penalties, min_tokens): the most distinct ids
+    # Some sequences' logits are processed (bias, penalties, min_tokens): the most distinct ids
     # of a text and stop ids of a sequence the chain holds, and how many sequences (only
     # their rows are processed), each a power of two; 0: none.
     distinct: int = 0
     stops: int = 0
     processed: int = 0
+    # And the most logit bias entries of a processed sequence, a power of two; 0: none.
+    biases: int = 0
 
 
 class ProcessedText(NamedTuple):
@@ -343,7 +345,7 @@ class TokenChain:
     distribution `logits_to_probs` gives (`probs_on_device`, `draw_on_device`): from the device's own
     generator, or a seeded request's keyed draw of that position, the one its host steps
     would take; of the logits a step by step decode would process, where its params ask
-    (`ChainKey.distinct`: penalties and min_tokens, `penalties.processed_logits`).
+    (`ChainKey.distinct`: bias, penalties and min_tokens, `penalties.processed_logits`).
 
     A target's chain is multi-step decoding (Engine.num_scheduler_steps): its tokens, as
     many decode steps would give them, and the features a head reads of every position
@@ -406,6 +408,8 @@ class TokenChain:
             self.penalties = torch.zeros(4, key.processed, dtype=torch.float32, device=device)
             self.text = torch.zeros(3, key.processed, key.distinct, dtype=torch.float32, device=device)
             self.stop_ids = torch.zeros(2, key.processed, key.stops, dtype=torch.float32, device=device)
+            # [2, P, biases]: each one's logit bias, ids and values (0 padding adds nothing)
+            self.bias = torch.zeros(2, key.processed, key.biases, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]);
@@ -416,7 +420,7 @@ class TokenChain:
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
             guesses, confidences, captured, logprobs, draft_probs = [], [], [], [], []
-            spread = None  # with key.distinct: each processed row's counts, prompt ids and stop ids, [P, V] each
+            spread = None  # with key.distinct: each processed row's counts, prompt ids, stop ids and bias, [P, V] each
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
@@ -508,24 +512,34 @@ class TokenChain:
             confidence = torch.where(processed, confidence, own_confidence)
         return chosen, confidence
 
-    def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Each processed row's text spread over the vocabulary of its logits [P, V]: its
         output counts [P, V] float32 (the chain adds its tokens as it goes), its prompt's
-        ids and its stop ids [P, V] bool."""
-        ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
+        ids and its stop ids [P, V] bool, and its logit bias [P, V] float32."""
+        ids, stop_ids, bias_ids = self.text[0].long(), self.stop_ids[0].long(), self.bias[0].long()
         dense = torch.zeros_like(logits, dtype=torch.float32)  # [P, V]
         counts = dense.scatter_add(1, ids, self.text[1])
-        return counts, dense.scatter_add(1, ids, self.text[2]) > 0, dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
+        in_prompt = dense.scatter_add(1, ids, self.text[2]) > 0
+        stop_mask = dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
+        bias = dense.scatter_add(1, bias_ids, self.bias[1]) if self.key.biases else None
+        return counts, in_prompt, stop_mask, bias
 
     def _processed(
-        self, logits: torch.Tensor, j: int, counts: torch.Tensor, in_prompt: torch.Tensor, stop_mask: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        j: int,
+        counts: torch.Tensor,
+        in_prompt: torch.Tensor,
+        stop_mask: torch.Tensor,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """The processed rows' logits [P, V] at position j -> float32 [P, V] as
-        penalties.processed_logits gives them, row by row: penalised for the row's text so
-        far (`_texts_over`, this chain's tokens counted), and its stop ids given no
+        penalties.processed_logits gives them, row by row: biased, penalised for the row's
+        text so far (`_texts_over`, this chain's tokens counted), and its stop ids given no
         probability before its min_tokens-th token."""
         repetition, frequency, presence, early = self.penalties[:, :, None]  # [P, 1] each
-        scores = penalised(logits.float(), counts, in_prompt, repetition, frequency, presence)
+        scores = logits.float() if bias is None else logits.float() + bias
+        scores = penalised(scores, counts, in_prompt, repetition, frequency, presence)
         return scores.masked_fill(stop_mask & (early > j), float("-inf"))
 
     def _set_sampling(self, params: list[SamplingParams], sampled: list[int], draw_from: list[int]) -> None:
@@ -552,6 +566,7 @@ class TokenChain:
         penalties = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * self.key.processed, device="cpu").T  # [4, P]
         text = torch.zeros(3, self.key.processed, self.key.distinct, device="cpu")
         stop_ids = torch.zeros(2, self.key.processed, self.key.stops, device="cpu")
+        bias = torch.zeros(2, self.key.processed, self.key.biases, device="cpu")
         for r, i in enumerate(processed_rows):
             processed, q = texts[i], params[i]
             early = max(0, q.min_tokens - len(processed.output_ids))
@@ -561,6 +576,8 @@ class TokenChain:
             stops = sorted(processed.stop_ids) if early else []
             stop_ids[0, r, : len(stops)] = torch.tensor(stops, dtype=torch.float32, device="cpu")
             stop_ids[1, r, : len(stops)] = 1.0
+            if q.logit_bias:
+                bias[:, r, : len(q.logit_bias)] = torch.tensor(q.logit_bias, dtype=torch.float32, device="cpu").T
         flags = torch.zeros(self.key.batch, dtype=torch.bool, device="cpu")
         flags[processed_rows] = True
         self.processed.copy_(flags)
@@ -569,6 +586,7 @@ class TokenChain:
         self.penalties.copy_(penalties)
         self.text.copy_(text)
         self.stop_ids.copy_(stop_ids)
+        self.bias.copy_(bias)
 
     def run(
         self,
@@ -759,6 +777,7 @@ class StaticDecode:
         processed = [t for t in texts or () if t is not None]
         distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
         stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
+        biases = max([len(p.logit_bias) for p, t in zip(params or (), texts or ()) if t is not None], default=0)
         widened = vocab if sampled or processed else 0
         assert not (widened and logprobs), "a proposer's chain gives no logprobs"
         key = ChainKey(
@@ -773,6 +792,7 @@ class StaticDecode:
             distinct=distinct,
             stops=stops,
             processed=padded_count(len(processed)),
+            biases=padded_count(biases),
             vocab=widened,
             draft_probs=bool(widened) and any(not p.greedy and p.seed is None for p in params or ()),
         )

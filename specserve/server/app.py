@@ -343,7 +343,8 @@ def build_app(
     per_token = settings.stream_mode == "token"
 
     def check_request(body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
-        """What can be refused before any prompt is read: the model's name, the count."""
+        """What can be refused before any prompt is read: the model's name, the count,
+        the logit bias's ids."""
         check_model(body.model)
         if num_prompts * body.n > engine.max_unfinished:
             raise APIError(
@@ -351,6 +352,10 @@ def build_app(
                 f"this server holds at once ({engine.max_unfinished}); split the request",
                 param="n",
             )
+        try:
+            engine.check_token_ids([i for i, _ in body.logit_bias_pairs()])
+        except SpecserveError as e:
+            raise APIError(str(e), param="logit_bias") from None
 
     async def encoded(encode: Callable, text: Any, param: str) -> list[int]:
         """A prompt's ids, read on a worker thread, refused past the model's length."""

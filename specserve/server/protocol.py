@@ -3,18 +3,19 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (logit_bias, tools, best_of above n,
-the prompt's logprobs, ...) are refused by name rather than silently dropped.
+options keep working. Options we do not implement (tools, best_of above n, the prompt's
+logprobs, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, field_validator
 
 from specserve.errors import SpecserveError
-from specserve.sampling import InvalidSamplingValue, SamplingParams
+from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
 
 
 class APIError(SpecserveError):
@@ -42,6 +43,8 @@ class APIError(SpecserveError):
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# And on the logit bias, whose entries every processed row of the request adds.
+MAX_LOGIT_BIAS = 1024
 
 
 def _first_lone_surrogate(value: Any) -> int | None:
@@ -132,14 +135,32 @@ class _Sampling(_Body):
                 f"{len(self.stop_token_ids)} stop token ids, more than the limit of {MAX_STOP_TOKEN_IDS}",
                 param="stop_token_ids",
             )
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(
+                f"{len(self.logit_bias)} logit_bias entries, more than the limit of {MAX_LOGIT_BIAS}",
+                param="logit_bias",
+            )
+        self.logit_bias_pairs()  # keys that are no token ids are refused here
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return tuple(s for s in stop if s)
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """The logit bias as (token id, bias) pairs, ids ascending: keys are token ids in
+        decimal (a later key naming the same id wins), biases clamped to OpenAI's range,
+        as vLLM clamps them."""
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token_id = int(key) if key.strip().isdecimal() else -1
+            if token_id < 0:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not math.isfinite(bias):
+                raise APIError(f"logit_bias values must be finite numbers, got {bias!r}", param="logit_bias")
+            pairs[token_id] = min(LOGIT_BIAS_MAX, max(-LOGIT_BIAS_MAX, bias))
+        return tuple(sorted(pairs.items()))
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams of this body; out-of-range values become APIError(400, param)."""
@@ -158,6 +179,7 @@ class _Sampling(_Body):
                 repetition_penalty=self.repetition_penalty,
                 skip_special_tokens=self.skip_special_tokens,
                 min_tokens=self.min_tokens,
+                logit_bias=self.logit_bias_pairs(),
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used

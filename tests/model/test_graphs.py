@@ -379,10 +379,10 @@ def test_requests_asking_for_logprobs_decode_in_chains_with_the_step_by_step_fig
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_step_tokens(device):
-    """Requests with penalties (greedy, and seeded sampling), and two whose stop token
-    min_tokens holds off, decode in chains after a plain one, each with the tokens it
-    gets step by step (penalties.processed_logits on its rows alone, ChainKey.processed:
-    as they finish, the chains pad them with the plain row)."""
+    """Requests with penalties (greedy, and seeded sampling), with a logit bias, and two
+    whose stop token min_tokens holds off, decode in chains after a plain one, each with
+    the tokens it gets step by step (penalties.processed_logits on its rows alone,
+    ChainKey.processed: as they finish, the chains pad them with the plain row)."""
     target = on(random_decoder("qwen3", seed=1), device)
     step_by_step = Engine(target, eos_token_ids=[EOS])
     plain = step_by_step.generate(PROMPTS[2], GREEDY).output_ids
@@ -395,23 +395,33 @@ def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_ste
         (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=a, stop_token_ids=(plain[a],))),
         # Its stop token, first met at b, held off there.
         (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=b + 1, stop_token_ids=(plain[b],))),
+        # Its plain text's token at a banned and another lifted; and a seeded draw biased.
+        (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, logit_bias=((plain[a], -100.0), (7, 2.0)))),
+        (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, seed=5, logit_bias=((3, 4.0),), ignore_eos=True)),
     ]
     expected = [step_by_step.generate(prompt, params).output_ids for prompt, params in requests]
+    assert expected[5][:a] == plain[:a] and plain[a] not in expected[5]
     assert expected[3] == plain[: a + 1] and expected[4][:b] == plain[:b] and expected[4][b] != plain[b]
     graphed = copy.deepcopy(target)
-    graphed.use_cuda_graphs(num_slots=5, capacity=128)
-    outputs, _ = run(graphed, lambda: None, requests, max_num_seqs=5, num_scheduler_steps=4)
+    graphed.use_cuda_graphs(num_slots=7, capacity=128)
+    outputs, _ = run(graphed, lambda: None, requests, max_num_seqs=7, num_scheduler_steps=4)
     assert outputs == expected
-    assert {key.processed for key in graphed.static.chains if key.distinct} >= {4}
+    assert {key.processed for key in graphed.static.chains if key.distinct} >= {8}
+    assert 2 in {key.biases for key in graphed.static.chains}
 
 
-# Beside a greedy request, every kind a proposer's chains take: penalised greedy with
-# min_tokens, seeded sampling cut by top-p, and seeded sampling with a penalty.
+# Beside a greedy request, every kind a proposer's chains take: penalised and biased
+# greedy with min_tokens, seeded sampling cut by top-p, and seeded sampling with a
+# penalty and a bias.
 MIXED = [
     GREEDY,
-    SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.4, min_tokens=20, ignore_eos=True),
+    SamplingParams(
+        max_tokens=30, temperature=0.0, repetition_penalty=1.4, min_tokens=20, logit_bias={5: 3.0}, ignore_eos=True
+    ),
     SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
-    SamplingParams(max_tokens=30, temperature=1.1, presence_penalty=0.7, seed=2**40, ignore_eos=True),
+    SamplingParams(
+        max_tokens=30, temperature=1.1, presence_penalty=0.7, seed=2**40, logit_bias={9: -100, 4: 2}, ignore_eos=True
+    ),
 ]
 
 
@@ -455,7 +465,7 @@ def test_a_draft_models_chains_guess_for_every_kind_of_request_as_its_steps_do(m
         monkeypatch, target, perturbed(target, 0.3, seed=2), list(zip(PROMPTS, MIXED))
     )
     assert 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
-    assert any(key.sampled and key.keyed and key.vocab and key.distinct for key in keys)
+    assert any(key.sampled and key.keyed and key.vocab and key.distinct and key.biases for key in keys)
 
 
 def test_a_proposers_chain_hands_each_sampled_sequence_the_distributions_it_drew_from():

@@ -122,7 +122,11 @@ def test_error_body_is_openai_shaped():
         (completion, {"logprobs": 1, "echo": True}, "echo"),
         (completion, {"suffix": "!"}, "suffix"),
         (completion, {"best_of": 2}, "best_of"),
-        (completion, {"logit_bias": {"50": 1.0}}, "logit_bias"),
+        (completion, {"logit_bias": {"fifty": 1.0}}, "logit_bias"),
+        (chat, {"logit_bias": {"2.5": 1.0}}, "logit_bias"),
+        (chat, {"logit_bias": {"-3": 1.0}}, "logit_bias"),
+        (chat, {"logit_bias": {"3": float("nan")}}, "logit_bias"),
+        (chat, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
         (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
         (chat, {"top_logprobs": 2}, "top_logprobs"),
         (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -170,6 +174,13 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
 )
 def test_supported_values_of_those_options_pass(body):
     body.refuse_unsupported()
+
+
+def test_a_logit_bias_becomes_pairs_ids_ascending_biases_clamped_as_vllm_clamps():
+    body = chat(logit_bias={"50": 1.5, "7": -250.0, "050": 3.0, "9": 100.0})
+    assert body.logit_bias_pairs() == ((7, -100.0), (9, 100.0), (50, 3.0))  # "050" names 50 again, later
+    assert body.sampling_params(8).logit_bias == ((7, -100.0), (9, 100.0), (50, 3.0))
+    assert chat().sampling_params(8).logit_bias == () and not chat().sampling_params(8).processes_logits
 
 
 def test_include_usage_needs_stream_options():

@@ -237,6 +237,25 @@ def test_penalties_give_the_same_text_with_and_without_speculation(plain, spec):
     assert complete(plain, prompt, MODEL, max_tokens=32, extra_body={"ignore_eos": True}).choices[0].text != ours
 
 
+def test_a_logit_bias_bans_and_forces_tokens_with_and_without_speculation(plain, spec):
+    from specserve import catalogue
+    from specserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(catalogue.prepared_dir(MODEL))
+    prompt, options = PROMPTS[2], dict(max_tokens=12, extra_body={"ignore_eos": True})
+    free = complete(plain, prompt, MODEL, **options).choices[0].text
+    first = tokenizer.encode(prompt + free)[len(tokenizer.encode(prompt))]
+    banned = complete(plain, prompt, MODEL, logit_bias={str(first): -100}, **options).choices[0].text
+    assert banned != free and tokenizer.encode(prompt + banned)[len(tokenizer.encode(prompt))] != first
+    assert complete(spec, prompt, "smol", logit_bias={str(first): -100}, **options).choices[0].text == banned
+    forced_id = tokenizer.encode(" X")[-1]
+    forced = complete(spec, prompt, "smol", logit_bias={str(forced_id): 100}, max_tokens=4).choices[0].text
+    assert forced == tokenizer.decode([forced_id] * 4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(spec, prompt, "smol", logit_bias={"49152": 1})  # smollm2's vocabulary is [0, 49152)
+    assert caught.value.body["param"] == "logit_bias" and "outside the vocabulary" in caught.value.body["message"]
+
+
 def test_several_prompts_times_n_choices_streamed_and_whole(spec):
     """Choice i is prompt i // n; at temperature 0 each is that prompt's own answer."""
     prompts = [PROMPTS[2], PROMPTS[0]]

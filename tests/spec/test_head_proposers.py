@@ -382,7 +382,12 @@ def test_adaptive_k_lookups_penalties_and_logprobs_keep_the_targets_output(noisy
         prefill_chunk_size=6,
     )
     penalised = SamplingParams(
-        max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2
+        max_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.2,
+        logit_bias={5: 2.0, 11: -100.0},
     )
     with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     requests = [(PROMPTS[0], penalised), (PROMPTS[1], with_logprobs), (PROMPTS[3], GREEDY), (PROMPTS[2], penalised)]
