@@ -49,7 +49,7 @@ from specserve.bench.options import comma_list  # noqa: E402
 from specserve.bench.roofline import measure_read_bandwidth  # noqa: E402
 from specserve.config import ModelConfig  # noqa: E402
 from specserve.engine.engine import DEFAULT_NUM_SCHEDULER_STEPS, Engine  # noqa: E402
-from specserve.logprobs import MAX_LOGPROBS  # noqa: E402
+from specserve.logprobs import MAX_LOGPROBS, logprobs_on_device  # noqa: E402
 from specserve.model import checkpoint  # noqa: E402
 from specserve.model.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 from specserve.model.footprint import weight_bytes_per_token  # noqa: E402
@@ -355,8 +355,10 @@ def section_sampling(table: Table, args, config: ModelConfig, device: torch.devi
 
 
 def top_logprobs(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n, MAX_LOGPROBS]
-    """The likeliest ids' logprobs, as a chain computes them for a row that asks (TokenChain)."""
-    return logits.float().log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1).values
+    """The likeliest ids' logprobs, and each row's token's, as a chain computes them for a
+    row that asks (TokenChain)."""
+    first_ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return logprobs_on_device(logits, first_ids, MAX_LOGPROBS)[1]
 
 
 def replay_seconds(piece, replays: int = 50) -> float:

@@ -30,13 +30,24 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # the most likely ids and their logprobs, most likely first
 
 
+def logprobs_on_device(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, V] and token_ids [n] (row i's token) -> on the logits' device, each
+    row's token's logprob [n], and its num_top likeliest ids' logprobs [n, num_top]
+    and ids [n, num_top]: the one computation behind every logprob, a host step's
+    (`token_logprobs`) and a chain's (model/graphs.py, inside its graph)."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [n]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return chosen, top_values, top_ids
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """logits [n, V] (row i predicts token_ids[i]; n >= len(token_ids)) -> one
     TokenLogprob per token, with its num_top most likely alternatives."""
-    rows = len(token_ids)
-    logprobs = torch.log_softmax(logits[:rows].float(), dim=-1)  # [rows, V]
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)).squeeze(1)  # [rows]
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen, top_values, top_ids = logprobs_on_device(logits[: len(token_ids)], ids, num_top)
     # One copy to the host for the whole step, not a sync per token.
     chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.long().tolist()
     return [

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-from specserve.logprobs import MAX_LOGPROBS, TokenLogprob
+from specserve.logprobs import MAX_LOGPROBS, TokenLogprob, logprobs_on_device
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
@@ -459,9 +459,8 @@ class TokenChain:
                     confidences.append(confidence)
                 if key.logprobs:  # as logprobs.token_logprobs: the raw logits'
                     rows = self.logprob_rows
-                    row_logprobs = logits[rows].float().log_softmax(dim=-1)  # [L, V]
-                    top_values, top_ids = row_logprobs.topk(min(MAX_LOGPROBS, row_logprobs.shape[-1]), dim=-1)
-                    logprobs.append((row_logprobs.gather(1, chosen[rows, None]).squeeze(1), top_values, top_ids))
+                    top = min(MAX_LOGPROBS, logits.shape[-1])
+                    logprobs.append(logprobs_on_device(logits[rows], chosen[rows], top))  # [L], [L, top] twice
                 tokens = chosen if key.vocab or target_ids is None else target_ids[chosen]  # [B] token ids
                 if key.distinct:  # the next position's penalties count this token
                     counted = tokens[self.processed_rows, None]  # [P, 1]
