@@ -18,6 +18,7 @@ With --emf, each request's figures also go out as CloudWatch EMF lines (see emf.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -36,7 +37,7 @@ from specserve.bench.options import BenchOptions
 from specserve.bench.runner import LoadResult, run_load
 from specserve.bench.spec_metrics import spec_figures
 from specserve.bench.summary import CountTokens, output_tokens, request_record, summarise, usage_disagrees
-from specserve.bench.workload import BenchRequest, Workload, build_requests
+from specserve.bench.workload import BenchRequest, Workload, build_requests, warmup_request
 from specserve.errors import ConfigError
 from specserve.tokenizer import Tokenizer
 
@@ -76,6 +77,8 @@ def run(options: BenchOptions) -> Iterator[BenchResult]:
         )
         for workload in options.workloads
     ]  # every prompt is built before any is sent
+    if options.num_warmups:
+        warm_up(options, planned[0][1][0], count_tokens)
     for workload, requests in planned:
         yield run_test_case(options, workload, requests, model, count_tokens)
 
@@ -162,6 +165,7 @@ def run_test_case(
         "shared_prefix_tokens": options.lengths.shared_prefix_tokens,
         "num_concurrent_requests": options.num_concurrent_requests,
         "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
+        "num_warmups": options.num_warmups,
         "additional_sampling_params": options.additional_sampling_params,
         "metadata": options.metadata,
         "timestamp": timestamp,
@@ -200,6 +204,16 @@ async def _drive(
             seed=options.seed,
             description=description,
         )
+
+
+def warm_up(options: BenchOptions, first: BenchRequest, count_tokens: CountTokens | None) -> None:
+    """Send options.num_warmups requests like `first` one at a time, their results
+    dropped: a cold server's first request pays its start-up (the weights paged in from
+    disk, first allocations; seconds on a CPU), which would otherwise land in the first
+    test case's TTFT, more for a speculative server that also pages in its draft."""
+    warmup = warmup_request(first, options.api)
+    requests = [dataclasses.replace(warmup, index=i) for i in range(options.num_warmups)]
+    asyncio.run(_drive(dataclasses.replace(options, num_concurrent_requests=1), requests, count_tokens, "warm-up"))
 
 
 def scrape_metrics(options: BenchOptions) -> str | None:

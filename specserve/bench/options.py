@@ -44,6 +44,7 @@ class BenchOptions:
     seed: int
     json: bool
     emf: emf.EmfSettings | None = None  # None: no EMF lines
+    num_warmups: int = 1  # requests sent before the first test case, not measured
 
 
 def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) -> None:
@@ -103,6 +104,13 @@ def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) 
     parser.add_argument("--num-concurrent-requests", type=int, default=1, help="most requests in flight")
     parser.add_argument("--max-num-completed-requests", type=int, default=10, help="requests per test case")
     parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=1,
+        help="requests sent one at a time before the first test case and not measured: a server's "
+        "first requests pay its start-up (weights paged in, first allocations), not serving (0: none)",
+    )
+    parser.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
@@ -149,6 +157,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         ("--shared-prefix-tokens", args.shared_prefix_tokens, 0),
         ("--num-concurrent-requests", args.num_concurrent_requests, 1),
         ("--max-num-completed-requests", args.max_num_completed_requests, 1),
+        ("--num-warmups", args.num_warmups, 0),
     ):
         if value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value}")
@@ -181,6 +190,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         seed=args.seed,
         json=args.json,
         emf=emf.settings_from_args(args),
+        num_warmups=args.num_warmups,
     )
 
 

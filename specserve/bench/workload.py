@@ -167,6 +167,23 @@ def build_requests(
     return requests
 
 
+# A warm-up request's prompt: text no test case sends, so that it leaves no prefix of
+# theirs in a server's cache.
+WARMUP_INSTRUCTION = "Continue this poem for a few lines:\n\n"
+WARMUP_LINES = 6
+# And its length at most: enough to run every kind of step (a prompt, decoding, drafting).
+WARMUP_MAX_TOKENS = 32
+
+
+def warmup_request(first: BenchRequest, api: str) -> BenchRequest:
+    """A request like a test case's first (its model and sampling parameters) with a
+    prompt of its own and at most WARMUP_MAX_TOKENS tokens, to send before measuring."""
+    text = WARMUP_INSTRUCTION + "".join(suites.sonnet_lines()[:WARMUP_LINES])
+    fields = _prompt_fields(Prompt("warm-up", text=text), api)
+    body = {**first.body, **fields, "max_tokens": min(first.body["max_tokens"], WARMUP_MAX_TOKENS)}
+    return BenchRequest(-1, "warm-up", body, None)
+
+
 def _prompt_order(prompts: tuple[Prompt, ...], num_requests: int, rng: random.Random) -> list[Prompt]:
     order: list[Prompt] = []
     while prompts and len(order) < num_requests:

@@ -116,6 +116,7 @@ WORD = " lorem"  # one token of the fake server
 FAKE_PROMPT_TOKENS = 7
 FAKE_CACHED_TOKENS = 4  # of the prompt, as a server with prefix caching reports them
 FAKE_MODELS = ("fake-usage", "fake-no-usage", "fake-flaky", "fake-stall")
+RECEIVED: list[dict] = []  # every body the fake server was sent, in order
 
 
 def fake_openai_app() -> FastAPI:
@@ -134,6 +135,7 @@ def fake_openai_app() -> FastAPI:
 
     async def respond(request: Request, chat: bool):
         body = await request.json()
+        RECEIVED.append(body)
         model, n = body["model"], next(counts[body["model"]])
         if model == "fake-flaky" and n % 5 in (1, 3):
             status = 429 if n % 5 == 1 else 500
@@ -259,6 +261,25 @@ def test_tokens_and_tpot_are_counted_per_token_not_per_chunk(fake_url, tmp_path,
     assert "count: 3/3 requests ok" in capsys.readouterr().out
 
 
+def test_warm_ups_go_first_one_at_a_time_with_prompts_no_test_case_sends(fake_url, tmp_path):
+    RECEIVED.clear()
+    sampling = '{"temperature": 0, "top_k": 5}'
+    args = ["--url", fake_url, "--model", "fake-usage", "--test-case", "count,meaning", "--mean-output-tokens", "40"]
+    args += ["--max-num-completed-requests", "2", "--results-dir", str(tmp_path), "--num-warmups", "2"]
+    assert bench(*args, "--additional-sampling-params", sampling) == 0
+    warmups, measured = RECEIVED[:2], RECEIVED[2:]
+    assert len(measured) == 4 and all(
+        body["messages"][0]["content"].startswith("Continue this poem") for body in warmups
+    )
+    assert not any(body["messages"][0]["content"].startswith("Continue this poem") for body in measured)
+    assert all(body["max_tokens"] == 32 and body["temperature"] == 0 and body["top_k"] == 5 for body in warmups)
+    for test_case in ("count", "meaning"):
+        summary, records = results(tmp_path, test_case, "fake-usage", mean_output=40)
+        assert summary["num_warmups"] == 2 and len(records) == 2 and summary["results_num_requests_started"] == 2
+    RECEIVED.clear()
+    assert bench(*args[:-1], "0") == 0 and len(RECEIVED) == 4
+
+
 def test_without_usage_the_tokenizer_counts(fake_url, tmp_path, prepared_cache):
     assert (
         bench(
@@ -327,6 +348,8 @@ def test_failed_requests_are_counted_and_the_run_completes(fake_url, tmp_path):
             fake_url,
             "--model",
             "fake-flaky",
+            "--num-warmups",
+            "0",  # its failures follow its count of requests
             "--test-case",
             "count",
             "--mean-output-tokens",
@@ -362,6 +385,8 @@ def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
             fake_url,
             "--model",
             "fake-stall",
+            "--num-warmups",
+            "0",
             "--test-case",
             "count",
             "--timeout",
@@ -448,6 +473,8 @@ def test_against_a_real_speculative_server(ngram_server, tmp_path):
             "--results-dir",
             str(tmp_path),
             "--json",
+            "--num-warmups",
+            "0",  # the server's counters here span the whole run
         )
         == 0
     )
