@@ -74,11 +74,15 @@ class Segment:
 
     `one_query_at_a_time`: attend with each new token separately, exactly as decoding
     them one per step would. Attention kernels round differently for one query and for
-    several under a mask, and in bfloat16 that flips near-ties. The int8 and int4
-    kernels and our float32/bfloat16 one (`FloatLinear`) compute a row the same whatever
-    rows come with it, so a target on them verifying drafts this way computes bitwise
-    what plain decoding computes; PyTorch's float32 and bfloat16 GEMMs do not (see
-    `RowBlockedLinear` and `Decoder.make_batch_invariant`).
+    several under a mask (SDPA's by the chunk's length), and in bfloat16 that flips
+    near-ties. The int8 and int4 kernels and our float32/bfloat16 one (`FloatLinear`)
+    compute a row the same whatever rows come with it, so a target on them verifying
+    drafts this way computes bitwise what plain decoding computes; PyTorch's float32 and
+    bfloat16 GEMMs do not (see `RowBlockedLinear` and `Decoder.make_batch_invariant`).
+    Where our C attention runs (the CPU), every segment attends this way, prompt chunks
+    too, at no cost against SDPA: a prompt's keys and logits are then the same bits
+    however the steps cut it, and whichever request computed the keys a prefix cache
+    hands out.
     """
 
     cache: KVCache
@@ -372,11 +376,9 @@ class Attention(nn.Module):
         one_at_a_time = n == 1 or seg.one_query_at_a_time
         q_norm = None if self.q_norm is None else self.q_norm.weight  # [head_dim] (qk_norm models)
         k_norm = None if self.k_norm is None else self.k_norm.weight
-        if (
-            one_at_a_time
-            and native.supports_decode_attention(qkv, cache_k)
-            and all(w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm))
-        ):  # RoPE, cache writes and attention in one call
+        if native.supports_decode_attention(qkv, cache_k) and all(
+            w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm)
+        ):  # RoPE, cache writes and attention in one call, every query alone (prompt chunks too)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             return native.decode_attention(
                 qkv, cos, rotated_sin, q_norm, k_norm, eps, cache_k, cache_v, start, self.num_heads

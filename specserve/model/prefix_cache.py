@@ -31,9 +31,10 @@ then copies what it read. And a sequence whose next chunk is mostly what another
 reads in the same step waits a step to copy it (`read_elsewhere`) rather than read it
 twice.
 
-The copied keys and values are those the earlier sequence computed: a prompt chunk and
-a decode step round differently (Segment's docstring), so outputs may differ from a
-run without the cache where two tokens nearly tie, as with vLLM's prefix caching.
+The copied keys and values are those the earlier sequence computed. On our CPU kernels
+a prompt chunk and a decode step compute the same bits (Segment's docstring), so the
+cache changes no output; elsewhere they round differently, so outputs may differ from
+a run without the cache where two tokens nearly tie, as with vLLM's prefix caching.
 Speculation stays lossless against the target as served: a plain and a speculative
 engine given the same requests hold the same entries.
 """

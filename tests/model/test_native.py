@@ -391,6 +391,79 @@ def test_blocks_in_one_c_call_are_bitwise_the_python_loop(arch, quantization, mo
         assert torch.equal(got, expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["int8", "int4", "bfloat16"])
+def test_a_prompt_computes_the_same_bits_whatever_its_chunks(arch, quantization):
+    """A prompt read whole, in two chunks of any split, or a token at a time gives
+    bitwise the same logits and cache: its queries attend one by one in C (SDPA over a
+    chunk rounds by the chunk's length), so how the engine's steps cut a prompt, which
+    depends on the other prompts read beside it, changes none of its tokens."""
+    model = (
+        on_bfloat16_kernel(tiny_float_model(arch))
+        if quantization == "bfloat16"
+        else quantized_tiny_model(arch, quantization)
+    )
+    ids = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(4))
+
+    def read(cuts: list[int]) -> tuple[torch.Tensor, KVCache]:
+        cache, logits = model.new_cache(), []
+        for start, end in zip([0, *cuts], [*cuts, len(ids)]):
+            logits.append(model(ids[start:end], [Segment(cache, end - start)]))
+        return torch.cat(logits), cache
+
+    whole, whole_cache = read([])
+    for cuts in ([20], [5, 29], list(range(1, 37))):
+        logits, cache = read(cuts)
+        assert torch.equal(logits, whole), cuts
+        assert torch.equal(cache.keys[:, :, :37], whole_cache.keys[:, :, :37])
+        assert torch.equal(cache.values[:, :, :37], whole_cache.values[:, :, :37])
+
+
+@needs_kernel
+def test_a_prompt_cut_by_the_prompts_beside_it_gets_the_same_logprobs(arch):
+    """The engine's steps share one prompt budget, so a prompt read beside another is cut
+    where the other ends: its output and logprobs are bitwise those it gets alone."""
+    from specserve.engine.engine import Engine
+    from specserve.sampling import SamplingParams
+
+    model = quantized_tiny_model(arch, "int4")
+    generator = torch.Generator().manual_seed(5)
+    first, prompt, last = (torch.randint(0, 128, (n,), generator=generator).tolist() for n in (12, 37, 9))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def answer(prompts: list[list[int]]) -> tuple[list[int], list]:
+        engine = Engine(model, eos_token_ids=[], prefill_chunk_size=32, max_num_seqs=4)
+        seqs = [engine.add_request(p, params) for p in prompts]  # first: 12 tokens, then 20 of the next
+        while engine.has_unfinished():
+            engine.step()
+        seq = seqs[prompts.index(prompt)]
+        return seq.output_ids, [(lp.logprob, lp.top) for lp in seq.logprobs]
+
+    assert answer([first, prompt, last]) == answer([prompt])
+
+
+@needs_kernel
+def test_a_prompt_read_from_the_prefix_cache_gets_the_same_logprobs(arch):
+    """A second turn finds the first turn's prompt and answer in the prefix cache, keys
+    and values that a prompt chunk and decode steps made: its output and logprobs are
+    bitwise those of reading the whole conversation itself."""
+    from specserve.engine.engine import Engine
+    from specserve.model.prefix_cache import PrefixCache
+    from specserve.sampling import SamplingParams
+
+    model = quantized_tiny_model(arch, "int4")
+    generator = torch.Generator().manual_seed(6)
+    question, follow_up = (torch.randint(0, 128, (n,), generator=generator).tolist() for n in (21, 7))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine = Engine(model, eos_token_ids=[], prefill_chunk_size=8, prefix_cache=PrefixCache(10_000))
+    turn = question + engine.generate(question, params).output_ids + follow_up
+    cached = engine.generate(turn, params)
+    assert cached.num_cached_tokens >= 32  # two blocks, the second holding decoded tokens
+    fresh = Engine(model, eos_token_ids=[], prefill_chunk_size=8).generate(turn, params)
+    assert cached.output_ids == fresh.output_ids
+    assert [(lp.logprob, lp.top) for lp in cached.logprobs] == [(lp.logprob, lp.top) for lp in fresh.logprobs]
+
+
 def test_decode_attention_takes_head_sizes_in_steps_of_16():
     keys = torch.empty(2, 80, 24)
     assert not native.supports_decode_attention(torch.empty(1, 12 * 24), keys)

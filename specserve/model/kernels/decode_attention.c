@@ -1,11 +1,12 @@
 /*
- * Attention for decoding and verification: each new token's query and key are made
- * (the optional per-head RMSNorm of qk_norm models, then RoPE), its key and value go
- * into the cache, and it attends on its own to the cached keys up to its position, in
- * float32, for float32 or bfloat16 caches.
+ * Attention for decoding, verification and prompt chunks: each new token's query and
+ * key are made (the optional per-head RMSNorm of qk_norm models, then RoPE), its key
+ * and value go into the cache, and it attends on its own to the cached keys up to its
+ * position, in float32, for float32 or bfloat16 caches.
  *
  * Why: decoding and verifying drafts must compute a token's attention exactly as
- * decoding it alone would, so the engine attends one query at a time. Through SDPA that
+ * decoding it alone would, so the engine attends one query at a time; and a prompt's
+ * tokens the same bits however the engine's steps cut it into chunks. Through SDPA that
  * is one call per token per layer (verifying 8 drafts at 2000 positions: ~2.5 ms a
  * layer), and RoPE and the cache writes are a dozen more small PyTorch ops a layer.
  * Here every (token, head) pair is computed in a fixed order whatever else is in the
