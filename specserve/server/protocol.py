@@ -10,7 +10,7 @@ logprobs, ...) are refused by name rather than silently dropped.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, field_validator
 
@@ -45,6 +45,24 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # And on the logit bias, whose entries every processed row of the request adds.
 MAX_LOGIT_BIAS = 1024
+
+
+# vLLM's sampling extensions we do not implement: (field, whether a value asks for
+# nothing, what to use instead).
+VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("min_p", lambda v: v == 0, " (use top_p or top_k)"),
+    ("use_beam_search", lambda v: not v, ""),
+    ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
+    ("include_stop_str_in_output", lambda v: not v, ""),
+    ("allowed_token_ids", lambda v: not v, " (use logit_bias)"),
+    ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
+    ("prompt_logprobs", lambda v: v is None, ""),
+    ("truncate_prompt_tokens", lambda v: v is None, ""),
+    *(
+        (name, lambda v: v is None, " (structured outputs are not implemented)")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    ),
+)
 
 
 def _first_lone_surrogate(value: Any) -> int | None:
@@ -119,6 +137,22 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True  # vLLM's extension: False puts special tokens' text in the output
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extensions we do not implement, taken only at the values that ask for nothing
+    # (`VLLM_UNSUPPORTED`): a vLLM client's request that sets one is refused, not answered
+    # as if it had not.
+    min_p: float = 0.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Ids | None = None
+    bad_words: Texts | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def refuse_unsupported(self) -> None:
         if self.n < 1:
@@ -141,6 +175,10 @@ class _Sampling(_Body):
                 param="logit_bias",
             )
         self.logit_bias_pairs()  # keys that are no token ids are refused here
+        for field, asks_nothing, instead in VLLM_UNSUPPORTED:
+            value = getattr(self, field)
+            if not asks_nothing(value):
+                raise APIError(f"{field} is not supported{instead}, got {value!r}", param=field)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
 
