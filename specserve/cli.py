@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="vLLM's, in [0, 1]; 0 = off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
@@ -527,6 +528,7 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens,

@@ -1,8 +1,8 @@
 """Log probabilities of emitted tokens, as the OpenAI API's `logprobs` returns them.
 
 What a logprob is here: the log-softmax of the target's raw logits at the token's
-position, before temperature, top-k and top-p (vLLM's default, "raw logprobs"), so the
-figure describes the model, not the sampling settings. It comes from the very rows the
+position, before temperature, min-p, top-k and top-p (vLLM's default, "raw logprobs"),
+so the figure describes the model, not the sampling settings. It comes from the very rows the
 verifier reads: a step's row i scores the token after the sequence's newest token and
 its first i drafts, and the step's i-th emitted token (accepted, recovered or bonus
 alike) is the one that row predicts. So a request's logprobs are the target's own with

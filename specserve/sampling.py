@@ -12,7 +12,7 @@ Where a draw's uniform comes from:
   seed alone, the same whichever steps, drafts or neighbours led to it (spec/verify.py,
   `verify_keyed`).
 
-One transform (temperature, then top-k, then top-p) serves the target and the draft:
+One transform (temperature, then min-p, top-k and top-p) serves the target and the draft:
 the verifier is lossless only if both distributions went through the same one.
 Temperature 0 means greedy: no probabilities are formed at all. As in vLLM, so does any
 temperature below `GREEDY_TEMPERATURE`: dividing float32 logits by less turns every
@@ -63,6 +63,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0  # vLLM's: ids less likely than min_p times the likeliest are cut; 0: none
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -98,6 +99,7 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (off) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -146,12 +148,14 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] -> probs [n, V] float32 after temperature, top-k and top-p."""
+    """logits [n, V] -> probs [n, V] float32 after temperature, min-p, top-k and top-p."""
     assert not params.greedy, "greedy decoding takes the argmax, not probabilities"
     logits = logits.float()
     # Shifted so that the largest is 0: after the division it stays 0 and the rest at
     # most that (-inf where the gap overflows), never inf - inf.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    if params.min_p > 0:  # p < min_p * p_max, where the likeliest logit is 0: below log(min_p)
+        logits = logits.masked_fill(logits < min_p_floor(torch.tensor(params.min_p)), float("-inf"))
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
@@ -159,6 +163,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1:
         logits = logits.masked_fill(~top_p_kept(logits.softmax(dim=-1), params.top_p), float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def min_p_floor(min_ps: torch.Tensor) -> torch.Tensor:
+    """min_p (any shape) -> float32 the least logit min-p keeps, of logits shifted so that
+    the likeliest is 0 (-inf for 0: no cut); one computation for the host and a graph."""
+    return min_ps.to(torch.float32).log()
 
 
 def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -260,19 +270,21 @@ def probs_on_device(
     top_ks: torch.Tensor | None = None,  # [n] int64, 0 or less: no cut; None: no row cuts
     top_ps: torch.Tensor | None = None,  # [n] float32, 1: no cut; None: no row cuts
     cut_rows: torch.Tensor | None = None,  # [m] int64: the only rows that may cut (repeats allowed); None: any
+    min_ps: torch.Tensor | None = None,  # [n] float32, 0: no cut; None: no row cuts
 ) -> torch.Tensor:  # [n, V] float32
-    """Each row's distribution as `logits_to_probs` gives it (temperature, then top-k,
-    then top-p), with nothing read back to the host and no shape that depends on the
-    values, so a CUDA graph can hold it. Top-k and top-p sort each row that may cut
+    """Each row's distribution as `logits_to_probs` gives it (temperature, then min-p,
+    top-k and top-p), with nothing read back to the host and no shape that depends on
+    the values, so a CUDA graph can hold it. Top-k and top-p sort each row that may cut
     once: so one request cutting costs a batch one row's sort, not every row's."""
     logits = logits.float()
     divisors = torch.where(temperatures > 0, temperatures, 1.0)[:, None]  # [n, 1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors  # [n, V]
-    if top_ks is not None or top_ps is not None:
+    cuts = (top_ks, top_ps, min_ps)
+    if any(values is not None for values in cuts):
         if cut_rows is None:
-            scaled = top_k_top_p_on_device(scaled, top_ks, top_ps)
+            scaled = top_k_top_p_on_device(scaled, *cuts)
         else:  # a repeated row is cut alike both times
-            picked = [None if values is None else values[cut_rows] for values in (top_ks, top_ps)]
+            picked = [None if values is None else values[cut_rows] for values in cuts]
             scaled = scaled.index_copy(0, cut_rows, top_k_top_p_on_device(scaled[cut_rows], *picked))
     return scaled.softmax(dim=-1)
 
@@ -298,10 +310,14 @@ def top_k_top_p_on_device(
     scaled: torch.Tensor,  # [n, V] float32: logits after the temperature
     top_ks: torch.Tensor | None,  # [n] int64, 0 or less: no cut
     top_ps: torch.Tensor | None,  # [n] float32, 1: no cut
+    min_ps: torch.Tensor | None = None,  # [n] float32, 0: no cut
 ) -> torch.Tensor:  # [n, V]: the ids cut at -inf
-    """`logits_to_probs`' cuts with one sort of every row and no host: below the k-th
-    largest logit (ties with it stay), then, likeliest first (ties: the lower id first),
-    every id whose predecessors already cover top_p of what top-k kept."""
+    """`logits_to_probs`' cuts with one sort of every row and no host: below min_p times
+    the likeliest's probability, then below the k-th largest logit (ties with it stay),
+    then, likeliest first (ties: the lower id first), every id whose predecessors
+    already cover top_p of what top-k kept."""
+    if min_ps is not None:  # scaled's likeliest logit is 0
+        scaled = scaled.masked_fill(scaled < min_p_floor(min_ps)[:, None], float("-inf"))
     vocab = scaled.shape[-1]
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)  # [n, V]
     if top_ks is not None:

@@ -74,8 +74,8 @@ def padded_rows(rows: list[int], size: int, among: int) -> list[int]:
 
 
 def cuts(params: SamplingParams) -> bool:
-    """Whether a request's draws are cut by top-k or top-p (ChainKey.filtered)."""
-    return not params.greedy and (params.top_k > 0 or params.top_p < 1)
+    """Whether a request's draws are cut by min-p, top-k or top-p (ChainKey.filtered)."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
 
 
 class StepInputs(NamedTuple):
@@ -384,13 +384,13 @@ class TokenChain:
         if static.feature_size:
             self.features = torch.zeros(key.batch, static.feature_size, dtype=static.pool.keys.dtype, device=device)
         # Only the S sampled rows draw (ChainKey.sampled): [S] int64, which, padded with a
-        # greedy one (temperature 0: its draw is not taken). Of each: [3, S] float32 its
-        # temperature, top-k (0: none) and top-p; [2, S] int64 its key of its draws
+        # greedy one (temperature 0: its draw is not taken). Of each: [4, S] float32 its
+        # temperature, top-k (0: none), top-p and min-p; [2, S] int64 its key of its draws
         # (sampling.seed_key), -1 where it has none, and the index in its text of the token
         # its first position draws. [filtered] int64: which of them top-k or top-p cut,
         # padded with one that does not (`padded_rows`).
         self.sampled_rows = torch.zeros(key.sampled, dtype=torch.int64, device=device) if key.sampled else None
-        self.sampling = torch.zeros(3, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
+        self.sampling = torch.zeros(4, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
         self.draws = torch.full((2, key.sampled), -1, dtype=torch.int64, device=device) if key.keyed else None
         self.cut_rows = torch.zeros(key.filtered, dtype=torch.int64, device=device) if key.filtered else None
         # [L] int64: the rows whose logprobs are computed (ChainKey.logprobs), padded (`padded_rows`)
@@ -438,14 +438,16 @@ class TokenChain:
                 chosen, confidence = self._greedy(logits, scores, target_ids)  # [B] columns of scores, [B]
                 if key.sampled:
                     rows = self.sampled_rows
-                    temperatures, top_ks, top_ps = self.sampling  # [S] each
+                    temperatures, top_ks, top_ps, min_ps = self.sampling  # [S] each
                     uniforms = None
                     if key.keyed:  # the draw for the token at index draw_from + j
                         keys, draw_from = self.draws
                         uniforms = keyed_uniforms(keys.clamp_min(0), draw_from + j)  # [S]
                         uniforms = uniforms.masked_fill(keys < 0, float("nan"))
-                    cut_by = (top_ks.long(), top_ps, self.cut_rows) if key.filtered else ()
-                    probs = probs_on_device(scores[rows], temperatures, *cut_by)  # [S, V]
+                    cut_by = {}
+                    if key.filtered:
+                        cut_by = dict(top_ks=top_ks.long(), top_ps=top_ps, cut_rows=self.cut_rows, min_ps=min_ps)
+                    probs = probs_on_device(scores[rows], temperatures, **cut_by)  # [S, V]
                     drawn = torch.where(temperatures > 0, draw_on_device(probs, uniforms), chosen[rows])  # [S]
                     if confidence is not None:  # a draw's probability, as Guesser.guess gives it
                         drawn_confidence = probs.gather(1, drawn[:, None])[:, 0]
@@ -545,8 +547,8 @@ class TokenChain:
         """The sampled sequences' rows (`sampled`, padded with a greedy row), settings,
         keys of their draws and which of them cut, into the chain's inputs."""
         rows = padded_rows(sampled, self.key.sampled, self.key.batch)
-        settings = [(params[i].temperature, max(params[i].top_k, 0), params[i].top_p) for i in sampled]
-        settings += [(0.0, 0, 1.0)] * (len(rows) - len(sampled))  # temperature 0: its draw is not taken
+        settings = [(params[i].temperature, max(params[i].top_k, 0), params[i].top_p, params[i].min_p) for i in sampled]
+        settings += [(0.0, 0, 1.0, 0.0)] * (len(rows) - len(sampled))  # temperature 0: its draw is not taken
         self.sampled_rows.copy_(torch.tensor(rows, dtype=torch.int64, device="cpu"))
         self.sampling.copy_(torch.tensor(settings, dtype=torch.float32, device="cpu").T)
         if self.cut_rows is not None:

@@ -50,7 +50,6 @@ MAX_LOGIT_BIAS = 1024
 # vLLM's sampling extensions we do not implement: (field, whether a value asks for
 # nothing, what to use instead).
 VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("min_p", lambda v: v == 0, " (use top_p or top_k)"),
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
     ("include_stop_str_in_output", lambda v: not v, ""),
@@ -137,10 +136,10 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True  # vLLM's extension: False puts special tokens' text in the output
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    min_p: float = 0.0  # vLLM's extension: 0 = off
     # vLLM's extensions we do not implement, taken only at the values that ask for nothing
     # (`VLLM_UNSUPPORTED`): a vLLM client's request that sets one is refused, not answered
     # as if it had not.
-    min_p: float = 0.0
     use_beam_search: bool = False
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
@@ -207,6 +206,7 @@ class _Sampling(_Body):
                 max_tokens=max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                min_p=self.min_p,
                 top_k=self.top_k,
                 seed=self.seed,
                 ignore_eos=self.ignore_eos,

@@ -411,14 +411,14 @@ def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_ste
 
 
 # Beside a greedy request, every kind a proposer's chains take: penalised and biased
-# greedy with min_tokens, seeded sampling cut by top-p, and seeded sampling with a
-# penalty and a bias.
+# greedy with min_tokens, seeded sampling cut by top-p and min-p, and seeded sampling
+# with a penalty and a bias.
 MIXED = [
     GREEDY,
     SamplingParams(
         max_tokens=30, temperature=0.0, repetition_penalty=1.4, min_tokens=20, logit_bias={5: 3.0}, ignore_eos=True
     ),
-    SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, min_p=0.05, seed=7, ignore_eos=True),
     SamplingParams(
         max_tokens=30, temperature=1.1, presence_penalty=0.7, seed=2**40, logit_bias={9: -100, 4: 2}, ignore_eos=True
     ),

@@ -127,7 +127,6 @@ def test_error_body_is_openai_shaped():
         (chat, {"logit_bias": {"-3": 1.0}}, "logit_bias"),
         (chat, {"logit_bias": {"3": float("nan")}}, "logit_bias"),
         (chat, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
-        (chat, {"min_p": 0.05}, "min_p"),
         (completion, {"use_beam_search": True}, "use_beam_search"),
         (chat, {"length_penalty": 0.8}, "length_penalty"),
         (completion, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
@@ -169,7 +168,6 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
             presence_penalty=0.5,
             frequency_penalty=-1.0,
             logit_bias={},
-            min_p=0.0,
             use_beam_search=False,
             length_penalty=1.0,
             include_stop_str_in_output=False,
@@ -199,6 +197,13 @@ def test_a_logit_bias_becomes_pairs_ids_ascending_biases_clamped_as_vllm_clamps(
     assert body.logit_bias_pairs() == ((7, -100.0), (9, 100.0), (50, 3.0))  # "050" names 50 again, later
     assert body.sampling_params(8).logit_bias == ((7, -100.0), (9, 100.0), (50, 3.0))
     assert chat().sampling_params(8).logit_bias == () and not chat().sampling_params(8).processes_logits
+
+
+def test_min_p_is_taken_and_checked():
+    assert chat(min_p=0.1).sampling_params(8).min_p == 0.1
+    with pytest.raises(APIError) as caught:
+        chat(min_p=1.5).sampling_params(8)
+    assert caught.value.param == "min_p"
 
 
 def test_include_usage_needs_stream_options():

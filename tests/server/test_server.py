@@ -378,7 +378,7 @@ def test_seeds_repeat_differ_and_give_the_plain_servers_text(plain, spec):
     """A seed gives the same text every time, and the same with or without speculation
     (keyed draws: spec/verify.py)."""
 
-    def sample(seed: int, server: ServerProcess = spec) -> str:
+    def sample(seed: int, server: ServerProcess = spec, **cuts) -> str:
         return (
             client(server)
             .completions.create(
@@ -388,7 +388,7 @@ def test_seeds_repeat_differ_and_give_the_plain_servers_text(plain, spec):
                 temperature=1.0,
                 top_p=0.95,
                 seed=seed,
-                extra_body={"top_k": 50},
+                extra_body={"top_k": 50, **cuts},
             )
             .choices[0]
             .text
@@ -397,6 +397,8 @@ def test_seeds_repeat_differ_and_give_the_plain_servers_text(plain, spec):
     first = sample(7)
     assert sample(7) == first == sample(7, plain)
     assert len({first, sample(8), sample(9)}) > 1
+    cut = sample(7, min_p=0.2)  # vLLM's min-p as well
+    assert cut == sample(7, plain, min_p=0.2) and cut != first
 
 
 def test_metrics_count_requests_tokens_and_speculation(spec):

@@ -88,6 +88,9 @@ ADVERSARIAL_TOP_P = Scenario(
     ADVERSARIAL_TABLE,
 )
 NEAR_DRAFT = Scenario("draft near the target", SamplingParams(top_k=5, top_p=0.95), 2, NEAR_TABLE)
+ADVERSARIAL_MIN_P = Scenario(
+    "adversarial draft, temperature and min-p", SamplingParams(temperature=1.2, min_p=0.1), 3, ADVERSARIAL_TABLE
+)
 EQUAL_DRAFT = Scenario("draft equals target", SamplingParams(temperature=0.9, top_k=5), 2, TARGET_TABLE)
 # base[3] = 0.5: the target gives the proposed token about 5%.
 DETERMINISTIC_UNLIKELY = Scenario("deterministic draft, unlikely token", SamplingParams(), 2, None, draft_shift=3)
@@ -102,6 +105,7 @@ DETERMINISTIC_IMPOSSIBLE = Scenario(
 SCENARIOS = [
     ADVERSARIAL_TOP_K,
     ADVERSARIAL_TOP_P,
+    ADVERSARIAL_MIN_P,
     NEAR_DRAFT,
     EQUAL_DRAFT,
     DETERMINISTIC_UNLIKELY,
@@ -674,12 +678,14 @@ def test_draws_on_device_come_from_the_softmax_at_each_rows_temperature(temperat
         dict(temperature=1.0, top_p=0.8),
         dict(temperature=1.5, top_k=4, top_p=0.9),
         dict(temperature=0.8, top_k=6, top_p=0.999),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=1.3, min_p=0.1, top_k=5, top_p=0.9),
     ],
 )
 def test_probs_on_device_cut_as_logits_to_probs_does(fields):
-    """Top-k then top-p on the device, row by row (a greedy row and an uncut one beside),
-    keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays. Cutting
-    only the rows that cut (one repeated) gives the same."""
+    """Min-p, top-k then top-p on the device, row by row (a greedy row and an uncut one
+    beside), keep and weigh the ids logits_to_probs does: a tie at the k-th logit stays.
+    Cutting only the rows that cut (one repeated) gives the same."""
     logits = torch.tensor([2.0, -1.0, 0.5, 0.5, 1.5, -3.0, 0.5])  # [V]: ties at 0.5
     params = SamplingParams(**fields)
     n = 6000
@@ -688,9 +694,10 @@ def test_probs_on_device_cut_as_logits_to_probs_does(fields):
     temperatures = torch.where(kinds == 1, 0.0, params.temperature)
     top_ks = torch.where(kinds == 0, params.top_k, 0)
     top_ps = torch.where(kinds == 0, params.top_p, 1.0)
-    probs = probs_on_device(rows, temperatures, top_ks, top_ps)  # [N, V]
+    min_ps = torch.where(kinds == 0, params.min_p, 0.0)
+    probs = probs_on_device(rows, temperatures, top_ks, top_ps, min_ps=min_ps)  # [N, V]
     cut_rows = torch.cat([torch.nonzero(kinds == 0)[:, 0], torch.tensor([3])])  # [N / 3 + 1]
-    assert torch.equal(probs_on_device(rows, temperatures, top_ks, top_ps, cut_rows), probs)
+    assert torch.equal(probs_on_device(rows, temperatures, top_ks, top_ps, cut_rows, min_ps), probs)
     torch.manual_seed(0)
     drawn = draw_on_device(probs)  # [N]
     expected = logits_to_probs(logits[None], params)[0]
@@ -699,6 +706,17 @@ def test_probs_on_device_cut_as_logits_to_probs_does(fields):
     torch.testing.assert_close(probs[2], uncut)
     assert chi_square_p_value(drawn[kinds == 0].unsqueeze(1), expected) > 1e-3
     assert chi_square_p_value(drawn[kinds == 2].unsqueeze(1), uncut) > 1e-3
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+def test_min_p_keeps_the_ids_at_least_min_p_times_as_likely_as_the_likeliest(min_p):
+    logits = torch.tensor([[2.0, 1.0, -0.5, 2.0, 0.3, -4.0]])
+    params = SamplingParams(temperature=0.8, min_p=min_p)
+    uncut = logits_to_probs(logits, SamplingParams(temperature=0.8))[0]
+    kept = uncut >= min_p * uncut.max()
+    probs = logits_to_probs(logits, params)[0]
+    assert torch.equal(probs > 0, kept)  # 1.0 keeps the two tied likeliest
+    torch.testing.assert_close(probs, torch.where(kept, uncut, 0.0) / uncut[kept].sum())
 
 
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5]])
