@@ -2,10 +2,10 @@
 
 What a logprob is here: the log-softmax of the target's raw logits at the token's
 position, before temperature, min-p, top-k and top-p (vLLM's default, "raw logprobs"),
-so the figure describes the model, not the sampling settings. It comes from the very rows the
-verifier reads: a step's row i scores the token after the sequence's newest token and
-its first i drafts, and the step's i-th emitted token (accepted, recovered or bonus
-alike) is the one that row predicts. So a request's logprobs are the target's own with
+so the figure describes the model, not the sampling settings. It comes from the very
+rows the verifier reads: a step's row i scores the token after the sequence's newest
+token and its first i drafts, and the step's i-th emitted token (accepted, recovered or
+bonus alike) is the one that row predicts. So a request's logprobs are the target's own with
 speculation on or off; on our CPU kernels, which compute a verified row exactly as a
 plain step computes it, bit for bit.
 

@@ -387,7 +387,7 @@ class TokenChain:
         # greedy one (temperature 0: its draw is not taken). Of each: [4, S] float32 its
         # temperature, top-k (0: none), top-p and min-p; [2, S] int64 its key of its draws
         # (sampling.seed_key), -1 where it has none, and the index in its text of the token
-        # its first position draws. [filtered] int64: which of them top-k or top-p cut,
+        # its first position draws. [filtered] int64: which of them min-p, top-k or top-p cut,
         # padded with one that does not (`padded_rows`).
         self.sampled_rows = torch.zeros(key.sampled, dtype=torch.int64, device=device) if key.sampled else None
         self.sampling = torch.zeros(4, key.sampled, dtype=torch.float32, device=device) if key.sampled else None
@@ -517,12 +517,12 @@ class TokenChain:
         """Each processed row's text spread over the vocabulary of its logits [P, V]: its
         output counts [P, V] float32 (the chain adds its tokens as it goes), its prompt's
         ids and its stop ids [P, V] bool, and its logit bias [P, V] float32."""
-        ids, stop_ids, bias_ids = self.text[0].long(), self.stop_ids[0].long(), self.bias[0].long()
+        ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
         dense = torch.zeros_like(logits, dtype=torch.float32)  # [P, V]
         counts = dense.scatter_add(1, ids, self.text[1])
         in_prompt = dense.scatter_add(1, ids, self.text[2]) > 0
         stop_mask = dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
-        bias = dense.scatter_add(1, bias_ids, self.bias[1]) if self.key.biases else None
+        bias = dense.scatter_add(1, self.bias[0].long(), self.bias[1]) if self.key.biases else None
         return counts, in_prompt, stop_mask, bias
 
     def _processed(
