@@ -16,9 +16,12 @@ but how long it takes.
 A recipe is `NAME:key=value,...` over the keys of `TrainHeadSettings` that shape the head
 (draft_vocab_size, head_intermediate_size, ttt_length, num_heads) and of `LoopSettings`
 (lr, weight_decay, batch_tokens, window, warmup_steps, grad_clip, feature_noise), and
-`text=1` or `text=0` to train on the data's standard-library text or not (by default, as `train-head` would:
-not since its `stdlib_tokens` became 0). A folder made under older defaults is reused with
-the settings it was made with (its run.json); the recipes start from today's.
+`text=1` or `text=0` to train on the data's standard-library text or not (by default, as
+`train-head` would: not since its `stdlib_tokens` became 0), and `answers=SHARE` to train
+on that share of the training answers, the first ones made (as a shorter budget would have
+made them; the held-out answers stay whole), so one data set tells what more answers buy.
+A folder made under older defaults is reused with the settings it was made with (its
+run.json); the recipes start from today's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, m
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
+DATA_KEYS = ("text", "answers")
 
 
 def parse_recipes(text: str) -> dict[str, dict[str, float]]:
@@ -45,8 +49,8 @@ def parse_recipes(text: str) -> dict[str, dict[str, float]]:
         values = {}
         for assignment in filter(None, assignments.split(",")):
             key, _, value = assignment.partition("=")
-            if key not in HEAD_KEYS + LOOP_KEYS + ("text",):
-                known = ", ".join(HEAD_KEYS + LOOP_KEYS + ("text",))
+            if key not in HEAD_KEYS + LOOP_KEYS + DATA_KEYS:
+                known = ", ".join(HEAD_KEYS + LOOP_KEYS + DATA_KEYS)
                 raise SystemExit(f"recipe {name!r}: unknown key {key!r}; keys: {known}")
             values[key] = float(value)
         recipes[name] = values
@@ -79,6 +83,15 @@ def make_data(settings: TrainHeadSettings, work: Path) -> tuple[catalogue.Loaded
     return target, [key for key in samples if (folder / f"{key}.safetensors").is_file()]
 
 
+def first_training_answers(keys: list[str], share: float, work: Path) -> list[str]:
+    """`keys` less the training answers past the first `share` of them (in the order
+    made); held-out samples and text all kept."""
+    held_out = {key: sample["held_out"] for key, sample in json.loads((work / "data.json").read_text()).items()}
+    training = [key for key in keys if key.startswith("answer-") and not held_out[key]]
+    dropped = set(training[round(share * len(training)) :])
+    return [key for key in keys if key not in dropped]
+
+
 def train_recipe(
     name: str,
     values: dict[str, float],
@@ -97,6 +110,8 @@ def train_recipe(
     recipe = dataclasses.replace(settings, loop=loop, **head_values)
     if values.get("text", int(settings.stdlib_tokens > 0)) == 0:
         keys = [key for key in keys if key.startswith("answer-")]
+    if values.get("answers", 1.0) < 1.0:
+        keys = first_training_answers(keys, values["answers"], work)
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
     trainer = new_trainer(make_method(recipe), recipe, target, FeatureSet.load(work / "features", keys), checkpoint)

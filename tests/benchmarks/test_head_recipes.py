@@ -39,3 +39,17 @@ def test_a_data_folder_keeps_the_settings_it_was_made_with(tmp_path):
     stored = data_settings(today, tmp_path)
     assert (stored.stdlib_tokens, stored.loop.weight_decay) == (400_000, 0.0)
     check_same_run(tmp_path, stored)  # not refused
+
+
+def test_a_share_of_the_answers_keeps_the_first_training_ones_and_every_held_out(tmp_path):
+    import json
+
+    from benchmarks.head_recipes import first_training_answers
+
+    keys = ["answer-0003", "answer-0001", "answer-0004", "answer-0002", "answer-0003-1", "stdlib-0000"]
+    held_out = {"answer-0001"}
+    data = {key: {"held_out": key in held_out} for key in keys}
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    # Four training answers in the order made: half keeps the first two.
+    assert first_training_answers(keys, 0.5, tmp_path) == ["answer-0003", "answer-0001", "answer-0004", "stdlib-0000"]
+    assert first_training_answers(keys, 1.0, tmp_path) == keys
