@@ -97,6 +97,7 @@ CUDA_TESTS = [
     "tests/engine/test_engine.py",
     "tests/spec/test_draft_vocab.py",
     "tests/spec/test_head_proposers.py",
+    "tests/train/test_train.py",
 ]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PROMPT_TOKENS = 32

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 from specserve import catalogue
-from specserve.model.device import CPU, default_dtype
 from specserve.train.features import FeatureSet
-from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, make_method, new_trainer
+from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, load_target, make_method, new_trainer
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
@@ -70,9 +69,10 @@ def data_settings(settings: TrainHeadSettings, work: Path) -> TrainHeadSettings:
 
 def make_data(settings: TrainHeadSettings, work: Path) -> tuple[catalogue.LoadedModel, list[str]]:
     """The target, and the keys of the samples whose features are in work/features."""
-    catalogue.prepare_quantized(settings.target, settings.quantization)
+    if settings.quantization != "none":
+        catalogue.prepare_quantized(settings.target, settings.quantization)
     check_same_run(work, settings)
-    target = catalogue.load_model(settings.target, default_dtype(CPU, settings.quantization), settings.quantization)
+    target = load_target(settings)
     clock = Clock(settings.max_minutes, work / "minutes.json")
     run = Run(settings, work, clock)
     samples = run.samples(target)
@@ -160,6 +160,7 @@ def main() -> None:
         raise SystemExit("--eval-steps is an EAGLE head's count of unrolled steps, at least 1")
     settings = TrainHeadSettings(args.target, args.method, max_minutes=args.data_minutes, seed=args.seed)
     settings.check()
+    settings = settings.resolved()
     work = catalogue.cache_root() / "head-recipes" / f"{settings.head_name}-{args.data_minutes:g}"
     target, keys = make_data(data_settings(settings, work), work)
     rows = []

@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
-    from specserve.train.run import METHODS, TrainHeadSettings
+    from specserve.train.run import ANSWERS_AT_ONCE, METHODS, TrainHeadSettings
 
     defaults = TrainHeadSettings(target="")
     train = sub.add_parser(
@@ -401,11 +401,18 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     )
     train.add_argument("--seed", type=int, default=defaults.seed, help="answers, data order and initial weights")
     train.add_argument(
+        "--device",
+        default=defaults.device,
+        help="auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N: where the target "
+        "answers and the head trains",
+    )
+    train.add_argument(
         "--quantization",
         "-q",
-        choices=QUANTIZATIONS,
+        choices=("auto", *QUANTIZATIONS),
         default=defaults.quantization,
-        help="the target's weights while it answers and is read (default int4, the fastest on a CPU)",
+        help="the target's weights while it answers and is read (auto: int4 on the CPU, the fastest there; "
+        "none on a GPU)",
     )
     train.add_argument(
         "--dtype",
@@ -428,7 +435,13 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     )
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
-    data.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="answers generated at once")
+    data.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        help=f"answers generated at once (default {ANSWERS_AT_ONCE['cpu']} on the CPU, "
+        f"{ANSWERS_AT_ONCE['cuda']} on a GPU)",
+    )
     data.add_argument(
         "--stdlib-tokens",
         type=int,
@@ -496,6 +509,7 @@ def run_train_head(args: argparse.Namespace) -> int:
             name=args.name,
             max_minutes=args.max_minutes,
             seed=args.seed,
+            device=args.device,
             quantization=args.quantization,
             dtype=args.dtype,
             max_answers=args.max_answers,

@@ -82,6 +82,11 @@ def load_instructions() -> list[Instruction]:
     return [Instruction(**json.loads(line)) for line in lines if line.strip()]
 
 
+def chat(instruction: Instruction) -> list[dict[str, str]]:
+    """The messages the target answers for an instruction."""
+    return [{"role": "user", "content": instruction.prompt}]
+
+
 def seeded_order(count: int, seed: int) -> list[int]:
     """A permutation of range(count): a budget that stops early still covers every kind."""
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -133,7 +138,7 @@ def answer_instructions(
     asked = {}  # seq_id -> (round, instruction index)
     for r, i in wanted:
         if answer_key(i, r) not in answers:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": instructions[i].prompt}])
+            prompt_ids = tokenizer.encode_chat(chat(instructions[i]))
             params = SamplingParams(
                 max_tokens=settings.max_tokens,
                 temperature=settings.temperature,

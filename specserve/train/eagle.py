@@ -91,7 +91,8 @@ def unrolled(head: EagleHead, batch: Batch, num_steps: int) -> list[torch.Tensor
         with torch.no_grad():  # the target's embedding stays as it is
             embeddings = head.target.embed_tokens(shifted(batch.token_ids, 1 + i)).to(head.dtype)  # [B, T, H]
         qkv, residual = head.attention_inputs(embeddings, hidden)  # [B, T, q_size + 2 kv_size], [B, T, H]
-        cos, rotated_sin = rope_rows(head.inv_freq, torch.arange(length) + i, head.dtype)  # [T, head_dim]
+        positions = torch.arange(length, device=features.device) + i  # [T]
+        cos, rotated_sin = rope_rows(head.inv_freq, positions, head.dtype)  # [T, head_dim]
         q, k, v = attention.rotated_qkv(qkv.flatten(0, 1), cos.repeat(batch_size, 1), rotated_sin.repeat(batch_size, 1))
         q, k, v = (x.unflatten(0, (batch_size, length)).transpose(1, 2) for x in (q, k, v))  # [B, heads, T, head_dim]
         keys.append(k)
@@ -113,7 +114,7 @@ def chain_attention(
     grouped = q.unflatten(1, (kv_heads, heads // kv_heads))  # [B, kv_heads, group, T, D]
     scale = 1 / math.sqrt(dim)
     first = torch.einsum("bkgtd,bksd->bkgts", grouped, keys[0]) * scale  # [B, kv_heads, group, T, T]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     first = first.masked_fill(~causal, float("-inf"))
     own = [(grouped * k[:, :, None]).sum(-1, keepdim=True) * scale for k in keys[1:]]  # each [B, kv, group, T, 1]
     weights = torch.cat([first, *own], dim=-1).float().softmax(-1).to(q.dtype)  # [B, kv, group, T, T + i]

@@ -1,6 +1,9 @@
 """The training loop: AdamW, linear warm-up then cosine decay, gradient clipping, bfloat16
-autocast (on a CPU with bfloat16 instructions its matmuls run ~4x float32's), checkpoints,
-and the held-out measurement.
+autocast (on a CPU with bfloat16 instructions its matmuls run ~4x float32's; a GPU's tensor
+cores' format), checkpoints, and the held-out measurement.
+
+The head, its optimizer and the draft vocabulary live on the loop's device; the data stays
+in host memory (a GPU's worth of answers outgrows the GPU's) and each batch is copied over.
 
 Reproducible from the seed: the head's initial weights come from the seeded global RNG
 (run.py), and epoch e visits the training windows in a permutation seeded by (seed, e),
@@ -29,6 +32,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.errors import ConfigError
+from specserve.model.device import CPU
 from specserve.train.features import FeatureSet, FeatureSpec
 from specserve.train.objective import Batch, DraftVocab, Figures
 
@@ -106,8 +110,10 @@ class Trainer:
         vocab: DraftVocab,
         settings: LoopSettings,
         checkpoint_path: Path,
+        device: torch.device = CPU,
     ):
-        self.method, self.head, self.data, self.vocab = method, head, data, vocab
+        self.device = device
+        self.method, self.head, self.data, self.vocab = method, head.to(device), data, vocab.to(device)
         self.settings = settings
         self.checkpoint_path = checkpoint_path
         self.windows = data.windows(held_out=False, length=settings.window)
@@ -159,9 +165,10 @@ class Trainer:
         batch = self.next_batch()
         if self.settings.feature_noise > 0:
             batch = replace(batch, features=with_noise(batch.features, self.settings.feature_noise))
+        batch = batch.to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.position.step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
             figures = self.method.objective(self.head, batch, self.vocab)
         self.optimizer.zero_grad(set_to_none=True)
         figures.loss.backward()
@@ -208,6 +215,7 @@ class Trainer:
         partial.rename(self.checkpoint_path)
 
     def restore(self) -> None:
+        # Read to the host: load_state_dict copies each tensor to the head's device.
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -226,8 +234,9 @@ class Trainer:
         windows = self.data.windows(held_out=held_out, length=self.settings.window)
         per_batch = max(1, self.settings.batch_tokens // self.settings.window)
         for i in range(0, len(windows), per_batch):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                figures = method.objective(self.head, self.data.batch(windows[i : i + per_batch]), self.vocab)
+            batch = self.data.batch(windows[i : i + per_batch]).to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                figures = method.objective(self.head, batch, self.vocab)
             correct = [a + b for a, b in zip(correct, figures.correct)]
             counted = [a + b for a, b in zip(counted, figures.counted)]
             loss += figures.loss.item()

@@ -12,6 +12,7 @@ rows the draft vocabulary cannot answer included.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -39,6 +40,9 @@ class DraftVocab:
         row_of[target_ids] = torch.arange(size)
         return cls(target_ids, row_of)
 
+    def to(self, device: torch.device) -> DraftVocab:
+        return DraftVocab(self.target_ids.to(device), self.row_of.to(device))
+
 
 @dataclass
 class Batch:
@@ -49,6 +53,9 @@ class Batch:
     top_ids: torch.Tensor  # [B, T, k] int64: the target's likeliest ids for the token after each position
     top_probs: torch.Tensor  # [B, T, k] float32
     trained: torch.Tensor  # [B, T] bool: the token after the position is trained; False on padding
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(x.to(device, non_blocking=True) for x in dataclasses.astuple(self)))
 
 
 def shifted(x: torch.Tensor, by: int) -> torch.Tensor:

@@ -30,12 +30,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve import catalogue
+from specserve.engine.build import use_cuda_graphs
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
-from specserve.model.device import CPU, default_dtype
+from specserve.model.device import check_device_format, default_dtype, resolve_device
 from specserve.spec.heads.checkpoint import save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, stdlib_samples
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, chat, load_instructions, stdlib_samples
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
@@ -43,6 +44,10 @@ from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 
 METHODS = ("eagle3", "eagle", "medusa")
+# Answers generated at once by default: the CPU's int4 kernels answer the most tokens a
+# second near 8 at once; a GPU's step grows little with its rows (benchmarks/README.md,
+# "Current results: GPU").
+ANSWERS_AT_ONCE = {"cpu": DEFAULT_MAX_NUM_SEQS, "cuda": 128}
 # Where each phase must end, as shares of the budget. Answers (recorded as they are
 # generated) are the text the head is measured on and drafts for; the features phase
 # reads what a resumed run did not record, and any standard-library text asked for.
@@ -61,13 +66,16 @@ class TrainHeadSettings:
     name: str | None = None  # None: TARGET-METHOD
     max_minutes: float = 30.0
     seed: int = 0
-    quantization: str = "int4"  # the target's weights while it answers and is read
+    device: str = "auto"  # auto (a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda or cuda:N
+    # The target's weights while it answers and is read. auto: int4 on the CPU (its
+    # fastest), none (bfloat16) on a GPU, where only unquantized weights run.
+    quantization: str = "auto"
     dtype: str = "auto"  # auto, float32 or bfloat16
     max_answers: int | None = None  # instructions; None: every bundled one, as far as the budget goes
     answer_rounds: int = 3  # answers per instruction at most, each from its own seed
     answer_tokens: int = 256
     temperature: float = 0.8
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int | None = None  # answers at once; None: the device's (ANSWERS_AT_ONCE)
     # Standard-library text read after the answers, at most: none by default, since on the
     # same data and steps a head trained on the answers alone agreed more on held-out
     # answers ("Head recipes on one set of data").
@@ -95,7 +103,7 @@ class TrainHeadSettings:
             raise ConfigError(f"--max-answers must be >= {MIN_ANSWERS} (one held out to measure, one to train on)")
         positive = {
             "--answer-tokens": self.answer_tokens,
-            "--max-num-seqs": self.max_num_seqs,
+            "--max-num-seqs": 1 if self.max_num_seqs is None else self.max_num_seqs,
             "--answer-rounds": self.answer_rounds,
             "--top-k": self.top_k,
             "--draft-vocab-size": self.draft_vocab_size,
@@ -113,6 +121,21 @@ class TrainHeadSettings:
             )
         if not 0 < self.temperature <= 2:
             raise ConfigError(f"--temperature must be in (0, 2], got {self.temperature}")
+
+    def resolved(self) -> TrainHeadSettings:
+        """These settings with `auto` and None made concrete for this machine: the device,
+        the quantization and the answers at once (what a resumed run must share)."""
+        device = resolve_device(self.device)
+        quantization = self.quantization
+        if quantization == "auto":
+            quantization = "int4" if device.type == "cpu" else "none"
+        check_device_format(device, quantization, batch_invariant=False)
+        return dataclasses.replace(
+            self,
+            device=str(device),
+            quantization=quantization,
+            max_num_seqs=self.max_num_seqs or ANSWERS_AT_ONCE[device.type],
+        )
 
     @property
     def head_name(self) -> str:
@@ -168,6 +191,7 @@ class Clock:
 def train_head(settings: TrainHeadSettings) -> Path:
     """Train (or resume training) the head and return its folder in the cache."""
     settings.check()
+    settings = settings.resolved()
     name = settings.head_name
     folder = catalogue.heads_root() / name
     work = folder.with_name(f"{name}.work")
@@ -194,8 +218,10 @@ def check_same_run(work: Path, settings: TrainHeadSettings) -> None:
     wanted = json.loads(json.dumps(settings.deciding_result(), default=str))
     if run_file.is_file():
         started = json.loads(run_file.read_text())
-        # A setting newer than the run: the run ran as that setting's default does.
-        defaults = json.loads(json.dumps(TrainHeadSettings(settings.target).deciding_result(), default=str))
+        # A setting newer than the run: the run ran as that setting's default does (and on
+        # the CPU, before there was a choice).
+        defaults = TrainHeadSettings(settings.target, device=settings.device).resolved().deciding_result()
+        defaults = json.loads(json.dumps(defaults, default=str)) | {"device": "cpu"}
         started = defaults | started | {"loop": defaults["loop"] | started.get("loop", {})}
         differing = sorted(k for k in wanted.keys() | started.keys() if wanted.get(k) != started.get(k))
         if differing:
@@ -215,9 +241,7 @@ class Run:
 
     def train(self, folder: Path) -> dict:
         settings, clock = self.settings, self.clock
-        auto = settings.dtype == "auto"
-        dtype = default_dtype(CPU, settings.quantization) if auto else getattr(torch, settings.dtype)
-        target = catalogue.load_model(settings.target, dtype, settings.quantization)
+        target = load_target(settings)
         clock.phase_done("load")
         samples = self.samples(target)
         clock.phase_done("data")
@@ -324,11 +348,12 @@ class Run:
         answer_tokens = sum(len(s.token_ids) - s.first_trained for s in answers)
         held_out_rows = torch.cat([torch.arange(start, end) for start, end, out in data.samples if out])
         held_out_rows = held_out_rows[data.trained[held_out_rows]]
-        coverage = float((vocab.row_of[data.top_ids[held_out_rows, 0]] >= 0).float().mean())
+        coverage = float((vocab.row_of.cpu()[data.top_ids[held_out_rows, 0]] >= 0).float().mean())
         return {
             "target": settings.target,
             "method": settings.method,
             "seed": settings.seed,
+            "device": settings.device,
             "quantization": settings.quantization,
             "held_out": {
                 "top1_agreement_per_step": [round(r, 4) for r in agreement.rates],
@@ -370,9 +395,26 @@ def new_trainer(
     from `checkpoint` where one exists."""
     vocab = DraftVocab.most_frequent(data.token_counts(target.config.vocab_size), settings.draft_vocab_size)
     torch.manual_seed(settings.seed)
-    lm_head_rows = lm_head_weight(catalogue.resolve(settings.target))[vocab.target_ids]
+    device = target.decoder.device
+    lm_head_rows = lm_head_weight(catalogue.resolve(settings.target))[vocab.target_ids].to(device)
     head = method.new_head(target.config, target.decoder.embed_tokens, vocab, lm_head_rows)
-    return Trainer(method, head, data, vocab, dataclasses.replace(settings.loop, seed=settings.seed), checkpoint)
+    loop = dataclasses.replace(settings.loop, seed=settings.seed)
+    return Trainer(method, head, data, vocab, loop, checkpoint, device)
+
+
+def load_target(settings: TrainHeadSettings) -> catalogue.LoadedModel:
+    """The target on the settings' (resolved) device; on a GPU compiled where inductor
+    works and stepped through CUDA graphs sized for the answers, as `serve` runs it."""
+    device = resolve_device(settings.device)
+    auto = settings.dtype == "auto"
+    dtype = default_dtype(device, settings.quantization) if auto else getattr(torch, settings.dtype)
+    compile = None if device.type == "cuda" else False
+    target = catalogue.load_model(settings.target, dtype, settings.quantization, compile=compile, device=device)
+    if device.type == "cuda":
+        prompt = max(len(target.tokenizer.encode_chat(chat(i))) for i in load_instructions())
+        positions = max(prompt + settings.answer_tokens, settings.loop.window)  # an answer, or a piece of text
+        use_cuda_graphs([target.decoder], settings.max_num_seqs, positions, asked=False)
+    return target
 
 
 def lm_head_weight(folder: Path) -> torch.Tensor:  # [vocab, H] float32

@@ -28,7 +28,7 @@ from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 from specserve.train.run import TrainHeadSettings, check_same_run, train_head
-from tests.conftest import tiny_config
+from tests.conftest import DEVICES, tiny_config
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
 TARGET = tiny_config("qwen2", num_layers=8)
@@ -44,8 +44,8 @@ def sharp_target() -> Decoder:
     return target
 
 
-def trainer_on_one_text(method_name: str, folder, steps: int, **loop) -> Trainer:
-    target, method = sharp_target(), METHODS[method_name]()
+def trainer_on_one_text(method_name: str, folder, steps: int, device: str = "cpu", **loop) -> Trainer:
+    target, method = sharp_target().to(device), METHODS[method_name]()
     text = torch.randint(0, TARGET.vocab_size, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     spec = method.feature_spec(TARGET)
     keys = compute_features(target, {"text": Sample(text, 0)}, spec, 8, folder, time.monotonic() + 600)
@@ -54,12 +54,13 @@ def trainer_on_one_text(method_name: str, folder, steps: int, **loop) -> Trainer
     torch.manual_seed(2)
     head = method.new_head(TARGET, target.embed_tokens, vocab, target.lm_head.weight.detach()[vocab.target_ids])
     settings = LoopSettings(steps=steps, lr=1e-2, warmup_steps=5, window=64, batch_tokens=128, **loop)
-    return Trainer(method, head, data, vocab, settings, folder / "checkpoint.pt")
+    return Trainer(method, head, data, vocab, settings, folder / "checkpoint.pt", torch.device(device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method_name", METHODS)
-def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name):
-    trainer = trainer_on_one_text(method_name, tmp_path, steps=60)
+def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name, device):
+    trainer = trainer_on_one_text(method_name, tmp_path, steps=60, device=device)
     before = trainer.evaluate(held_out=False)
     losses = []
     trainer.run(time.monotonic() + 600, lambda figures: losses.append(figures.loss.item()))
@@ -69,7 +70,8 @@ def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name
     # The trained head's public layout loads, and scores as it did.
     save_head(trainer.head, tmp_path / "head")
     loaded = load_head(tmp_path / "head", TARGET, method_name)
-    assert all(torch.equal(a, b) for a, b in zip(trainer.head.state_dict().values(), loaded.state_dict().values()))
+    trained = trainer.head.state_dict().values()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(trained, loaded.state_dict().values()))
 
 
 def test_a_head_is_measured_over_more_steps_than_it_trains(tmp_path):
@@ -115,13 +117,20 @@ def test_feature_noise_is_bounded_by_each_positions_size():
 
 
 def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
-    settings = TrainHeadSettings("qwen2.5-coder-1.5b")
+    settings = TrainHeadSettings("qwen2.5-coder-1.5b", device="cpu").resolved()
     stored = json.loads(json.dumps(settings.deciding_result(), default=str))
-    del stored["loop"]["feature_noise"], stored["ttt_length"]
+    del stored["loop"]["feature_noise"], stored["ttt_length"], stored["device"]  # a run from before --device: the CPU
     (tmp_path / "run.json").write_text(json.dumps(stored))
     check_same_run(tmp_path, settings)  # not refused
     with pytest.raises(ConfigError, match=r"other settings \(loop\)"):
         check_same_run(tmp_path, dataclasses.replace(settings, loop=LoopSettings(steps=None, feature_noise=0.1)))
+
+
+def test_auto_settings_resolve_for_the_device():
+    on_cpu = TrainHeadSettings("smollm2-135m", device="cpu").resolved()
+    assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 8)
+    mine = TrainHeadSettings("smollm2-135m", device="cpu", quantization="none", max_num_seqs=3).resolved()
+    assert (mine.quantization, mine.max_num_seqs) == ("none", 3)
 
 
 def test_estimated_acceptance_length_chains_the_steps():
@@ -185,8 +194,9 @@ def smollm2(prepared_cache, tmp_path, monkeypatch):
     return folder
 
 
-def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tmp_path, capsys, monkeypatch):
-    command = ["train-head", str(smollm2), "--name", "tiny", *TINY_RUN]
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tmp_path, capsys, monkeypatch, device):
+    command = ["train-head", str(smollm2), "--name", "tiny", "--device", device, *TINY_RUN]
     steps_run = []
     original_step = Trainer.train_step
 
@@ -208,6 +218,7 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
     assert folder == tmp_path / "heads" / "tiny" and not work.exists()
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
     report = json.loads((folder / "training.json").read_text())
+    assert report["device"] == device and report["quantization"] == "none"
     assert report["training"]["steps"] == 4 and report["data"]["answers"] == 6 == len(answers.splitlines())
     assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
     head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
@@ -224,6 +235,14 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
         (["smollm2-135m", "--max-minutes", "0"], "--max-minutes must be > 0"),
         (["smollm2-135m", "--max-answers", "1"], "--max-answers must be >= 2"),
         (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
+        (["smollm2-135m", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["smollm2-135m", "--device", "tpu"], "use auto, cpu, cuda or cuda:N"),
+        *([] if torch.cuda.is_available() else [(["smollm2-135m", "--device", "cuda"], "use --device cpu")]),
+        *(
+            [(["smollm2-135m", "--device", "cuda", "-q", "int4"], "on cuda use --quantization none")]
+            if torch.cuda.is_available()
+            else []
+        ),
     ],
 )
 def test_refusals_name_the_fix(prepared_cache, capsys, monkeypatch, args, words):
