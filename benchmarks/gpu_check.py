@@ -3,8 +3,9 @@ memory roofline (eager, CUDA graphs, graphs with --compile), what on-device samp
 pieces cost, long contexts, the ceiling
 of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
 heads', for a greedy request and at `--sampled-ks` for a seeded sampling one), adaptive
-k against plain decoding by batch size, transformers' static cache, and a streamed chat
-through `specserve serve` (plainly and with a random EAGLE-3 head).
+k against plain decoding by batch size, transformers' static cache, a streamed chat
+through `specserve serve` (plainly and with a random EAGLE-3 head), and what `specserve
+train-head --device cuda` makes of a budget (answers and training steps a minute).
 
 Speed does not depend on the weights' values, so every model here has random weights of
 a catalogue model's shapes: only its config.json is read, and the served model's
@@ -77,6 +78,7 @@ SECTIONS = (  # in order
     "long",
     "serve",
     "transformers",
+    "train",
 )
 # gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
 # max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling); single: one
@@ -639,6 +641,17 @@ def section_transformers(table: Table, args, files: Path, device: torch.device) 
         )
 
 
+def write_random_checkpoint(folder: Path, config: ModelConfig, files: Path, device: torch.device, seed: int) -> None:
+    """A checkpoint folder of `random_decoder`'s weights with the tokenizer files of `files`."""
+    model = random_decoder(config, device, seed)
+    checkpoint.write_checkpoint(folder, config, {k: v.cpu() for k, v in model.hf_state_dict().items()})
+    del model
+    release_memory()
+    for name in TOKENIZER_FILES:
+        if (files / name).is_file():
+            shutil.copy(files / name, folder / name)
+
+
 def section_serve(table: Table, args, config: ModelConfig, files: Path, device: torch.device) -> None:
     """A random checkpoint of the draft's shapes (the smaller) with the target's
     tokenizer, served as a user would, plainly and with each of `--serve-heads` (a
@@ -646,13 +659,7 @@ def section_serve(table: Table, args, config: ModelConfig, files: Path, device: 
     request each."""
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-served-"))
     try:
-        model = random_decoder(config, device, seed=2)
-        checkpoint.write_checkpoint(folder / "model", config, {k: v.cpu() for k, v in model.hf_state_dict().items()})
-        del model
-        release_memory()
-        for name in TOKENIZER_FILES:
-            if (files / name).is_file():
-                shutil.copy(files / name, folder / "model" / name)
+        write_random_checkpoint(folder / "model", config, files, device, seed=2)
         for method in ["plain", *args.serve_heads]:
             options = []
             if method != "plain":
@@ -662,6 +669,48 @@ def section_serve(table: Table, args, config: ModelConfig, files: Path, device: 
                 options = ["--speculative-config", json.dumps(spec)]
             served = serve_one_chat(folder / "model", options, device, args.serve_timeout)
             table.add("serve", f"{method}: streamed chat, 64 tokens", *served)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def section_train(table: Table, args, config: ModelConfig, files: Path, device: torch.device) -> None:
+    """`specserve train-head` on the GPU, as a user runs it, for `--train-minutes`: a random
+    checkpoint of the target's shapes with its tokenizer (random weights seldom end an
+    answer, so nearly every one is `--answer-tokens` long), with `--train-args`, into a
+    cache of its own (sharing the compiled CPU kernels). Its training.json gives the rates:
+    answered tokens and training steps a minute."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-train-"))
+    try:
+        write_random_checkpoint(folder / "model", config, files, device, seed=3)
+        command = [sys.executable, "-m", "specserve.cli", "train-head", str(folder / "model"), "--device", str(device)]
+        command += ["--max-minutes", f"{args.train_minutes:g}", "--name", "check", "--json", *args.train_args.split()]
+        kernels = catalogue.cache_root() / "kernels"
+        if kernels.is_dir():
+            (folder / "cache").mkdir()
+            (folder / "cache" / "kernels").symlink_to(kernels)
+        env = os.environ | {"SPECSERVE_CACHE": str(folder / "cache")}
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.train_minutes * 60 + 300)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"train-head exited {done.returncode}: {done.stderr[-800:]}")
+        report = json.loads(done.stdout)
+        data, training, minutes = report["data"], report["training"], report["minutes"]
+        table.add(
+            "train",
+            f"answers, {report['quantization']} target, {args.train_minutes:g}-minute budget",
+            f"{data['answer_tokens_per_minute']:.0f} tok/min",
+            f"{data['answers']} answers, {data['answer_tokens']} tokens in {minutes['data']:.2f} min",
+            answer_tokens_per_minute=data["answer_tokens_per_minute"],
+        )
+        table.add(
+            "train",
+            f"{report['method']} head, {training['batch_tokens']} positions a step",
+            f"{training['steps'] / minutes['train']:.0f} steps/min",
+            f"{training['steps']} steps in {minutes['train']:.2f} min; the command took {seconds:.0f} s "
+            f"(load {minutes['load']:.2f} min)",
+            steps_per_minute=training["steps"] / minutes["train"],
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -768,6 +817,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sampling-rows", type=int_list, default=[1, 32, 256], help="rows the sampling section's pieces take"
     )
     parser.add_argument("--tokens", type=int, default=128, help="tokens a batch-1 run decodes")
+    parser.add_argument("--train-minutes", type=float, default=3, help="train-head's budget in the train section")
+    parser.add_argument(
+        "--train-args",
+        default="--answer-rounds 30",
+        help="more train-head flags in the train section (default: answers not capped by the instructions' 3 rounds)",
+    )
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens each sequence of a batch decodes")
     parser.add_argument("--ceiling-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the ceiling's settings")
@@ -809,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling": (section_ceiling, args, target_config, draft_config, device),
         "transformers": (section_transformers, args, target_files, device),
         "serve": (section_serve, args, draft_config, target_files, device),
+        "train": (section_train, args, target_config, target_files, device),
     }
     started = time.perf_counter()
     for section in args.sections:

@@ -59,3 +59,21 @@ def test_an_unknown_section_is_refused_by_name(capsys):
         gpu_check.main(["--sections", "plain,bogus"])
     assert exit.value.code == 2
     assert "unknown section(s) ['bogus']" in capsys.readouterr().err
+
+
+def test_the_train_section_reports_train_heads_rates(prepared_cache, tmp_path, monkeypatch):
+    """Run as on a GPU, here on the CPU: a random checkpoint of the test model's shapes
+    through `specserve train-head`, its training.json read into two rows."""
+    from specserve import catalogue
+    from specserve.model import native
+
+    monkeypatch.setenv("SPECSERVE_CACHE", prepared_cache)
+    folder = catalogue.prepare("smollm2-135m")
+    native.library()  # compiled once, into the cache whose kernels the section shares
+    out = tmp_path / "check.json"
+    args = ["--device", "cpu", "--models", str(folder.parent), "--target", folder.name, "--draft", folder.name]
+    args += ["--sections", "train", "--train-minutes", "1", "--train-args", "-q none --answer-tokens 16"]
+    assert gpu_check.main([*args, "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["what"].split(",")[0] for r in rows if r["section"] == "train"] == ["answers", "eagle3 head"], rows
+    assert min(r.get("answer_tokens_per_minute", r.get("steps_per_minute")) for r in rows[1:]) > 0
