@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specserve.engine.sequence import Sequence
@@ -191,22 +192,37 @@ class FeatureSet:
 
     @classmethod
     def load(cls, folder: Path, keys: list[str]) -> FeatureSet:
-        parts = [load_file(str(sample_path(folder, key))) for key in keys]
-        samples, trained, start = [], [], 0
-        for part in parts:
-            length = len(part["token_ids"])
-            positions = torch.arange(length)
-            trained.append((positions + 1 >= int(part["first_trained"])) & (positions + 1 < length))
-            samples.append((start, start + length, bool(part["held_out"])))
-            start += length
-        return cls(
-            token_ids=torch.cat([p["token_ids"] for p in parts]),
-            features=torch.cat([p["features"] for p in parts]),
-            top_ids=torch.cat([p["top_ids"] for p in parts]),
-            top_probs=torch.cat([p["top_probs"] for p in parts]),
-            trained=torch.cat(trained),
-            samples=samples,
+        """The samples' files in order, read one at a time into tensors allocated once:
+        the host holds the data and one sample, not the data twice (a GPU's answers can
+        take tens of GB)."""
+        paths = [str(sample_path(folder, key)) for key in keys]
+        if not paths:
+            raise ValueError("a feature set needs at least one sample")
+        lengths = []
+        for path in paths:
+            with safe_open(path, framework="pt") as part:
+                lengths.append(part.get_slice("token_ids").get_shape()[0])
+                shapes = {name: part.get_slice(name).get_shape()[1:] for name in ("features", "top_ids", "top_probs")}
+        total = sum(lengths)
+        data = cls(
+            token_ids=torch.empty(total, dtype=torch.int64),
+            features=torch.empty(total, *shapes["features"], dtype=torch.bfloat16),
+            top_ids=torch.empty(total, *shapes["top_ids"], dtype=torch.int64),
+            top_probs=torch.empty(total, *shapes["top_probs"], dtype=torch.float32),
+            trained=torch.empty(total, dtype=torch.bool),
+            samples=[],
         )
+        start = 0
+        for path, length in zip(paths, lengths):
+            part = load_file(path)
+            rows = slice(start, start + length)
+            for name in ("token_ids", "features", "top_ids", "top_probs"):
+                getattr(data, name)[rows] = part[name]
+            positions = torch.arange(length)
+            data.trained[rows] = (positions + 1 >= int(part["first_trained"])) & (positions + 1 < length)
+            data.samples.append((start, start + length, bool(part["held_out"])))
+            start += length
+        return data
 
     def windows(self, held_out: bool, length: int) -> list[tuple[int, int]]:
         """[start, end) row ranges of at most `length` positions covering the samples of

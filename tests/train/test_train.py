@@ -23,7 +23,7 @@ from specserve.model.decoder import Decoder
 from specserve.spec.heads.checkpoint import load_head, save_head
 from specserve.train.data import AnswerSettings, Sample, answer_instructions, load_instructions
 from specserve.train.eagle import EagleMethod
-from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
+from specserve.train.features import AnswerRecorder, FeatureSet, FeatureSpec, compute_features
 from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -72,6 +72,23 @@ def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name
     loaded = load_head(tmp_path / "head", TARGET, method_name)
     trained = trainer.head.state_dict().values()
     assert all(torch.equal(a.cpu(), b) for a, b in zip(trained, loaded.state_dict().values()))
+
+
+def test_a_feature_set_holds_its_samples_in_order(tmp_path):
+    target = sharp_target()
+    texts = {
+        f"text-{i}": Sample(list(range(3 + 5 * i, 20 + 9 * i)), first_trained=i, held_out=i == 1) for i in range(3)
+    }
+    keys = compute_features(target, texts, FeatureSpec(layers=(2, 4)), 4, tmp_path, time.monotonic() + 600)
+    data = FeatureSet.load(tmp_path, keys)
+    parts = [load_file(str(tmp_path / f"{key}.safetensors")) for key in keys]
+    for name in ("token_ids", "features", "top_ids", "top_probs"):
+        assert torch.equal(getattr(data, name), torch.cat([part[name] for part in parts])), name
+    lengths = [len(sample.token_ids) for sample in texts.values()]
+    starts = [0, lengths[0], lengths[0] + lengths[1]]
+    assert data.samples == [(s, s + n, i == 1) for i, (s, n) in enumerate(zip(starts, lengths))]
+    # Position p is trained where p + 1 is in the sample's trained part: from first_trained on, the last excluded.
+    assert data.trained.tolist() == [first <= p + 1 < n for first, n in zip(range(3), lengths) for p in range(n)]
 
 
 def test_a_head_is_measured_over_more_steps_than_it_trains(tmp_path):
