@@ -277,9 +277,14 @@ def test_an_unknown_method_is_refused(capsys):
         train_head(TrainHeadSettings("smollm2-135m", method="lookahead"))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method_name", ["eagle3", "medusa"])
-def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_path, method_name):
+def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_path, method_name, static):
+    """static: the target's steps in a cache pool, as CUDA graphs take them on a GPU
+    (train-head there); on the CPU the same static steps run eagerly."""
     target = catalogue.load_model(str(smollm2), torch.float32)
+    if static:
+        target.decoder.use_cuda_graphs(2, 256)
     spec = METHODS[method_name]().feature_spec(target.config)
     settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0, rounds=2)
     answers, stats = answer_instructions(
