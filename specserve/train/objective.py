@@ -55,7 +55,7 @@ class Batch:
     trained: torch.Tensor  # [B, T] bool: the token after the position is trained; False on padding
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(x.to(device, non_blocking=True) for x in dataclasses.astuple(self)))
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 def shifted(x: torch.Tensor, by: int) -> torch.Tensor:
