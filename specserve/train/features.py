@@ -202,7 +202,8 @@ class FeatureSet:
         for path in paths:
             with safe_open(path, framework="pt") as part:
                 lengths.append(part.get_slice("token_ids").get_shape()[0])
-                shapes = {name: part.get_slice(name).get_shape()[1:] for name in ("features", "top_ids", "top_probs")}
+        with safe_open(paths[0], framework="pt") as part:  # every sample's rows have one width
+            shapes = {name: part.get_slice(name).get_shape()[1:] for name in ("features", "top_ids", "top_probs")}
         total = sum(lengths)
         data = cls(
             token_ids=torch.empty(total, dtype=torch.int64),
