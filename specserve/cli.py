@@ -433,6 +433,13 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
         default=defaults.answer_rounds,
         help="answers per instruction at most, each from its own seed, round by round as far as the budget goes",
     )
+    data.add_argument(
+        "--written-instructions",
+        type=int,
+        default=defaults.written_instructions,
+        help="instructions the target is asked to write (Self-Instruct style, from the bundled ones) and answers, "
+        "once the bundled instructions' rounds are asked (default: as many as the budget allows; 0: none)",
+    )
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
     data.add_argument(
@@ -514,6 +521,7 @@ def run_train_head(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_answers=args.max_answers,
             answer_rounds=args.answer_rounds,
+            written_instructions=args.written_instructions,
             answer_tokens=args.answer_tokens,
             temperature=args.temperature,
             max_num_seqs=args.max_num_seqs,

@@ -126,6 +126,10 @@ class AnswerRecorder:
         if run is not None:
             self.finished[seq_id] = run
 
+    def discard(self, seq_id: int) -> None:
+        """Forget a finished sequence that is no sample (a written instruction)."""
+        self.finished.pop(seq_id, None)
+
     def save(self, seq: Sequence, key: str, held_out: bool) -> bool:
         """Write a finished answer's sample (as `sample_features` would) as `key`; False
         where its features do not cover every fed position (nothing written)."""

@@ -36,7 +36,7 @@ from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import check_device_format, default_dtype, resolve_device
 from specserve.spec.heads.checkpoint import save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, chat, load_instructions, stdlib_samples
+from specserve.train.data import AnswerSettings, Sample, answer_instructions, longest_sequence, stdlib_samples
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
@@ -73,6 +73,9 @@ class TrainHeadSettings:
     dtype: str = "auto"  # auto, float32 or bfloat16
     max_answers: int | None = None  # instructions; None: every bundled one, as far as the budget goes
     answer_rounds: int = 3  # answers per instruction at most, each from its own seed
+    # Instructions the target is asked to write, and answers, once the bundled ones' rounds
+    # are asked; None: as many as the budget allows. A GPU answers the rounds in minutes.
+    written_instructions: int | None = None
     answer_tokens: int = 256
     temperature: float = 0.8
     max_num_seqs: int | None = None  # answers at once; None: the device's (ANSWERS_AT_ONCE)
@@ -115,6 +118,8 @@ class TrainHeadSettings:
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.written_instructions is not None and self.written_instructions < 0:
+            raise ConfigError(f"--written-instructions must be >= 0, got {self.written_instructions}")
         if self.top_k > MAX_LOGPROBS:
             raise ConfigError(
                 f"--top-k must be <= {MAX_LOGPROBS} (the logprobs an answer is recorded with), got {self.top_k}"
@@ -274,8 +279,11 @@ class Run:
             settings.max_num_seqs,
             settings.seed,
             settings.answer_rounds,
+            settings.written_instructions,
         )
-        wanted = None if settings.max_answers is None else settings.max_answers * settings.answer_rounds
+        wanted = None  # answers at most, where they are bounded
+        if settings.max_answers is not None and settings.written_instructions == 0:
+            wanted = settings.max_answers * settings.answer_rounds
         with tqdm(desc="answers", total=wanted, unit=" answers") as bar:
             answered_tokens = []
 
@@ -344,7 +352,7 @@ class Run:
 
     def report(self, data: FeatureSet, vocab: DraftVocab, trainer: Trainer, agreement, samples) -> dict:
         settings, minutes = self.settings, self.clock.minutes
-        answers = [s for key, s in samples.items() if key.startswith("answer-")]
+        answers = [s for key, s in samples.items() if not key.startswith("stdlib-")]
         answer_tokens = sum(len(s.token_ids) - s.first_trained for s in answers)
         held_out_rows = torch.cat([torch.arange(start, end) for start, end, out in data.samples if out])
         held_out_rows = held_out_rows[data.trained[held_out_rows]]
@@ -366,6 +374,7 @@ class Run:
             },
             "data": {
                 "answers": len(answers),
+                "written_instructions": sum(key.startswith("written-") for key in samples),
                 "answer_tokens": answer_tokens,
                 "answers_per_minute": round(len(answers) / minutes["data"], 2) if minutes.get("data") else None,
                 "answer_tokens_per_minute": round(answer_tokens / minutes["data"], 1) if minutes.get("data") else None,
@@ -411,8 +420,8 @@ def load_target(settings: TrainHeadSettings) -> catalogue.LoadedModel:
     compile = None if device.type == "cuda" else False
     target = catalogue.load_model(settings.target, dtype, settings.quantization, compile=compile, device=device)
     if device.type == "cuda":
-        prompt = max(len(target.tokenizer.encode_chat(chat(i))) for i in load_instructions())
-        positions = max(prompt + settings.answer_tokens, settings.loop.window)  # an answer, or a piece of text
+        answers = longest_sequence(target.tokenizer, settings.answer_tokens)
+        positions = max(answers, settings.loop.window)  # an answer, or a piece of text
         use_cuda_graphs([target.decoder], settings.max_num_seqs, positions, asked=False)
     return target
 

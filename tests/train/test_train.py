@@ -1,7 +1,8 @@
 """`specserve train-head`: heads learn the target (overfitting one text), training resumes step for
-step, answers' features recorded as they are generated equal a teacher-forced read, the command
-writes a head `load_head` reads and resumes after an interruption, refusals name their fix, and
-the bundled instructions are not the benchmark's prompts."""
+step, answers' features recorded as they are generated equal a teacher-forced read (written
+instructions' answers too), the command writes a head `load_head` reads and resumes after an
+interruption, refusals name their fix, the bundled instructions are not the benchmark's prompts,
+and instructions the target writes are new, never held-out ones' kin."""
 
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from specserve.errors import ConfigError, ModelLoadError
 from specserve.model import checkpoint, native
 from specserve.model.decoder import Decoder
 from specserve.spec.heads.checkpoint import load_head, save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, load_instructions
+from specserve.tokenizer import Tokenizer
+from specserve.train.data import (
+    WRITE_TOKENS,
+    AnswerSettings,
+    InstructionWriter,
+    Sample,
+    answer_instructions,
+    load_instructions,
+    longest_sequence,
+    read_answers,
+)
 from specserve.train.eagle import EagleMethod
 from specserve.train.features import AnswerRecorder, FeatureSet, FeatureSpec, compute_features
 from specserve.train.loop import LoopSettings, Trainer, with_noise
@@ -187,6 +198,8 @@ TINY_RUN = [
     "2",
     "--answer-tokens",
     "12",
+    "--written-instructions",
+    "1",
     "--stdlib-tokens",
     "48",
     "--draft-vocab-size",
@@ -236,7 +249,8 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
     report = json.loads((folder / "training.json").read_text())
     assert report["device"] == device and report["quantization"] == "none"
-    assert report["training"]["steps"] == 4 and report["data"]["answers"] == 6 == len(answers.splitlines())
+    assert report["training"]["steps"] == 4 and report["data"]["answers"] == len(answers.splitlines())
+    assert report["data"]["answers"] == 6 + report["data"]["written_instructions"]
     assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
     head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
     assert head.config.draft_vocab_size == 256 and head.config.feature_layers == (2, 15, 27)
@@ -253,6 +267,7 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
         (["smollm2-135m", "--max-answers", "1"], "--max-answers must be >= 2"),
         (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
         (["smollm2-135m", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["smollm2-135m", "--written-instructions", "-1"], "--written-instructions must be >= 0"),
         (["smollm2-135m", "--device", "tpu"], "use auto, cpu, cuda or cuda:N"),
         *([] if torch.cuda.is_available() else [(["smollm2-135m", "--device", "cuda"], "use --device cpu")]),
         *(
@@ -286,7 +301,7 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
     if static:
         target.decoder.use_cuda_graphs(2, 256)
     spec = METHODS[method_name]().feature_spec(target.config)
-    settings = AnswerSettings(max_answers=3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0, rounds=2)
+    settings = AnswerSettings(3, max_tokens=10, temperature=0.8, max_num_seqs=2, seed=0, rounds=2, written=1)
     answers, stats = answer_instructions(
         target.decoder,
         target.tokenizer,
@@ -296,10 +311,13 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
         recorder=AnswerRecorder(spec, top_k=8, folder=tmp_path / "recorded"),
     )
     samples = dict(zip(stats.keys, answers))
-    assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples) and len(samples) == 6
+    assert sorted(p.stem for p in (tmp_path / "recorded").iterdir()) == sorted(samples)
     # The first instruction of the seeded order is held out, in every round; a round's seeds are its own.
-    assert [s.held_out for s in samples.values()] == [True, False, False] * 2
-    assert [s.token_ids for s in answers[:3]] != [s.token_ids for s in answers[3:]]
+    assert [s.held_out for s in answers[:6]] == [True, False, False] * 2
+    assert [s.token_ids for s in answers[:3]] != [s.token_ids for s in answers[3:6]]
+    # Then the instruction it wrote (kept, from this seed), trained on, never held out.
+    assert stats.keys[6:] == ["written-000000"]
+    assert not any(s.held_out for s in answers[6:])
     compute_features(target.decoder, samples, spec, 8, tmp_path / "read", time.monotonic() + 600)
     for key in samples:
         recorded, read = (load_file(str(tmp_path / folder / f"{key}.safetensors")) for folder in ("recorded", "read"))
@@ -312,6 +330,56 @@ def test_answers_recorded_as_generated_equal_a_teacher_forced_read(smollm2, tmp_
         assert torch.equal(recorded["top_ids"][trained], read["top_ids"][trained])
         assert torch.allclose(recorded["top_probs"][trained], read["top_probs"][trained], atol=1e-4)
         assert not recorded["top_probs"][~trained].any()
+
+
+def test_written_instructions_are_new_and_shown_no_held_out_instruction(smollm2):
+    tokenizer = Tokenizer.from_dir(smollm2)
+    instructions = load_instructions()
+    held_out = set(range(0, len(instructions), 10))
+    shown = [i for i in range(len(instructions)) if i not in held_out]
+    writer = InstructionWriter(tokenizer, instructions, shown, seed=0, limit=40)
+    kinds = sorted({i.kind for i in instructions})
+    attempts = list(iter(lambda: writer.take_attempt({"written-000001": {}}), None))
+    assert attempts == [0, *range(2, 40)]  # the attempt answered already is skipped
+    for attempt in attempts:
+        request = tokenizer.decode(writer.prompt_ids(attempt))
+        assert not [i for i in held_out if instructions[i].prompt in request]
+        shown_kinds = {i.kind for i in instructions if i.prompt in request}
+        assert shown_kinds == {kinds[attempt % len(kinds)]}  # each kind in turn
+        assert tokenizer.decode(writer.prompt_ids(attempt)) == request  # the same examples every time
+
+    def kept(text: str, finish_reason: str = "stop") -> str | None:
+        return writer.kept(tokenizer.encode(text, add_special_tokens=False), finish_reason)
+
+    assert kept('2. "Write a haiku about rust and tides."') == "Write a haiku about rust and tides."
+    assert kept("Write a haiku about RUST and tides!") is None  # known already
+    assert kept("Name three rivers of Peru.", "length") is None  # cut short
+    assert kept(instructions[5].prompt) is None  # a bundled one
+    benchmark = next(iter(SUITES["structured"].values()))
+    assert kept(f"Please: {benchmark}") is None and kept("  \n ") is None
+    assert kept("word " * (WRITE_TOKENS + 1)) is None
+    assert kept("Name three rivers of Peru.") == "Name three rivers of Peru."
+
+
+def test_written_answers_resume_and_fit_the_longest_sequence(smollm2, tmp_path):
+    target = catalogue.load_model(str(smollm2), torch.float32)
+    settings = AnswerSettings(2, max_tokens=6, temperature=0.8, max_num_seqs=2, seed=0, rounds=1, written=1)
+    answers_file = tmp_path / "answers.jsonl"
+    answers, stats = answer_instructions(
+        target.decoder, target.tokenizer, settings, answers_file, time.monotonic() + 600
+    )
+    lines = answers_file.read_text()
+    written = [r for r in read_answers(answers_file).values() if "written" in r]
+    assert written and all(
+        r["instruction"] and r["instruction"] in target.tokenizer.decode(r["prompt_ids"]) for r in written
+    )
+    longest = longest_sequence(target.tokenizer, settings.max_tokens)
+    assert max(len(s.token_ids) for s in answers) <= longest
+    # Again on the same file: the same samples, no answer asked again.
+    again, stats_again = answer_instructions(
+        target.decoder, target.tokenizer, settings, answers_file, time.monotonic() + 600
+    )
+    assert answers_file.read_text() == lines and stats_again.keys == stats.keys and again == answers
 
 
 def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):
