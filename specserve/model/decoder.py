@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -533,7 +533,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:  # [R, width] float32 on self.device: logits of token ids [0, width)
         """Append the segments' tokens to their caches and return logits for chosen rows."""
         assert input_ids.shape[0] == sum(s.num_tokens for s in segments)
-        if self.batch_invariant:
+        if self.batch_invariant or self.on_avx2_kernel:
             segments = [dataclasses.replace(s, one_query_at_a_time=True) for s in segments]
         elif self.device.type != "cpu":
             # Query by query matches plain decoding's rounding on the CPU kernels; a GPU's
@@ -764,6 +764,14 @@ class Decoder(nn.Module):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, kind(child))
+
+    @cached_property
+    def on_avx2_kernel(self) -> bool:
+        """Whether layers run on our AVX2 int4 kernel (quant.py). Its rows are batch
+        invariant, but its int8 activations turn SDPA's rounding of a prompt chunk into
+        other tokens, so there every segment attends query by query, as `Segment` says
+        our C attention does elsewhere (prompts then read about 3% slower)."""
+        return any(isinstance(m, QuantizedLinear) and m.avx2 for m in self.modules())
 
     def make_batch_invariant(self) -> None:
         """Compute every token bitwise the same whatever else shares its forward pass:

@@ -19,7 +19,7 @@ cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads t
 and calls them (ctypes releases the GIL for each call). They run on x86-64 Linux CPUs
 with AVX-512 VNNI and a C compiler (`$CC`, else `cc`). Where either is missing, or
 `SPECSERVE_NATIVE_KERNELS=0` is set, the callers use PyTorch instead: the same
-weights, bfloat16 activations, slower.
+weights, bfloat16 activations, slower (int4 layers on AVX2 CPUs: avx2.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ COMPILE_FLAGS = (
 
 
 @lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -74,56 +74,67 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot run here, or None when it can."""
+def platform_reason() -> str | None:
+    """Why no kernel of ours can run here whatever the CPU's flags, or None."""
     if os.environ.get("SPECSERVE_NATIVE_KERNELS", "1") == "0":
         return "SPECSERVE_NATIVE_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"it needs x86-64 Linux, not {platform.system()} {platform.machine()}"
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
     if _compiler() is None:
         return "no C compiler (set CC, or install gcc)"
     return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None when it can."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    if missing and platform_reason() is None:
+        return f"the CPU lacks {', '.join(missing)}"
+    return platform_reason()
 
 
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _library_path(compiler: str) -> Path:
+def built_library(stem: str, sources: list[Path], flags: tuple[str, ...]) -> Path:
+    """The shared library of `sources` compiled with `flags`, in the artifacts cache as
+    STEM-HASH.so (the hash of the sources, flags and compiler), compiled if missing."""
     from specserve.catalogue import cache_root  # models imports this package
 
+    compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]"))))
-    key.update(" ".join(COMPILE_FLAGS).encode() + version.encode())
-    return cache_root() / "kernels" / f"specserve-kernels-{key.hexdigest()[:16]}.so"
+    headers = sorted({h for source in sources for h in source.parent.glob("*.h")})
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(sources) + headers))
+    key.update(" ".join(flags).encode() + version.encode())
+    target = cache_root() / "kernels" / f"{stem}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        logger.info("compiling our CPU kernels into %s", target)
+        compile_kernels(target, sources, compiler, flags)
+        # Libraries built from older sources are never loaded again (the name is their
+        # sources' hash); a process that has one loaded keeps its mapping.
+        for stale in target.parent.glob(f"{stem}-*.so"):
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    return target
 
 
-def compile_kernels(target: Path, sources: list[Path] = SOURCES, compiler: str | None = None) -> None:
+def compile_kernels(
+    target: Path, sources: list[Path] = SOURCES, compiler: str | None = None, flags: tuple[str, ...] = COMPILE_FLAGS
+) -> None:
     """Compile the kernel sources into the shared library `target` (benchmarks/kernel_ab.py
-    builds another revision's sources with it)."""
+    builds another revision's sources with it; avx2.py its own sources and flags)."""
     compiler = compiler or _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile beside the target and rename: a process loading it never sees half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, *map(str, sources), "-lm", "-o", str(built)], capture_output=True, text=True
+            [compiler, *flags, *map(str, sources), "-lm", "-o", str(built)], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to compile our kernels:\n{result.stderr[-2000:]}")
         os.replace(built, target)
-
-
-def _compile(compiler: str, target: Path) -> None:
-    compile_kernels(target, compiler=compiler)
-    # Libraries built from older sources are never loaded again (the name is their
-    # sources' hash); a process that has one loaded keeps its mapping.
-    for stale in target.parent.glob("specserve-kernels-*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)
@@ -132,12 +143,7 @@ def library() -> ctypes.CDLL | None:
     reason = unavailable_reason()
     if reason is None:
         try:
-            compiler = _compiler()
-            path = _library_path(compiler)
-            if not path.exists():
-                logger.info("compiling our CPU kernels into %s", path)
-                _compile(compiler, path)
-            return load_library(path)
+            return load_library(built_library("specserve-kernels", SOURCES, COMPILE_FLAGS))
         except (OSError, RuntimeError) as error:
             reason = str(error)
     logger.info("PyTorch runs the quantized layers and norms: our kernels are unavailable (%s)", reason)

@@ -14,7 +14,8 @@ weights take (with float32 activations they are 10x slower).
   plain min..max rounding would shift it.
 
 Our kernel (`native`) multiplies them by activations quantized to int8 per group of
-32, where the CPU has AVX-512 VNNI and a C compiler is present; elsewhere
+32, where the CPU has AVX-512 VNNI and a C compiler is present; where it has AVX2
+only, our int4 kernel for it (`avx2`) runs the int4 layers; elsewhere
 `torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu` do, with
 bfloat16 activations.
 
@@ -31,7 +32,7 @@ from torch import nn
 
 from specserve.config import QUANTIZATIONS
 from specserve.errors import ConfigError
-from specserve.model import native
+from specserve.model import avx2, native
 
 # Part of the cache file's name: a change to how weights are quantized bumps it, so
 # files made by older code are not loaded as if they were current.
@@ -90,7 +91,8 @@ class QuantizedLinear(nn.Module):
     """A linear layer with int8 or int4 weights; x [T, in] bfloat16 -> [T, out] bfloat16.
 
     Runs our kernel (`native`: int8 activations, weights read once for all
-    rows, rows batch invariant) where it can run, else PyTorch's."""
+    rows, rows batch invariant) where it can run, else an int4 layer on our AVX2 kernel
+    (`avx2`: int8 activations, rows batch invariant) where that can, else PyTorch's."""
 
     def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -98,11 +100,14 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features = qweight.shape[1] * (8 // bits)
         self.out_features = qweight.shape[0]
         self.native = native.supports(in_features)
+        self.avx2 = bits == 4 and avx2.supports(in_features)
         zeros = None
         if self.native and bits == 8:
             qweight = native.pack_int8(qweight)  # [out, in] uint8
         elif self.native:
             qweight, scales, zeros = native.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2
+        elif self.avx2:
+            qweight, scales, zeros = avx2.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2 (s, m)
         elif bits == 8:
             # A copy: tensors read from a safetensors file can sit at any byte offset, and
             # the int8 kernel's multi-row path crashes on a weight that is not aligned.
@@ -126,6 +131,8 @@ class QuantizedLinear(nn.Module):
         x = x.contiguous()
         if self.native:
             return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias)
+        if self.avx2:
+            return avx2.int4_matmul(x, self.weight, self.scales, self.zeros, self.bias)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         else:
@@ -136,11 +143,12 @@ class QuantizedLinear(nn.Module):
         """This layer computing only its outputs [0, n), on views of its weights: every
         layout here keeps an output's weights, scales and zeros in its own row, except
         PyTorch's int4 pack (our heads are int8 in any case)."""
-        if self.bits == 4 and not self.native:
+        if self.bits == 4 and not (self.native or self.avx2):
             raise ConfigError("a layer on PyTorch's int4 kernel cannot be cut to its first rows")
         rows = QuantizedLinear.__new__(QuantizedLinear)
         nn.Module.__init__(rows)
-        rows.bits, rows.in_features, rows.out_features, rows.native = self.bits, self.in_features, n, self.native
+        rows.bits, rows.in_features, rows.out_features = self.bits, self.in_features, n
+        rows.native, rows.avx2 = self.native, self.avx2
         for name, tensor in self._buffers.items():
             rows.register_buffer(name, None if tensor is None else tensor[:n], persistent=False)  # [n, ...] views
         return rows

@@ -11,8 +11,8 @@ and teacher-forced standard-library source.
   answer is appended to a JSON-lines file at once: a run stopped by its budget or
   interrupted resumes with the answers it has.
 - Written instructions: once every bundled instruction's rounds are asked, the target
-  writes new instructions, Self-Instruct style: shown three trained (never held-out)
-  bundled instructions of one kind, it writes one more of that kind, and answers it.
+  writes new instructions, Self-Instruct style: shown three bundled instructions of one
+  kind (never a held-out one), it writes one more of that kind, and answers it.
   Attempt j's examples and seeds derive from `seed` and j alone. A written instruction
   that runs past `WRITE_TOKENS`, repeats one already known or overlaps a benchmark
   prompt (bench/suites.py) is dropped. Written instructions are trained on, never held
