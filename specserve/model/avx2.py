@@ -1,13 +1,12 @@
-"""Our int4 kernel for x86-64 CPUs with AVX2 but without AVX-512 VNNI (kernels/avx2/),
-where `native`'s kernels cannot run: compiled on first use, called through ctypes.
+"""Our int4 and int8 kernel for x86-64 CPUs with AVX2 but without AVX-512 VNNI
+(kernels/avx2/), where `native`'s kernels cannot run: compiled on first use, called
+through ctypes.
 
 On such a CPU PyTorch's int4 kernel is bound by its arithmetic: on a 2-core AVX2 EPYC
 (Zen 3, 30 GB/s) it reads the weights at about a third of the bandwidth, and a decode
-step of the int4 default target takes longer than the int8 one's. This kernel quantizes
+step of the int4 default target took longer than the int8 one's. This kernel quantizes
 activations to int8 per group of 32, as `native` does, and multiplies them with
-`vpmaddubsw`; its figures: benchmarks/EXPERIMENTS.md, "int4 on AVX2 CPUs". The int8
-layers (q/k/v and the LM head of an int4 model) stay on PyTorch's int8 kernel, which
-reads near the bandwidth there.
+`vpmaddubsw`; its figures: benchmarks/EXPERIMENTS.md, "int4 and int8 on AVX2 CPUs".
 
 Where `native` runs, it runs instead; `SPECSERVE_NATIVE_KERNELS=0` turns both off.
 """
@@ -47,21 +46,16 @@ def library() -> ctypes.CDLL | None:
     if reason is None:
         try:
             lib = ctypes.CDLL(str(native.built_library("specserve-avx2", SOURCES, COMPILE_FLAGS)))
-            lib.int4_matmul_avx2.restype = ctypes.c_int
-            lib.int4_matmul_avx2.argtypes = [
-                ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # x, T, K
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # levels, s, m, bias
-                ctypes.c_int, ctypes.c_void_p,  # N, y
-            ]  # fmt: skip
+            native.declare_quantized_matmul(lib)
             return lib
         except (OSError, RuntimeError) as error:
             reason = str(error)
-    logger.info("PyTorch runs the int4 layers: our AVX2 kernel is unavailable (%s)", reason)
+    logger.info("PyTorch runs the quantized layers: our AVX2 kernel is unavailable (%s)", reason)
     return None
 
 
 def supports(in_features: int) -> bool:
-    """Whether an int4 layer with this many inputs runs on this kernel (and not `native`'s)."""
+    """Whether a quantized layer with this many inputs runs on this kernel (and not `native`'s)."""
     return in_features % GROUP_SIZE == 0 and not native.supports(in_features) and library() is not None
 
 
@@ -74,28 +68,7 @@ def pack_int4(qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[to
     return qweight.contiguous().clone(), scale.contiguous(), (zero - 8 * scale).contiguous()
 
 
-def int4_matmul(
-    x: torch.Tensor, levels: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [T, K] bfloat16 -> [T, N] bfloat16 with weights from `pack_int4`, bias [N] bfloat16."""
-    lib = library()
-    assert lib is not None, "int4_matmul called where the AVX2 kernel is unavailable"
-    x = x.contiguous()
-    rows, in_features = x.shape
-    y = torch.empty(rows, levels.shape[0], dtype=torch.bfloat16)
-    if rows == 0:
-        return y
-    status = lib.int4_matmul_avx2(
-        x.data_ptr(),
-        rows,
-        in_features,
-        levels.data_ptr(),
-        s.data_ptr(),
-        m.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        levels.shape[0],
-        y.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError("int4_matmul_avx2 could not allocate its activation buffers")
-    return y
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Our int8 format (qweight [N, K] int8 in [-127, 127], scales [N] bfloat16) -> the
+    kernel's weights [N, K] int8 (the same, in memory of their own) and s [N] float32."""
+    return qweight.contiguous().clone(), scales.float().contiguous(), None

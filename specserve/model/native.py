@@ -150,17 +150,22 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def load_library(path: Path) -> ctypes.CDLL:
-    """A compiled kernel library with its functions' signatures declared."""
-    lib = ctypes.CDLL(str(path))
-    # Each line of arguments keeps its comment, which the formatter would move.
-    # fmt: off
+def declare_quantized_matmul(lib: ctypes.CDLL) -> None:
+    """The signature of `quantized_matmul`, ours and avx2.py's kernel's alike."""
     lib.quantized_matmul.restype = ctypes.c_int
     lib.quantized_matmul.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # bits, gated, x, T, K
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # weights, scale, zero, bias
         ctypes.c_int, ctypes.c_void_p,  # N, y
-    ]
+    ]  # fmt: skip
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """A compiled kernel library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    declare_quantized_matmul(lib)
+    # Each line of arguments keeps its comment, which the formatter would move.
+    # fmt: off
     lib.float_matmul.restype = None
     lib.float_matmul.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -249,10 +254,12 @@ def quantized_matmul(
     zero: torch.Tensor | None,
     bias: torch.Tensor | None,
     gated: bool = False,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [T, K] bfloat16 -> [T, N] bfloat16 with weights [N, ...] from `pack_int4` or
-    `pack_int8`; gated: -> [T, N/2] silu(gate) * up, the first N/2 rows being the gate's."""
-    lib = library()
+    `pack_int8`; gated: -> [T, N/2] silu(gate) * up, the first N/2 rows being the gate's.
+    lib: the library whose kernel runs (avx2.py's, with its own packing); ours by default."""
+    lib = lib or library()
     assert lib is not None, "quantized_matmul called where the kernel is unavailable"
     x = x.contiguous()
     rows, in_features = x.shape

@@ -15,7 +15,7 @@ weights take (with float32 activations they are 10x slower).
 
 Our kernel (`native`) multiplies them by activations quantized to int8 per group of
 32, where the CPU has AVX-512 VNNI and a C compiler is present; where it has AVX2
-only, our int4 kernel for it (`avx2`) runs the int4 layers; elsewhere
+only, our kernel for it (`avx2`) does the same; elsewhere
 `torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu` do, with
 bfloat16 activations.
 
@@ -91,8 +91,8 @@ class QuantizedLinear(nn.Module):
     """A linear layer with int8 or int4 weights; x [T, in] bfloat16 -> [T, out] bfloat16.
 
     Runs our kernel (`native`: int8 activations, weights read once for all
-    rows, rows batch invariant) where it can run, else an int4 layer on our AVX2 kernel
-    (`avx2`: int8 activations, rows batch invariant) where that can, else PyTorch's."""
+    rows, rows batch invariant) where it can run, else our AVX2 kernel (`avx2`: int8
+    activations, rows batch invariant) where that can, else PyTorch's."""
 
     def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -100,12 +100,14 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features = qweight.shape[1] * (8 // bits)
         self.out_features = qweight.shape[0]
         self.native = native.supports(in_features)
-        self.avx2 = bits == 4 and avx2.supports(in_features)
+        self.avx2 = avx2.supports(in_features)
         zeros = None
         if self.native and bits == 8:
             qweight = native.pack_int8(qweight)  # [out, in] uint8
         elif self.native:
             qweight, scales, zeros = native.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2
+        elif self.avx2 and bits == 8:
+            qweight, scales, zeros = avx2.pack_int8(qweight, scales)  # [out, in] int8, [out] float32, None
         elif self.avx2:
             qweight, scales, zeros = avx2.pack_int4(qweight, scales)  # [out, in/2], [out, in/32] x 2 (s, m)
         elif bits == 8:
@@ -129,10 +131,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if self.native:
-            return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias)
-        if self.avx2:
-            return avx2.int4_matmul(x, self.weight, self.scales, self.zeros, self.bias)
+        if self.native or self.avx2:
+            return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias, lib=self.lib)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         else:
@@ -156,9 +156,15 @@ class QuantizedLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a fused gate/up projection (the gate's rows first): silu(gate) * up,
         [T, in] -> [T, out / 2], in one kernel call where ours runs."""
-        if self.native:
-            return native.quantized_matmul(self.bits, x, self.weight, self.scales, self.zeros, self.bias, gated=True)
+        if self.native or self.avx2:
+            weights = (self.weight, self.scales, self.zeros, self.bias)
+            return native.quantized_matmul(self.bits, x, *weights, gated=True, lib=self.lib)
         return silu_and_mul(self(x))
+
+    @property
+    def lib(self):
+        """The library whose `quantized_matmul` runs this layer (None: native's)."""
+        return avx2.library() if self.avx2 else None
 
 
 def input_dtype(layer: nn.Module) -> torch.dtype:
