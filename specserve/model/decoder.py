@@ -767,7 +767,7 @@ class Decoder(nn.Module):
 
     @cached_property
     def on_avx2_kernel(self) -> bool:
-        """Whether layers run on our AVX2 int4 kernel (quant.py). Its rows are batch
+        """Whether layers run on our AVX2 kernel (quant.py, avx2.py). Its rows are batch
         invariant, but its int8 activations turn SDPA's rounding of a prompt chunk into
         other tokens, so there every segment attends query by query, as `Segment` says
         our C attention does elsewhere (prompts then read about 3% slower)."""

@@ -19,7 +19,7 @@ cache (`$SPECSERVE_CACHE/kernels/`), lays weights out the way the matmul reads t
 and calls them (ctypes releases the GIL for each call). They run on x86-64 Linux CPUs
 with AVX-512 VNNI and a C compiler (`$CC`, else `cc`). Where either is missing, or
 `SPECSERVE_NATIVE_KERNELS=0` is set, the callers use PyTorch instead: the same
-weights, bfloat16 activations, slower (int4 layers on AVX2 CPUs: avx2.py).
+weights, bfloat16 activations, slower (quantized layers on AVX2 CPUs: avx2.py).
 """
 
 from __future__ import annotations
