@@ -104,7 +104,7 @@ def built_library(stem: str, sources: list[Path], flags: tuple[str, ...]) -> Pat
 
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    headers = sorted({h for source in sources for h in source.parent.glob("*.h")})
+    headers = sorted(KERNELS.rglob("*.h"))  # every header any of our kernels may include
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(sources) + headers))
     key.update(" ".join(flags).encode() + version.encode())
     target = cache_root() / "kernels" / f"{stem}-{key.hexdigest()[:16]}.so"

@@ -24,7 +24,9 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch d
 /* x rounded to bfloat16, as a float32: what a PyTorch op on bfloat16 tensors stores. */
 static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
 
+#ifdef __AVX512F__ /* avx2/ includes the scalar conversions alone */
 /* 16 bfloat16 values -> 16 float32 lanes */
 static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#endif
 
 #endif

@@ -29,23 +29,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bf16.h"
+
 #define GROUP 32
 #define TILE 4 /* activation rows that share one unpacked pair of weight groups */
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* x [T, K] bfloat16 -> q [T, K] int8 (even_first: each group's even inputs, then its
  * odd ones; else in order), d [T, G] = max|x| / 127 and a [T, G] = d * sum(q). */
@@ -56,7 +43,7 @@ static void quantize_rows(const uint16_t *x, int T, int K, int even_first, int8_
             const uint16_t *xg = x + (size_t)t * K + (size_t)g * GROUP;
             float values[GROUP], amax = 0.0f;
             for (int i = 0; i < GROUP; i++) {
-                values[i] = bf16_to_float(xg[i]);
+                values[i] = from_bf16(xg[i]);
                 amax = fmaxf(amax, fabsf(values[i]));
             }
             const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
@@ -181,11 +168,9 @@ static inline void weight_row(int bits, int n, const void *w, const float *s, co
                       t0, nt, out);
     else
         int8_row_tile((const int8_t *)w + (size_t)n * K, s[n], G, K, q, d, t0, nt, out);
-    const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+    const float b = bias ? from_bf16(bias[n]) : 0.0f;
     for (int r = 0; r < nt; r++) out[r] += b;
 }
-
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 /* x [T, K] bfloat16 -> y [T, N] bfloat16, or (gated) [T, N/2] silu(gate) * up with the
  * gate's rows first, gate and up rounded to bfloat16 as a separate matmul would store
@@ -216,7 +201,7 @@ int quantized_matmul(int bits, int gated, const uint16_t *x, int T, int K, const
                     out[r] = round_bf16(gate / (1.0f + expf(-gate))) * round_bf16(up[r]);
                 }
             }
-            for (int r = 0; r < nt; r++) y[(size_t)(t0 + r) * outputs + n] = float_to_bf16(out[r]);
+            for (int r = 0; r < nt; r++) y[(size_t)(t0 + r) * outputs + n] = to_bf16(out[r]);
         }
     }
     free(q), free(d), free(a);
