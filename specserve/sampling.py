@@ -46,6 +46,9 @@ LOGIT_BIAS_MAX = 100.0
 TOP_P_CANDIDATES = (256, 4096)
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Past any vocabulary, and what a multi-step chain's tensors hold (model/graphs.py): a
+# larger top-k would fail the step of every request in the chain beside it.
+TOP_K_MAX = 2**31 - 1
 
 
 class InvalidSamplingValue(ConfigError):
@@ -98,7 +101,7 @@ class SamplingParams:
             ("temperature", 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
-            ("top_k", self.top_k >= -1, "must be -1, 0 (off) or a positive integer"),
+            ("top_k", -1 <= self.top_k <= TOP_K_MAX, f"must be -1, 0 (off) or a positive integer up to {TOP_K_MAX}"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "logprobs",

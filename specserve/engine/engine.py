@@ -51,7 +51,7 @@ from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.graphs import ProcessedText
-from specserve.model.prefix_cache import ChunkReads, PrefixCache
+from specserve.model.prefix_cache import ChunkReads, PrefixCache, release_into
 from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
@@ -213,15 +213,15 @@ class Engine:
                 return
             self.waiting.remove(seq)
         seq.finish(reason)
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(seq.token_ids, seq.cache)
-        seq.cache.release()
-        if self.proposer is not None:
-            self.proposer.free(seq_id)
-        if self.lookup is not None:
-            self.lookup.free(seq_id)
-        if self.adaptive is not None:
-            self.adaptive.free(seq_id)
+        self._free_caches(seq)
+
+    def _free_caches(self, seq: Sequence) -> None:
+        """Store seq's prefix (with a prefix cache), then free its cache and the
+        proposers' state of it, whether or not the prefix could be stored."""
+        release_into(self.prefix_cache, seq.token_ids, seq.cache)
+        for state in (self.proposer, self.lookup, self.adaptive):
+            if state is not None:
+                state.free(seq.seq_id)
 
     def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
         ks = [self.num_speculative_tokens] * len(decoding)
@@ -410,14 +410,9 @@ class Engine:
         sequence alone always fits: see __init__)."""
         while len(self.running) > 1 and self._over_budget():
             seq = self.running.pop(next(reversed(self.running)))
-            if self.prefix_cache is not None:  # a prefix its rejoining may load instead of recomputing
-                self.prefix_cache.store(seq.token_ids, seq.cache)
-            seq.cache.release()
+            self._free_caches(seq)  # its prefix stored: its rejoining may load it instead of recomputing
             seq.cache = self.target.new_cache()  # the old storage goes with its last reference
             seq.num_preemptions += 1
-            for state in (self.proposer, self.lookup, self.adaptive):
-                if state is not None:
-                    state.free(seq.seq_id)
             self.waiting.appendleft(seq)
             self.num_preemptions += 1
             log.info("preempted request %d: the KV cache space is full; it rejoins when there is room", seq.seq_id)

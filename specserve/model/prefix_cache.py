@@ -41,6 +41,7 @@ engine given the same requests hold the same entries.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.kv_cache import KVCache
+
+log = logging.getLogger("specserve")
 
 BLOCK = 16  # positions per stored block: a prefix is stored and found in whole blocks
 
@@ -206,3 +209,17 @@ class PrefixCache:
         """Mark a prefix's blocks used, its first block last (the most recently used)."""
         for block in reversed(chain):
             self._blocks.move_to_end(block.key)
+
+
+def release_into(prefix_cache: PrefixCache | None, token_ids: list[int], cache: KVCache) -> None:
+    """Store `cache`'s prefix in `prefix_cache` (where there is one), then release `cache`.
+    A prefix that cannot be stored (a full GPU while copying a block) is only not kept:
+    the cache is released all the same, since a pool slot left taken would fail every
+    later step that needs one."""
+    try:
+        if prefix_cache is not None:
+            prefix_cache.store(token_ids, cache)
+    except Exception:
+        log.exception("storing a prefix of %d tokens failed; it is not kept", len(token_ids))
+    finally:
+        cache.release()

@@ -316,7 +316,8 @@ class AsyncEngine:
             advanced = self.engine.step()
         except Exception:  # a bug: fail this batch, keep serving the rest
             log.exception("engine step failed")
-            batch = [self._requests[s] for s in self.engine.running if s in self._requests]
+            # Those that left the engine in this step too: their outputs were never posted.
+            batch = [r for r in self._requests.values() if r.seq.seq_id in self.engine.running or r.seq.finished]
             self._fail(batch, EngineStepError())
             return
         now = time.perf_counter()

@@ -191,7 +191,10 @@ class _Sampling(_Body):
         as vLLM clamps them."""
         pairs: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            token_id = int(key) if key.strip().isdecimal() else -1
+            try:
+                token_id = int(key) if key.strip().isdecimal() else -1
+            except ValueError:  # more digits than int() reads (4300): no token id either
+                token_id = -1
             if token_id < 0:
                 raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
             if not math.isfinite(bias):

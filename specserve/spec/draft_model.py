@@ -33,7 +33,7 @@ import torch
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
-from specserve.model.prefix_cache import ChunkReads, PrefixCache
+from specserve.model.prefix_cache import ChunkReads, PrefixCache, release_into
 from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -216,6 +216,4 @@ class DraftModelProposer:
         cache = self.caches.pop(seq_id, None)
         token_ids = self._token_ids.pop(seq_id, None)
         if cache is not None:
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(token_ids, cache)
-            cache.release()
+            release_into(self.prefix_cache, token_ids, cache)

@@ -12,7 +12,8 @@ from specserve.config import CPU_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_CHUNK_SIZE,
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
-from specserve.sampling import SamplingParams, logits_to_probs, sample
+from specserve.model.prefix_cache import PrefixCache
+from specserve.sampling import TOP_K_MAX, InvalidSamplingValue, SamplingParams, logits_to_probs, sample
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft
@@ -233,6 +234,77 @@ def test_request_validation(target):
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.add_request([1, 500], SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_a_top_k_past_what_a_chain_holds_is_refused_and_the_largest_decodes_beside_others(target):
+    """A multi-step chain holds each request's top_k in a tensor, where 10**400 (which
+    JSON carries) failed the step of every request beside it: it is refused. At the
+    bound, a sampled request decodes in the chains and its neighbour gets its tokens."""
+    with pytest.raises(InvalidSamplingValue, match="top_k"):
+        SamplingParams(temperature=1.0, top_k=10**400)
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=2, capacity=64)  # static steps, eager on a CPU
+    engine = Engine(graphed, eos_token_ids=[EOS], num_scheduler_steps=4)
+    neighbour = engine.add_request(PROMPTS[1], GREEDY)
+    widest = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=1.0, top_k=TOP_K_MAX))
+    while engine.has_unfinished():
+        engine.step()
+    assert graphed.static.chains and widest.finish_reason is not None
+    assert neighbour.output_ids == plain_tokens(target, PROMPTS[1])
+
+
+class UnstorablePrefixCache(PrefixCache):
+    def store(self, token_ids, cache):
+        raise torch.OutOfMemoryError("CUDA out of memory")  # copying a block may find a full GPU
+
+
+def test_a_prefix_that_cannot_be_stored_fails_no_request_and_gives_its_slot_back(target):
+    """A finished request's prefix is copied into the prefix cache: where that fails, the
+    request still ends as it would, its neighbour goes on, and its pool slot comes back
+    (a slot left taken would fail every later step that needs it)."""
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=2, capacity=64)
+    engine = Engine(graphed, eos_token_ids=[EOS], prefix_cache=UnstorablePrefixCache(1024))
+    short = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    neighbour = engine.add_request(PROMPTS[1], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert short.output_ids == plain_tokens(target, PROMPTS[0])[:3]
+    assert neighbour.output_ids == plain_tokens(target, PROMPTS[1])
+    assert graphed.static.pool.num_free == 2
+
+
+def test_a_draft_prefix_that_cannot_be_stored_gives_the_drafts_slot_back(target):
+    """The draft model's own prefix cache fails as the target's may: its pool slot comes
+    back all the same, and later requests draft and decode as before."""
+    graphed, draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
+    draft.use_cuda_graphs(num_slots=1, capacity=64)
+    proposer = DraftModelProposer(draft, catch_up_chunk_size=8)
+    proposer.prefix_cache = UnstorablePrefixCache(1024)
+    engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    for prompt in PROMPTS[:2]:  # one draft slot: the second request needs the first one's back
+        seq = engine.add_request(prompt, GREEDY)
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_ids == plain_tokens(target, prompt)
+        assert draft.static.pool.num_free == 1
+
+
+def test_a_request_asking_for_logprobs_drafts_on_static_steps_beside_a_sampled_one(target):
+    """A draft's chain on static steps samples and processes logits for the requests that
+    do, and gives no logprobs: a request asking for them (greedy here) drafts beside a
+    sampled one instead of failing the batch's step."""
+    graphed, draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
+    for model in (graphed, draft):
+        model.use_cuda_graphs(num_slots=2, capacity=64)
+    proposer = DraftModelProposer(draft, catch_up_chunk_size=8)
+    engine = Engine(graphed, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, num_scheduler_steps=1)
+    with_logprobs = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, logprobs=1))
+    sampled = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert with_logprobs.output_ids == plain_tokens(target, PROMPTS[1], with_logprobs.params)
+    assert len(with_logprobs.logprobs) == with_logprobs.num_output_tokens and sampled.num_output_tokens == 24
 
 
 def test_caches_hold_one_position_less_than_the_tokens(target):

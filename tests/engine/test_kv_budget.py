@@ -15,7 +15,7 @@ from specserve.model.prefix_cache import PrefixCache
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from tests.engine.test_engine import EOS, perturbed, random_decoder
+from tests.engine.test_engine import EOS, UnstorablePrefixCache, perturbed, random_decoder
 from tests.head_models import permutation_target, right_head
 from tests.spec.test_head_proposers import proposer_of
 
@@ -111,6 +111,16 @@ def test_a_preempted_request_reloads_its_prefix_and_counts_its_prompt_once():
     unbounded = run_all(engine_with("none", None), requests(LONG_GREEDY), None)
     assert [s.output_ids for s in seqs] == unbounded
     assert all(s.num_cached_tokens < s.num_prompt_tokens for s in seqs)
+
+
+def test_a_preempted_request_whose_prefix_cannot_be_stored_rejoins_all_the_same():
+    """Storing a preempted request's prefix may run out of memory: it still waits and
+    rejoins, and every request gets the output it has without a budget."""
+    engine = engine_with("none", BUDGET, prefix_cache=UnstorablePrefixCache(4096))
+    assert run_all(engine, requests(LONG_GREEDY), BUDGET) == run_all(
+        engine_with("none", None), requests(LONG_GREEDY), None
+    )
+    assert engine.num_preemptions > 0
 
 
 def test_the_first_waiting_request_waits_for_room_and_none_jumps_ahead():

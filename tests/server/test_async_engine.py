@@ -82,6 +82,31 @@ def test_a_request_whose_output_fails_fails_alone(monkeypatch):
     async_engine.stop()
 
 
+def test_a_step_that_fails_after_a_request_left_the_batch_answers_it_too(monkeypatch):
+    """A step that fails after a request finished in it (here: freeing its caches raises,
+    as a prefix's copy may on a full GPU) answers that request with EngineStepError too,
+    though it is no longer running: none waits forever, and the engine serves on."""
+    async_engine = make_engine()
+    engine = async_engine.engine
+    real_free = engine._free_caches
+
+    def free(seq):
+        real_free(seq)
+        if seq.token_ids[: len(FAILING)] == FAILING:
+            raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(engine, "_free_caches", free)
+    async_engine.start()
+
+    async def scenario():
+        return await collect(async_engine, FAILING), await collect(async_engine, HEALTHY)
+
+    failing, after = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert isinstance(failing, EngineStepError)
+    assert after[1] == GREEDY.max_tokens and async_engine.alive and not engine.running
+    async_engine.stop()
+
+
 def test_a_loop_that_fails_answers_every_request_and_refuses_new_ones(monkeypatch):
     """A bug of the loop's own ends the thread: the requests running, waiting and not yet
     read all get EngineStepError at once (none hangs), and new ones ShuttingDownError."""

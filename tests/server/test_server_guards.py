@@ -124,6 +124,8 @@ def test_extreme_sampling_values_are_served_and_harm_no_neighbour(server):
         ({"prompt": "hi", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
         ({"prompt": "hi", "stop": ["a" * 2000]}, "stop"),
         ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"prompt": "hi", "temperature": 1, "top_k": 10**400}, "top_k"),  # past what a chain's tensor holds
+        ({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # more digits than int() reads
     ],
 )
 def test_bad_ids_and_stop_conditions_get_400(server, body, param):
