@@ -19,7 +19,10 @@ A recipe is `NAME:key=value,...` over the keys of `TrainHeadSettings` that shape
 `text=1` or `text=0` to train on the data's standard-library text or not (by default, as
 `train-head` would: not since its `stdlib_tokens` became 0), and `answers=SHARE` to train
 on that share of the training answers, the first ones made (as a shorter budget would have
-made them; the held-out answers stay whole), so one data set tells what more answers buy.
+made them; the held-out answers stay whole), so one data set tells what more answers buy,
+and `feature_norm=1` or `=2` to bring EAGLE-3's three captured layers to one scale before
+fc (1: each layer's feature divided by its median RMS over the data; 2: each position's
+RMS-normalised), a transform of the data alone, held-out features included.
 A folder made under older defaults is reused with the settings it was made with (its
 run.json); the recipes start from today's.
 """
@@ -38,7 +41,7 @@ from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, l
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
-DATA_KEYS = ("text", "answers")
+DATA_KEYS = ("text", "answers", "feature_norm")
 
 
 def parse_recipes(text: str) -> dict[str, dict[str, float]]:
@@ -92,6 +95,16 @@ def first_training_answers(keys: list[str], share: float, work: Path) -> list[st
     return [key for key in keys if key not in dropped]
 
 
+def normalise_features(data: FeatureSet, how: int, hidden: int) -> None:
+    """EAGLE-3's three captured layers brought to one scale, in place: 1, each layer's
+    feature divided by its median RMS over the data (a constant fc can absorb); 2, each
+    position's feature of each layer RMS-normalised."""
+    parts = data.features.unflatten(1, (-1, hidden))  # [N, layers, H]
+    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()  # [N, layers, 1]
+    scale = rms.median(dim=0, keepdim=True).values if how == 1 else rms.clamp_min(1e-6)
+    parts.copy_((parts.float() / scale).to(parts.dtype))
+
+
 def train_recipe(
     name: str,
     values: dict[str, float],
@@ -114,7 +127,10 @@ def train_recipe(
         keys = first_training_answers(keys, values["answers"], work)
     checkpoint = work / f"recipe-{name}.pt"
     checkpoint.unlink(missing_ok=True)
-    trainer = new_trainer(make_method(recipe), recipe, target, FeatureSet.load(work / "features", keys), checkpoint)
+    data = FeatureSet.load(work / "features", keys)
+    if values.get("feature_norm"):
+        normalise_features(data, int(values["feature_norm"]), target.config.hidden_size)
+    trainer = new_trainer(make_method(recipe), recipe, target, data, checkpoint)
     measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else None
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:
