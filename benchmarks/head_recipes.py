@@ -99,10 +99,11 @@ def normalise_features(data: FeatureSet, how: int, hidden: int) -> None:
     """EAGLE-3's three captured layers brought to one scale, in place: 1, each layer's
     feature divided by its median RMS over the data (a constant fc can absorb); 2, each
     position's feature of each layer RMS-normalised."""
-    parts = data.features.unflatten(1, (-1, hidden))  # [N, layers, H]
-    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()  # [N, layers, 1]
+    parts = data.features.unflatten(1, (-1, hidden))  # [N, layers, H], a view: written in place
+    values = parts.float()
+    rms = values.pow(2).mean(-1, keepdim=True).sqrt()  # [N, layers, 1]
     scale = rms.median(dim=0, keepdim=True).values if how == 1 else rms.clamp_min(1e-6)
-    parts.copy_((parts.float() / scale).to(parts.dtype))
+    parts.copy_(values / scale)
 
 
 def train_recipe(

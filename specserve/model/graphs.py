@@ -761,7 +761,7 @@ class StaticDecode:
         params: list[SamplingParams] | None = None,  # each sequence's; None: every one greedy
         confidences: bool = True,  # False: none computed (a target's chain)
         texts: list[ProcessedText | None] | None = None,  # each sequence's whose logits are processed
-        vocab: int = 0,  # a proposer's: the target's vocabulary size (ChainKey.vocab); 0: a target's chain
+        vocab: int = 0,  # a proposer's: the target's vocabulary size (ChainKey.vocab), no logprobs; 0: a target's chain
         draw_from: list[int] | None = None,  # see TokenChain.run
     ) -> Chained | None:
         """`positions` further tokens for each sequence, their confidences, logprobs and
@@ -774,13 +774,13 @@ class StaticDecode:
         sampled = sum(not p.greedy for p in params) if params is not None else 0
         filtered = sum(map(cuts, params)) if sampled else 0
         keyed = sampled and any(not p.greedy and p.seed is not None for p in params)
-        logprobs = sum(p.logprobs is not None for p in params) if params is not None else 0
+        # A proposer's guesses need no logprobs, whatever its requests ask: only a target's chain gives them.
+        logprobs = sum(p.logprobs is not None for p in params) if params is not None and not vocab else 0
         processed = [t for t in texts or () if t is not None]
         distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
         stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
         biases = max([len(p.logit_bias) for p, t in zip(params or (), texts or ()) if t is not None], default=0)
         widened = vocab if sampled or processed else 0
-        assert not (widened and logprobs), "a proposer's chain gives no logprobs"
         key = ChainKey(
             next_power_of_two(len(caches)),
             positions,

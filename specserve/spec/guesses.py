@@ -29,7 +29,7 @@ a drawn token for its own probability would bias what the verifier emits.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -178,8 +178,7 @@ class DraftChains:
         drawn from. Returns how many guesses each took (the tokens the chain fed that it
         keeps), or None where it drafted nothing this way."""
         seqs = [self.seqs[i] for i in going_on]
-        # A guess needs no logprobs: asked for, the chain would refuse to sample or process logits.
-        params = [seq.params if seq.params.logprobs is None else replace(seq.params, logprobs=None) for seq in seqs]
+        params = [seq.params for seq in seqs]
         texts = [
             ProcessedText(
                 seq.prompt_distinct_ids, [*seq.token_ids[seq.num_prompt_tokens :], *self.drafted[i]], seq.stop_token_ids

@@ -292,7 +292,7 @@ def test_a_draft_prefix_that_cannot_be_stored_gives_the_drafts_slot_back(target)
 
 def test_a_request_asking_for_logprobs_drafts_on_static_steps_beside_a_sampled_one(target):
     """A draft's chain on static steps samples and processes logits for the requests that
-    do, and gives no logprobs: a request asking for them (greedy here) drafts beside a
+    do, and computes no logprobs: a request asking for them (greedy here) drafts beside a
     sampled one instead of failing the batch's step."""
     graphed, draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
     for model in (graphed, draft):
