@@ -388,7 +388,8 @@ def section_profile(table: Table, args, config: ModelConfig, device: torch.devic
     engine = Engine(model, eos_token_ids=[], max_num_seqs=1, num_scheduler_steps=1)  # a replay a token
     decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)  # warm-up: captures the graphs
     rate, _ = decode_rate(engine, 1, PROMPT_TOKENS, args.tokens)
-    (key, step), *_ = [(key, step) for key, step in model.static.steps.items() if key[:2] == (1, 1)]
+    entries = model.static.captured.entries.items()
+    (key, step), *_ = [(key, step) for (kind, key), (step, _) in entries if kind == "step" and key[:2] == (1, 1)]
     replays = 50
     synchronize()
     start = time.perf_counter()

@@ -191,7 +191,9 @@ def kv_positions(space: float | str, per_position: int, fresh: KVCache, longest:
 
 def use_cuda_graphs(models: list[Decoder | EagleHead], slots: int, positions: int, asked: bool) -> None:
     """CUDA graphs for every decoder (and an EAGLE head's own steps); where their cache
-    pools do not fit the GPU, an error if they were asked for, else a warning and eager steps."""
+    pools do not fit the GPU, an error if they were asked for, else a warning and eager steps.
+    The captured steps of each model may hold an equal share of what the pools leave of
+    GRAPH_MEMORY_SHARE of the free memory (graphs.CapturedSteps)."""
     needed = sum(
         CachePool.bytes_needed(m.config.layer if isinstance(m, EagleHead) else m.config, m.dtype, slots, positions)
         for m in models
@@ -206,8 +208,9 @@ def use_cuda_graphs(models: list[Decoder | EagleHead], slots: int, positions: in
             raise ConfigError(f"{message}; lower --max-num-seqs or --max-model-len")
         log.warning("%s: running eagerly (lower --max-num-seqs or --max-model-len to use them)", message)
         return
+    captured_bytes = max(int(GRAPH_MEMORY_SHARE * free) - needed, 0) // len(models)
     for model in models:
-        model.use_cuda_graphs(slots, positions)
+        model.use_cuda_graphs(slots, positions, captured_bytes)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None) -> list[int]:

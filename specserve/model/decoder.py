@@ -666,11 +666,13 @@ class Decoder(nn.Module):
         self.compiled = compile_methods(parts + [(self, "score_every_id")], warm_up, required, mode)  # common: eager
         return self.compiled
 
-    def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
+    def use_cuda_graphs(self, num_slots: int, capacity: int, captured_bytes: int | None = None) -> None:
         """Run decode steps and verifications as CUDA graphs (model/graphs.py): every
         cache made after this is a slot of one pool of `num_slots` caches of `capacity`
-        positions, allocated now (build_engine checks first that the pools fit). On a CPU
-        the same static steps run eagerly (no graphs exist there; tests use this)."""
+        positions, allocated now (build_engine checks first that the pools fit), and the
+        captured steps hold at most `captured_bytes` (graphs.CapturedSteps; None: no
+        bound). On a CPU the same static steps run eagerly (no graphs exist there; tests
+        use this)."""
         if self.static is not None:
             raise ConfigError("CUDA graphs are on already")
         if num_slots < 1 or capacity < 1:
@@ -685,6 +687,7 @@ class Decoder(nn.Module):
             capacity,
             self.rope_table(capacity),
             partial(decoder_step, self),
+            captured_bytes=captured_bytes,
         )
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,8 @@ step it captures (`static_forward`) is not Decoder.forward's ragged one:
   positions of each slot under a causal mask; `bucket` is the smallest power of two
   from MIN_BUCKET holding the batch's longest sequence, at most the pool's capacity.
 A graph is captured for each (batch, rows, bucket), and the features a head proposer
-asks the target for (`Capture`), the first time a step needs it. Reads of more than
+asks the target for (`Capture`), the first time a step needs it, and kept while the
+graphs' tensors fit their budget (`CapturedSteps`). Reads of more than
 MAX_GRAPH_ROWS tokens a sequence (a short prompt, a draft model's backlog after plain
 steps, a head's catch-up) run as graphs of 32 to MAX_READ_ROWS rows while the padded
 batch holds at most MAX_STEP_ROWS rows: eagerly such a read is a launch-bound forward,
@@ -35,6 +36,8 @@ on a GPU: benchmarks/README.md, "Current results: GPU".
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
@@ -54,6 +57,8 @@ MAX_GRAPH_ROWS = 16  # rows per sequence any row count has a graph of: k + 1 for
 MAX_READ_ROWS = 128  # past that, powers of two: the most tokens of a sequence a graph reads
 MAX_STEP_ROWS = 2048  # rows of a padded batch (sequences x rows), past MAX_GRAPH_ROWS a sequence
 MIN_BUCKET = 256  # positions attention reads at the least
+
+log = logging.getLogger("specserve")
 
 
 def next_power_of_two(n: int) -> int:
@@ -676,6 +681,59 @@ def chained_logprobs(flat: list[float], tokens: list[int], width: int, num_top: 
     ]
 
 
+def held_bytes(captured: object) -> int:
+    """Bytes of the tensors a captured step or chain holds as its attributes (lists of
+    them too): its static inputs and, on a GPU, its graph's outputs. Its activations
+    are not among them: they live in the pool every capture shares (StaticDecode.memory)."""
+    storages: dict[int, int] = {}
+    for value in vars(captured).values():
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class CapturedSteps:
+    """A StaticDecode's captured steps and chains by key, least recently used first,
+    within a budget of the bytes they hold (`held_bytes`). Each new key (a batch size,
+    a bucket, a sampling or logit-bias shape) holds its own; past the budget the least
+    recently used are dropped, and captured again if they are met again, so that
+    requests of ever new shapes cannot fill the GPU."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget  # bytes; None: no bound
+        self.entries: OrderedDict[tuple[str, tuple], tuple[object, int]] = OrderedDict()  # (kind, key): (entry, bytes)
+        self.held = 0
+        self.dropped = 0
+
+    def keys_of(self, kind: str) -> list[tuple]:
+        return [key for entry_kind, key in self.entries if entry_kind == kind]
+
+    def get(self, kind: str, key: tuple, make: Callable[[], object]) -> object:
+        """The entry of (kind, key), made (captured) if it has none; marked as used now."""
+        if (kind, key) in self.entries:
+            self.entries.move_to_end((kind, key))
+            return self.entries[kind, key][0]
+        entry = make()
+        size = held_bytes(entry)
+        self.entries[kind, key] = (entry, size)
+        self.held += size
+        while self.budget is not None and self.held > self.budget and len(self.entries) > 1:
+            _, (old, freed) = self.entries.popitem(last=False)
+            vars(old).clear()  # its graph and tensors go now, not when a cycle is collected
+            self.held -= freed
+            if not self.dropped:
+                log.warning(
+                    "captured decode steps hold more than their %.2f GiB: the least recently used are "
+                    "dropped and captured again when needed (lower --max-num-seqs or --max-model-len "
+                    "to leave them more GPU memory)",
+                    self.budget / 2**30,
+                )
+            self.dropped += 1
+        return entry
+
+
 class StaticDecode:
     """A model's pool of cache slots and its captured steps: a decoder's
     (`decoder_step`, through Decoder.use_cuda_graphs) or an EAGLE head's."""
@@ -690,6 +748,7 @@ class StaticDecode:
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, rotated_sin [>= capacity, head_dim], held for the graphs
         step: StepFunction,  # one static step: reads StepInputs, returns [B n, ...] outputs
         feature_size: int = 0,  # width of StepInputs.features; 0: none
+        captured_bytes: int | None = None,  # what the captured steps may hold (CapturedSteps); None: no bound
     ):
         self.config = config
         self.pool = CachePool(config, dtype, device, num_slots, capacity)
@@ -700,8 +759,17 @@ class StaticDecode:
         # Attention in place where Triton runs it (CUDA); tests set it on the CPU under Triton's interpreter.
         self.in_place = self.capture and slot_attention.available() and slot_attention.works_on(device, dtype)
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # shared by every graph
-        self.steps: dict[StepKey, _Step] = {}
-        self.chains: dict[ChainKey, TokenChain] = {}
+        self.captured = CapturedSteps(captured_bytes)
+
+    @property
+    def steps(self) -> list[StepKey]:
+        """The keys of the steps captured and kept, least recently used first."""
+        return self.captured.keys_of("step")
+
+    @property
+    def chains(self) -> list[ChainKey]:
+        """The keys of the chains captured and kept, least recently used first."""
+        return self.captured.keys_of("chain")
 
     def handles(self, segments: list[Segment]) -> bool:
         """Whether a forward over `segments` can be a static step: every cache in this
@@ -745,9 +813,8 @@ class StaticDecode:
             key = key._replace(scored=next_power_of_two(max(len(logits_rows), 1)))
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
-        if key not in self.steps:
-            self.steps[key] = _Step(self, key)
-        return self.steps[key].run(input_ids, segments, features, logits_rows)
+        step = self.captured.get("step", key, lambda: _Step(self, key))
+        return step.run(input_ids, segments, features, logits_rows)
 
     @torch.inference_mode()
     def token_chain(
@@ -800,6 +867,5 @@ class StaticDecode:
         if capture is not None:
             key = key._replace(layers=tuple(capture.layers), final=capture.final)
         with attention_backends(self.pool.keys.device):
-            if key not in self.chains:
-                self.chains[key] = TokenChain(self, key, target_ids)
-            return self.chains[key].run(first_tokens, features, caches, capture, params, texts, draw_from)
+            chain = self.captured.get("chain", key, lambda: TokenChain(self, key, target_ids))
+            return chain.run(first_tokens, features, caches, capture, params, texts, draw_from)

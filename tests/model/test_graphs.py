@@ -282,6 +282,63 @@ def test_the_engine_on_static_steps_gives_plain_tokens(device, proposer_kind, ad
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_captured_steps_past_their_budget_are_dropped_and_captured_again(device, caplog, monkeypatch):
+    """With room for no captured step but the one running (a budget of 0 bytes), a draft
+    model's batch on static steps and chains still gives each request's plain tokens:
+    each step and chain is dropped as the next is made, and made again when met again.
+    One warning names the fix; every slot comes back."""
+    target = on(random_decoder("qwen3", seed=1), device)
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in zip(PROMPTS, [30, 21])]
+    expected = [run(target, lambda: None, [r])[0][0] for r in requests]
+    graphed_target, graphed_draft = copy.deepcopy(target), perturbed(target, 0.3, seed=2)
+    for model in (graphed_target, graphed_draft):
+        model.use_cuda_graphs(num_slots=2, capacity=128, captured_bytes=0)
+    made, original_step = [], graphs._Step.__init__
+    monkeypatch.setattr(
+        graphs._Step, "__init__", lambda self, static, key: (made.append(key), original_step(self, static, key))[1]
+    )
+    outputs, _ = run(
+        graphed_target, lambda: DraftModelProposer(graphed_draft, catch_up_chunk_size=8), requests, max_num_seqs=2
+    )
+    assert outputs == expected
+    for model in (graphed_target, graphed_draft):
+        assert len(model.static.captured.entries) == 1 and model.static.captured.dropped > 0
+        assert model.static.pool.num_free == 2
+    assert len(made) > len(set(made))  # keys met again were captured again
+    assert caplog.text.count("the least recently used are dropped") == 2  # once a model
+    assert "lower --max-num-seqs or --max-model-len" in caplog.text
+
+
+def test_captured_steps_are_kept_least_recently_used_first_within_their_bytes():
+    """CapturedSteps counts the bytes of each entry's tensors (a step's static inputs:
+    here [2, 3] token ids and its [3, 2] index, int64) and drops the least recently
+    used past its budget, never the entry just made."""
+    model = random_decoder("llama", seed=4)
+    model.use_cuda_graphs(num_slots=2, capacity=64)
+    step = graphs._Step(model.static, graphs.StepKey(2, 3, 16))
+    assert graphs.held_bytes(step) == (2 * 3 + 3 * 2) * 8
+    captured = graphs.CapturedSteps(budget=3 * 48)
+    entries = {}
+
+    def make(name: str):
+        entries[name] = type("Entry", (), {})()
+        entries[name].tensor = torch.zeros(12)  # 48 bytes of float32; a view of it counts once
+        entries[name].view = [entries[name].tensor[:4], entries[name].tensor]
+        return entries[name]
+
+    for name in ("a", "b"):
+        captured.get("step", (name,), lambda: make(name))
+    assert captured.get("step", ("a",), lambda: make("again")) is entries["a"]  # a is used: b is the oldest
+    captured.get("chain", ("c",), lambda: make("c"))
+    captured.get("chain", ("d",), lambda: make("d"))  # 4 x 48 bytes: b goes, then none
+    assert captured.keys_of("step") == [("a",)] and captured.keys_of("chain") == [("c",), ("d",)]
+    assert captured.held == 3 * 48 and captured.dropped == 1 and vars(entries["b"]) == {}
+    captured.budget = 0
+    captured.get("step", ("e",), lambda: make("e"))
+    assert list(captured.entries) == [("step", ("e",))] and captured.held == 48
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     """num_scheduler_steps = 4 on static steps: greedy requests decode 4 tokens a step
     (TokenChain), and each still gives its plain tokens, ending at its stop token or
@@ -717,14 +774,16 @@ def test_graphs_are_the_default_where_the_cache_pools_fit(monkeypatch, caplog):
 
     target, draft = random_decoder("llama", seed=5), random_decoder("llama", seed=6)
     per_slot = 2 * 64 * (2 * 2 * 2 * 16 * 4)  # the two pools' bytes for one slot of 64 positions
-    free = {"bytes": 10 * per_slot}
+    free = {"bytes": 11 * per_slot}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 2 * free["bytes"]))
     with pytest.raises(ConfigError, match=r"15 sequences of 64 tokens.*lower --max-num-seqs or --max-model-len"):
         use_cuda_graphs([target, draft], slots=15, positions=64, asked=True)  # 15 slots + the scratch one
     use_cuda_graphs([target, draft], slots=15, positions=64, asked=False)
     assert "running eagerly" in caplog.text and target.static is None and draft.static is None
-    use_cuda_graphs([target, draft], slots=8, positions=64, asked=False)  # 9 slots of 10 fit 90%
+    use_cuda_graphs([target, draft], slots=8, positions=64, asked=False)  # 9 slots fit 90% of 11
     assert target.static.pool.capacity == draft.static.pool.capacity == 64
+    # the captured steps of each: half what the pools leave of 90%
+    assert target.static.captured.budget == draft.static.captured.budget == int(0.9 * 11 * per_slot - 9 * per_slot) // 2
     head = EagleHead(EagleConfig.for_target(target.config, 1))  # an EAGLE head's own steps: a pool of one layer
     use_cuda_graphs([head], slots=2, positions=64, asked=True)
     assert head.static.pool.capacity == 64 and head.static.pool.keys.shape[:2] == (3, 1)

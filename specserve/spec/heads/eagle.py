@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
             self.config.layer, self.dtype, self.device, pool=None if self.static is None else self.static.pool
         )
 
-    def use_cuda_graphs(self, num_slots: int, capacity: int) -> None:
+    def use_cuda_graphs(self, num_slots: int, capacity: int, captured_bytes: int | None = None) -> None:
         """Run head steps of a few pairs a sequence as CUDA graphs (model/graphs.py), as
         Decoder.use_cuda_graphs runs the target's (on a CPU the same static steps run
         eagerly: tests use this)."""
@@ -168,6 +168,7 @@ class EagleHead(nn.Module):
             rope_rows(self.inv_freq, positions, self.dtype),
             self.static_step,
             feature_size=self.config.hidden_size,
+            captured_bytes=captured_bytes,
         )
 
     def static_step(self, static: StaticDecode, inputs: StepInputs, key: StepKey) -> list[torch.Tensor]:
