@@ -151,8 +151,7 @@ BENCHMARK_PROMPTS = tuple(normalised(prompt) for suite in SUITES.values() for pr
 
 
 def overlaps_benchmark(text: str) -> bool:
-    """Whether a prompt holds a benchmark prompt or lies within one (normalised)."""
-    text = normalised(text)
+    """Whether a `normalised` prompt holds a benchmark prompt or lies within one."""
     return any(prompt in text or text in prompt for prompt in BENCHMARK_PROMPTS)
 
 
@@ -195,11 +194,12 @@ class InstructionWriter:
         text = re.sub(r"^\s*(?:\d+[.)]|[-*])\s+", "", self.tokenizer.decode(output_ids).strip()).strip()
         if len(text) > 1 and text[0] == text[-1] and text[0] in "\"'`":
             text = text[1:-1].strip()
-        if finish_reason != "stop" or not normalised(text) or normalised(text) in self.known:
+        key = normalised(text)
+        if finish_reason != "stop" or not key or key in self.known or overlaps_benchmark(key):
             return None
-        if overlaps_benchmark(text) or len(self.tokenizer.encode(text, add_special_tokens=False)) > WRITE_TOKENS:
+        if len(self.tokenizer.encode(text, add_special_tokens=False)) > WRITE_TOKENS:
             return None
-        self.remember(text)
+        self.known.add(key)
         return text
 
 
