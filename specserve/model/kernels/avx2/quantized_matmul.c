@@ -118,16 +118,6 @@ static inline __attribute__((always_inline)) void int4_row_tile_of(const uint8_t
         out[r] = horizontal_sum(_mm256_add_ps(acc[0][r], acc[1][r])) + offset_sum(m, a + (size_t)(t0 + r) * G, G);
 }
 
-static void int4_row_tile(const uint8_t *w, const float *s, const float *m, int G, int K, const int8_t *q, const float *d,
-                     const float *a, int t0, int nt, float *out) {
-    switch (nt) {
-    case 1: int4_row_tile_of(w, s, m, G, K, q, d, a, t0, 1, out); break;
-    case 2: int4_row_tile_of(w, s, m, G, K, q, d, a, t0, 2, out); break;
-    case 3: int4_row_tile_of(w, s, m, G, K, q, d, a, t0, 3, out); break;
-    default: int4_row_tile_of(w, s, m, G, K, q, d, a, t0, TILE, out); break;
-    }
-}
-
 /* int8 weight row n (w, its scale s) against activation rows t0 .. t0 + nt - 1: groups
  * alternately into acc[0] and acc[1]. */
 static inline __attribute__((always_inline)) void int8_row_tile_of(const int8_t *w, float s, int G, int K,
@@ -149,25 +139,29 @@ static inline __attribute__((always_inline)) void int8_row_tile_of(const int8_t 
     for (int r = 0; r < nt; r++) out[r] = s * horizontal_sum(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
 
-static void int8_row_tile(const int8_t *w, float s, int G, int K, const int8_t *q, const float *d, int t0, int nt,
-                          float *out) {
-    switch (nt) {
-    case 1: int8_row_tile_of(w, s, G, K, q, d, t0, 1, out); break;
-    case 2: int8_row_tile_of(w, s, G, K, q, d, t0, 2, out); break;
-    case 3: int8_row_tile_of(w, s, G, K, q, d, t0, 3, out); break;
-    default: int8_row_tile_of(w, s, G, K, q, d, t0, TILE, out); break;
-    }
+/* Weight row n (4 or 8 bits) against activation rows t0 .. t0 + nt - 1, nt a constant. */
+static inline __attribute__((always_inline)) void row_tile_of(int bits, int n, const void *w, const float *s,
+                                                              const float *m, int G, int K, const int8_t *q,
+                                                              const float *d, const float *a, int t0, const int nt,
+                                                              float *out) {
+    if (bits == 4)
+        int4_row_tile_of((const uint8_t *)w + (size_t)n * (K / 2), s + (size_t)n * G, m + (size_t)n * G, G, K, q, d,
+                         a, t0, nt, out);
+    else
+        int8_row_tile_of((const int8_t *)w + (size_t)n * K, s[n], G, K, q, d, t0, nt, out);
 }
 
-/* Weight row n against activation rows t0 .. t0 + nt - 1, plus its bias. */
+/* Weight row n against activation rows t0 .. t0 + nt - 1, plus its bias: each tile
+ * height its own code, so the accumulators of a short tile stay in registers. */
 static inline void weight_row(int bits, int n, const void *w, const float *s, const float *m, const uint16_t *bias,
                               int G, int K, const int8_t *q, const float *d, const float *a, int t0, int nt,
                               float *out) {
-    if (bits == 4)
-        int4_row_tile((const uint8_t *)w + (size_t)n * (K / 2), s + (size_t)n * G, m + (size_t)n * G, G, K, q, d, a,
-                      t0, nt, out);
-    else
-        int8_row_tile((const int8_t *)w + (size_t)n * K, s[n], G, K, q, d, t0, nt, out);
+    switch (nt) {
+    case 1: row_tile_of(bits, n, w, s, m, G, K, q, d, a, t0, 1, out); break;
+    case 2: row_tile_of(bits, n, w, s, m, G, K, q, d, a, t0, 2, out); break;
+    case 3: row_tile_of(bits, n, w, s, m, G, K, q, d, a, t0, 3, out); break;
+    default: row_tile_of(bits, n, w, s, m, G, K, q, d, a, t0, TILE, out); break;
+    }
     const float b = bias ? from_bf16(bias[n]) : 0.0f;
     for (int r = 0; r < nt; r++) out[r] += b;
 }
