@@ -296,7 +296,10 @@ def build_app(
                 requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
             except SpecserveError as e:  # a seed + j past 64 bits
                 raise APIError(str(e), param="seed") from None
-        choices = Fanout(engine, requests, body.stop_strings(), arrival, per_token=body.stream and per_token)
+        try:
+            choices = Fanout(engine, requests, body.stop_strings(), arrival, per_token=body.stream and per_token)
+        except Exception as e:  # refused before any choice started
+            raise _as_api_error(e) from None
         if not body.stream:
             collecting = asyncio.ensure_future(choices.collect())
             try:

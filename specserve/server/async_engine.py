@@ -187,16 +187,8 @@ class AsyncEngine:
         (its several tokens under speculation), or with `per_token` one per token, in
         the same order and at the same moment. Stopping the iteration early (client
         gone) aborts the request in the engine."""
-        if self._stopping or not self.alive:
-            raise ShuttingDownError("the server is shutting down; retry against another replica")
-        self.engine.check_request(prompt_ids, params)  # refuse now, not on the engine thread
-        if self.num_unfinished >= self.max_unfinished:
-            retry_after_s = self.retry_after_s()
-            raise QueueFullError(
-                f"the server is at capacity ({self.engine.max_num_seqs} running and "
-                f"{self.max_unfinished - self.engine.max_num_seqs} waiting); retry in {retry_after_s} s",
-                retry_after_s,
-            )
+        self.check_request(prompt_ids, params)
+        self.check_room(1)
         request = _Request(
             prompt_ids=list(prompt_ids),
             params=params,
@@ -220,6 +212,23 @@ class AsyncEngine:
             self.num_unfinished -= 1
             if not request.done:
                 self._commands.put("abort", request)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise what `generate` would refuse this request with: ShuttingDownError, or
+        ConfigError naming the fix (checked here, not on the engine thread)."""
+        if self._stopping or not self.alive:
+            raise ShuttingDownError("the server is shutting down; retry against another replica")
+        self.engine.check_request(prompt_ids, params)
+
+    def check_room(self, count: int) -> None:
+        """Raise QueueFullError unless `count` more requests fit beside the unfinished ones."""
+        if self.num_unfinished + count > self.max_unfinished:
+            retry_after_s = self.retry_after_s()
+            raise QueueFullError(
+                f"the server is at capacity ({self.engine.max_num_seqs} running and "
+                f"{self.max_unfinished - self.engine.max_num_seqs} waiting); retry in {retry_after_s} s",
+                retry_after_s,
+            )
 
     def retry_after_s(self) -> int:
         """Whole seconds until a request is likely to finish and free a slot: the mean

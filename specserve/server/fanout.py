@@ -3,7 +3,9 @@ times `n` samples, their outputs merged into one stream of (choice index, output
 
 Invariants:
 - A refusal of any of them (a full queue, a bad prompt) refuses the whole HTTP request:
-  `start` waits for every choice's first output, and on an error closes them all.
+  what can be checked at once is, before any choice reaches the engine (a request
+  refused as a whole takes no room or step from others); `start` waits for every
+  choice's first output, and on a later error closes them all.
 - Closing (the client gone, an error) aborts every choice still running in the engine.
 - Choice i is prompt i // n, sample i % n (OpenAI's and vLLM's order); with a seed,
   sample j is drawn with seed + j, so the samples differ and the request repeats.
@@ -53,6 +55,11 @@ class Fanout:
         arrival: float,
         per_token: bool = False,
     ):
+        """Raise ShuttingDownError, ConfigError or QueueFullError (nothing started) where
+        a choice would be refused, or the choices together do not fit the queue."""
+        for prompt_ids, params in requests:
+            engine.check_request(prompt_ids, params)
+        engine.check_room(len(requests))
         self._queue: asyncio.Queue = asyncio.Queue()  # of (choice, RequestOutput or Exception)
         self._unfinished = len(requests)
         self._buffered: list[tuple[int, RequestOutput]] = []

@@ -1,5 +1,6 @@
 """One HTTP request's choices (server/fanout.py) over a stand-in engine: merged
-outputs, refusals that close every choice, and each sample's seed."""
+outputs, refusals that close every choice, and each sample's seed; and over a real
+AsyncEngine, refusals made before any choice reaches its engine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from specserve.errors import ConfigError
 from specserve.sampling import SEED_MAX, SamplingParams
 from specserve.server.async_engine import QueueFullError, RequestOutput
 from specserve.server.fanout import Fanout, sample_params
+from tests.server.test_async_engine import GREEDY, HEALTHY, make_engine
 
 
 class StandInEngine:
@@ -20,6 +22,12 @@ class StandInEngine:
     def __init__(self, steps: int = 3, refused: int | None = None):
         self.steps, self.refused = steps, refused
         self.closed_early: list[int] = []
+
+    def check_request(self, prompt_ids, params) -> None:
+        pass
+
+    def check_room(self, count: int) -> None:
+        pass
 
     async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False):
         if prompt_ids == [self.refused]:
@@ -89,3 +97,43 @@ def test_sample_j_draws_with_seed_plus_j():
     assert sample_params(SamplingParams(), 2).seed is None
     with pytest.raises(ConfigError, match="seed"):
         sample_params(SamplingParams(seed=SEED_MAX), 1)
+
+
+def unstarted_engine():
+    """An AsyncEngine that takes requests but whose loop does not run: its inbox shows
+    every command sent to the engine."""
+    async_engine = make_engine()
+    async_engine._running = True
+    return async_engine
+
+
+def sent_commands(async_engine) -> list[str]:
+    return [kind for kind, _ in async_engine._commands.drain(block=False)]
+
+
+def test_a_choice_the_engine_refuses_refuses_the_request_before_any_choice_is_sent():
+    """A prompt past the model's length among a batch's prompts: the request is refused
+    at once, and no sibling reaches the engine (to take a slot or a step from others)."""
+    async_engine = unstarted_engine()
+    too_long = [1] * async_engine.engine.max_model_len
+
+    async def run() -> None:
+        await Fanout(async_engine, [(HEALTHY, GREEDY), (too_long, GREEDY), (HEALTHY, GREEDY)], (), 0.0).start()
+
+    with pytest.raises(ConfigError, match="maximum model length"):
+        asyncio.run(run())
+    assert sent_commands(async_engine) == [] and async_engine.num_unfinished == 0
+
+
+def test_choices_that_do_not_fit_the_queue_together_are_refused_before_any_is_sent():
+    """Room for one more request, and a request of two choices: 429 for the whole
+    request, and the one room left stays free for others meanwhile."""
+    async_engine = unstarted_engine()
+    async_engine.num_unfinished = async_engine.max_unfinished - 1
+
+    async def run() -> None:
+        await Fanout(async_engine, [(HEALTHY, GREEDY), (HEALTHY, GREEDY)], (), 0.0).start()
+
+    with pytest.raises(QueueFullError):
+        asyncio.run(run())
+    assert sent_commands(async_engine) == [] and async_engine.num_unfinished == async_engine.max_unfinished - 1
