@@ -390,10 +390,10 @@ class IncrementalDetokenizer:
     """Streams text as token ids arrive, never splitting a multi-byte character.
 
     vLLM's prefix/read offsets: decode a window of recent ids, emit what the ids after
-    the read offset add to the text, and hold everything back while the window ends in
-    a character whose remaining bytes are still to come (its text U+FFFD; a U+FFFD the
-    model wrote whole goes out at once). Decoding a short window keeps each step
-    O(new tokens) instead of re-decoding the whole output.
+    the read offset add to the text, and hold back the ids of a last character whose
+    remaining bytes are still to come (its text U+FFFD; a U+FFFD the model wrote whole,
+    or bytes no later byte can make a character of, go out at once). Decoding a short
+    window keeps each step O(new tokens) instead of re-decoding the whole output.
 
     With no prompt context the emitted text joins up to `decode(output_ids)`; with
     context, SentencePiece vocabularies keep the leading space the context implies.
@@ -425,24 +425,35 @@ class IncrementalDetokenizer:
                 del self._ids[:-_DETOKENIZE_CONTEXT_TOKENS]
             self._read_offset = len(self._ids)
             return ""
+        # Only the ids of a last character still to be finished are held back: the text
+        # before it is final, and a run of bytes that never make one keeps the window short.
+        end = len(self._ids)
+        if text.endswith("\ufffd"):
+            end = max(self._unfinished_from(), self._read_offset)
+            if end < len(self._ids):
+                text = self._tokenizer.decode(self._ids[:end], skip_special_tokens=self._skip_special_tokens)
         new_text = text[len(prefix_text) :]
-        if not new_text or (new_text.endswith("\ufffd") and self._ends_mid_character()):
+        if not new_text:
             return ""
         # The old read point becomes the window's start: ids before it are done with.
         del self._ids[: self._read_offset]
-        self._read_offset = len(self._ids)
+        self._read_offset = end - self._read_offset
         return new_text
 
-    def _ends_mid_character(self) -> bool:
-        """Whether the window's bytes end inside a UTF-8 character that more bytes could
-        finish (a character takes at most 4 bytes, so the last 4 tokens tell)."""
-        tail = b"".join(self._tokenizer.token_bytes(i) for i in self._ids[-4:])[-4:]
-        for back in range(1, len(tail) + 1):
-            lead = tail[-back]
-            if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
-                needed = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
-                return back < needed
-        return False  # continuation bytes alone: invalid, whatever comes next
+    def _unfinished_from(self) -> int:
+        """Where the window's last character begins (an index into the window's ids) if
+        more bytes could still finish it, else the window's end: a character takes at most
+        4 bytes, so the last 4 bytes tell."""
+        back = 0  # bytes from the window's end
+        for index in range(len(self._ids) - 1, -1, -1):
+            for byte in reversed(self._tokenizer.token_bytes(self._ids[index])):
+                back += 1
+                if byte & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+                    needed = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+                    return index if back < needed else len(self._ids)
+                if back == 4:  # continuation bytes alone: invalid, whatever comes next
+                    return len(self._ids)
+        return len(self._ids)
 
     def flush(self) -> str:
         """Whatever is still held back, incomplete characters included."""
