@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -406,6 +407,12 @@ class IncrementalDetokenizer:
         # and are decoded only to know where the new text starts.
         self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
         self._read_offset = len(self._ids)
+
+    def copy(self) -> IncrementalDetokenizer:
+        """A detokenizer in this one's state that goes on independently (same tokenizer)."""
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        return other
 
     def _texts(self) -> tuple[str, str]:
         """The window's text before the read offset, and its whole text."""

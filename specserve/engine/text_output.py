@@ -9,6 +9,9 @@ now. Invariants:
 - A stop token id (EOS or the request's own) ends the output without adding its text.
 - As vLLM's min_tokens: no stop string ends the output before its min_tokens-th token,
   whose text (with the held-back characters before it) is the first searched.
+- Where a stop string ends the text, `ids_used` says how many of the step's ids it
+  took: up to the one that completed the stop string, as one token a step would have
+  ended there. The ids a speculative or multi-step step made past it are no output.
 """
 
 from __future__ import annotations
@@ -37,10 +40,27 @@ class TextOutput:
         self.text = ""  # all text so far (up to a stop string)
         self._num_sent = 0  # characters of `text` already returned
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
+        self.ids_used = 0  # of the last `add`'s ids, those that are output
 
     def add(self, new_ids: Sequence[int], finished: bool) -> str:
         """The text to send for a step's new ids; `finished`: no more ids will come.
-        After it returns, a set `stop_reason` means the request must end here."""
+        After it returns, a set `stop_reason` means the request must end here, and
+        `ids_used` of the new ids are its output."""
+        several = self._stop and len(new_ids) > 1
+        before = (self._detokenizer.copy(), self._num_ids, self.text, self._num_sent) if several else None
+        delta = self._add(new_ids, finished)
+        self.ids_used = len(new_ids)
+        if before is not None and isinstance(self.stop_reason, str):  # which id completed it: again, one at a time
+            (self._detokenizer, self._num_ids, self.text, self._num_sent), self.stop_reason = before, None
+            delta = ""
+            for used, token_id in enumerate(new_ids, 1):
+                delta += self._add([token_id], finished and used == len(new_ids))
+                if isinstance(self.stop_reason, str):
+                    break
+            self.ids_used = used
+        return delta
+
+    def _add(self, new_ids: Sequence[int], finished: bool) -> str:
         if new_ids and new_ids[-1] in self._stop_token_ids:
             self.stop_reason = new_ids[-1]
             new_ids = new_ids[:-1]

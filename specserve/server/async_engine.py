@@ -357,9 +357,11 @@ class AsyncEngine:
         pieces = [slice(i, i + 1) for i in range(len(new_ids))] if request.per_token else []
         pieces = pieces or [slice(0, len(new_ids))]
         texts = []
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             texts.append(request.text.add(new_ids[piece], finished=seq.finished and piece.stop == len(new_ids)))
             if isinstance(request.text.stop_reason, str):  # a stop string ended the text: nothing after it
+                # The ids up to the one that completed it are the output, as a token a step would end.
+                pieces[i] = slice(piece.start, piece.start + request.text.ids_used)
                 if seq.finished:  # in the step that also reached max_tokens: the text ended first (as vLLM says)
                     seq.finish_reason = "stop"
                 else:

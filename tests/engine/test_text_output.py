@@ -188,3 +188,18 @@ def test_bytes_that_never_make_a_character_stream_out_and_keep_each_step_small(t
     assert deltas == ["", *["\ufffd"] * 299]  # the newest byte may still begin a character
     assert output.add(tokenizer.encode(" ok"), finished=True) == "\ufffd ok"
     assert max(decoded) <= 12
+
+
+@pytest.mark.parametrize("stop", ["END", "D th", "o w", "STOP here"])
+@pytest.mark.parametrize("step", [2, 3, 5, 8])
+def test_a_stop_string_mid_step_uses_the_ids_up_to_the_one_that_completed_it(tokenizer, stop, step):
+    """Several ids a step (speculation, multi-step decoding): the same text as one id a
+    step, and `ids_used` counts the step's ids up to the one whose text completed the
+    stop string, so the output's ids are the ones a token a step would give."""
+    ids = tokenizer.encode("Hello world, STOP here and END there. the quick brown fox")
+    one_a_step = TextOutput(tokenizer, [], stop=[stop])
+    expected = stream(one_a_step, ids, 1)
+    output = TextOutput(tokenizer, [], stop=[stop])
+    deltas = stream(output, ids, step)
+    assert "".join(deltas) == "".join(expected) and output.stop_reason == one_a_step.stop_reason == stop
+    assert (len(deltas) - 1) * step + output.ids_used == len(expected)

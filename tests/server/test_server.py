@@ -306,20 +306,25 @@ def test_n_seeded_samples_differ_and_repeat(spec):
 
 
 def test_stop_strings_end_the_text_before_them(plain, spec):
+    """The text ends before the stop string, and the tokens counted and given logprobs
+    end with the one that completed it: a speculative step's tokens past it are none."""
     reference = complete(plain, PROMPTS[0], MODEL, max_tokens=40).choices[0].text
     stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
     expected = reference[: reference.index(stop)]
+    counted = []
     for server, name in ((plain, MODEL), (spec, "smol")):
-        result = complete(server, PROMPTS[0], name, max_tokens=40, stop=[stop, "never-there"])
+        result = complete(server, PROMPTS[0], name, max_tokens=40, stop=[stop, "never-there"], logprobs=1)
         assert result.choices[0].text == expected
         assert result.choices[0].finish_reason == "stop"
         assert result.choices[0].model_extra["stop_reason"] == stop
+        counted.append((result.usage.completion_tokens, len(result.choices[0].logprobs.tokens)))
         chunks = list(
             client(server).completions.create(
                 model=name, prompt=PROMPTS[0], temperature=0, max_tokens=40, stop=stop, stream=True
             )
         )
         assert "".join(c.choices[0].text for c in chunks) == expected
+    assert counted[0] == counted[1] and counted[0][0] == counted[0][1]
 
 
 def test_a_stop_string_that_the_last_allowed_token_completes_finishes_with_stop(plain, spec):
