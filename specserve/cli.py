@@ -25,7 +25,7 @@ from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
-from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -279,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=BODY_TIMEOUT_S,
         metavar="SECONDS",
         help="answer 408 to a request whose body has not arrived in this time",
+    )
+    srv.add_argument(
+        "--send-timeout",
+        type=float,
+        default=SEND_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose client takes none of its response in this time, "
+        "and end its request (nginx's send_timeout)",
     )
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(run=run_serve)
@@ -591,7 +599,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_queue_len < 0:
         raise ConfigError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
-    for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+    timeouts = {
+        "--header-timeout": args.header_timeout,
+        "--body-timeout": args.body_timeout,
+        "--send-timeout": args.send_timeout,
+    }
+    for flag, seconds in timeouts.items():
         if not 0 < seconds < math.inf:
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {seconds}")
     prefix_cache_space = prefix_cache_space_of(args)
@@ -622,6 +635,7 @@ def run_serve(args: argparse.Namespace) -> int:
             stream_mode=args.stream_mode,
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
+            send_timeout_s=args.send_timeout,
             log_level=args.uvicorn_log_level,
         )
     )

@@ -27,7 +27,13 @@ from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
-from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, TimedH11Protocol, raise_open_file_limit
+from specserve.server.transport import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    SEND_TIMEOUT_S,
+    TimedH11Protocol,
+    raise_open_file_limit,
+)
 
 log = logging.getLogger("specserve")
 
@@ -57,6 +63,7 @@ class ServerConfig:
     stream_mode: str = "step"  # see ApiSettings.stream_mode
     header_timeout_s: float = HEADER_TIMEOUT_S  # see server/transport.py
     body_timeout_s: float = BODY_TIMEOUT_S
+    send_timeout_s: float = SEND_TIMEOUT_S
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
 
@@ -144,7 +151,7 @@ def serve(config: ServerConfig) -> None:
         host=config.host,
         port=config.port,
         log_level=config.log_level,
-        http=TimedH11Protocol.with_head_timeout(config.header_timeout_s),
+        http=TimedH11Protocol.with_timeouts(config.header_timeout_s, config.send_timeout_s),
         timeout_graceful_shutdown=config.shutdown_grace_s + 5,
     )
     server = _Server(uv_config, async_engine, config.shutdown_grace_s)

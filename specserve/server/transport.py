@@ -14,11 +14,15 @@ Invariants:
 - A connection that sends no complete request head within `head_timeout_s` of
   opening or of its last response is closed (uvicorn's keep-alive timeout closes idle
   ones sooner; neither covers a head sent a byte at a time).
+- A connection whose client takes none of its response for `send_timeout_s` while
+  the server has more to write (nginx's send_timeout) is dropped, and so is its
+  request: a client that stops reading holds no answer in memory for long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
 from typing import Any, Callable
 
@@ -28,10 +32,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 60.0
+SEND_TIMEOUT_S = 60.0
 # Largest bodies held at once: max_total_bytes' default in units of max_bytes. Many, so
 # that a few connections stalling mid-body cannot refuse everyone else's requests.
 BODIES_HELD_AT_ONCE = 64
 RETRY_AFTER_S = 1
+
+log = logging.getLogger("specserve")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -126,15 +133,48 @@ def _replay(body: bytes, receive: Receive, on_taken: Callable[[], None]) -> Rece
 
 
 class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's head."""
+    """uvicorn's h11 protocol with a deadline for each request's head, and one for the
+    client to take some of a response the server waits to write."""
 
     head_timeout_s = HEADER_TIMEOUT_S
+    send_timeout_s = SEND_TIMEOUT_S
     _head_deadline: asyncio.TimerHandle | None = None
+    _send_deadline: asyncio.TimerHandle | None = None
 
     @classmethod
-    def with_head_timeout(cls, seconds: float) -> type[TimedH11Protocol]:
+    def with_timeouts(cls, head_s: float, send_s: float) -> type[TimedH11Protocol]:
         """The protocol class to give uvicorn (it makes one instance per connection)."""
-        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
+        return type(cls.__name__, (cls,), {"head_timeout_s": head_s, "send_timeout_s": send_s})
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: the client must take some of it in time."""
+        super().pause_writing()
+        self._await_progress(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        self._cancel_send_deadline()
+        super().resume_writing()
+
+    def _await_progress(self, buffered: int) -> None:
+        self._cancel_send_deadline()
+        self._send_deadline = self.loop.call_later(self.send_timeout_s, self._check_progress, buffered)
+
+    def _cancel_send_deadline(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _check_progress(self, buffered_before: int) -> None:
+        self._send_deadline = None
+        buffered = self.transport.get_write_buffer_size()
+        if buffered < buffered_before:  # it took some: slow, not gone
+            self._await_progress(buffered)
+            return
+        log.warning(
+            "a client took none of its response for %g s (--send-timeout): its connection and request are ended",
+            self.send_timeout_s,
+        )
+        self.transport.abort()  # connection_lost: the app sees the client gone and aborts its request
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -151,6 +191,7 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._cancel_send_deadline()
         super().connection_lost(exc)
 
     def _await_head(self) -> None:

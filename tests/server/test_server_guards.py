@@ -17,11 +17,13 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from uvicorn.config import Config
+from uvicorn.server import ServerState
 
 from specserve.bench.local_server import ServerProcess
 from specserve.server.app import _as_api_error
 from specserve.server.protocol import MAX_STOP_STRINGS
-from specserve.server.transport import WholeBody
+from specserve.server.transport import TimedH11Protocol, WholeBody
 
 MODEL = "smollm2-135m"
 KEY = "guard-key"
@@ -378,6 +380,55 @@ def test_silent_and_slow_connections_are_closed(server):
         reply = closed_within(stalled, 15).decode()
         assert reply.startswith("HTTP/1.1 408"), reply
     assert post(server, greedy("Hi", 2)).status_code == 200
+
+
+class StandInTransport(asyncio.Transport):
+    """A connection's transport whose write buffer the test fills and empties."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffered, self.aborted = 0, False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+
+def test_a_client_that_takes_none_of_its_response_in_the_send_timeout_is_dropped(caplog):
+    """While uvicorn waits to write more (the transport's buffer full), a client that
+    takes some of it within --send-timeout gets another; one that takes none has its
+    connection aborted, which ends its request as a client gone does. Writing resumed
+    (the buffer drained) ends the wait. Timers fire in order, so the sleeps only order."""
+
+    async def run() -> tuple[StandInTransport, StandInTransport]:
+        config = Config(app=lambda scope, receive, send: None)
+        config.load()
+        protocol_class = TimedH11Protocol.with_timeouts(head_s=60, send_s=0.2)
+        stalled, drained = StandInTransport(), StandInTransport()
+        for transport in (stalled, drained):
+            protocol = protocol_class(config, ServerState(), {})
+            protocol.connection_made(transport)
+            transport.buffered = 100_000
+            protocol.pause_writing()
+        await asyncio.sleep(0.1)
+        stalled.buffered = 90_000  # it took some: a new deadline at 0.4 s
+        protocol.resume_writing()  # the other's buffer drained
+        await asyncio.sleep(0.2)
+        assert not stalled.aborted
+        await asyncio.sleep(0.4)
+        return stalled, drained
+
+    stalled, drained = asyncio.run(run())
+    assert stalled.aborted and not drained.aborted
+    assert caplog.text.count("took none of its response for 0.2 s (--send-timeout)") == 1
 
 
 def test_queue_full_answers_429_with_retry_after(server):
