@@ -194,26 +194,45 @@ def test_a_replacement_character_the_model_writes_is_not_held_back(smollm2, text
     assert sum(piece == "\ufffd" for piece in streamed) >= text.count("\ufffd") // 2  # not in one lump
 
 
+class CountingDecodes:
+    """A tokenizer that records how many ids each decode is given."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id):
+        return self.tokenizer.token_bytes(token_id)
+
+
 def test_ids_that_add_no_text_do_not_grow_the_window(smollm2):
     """Special tokens skipped (an answer past its EOS with ignore_eos, say) add no
     text: each step still decodes a few ids, not every id since the last text."""
-    decoded = []
-
-    class Counting:
-        def decode(self, ids, skip_special_tokens=True):
-            decoded.append(len(ids))
-            return smollm2.decode(ids, skip_special_tokens=skip_special_tokens)
-
-        def token_bytes(self, token_id):
-            return smollm2.token_bytes(token_id)
-
-    detokenizer = IncrementalDetokenizer(Counting(), smollm2.encode("Hi"))
+    counting = CountingDecodes(smollm2)
+    detokenizer = IncrementalDetokenizer(counting, smollm2.encode("Hi"))
     eos = smollm2.eos_token_ids[0]
     assert [detokenizer.add([eos]) for _ in range(500)] == [""] * 500
     text = " there 😀 again"
     streamed = [detokenizer.add([token]) for token in smollm2.encode(text, add_special_tokens=False)]
     assert "".join(streamed) + detokenizer.flush() == text
-    assert max(decoded) <= 20
+    assert max(counting.lengths) <= 20
+
+
+def test_bytes_that_never_make_a_character_stream_out_and_keep_the_window_small(smollm2):
+    """A run of UTF-8 lead bytes (a logit bias forcing one, a sampled run of garbage):
+    each is invalid once the next byte is not its continuation, so it goes out then, as
+    decode spells it, and each step decodes a few ids, not every id since the last text
+    (which would slow the engine's every step for all its requests)."""
+    lead = next(i for i in range(smollm2.vocab_size) if smollm2.token_bytes(i) == b"\xe2")
+    counting = CountingDecodes(smollm2)
+    detokenizer = IncrementalDetokenizer(counting, smollm2.encode("the lazy dog"))
+    deltas = [detokenizer.add([lead]) for _ in range(300)]
+    assert deltas == ["", *["\ufffd"] * 299]  # the newest byte may still begin a character
+    assert detokenizer.add(smollm2.encode(" ok", add_special_tokens=False)) == "\ufffd ok"
+    assert max(counting.lengths) <= 12
 
 
 def test_incremental_detokenizer_flush_releases_an_unfinished_character(smollm2):

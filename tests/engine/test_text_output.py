@@ -167,29 +167,6 @@ def test_no_stop_string_ends_the_text_before_min_tokens(tokenizer, step):
     assert "".join(stream(later, ids, step)).endswith("over the ") and later.stop_reason == "lazy"
 
 
-def test_bytes_that_never_make_a_character_stream_out_and_keep_each_step_small(tokenizer):
-    """A run of UTF-8 lead bytes (a logit bias forcing one, a sampled run of garbage):
-    each is invalid once the next byte is not its continuation, so it goes out then, as
-    decode spells it, and each step decodes a few ids, not every id since the last text
-    (which would slow the engine's every step for all its requests)."""
-    lead = next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == b"\xe2")
-    decoded = []
-
-    class Counting:
-        def decode(self, ids, skip_special_tokens=True):
-            decoded.append(len(ids))
-            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-        def token_bytes(self, token_id):
-            return tokenizer.token_bytes(token_id)
-
-    output = TextOutput(Counting(), tokenizer.encode("the lazy dog"))
-    deltas = [output.add([lead], finished=False) for _ in range(300)]
-    assert deltas == ["", *["\ufffd"] * 299]  # the newest byte may still begin a character
-    assert output.add(tokenizer.encode(" ok"), finished=True) == "\ufffd ok"
-    assert max(decoded) <= 12
-
-
 @pytest.mark.parametrize("stop", ["END", "D th", "o w", "STOP here"])
 @pytest.mark.parametrize("step", [2, 3, 5, 8])
 def test_a_stop_string_mid_step_uses_the_ids_up_to_the_one_that_completed_it(tokenizer, stop, step):
