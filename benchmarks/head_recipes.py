@@ -23,7 +23,8 @@ made them; the held-out answers stay whole), so one data set tells what more ans
 and `feature_norm=1` or `=2` to bring EAGLE-3's three captured layers to one scale before
 fc (1: each layer's feature divided by its median RMS over the data; 2: each position's
 RMS-normalised), a transform of the data alone, held-out features included; and
-`init_layer=1` to start EAGLE-3's layer from the target's last one (`from_target_layer`).
+`init_layer=0` to start EAGLE-3's layer at random (`=1`: from the target's last one, as
+`train-head` does by default).
 A folder made under older defaults is reused with the settings it was made with (its
 run.json); the recipes start from today's.
 """
@@ -36,11 +37,7 @@ import json
 import time
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from specserve import catalogue
-from specserve.spec.heads.eagle import EagleHead
 from specserve.train.features import FeatureSet
 from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, load_target, make_method, new_trainer
 
@@ -112,36 +109,6 @@ def normalise_features(data: FeatureSet, how: int, hidden: int) -> None:
     parts.copy_(values / scale)
 
 
-@torch.no_grad()
-def from_target_layer(head: EagleHead, folder: Path, num_layers: int) -> None:
-    """EAGLE-3's layer started from the target's last one (its float weights in `folder`),
-    so that the head begins as a layer that reads such features, not at random: the
-    hidden half of qkv and o_proj, the first of its MLP's neurons that the head's MLP
-    holds, its norms (hidden_norm its input norm, the head's norm the target's final one),
-    and fc passing the last captured layer through. The embedding's half of qkv keeps its
-    random start."""
-    prefix = f"model.layers.{num_layers - 1}."
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
-
-        def read(name: str) -> torch.Tensor:
-            return weights.get_tensor(name).float()
-
-        hidden = head.config.hidden_size
-        attention, mlp = head.layer.self_attn, head.layer.mlp
-        qkv = [read(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"]
-        attention.qkv_proj.weight[:, hidden:] = torch.cat(qkv)  # [q + 2 kv, H] of [.., 2H]
-        attention.o_proj.weight.copy_(read(prefix + "self_attn.o_proj.weight"))
-        neurons = mlp.down_proj.in_features
-        gate, up = (read(f"{prefix}mlp.{p}_proj.weight")[:neurons] for p in ("gate", "up"))
-        mlp.gate_up_proj.weight.copy_(torch.cat([gate, up]))
-        mlp.down_proj.weight.copy_(read(prefix + "mlp.down_proj.weight")[:, :neurons])
-        head.hidden_norm.weight.copy_(read(prefix + "input_layernorm.weight"))
-        head.layer.post_attention_layernorm.weight.copy_(read(prefix + "post_attention_layernorm.weight"))
-        head.norm.weight.copy_(read("model.norm.weight"))
-        head.fc.weight.zero_()
-        head.fc.weight[:, -hidden:] = torch.eye(hidden)  # [H, 3H]: the last captured layer
-
-
 def train_recipe(
     name: str,
     values: dict[str, float],
@@ -158,6 +125,8 @@ def train_recipe(
     loop_values = {k: (int(v) if k in whole else v) for k, v in values.items() if k in LOOP_KEYS}
     loop = dataclasses.replace(settings.loop, steps=steps, **loop_values)
     recipe = dataclasses.replace(settings, loop=loop, **head_values)
+    if "init_layer" in values:
+        recipe = dataclasses.replace(recipe, layer_start="target" if values["init_layer"] else "random")
     if values.get("text", int(settings.stdlib_tokens > 0)) == 0:
         keys = [key for key in keys if key.startswith("answer-")]
     if values.get("answers", 1.0) < 1.0:
@@ -168,8 +137,6 @@ def train_recipe(
     if values.get("feature_norm"):
         normalise_features(data, int(values["feature_norm"]), target.config.hidden_size)
     trainer = new_trainer(make_method(recipe), recipe, target, data, checkpoint)
-    if values.get("init_layer"):
-        from_target_layer(trainer.head, catalogue.resolve(settings.target), target.config.num_layers)
     measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else None
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:

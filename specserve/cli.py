@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
-    from specserve.train.run import ANSWERS_AT_ONCE, METHODS, TrainHeadSettings
+    from specserve.train.run import ANSWERS_AT_ONCE, LAYER_STARTS, METHODS, TrainHeadSettings
 
     defaults = TrainHeadSettings(target="")
     train = sub.add_parser(
@@ -490,6 +490,12 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
         default=defaults.head_intermediate_size,
         help="EAGLE: the head's MLP width (default 2048, cheap on a CPU; EAGLE's own is the target's)",
     )
+    head.add_argument(
+        "--layer-start",
+        choices=LAYER_STARTS,
+        default=defaults.layer_start,
+        help="EAGLE-3: the head's layer starts as the target's last decoder layer (default) or at random",
+    )
     head.add_argument("--steps", type=int, default=None, help="training steps (default: as many as the budget allows)")
     head.add_argument("--batch-tokens", type=int, default=defaults.loop.batch_tokens, help="positions per step")
     head.add_argument("--lr", type=float, default=defaults.loop.lr, help="peak learning rate (AdamW)")
@@ -539,6 +545,7 @@ def run_train_head(args: argparse.Namespace) -> int:
             ttt_length=args.ttt_length,
             num_heads=args.num_heads,
             head_intermediate_size=args.head_intermediate_size,
+            layer_start=args.layer_start,
             loop=loop,
             force=args.force,
         )

@@ -11,6 +11,8 @@ are the ones drafting uses, so the trained head is the head that drafts.
 
 - EAGLE-3: fc over the three captured layers, the layer, the head's norm and its LM head
   over the draft vocabulary (rows initialised from the target's); soft cross-entropy.
+  Its layer starts from the target's last decoder layer where `start_from_target_layer`
+  is applied (train-head's default): a layer that already reads such features.
 - EAGLE-1: fc over [embedding ; final feature], and the target's LM head (frozen; its
   draft-vocabulary rows in training): SmoothL1 towards the target's next feature plus
   0.1 x the soft cross-entropy (EAGLE's weights), both over the unrolled steps.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +77,35 @@ class EagleMethod:
         )
         figures.loss = feature_loss + EAGLE1_TOKEN_LOSS_WEIGHT * figures.loss
         return figures
+
+
+@torch.no_grad()
+def start_from_target_layer(head: EagleHead, read: Callable[[str], torch.Tensor], num_layers: int) -> None:
+    """An EAGLE-3 head's layer set to the target's last one, `read(name)` giving the
+    target's float weights by their Hugging Face names: the hidden half of qkv (the
+    embedding's half keeps its random start) and o_proj, the first of the target's MLP
+    neurons that the head's MLP holds, the norms (hidden_norm the layer's input norm, the
+    head's norm the target's final one), and fc passing the last captured layer through.
+    Biases the target's q/k/v carry are dropped: the head's Llama layer has none."""
+    if head.config.version != 3:
+        raise ValueError("only an EAGLE-3 head's layer starts from the target's")
+    prefix = f"model.layers.{num_layers - 1}."
+    hidden = head.config.hidden_size
+    attention, mlp = head.layer.self_attn, head.layer.mlp
+    qkv = torch.cat([read(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"])  # [q + 2 kv, H]
+    attention.qkv_proj.weight[:, hidden:].copy_(qkv)  # of [q + 2 kv, 2H]: [embedding ; feature]
+    attention.o_proj.weight.copy_(read(prefix + "self_attn.o_proj.weight"))
+    gate, up, down = (read(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+    width = mlp.down_proj.in_features  # the head's neurons: gate rows [0, width), up rows [width, 2 width)
+    neurons = min(width, down.shape[1])
+    mlp.gate_up_proj.weight[:neurons].copy_(gate[:neurons])
+    mlp.gate_up_proj.weight[width : width + neurons].copy_(up[:neurons])
+    mlp.down_proj.weight[:, :neurons].copy_(down[:, :neurons])
+    head.hidden_norm.weight.copy_(read(prefix + "input_layernorm.weight"))
+    head.layer.post_attention_layernorm.weight.copy_(read(prefix + "post_attention_layernorm.weight"))
+    head.norm.weight.copy_(read("model.norm.weight"))
+    head.fc.weight.zero_()
+    head.fc.weight[:, -hidden:].copy_(torch.eye(hidden))  # [H, 3H]: the last captured layer
 
 
 def feature_error(predicted: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,12 @@ from specserve.train.data import (
     longest_sequence,
     read_answers,
 )
-from specserve.train.eagle import EagleMethod
+from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, FeatureSpec, compute_features
 from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
-from specserve.train.run import TrainHeadSettings, check_same_run, train_head
+from specserve.train.run import TrainHeadSettings, check_same_run, float_tensor, train_head
 from tests.conftest import DEVICES, tiny_config
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
@@ -83,6 +83,38 @@ def test_a_head_trained_on_one_text_agrees_with_the_target(tmp_path, method_name
     loaded = load_head(tmp_path / "head", TARGET, method_name)
     trained = trainer.head.state_dict().values()
     assert all(torch.equal(a.cpu(), b) for a, b in zip(trained, loaded.state_dict().values()))
+
+
+def test_an_eagle3_head_starts_as_the_targets_last_layer(tmp_path):
+    """The layer's weights are the target's last layer's (the first of its MLP neurons
+    where the head's MLP is narrower), read back from a checkpoint as train-head reads
+    them; fc passes the last captured layer through; the embedding's half of qkv keeps
+    its random start."""
+    target = sharp_target()
+    checkpoint.write_checkpoint(tmp_path, TARGET, target.hf_state_dict())
+    vocab = DraftVocab.most_frequent(torch.arange(TARGET.vocab_size).float(), 64)
+    rows = target.lm_head.weight.detach()[vocab.target_ids]
+    torch.manual_seed(0)
+    head = EagleMethod(3, 2, TARGET.intermediate_size // 2).new_head(TARGET, target.embed_tokens, vocab, rows)
+    random_qkv = head.layer.self_attn.qkv_proj.weight.detach().clone()
+    start_from_target_layer(head, lambda name: float_tensor(tmp_path, name), TARGET.num_layers)
+
+    last, hidden, neurons = target.layers[-1], TARGET.hidden_size, TARGET.intermediate_size // 2
+    qkv = head.layer.self_attn.qkv_proj.weight
+    assert torch.equal(qkv[:, hidden:], last.self_attn.qkv_proj.weight) and torch.equal(
+        qkv[:, :hidden], random_qkv[:, :hidden]
+    )
+    assert torch.equal(head.layer.self_attn.o_proj.weight, last.self_attn.o_proj.weight)
+    gate, up = last.mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(head.layer.mlp.gate_up_proj.weight, torch.cat([gate[:neurons], up[:neurons]]))
+    assert torch.equal(head.layer.mlp.down_proj.weight, last.mlp.down_proj.weight[:, :neurons])
+    assert torch.equal(head.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(head.layer.post_attention_layernorm.weight, last.post_attention_layernorm.weight)
+    assert torch.equal(head.norm.weight, target.norm.weight)
+    features = torch.randn(5, 3 * hidden)  # [rows, 3H]: the three captured layers
+    assert torch.equal(head.fc(features), features[:, -hidden:])
+    with pytest.raises(ConfigError, match="holds none of model.layers.99"):
+        float_tensor(tmp_path, "model.layers.99.self_attn.q_proj.weight")
 
 
 def test_a_feature_set_holds_its_samples_in_order(tmp_path):
@@ -250,6 +282,7 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
     report = json.loads((folder / "training.json").read_text())
     assert report["device"] == device and report["quantization"] == "none"
     assert report["training"]["steps"] == 4 and report["data"]["answers"] == len(answers.splitlines())
+    assert report["training"]["layer_start"] == "target"
     assert report["data"]["answers"] == 6 + report["data"]["written_instructions"]
     assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
     head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
