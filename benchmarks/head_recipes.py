@@ -24,7 +24,9 @@ and `feature_norm=1` or `=2` to bring EAGLE-3's three captured layers to one sca
 fc (1: each layer's feature divided by its median RMS over the data; 2: each position's
 RMS-normalised), a transform of the data alone, held-out features included; and
 `init_layer=0` to start EAGLE-3's layer at random (`=1`: from the target's last one, as
-`train-head` does by default).
+`train-head` does by default), `source_layer=L` to start it from the target's layer L
+instead (negative: counted from the end), `embedding_half=0` to start the embedding's
+half of its qkv at zero, so that the started layer reads the feature alone.
 A folder made under older defaults is reused with the settings it was made with (its
 run.json); the recipes start from today's.
 """
@@ -37,14 +39,26 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from specserve import catalogue
+from specserve.train.eagle import start_from_target_layer
 from specserve.train.features import FeatureSet
-from specserve.train.run import Clock, Run, TrainHeadSettings, check_same_run, load_target, make_method, new_trainer
+from specserve.train.run import (
+    Clock,
+    Run,
+    TrainHeadSettings,
+    check_same_run,
+    float_tensor,
+    load_target,
+    make_method,
+    new_trainer,
+)
 
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
 DATA_KEYS = ("text", "answers", "feature_norm")
-INIT_KEYS = ("init_layer",)
+INIT_KEYS = ("init_layer", "source_layer", "embedding_half")
 
 
 def parse_recipes(text: str) -> dict[str, dict[str, float]]:
@@ -137,6 +151,13 @@ def train_recipe(
     if values.get("feature_norm"):
         normalise_features(data, int(values["feature_norm"]), target.config.hidden_size)
     trainer = new_trainer(make_method(recipe), recipe, target, data, checkpoint)
+    if "source_layer" in values:
+        folder = catalogue.resolve(settings.target)
+        layer = int(values["source_layer"]) % target.config.num_layers
+        start_from_target_layer(trainer.head, lambda name: float_tensor(folder, name), layer)
+    if values.get("embedding_half", 1) == 0:
+        with torch.no_grad():
+            trainer.head.layer.self_attn.qkv_proj.weight[:, : target.config.hidden_size].zero_()
     measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else None
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:

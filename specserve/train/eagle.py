@@ -80,16 +80,17 @@ class EagleMethod:
 
 
 @torch.no_grad()
-def start_from_target_layer(head: EagleHead, read: Callable[[str], torch.Tensor], num_layers: int) -> None:
-    """An EAGLE-3 head's layer set to the target's last one, `read(name)` giving the
-    target's float weights by their Hugging Face names: the hidden half of qkv (the
-    embedding's half keeps its random start) and o_proj, the first of the target's MLP
-    neurons that the head's MLP holds, the norms (hidden_norm the layer's input norm, the
-    head's norm the target's final one), and fc passing the last captured layer through.
-    Biases the target's q/k/v carry are dropped: the head's Llama layer has none."""
+def start_from_target_layer(head: EagleHead, read: Callable[[str], torch.Tensor], layer: int) -> None:
+    """An EAGLE-3 head's layer set to the target's decoder layer `layer` (train-head: the
+    last), `read(name)` giving the target's float weights by their Hugging Face names:
+    the hidden half of qkv (the embedding's half keeps its random start) and o_proj, the
+    first of the target's MLP neurons that the head's MLP holds, the norms (hidden_norm
+    the layer's input norm, the head's norm the target's final one), and fc passing the
+    last captured layer through. Biases the target's q/k/v carry are dropped: the head's
+    Llama layer has none."""
     if head.config.version != 3:
         raise ValueError("only an EAGLE-3 head's layer starts from the target's")
-    prefix = f"model.layers.{num_layers - 1}."
+    prefix = f"model.layers.{layer}."
     hidden = head.config.hidden_size
     attention, mlp = head.layer.self_attn, head.layer.mlp
     qkv = torch.cat([read(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"])  # [q + 2 kv, H]

@@ -416,7 +416,7 @@ def new_trainer(
     lm_head_rows = lm_head_weight(folder)[vocab.target_ids].to(device)
     head = method.new_head(target.config, target.decoder.embed_tokens, vocab, lm_head_rows)
     if settings.method == "eagle3" and settings.layer_start == "target":
-        start_from_target_layer(head, lambda name: float_tensor(folder, name), target.config.num_layers)
+        start_from_target_layer(head, lambda name: float_tensor(folder, name), target.config.num_layers - 1)
     loop = dataclasses.replace(settings.loop, seed=settings.seed)
     return Trainer(method, head, data, vocab, loop, checkpoint, device)
 

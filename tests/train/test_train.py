@@ -97,7 +97,7 @@ def test_an_eagle3_head_starts_as_the_targets_last_layer(tmp_path):
     torch.manual_seed(0)
     head = EagleMethod(3, 2, TARGET.intermediate_size // 2).new_head(TARGET, target.embed_tokens, vocab, rows)
     random_qkv = head.layer.self_attn.qkv_proj.weight.detach().clone()
-    start_from_target_layer(head, lambda name: float_tensor(tmp_path, name), TARGET.num_layers)
+    start_from_target_layer(head, lambda name: float_tensor(tmp_path, name), TARGET.num_layers - 1)
 
     last, hidden, neurons = target.layers[-1], TARGET.hidden_size, TARGET.intermediate_size // 2
     qkv = head.layer.self_attn.qkv_proj.weight
