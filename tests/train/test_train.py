@@ -101,9 +101,8 @@ def test_an_eagle3_head_starts_as_the_targets_last_layer(tmp_path):
 
     last, hidden, neurons = target.layers[-1], TARGET.hidden_size, TARGET.intermediate_size // 2
     qkv = head.layer.self_attn.qkv_proj.weight
-    assert torch.equal(qkv[:, hidden:], last.self_attn.qkv_proj.weight) and torch.equal(
-        qkv[:, :hidden], random_qkv[:, :hidden]
-    )
+    assert torch.equal(qkv[:, hidden:], last.self_attn.qkv_proj.weight)
+    assert torch.equal(qkv[:, :hidden], random_qkv[:, :hidden])
     assert torch.equal(head.layer.self_attn.o_proj.weight, last.self_attn.o_proj.weight)
     gate, up = last.mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(head.layer.mlp.gate_up_proj.weight, torch.cat([gate[:neurons], up[:neurons]]))
