@@ -25,8 +25,9 @@ fc (1: each layer's feature divided by its median RMS over the data; 2: each pos
 RMS-normalised), a transform of the data alone, held-out features included; and
 `init_layer=0` to start EAGLE-3's layer at random (`=1`: from the target's last one, as
 `train-head` does by default), `source_layer=L` to start it from the target's layer L
-instead (negative: counted from the end), `embedding_half=0` to start the embedding's
-half of its qkv at zero, so that the started layer reads the feature alone.
+instead (negative: counted from the end), `embedding_half=S` to scale the embedding's
+half of its qkv by S (0: the started layer reads the feature alone), `neurons=1` to
+start its MLP from the target's neurons of the largest weight norms, not the first.
 A folder made under older defaults is reused with the settings it was made with (its
 run.json); the recipes start from today's.
 """
@@ -58,7 +59,7 @@ from specserve.train.run import (
 HEAD_KEYS = ("draft_vocab_size", "head_intermediate_size", "ttt_length", "num_heads")
 LOOP_KEYS = ("lr", "weight_decay", "batch_tokens", "window", "warmup_steps", "grad_clip", "feature_noise")
 DATA_KEYS = ("text", "answers", "feature_norm")
-INIT_KEYS = ("init_layer", "source_layer", "embedding_half")
+INIT_KEYS = ("init_layer", "source_layer", "embedding_half", "neurons")
 
 
 def parse_recipes(text: str) -> dict[str, dict[str, float]]:
@@ -151,13 +152,14 @@ def train_recipe(
     if values.get("feature_norm"):
         normalise_features(data, int(values["feature_norm"]), target.config.hidden_size)
     trainer = new_trainer(make_method(recipe), recipe, target, data, checkpoint)
-    if "source_layer" in values:
+    if "source_layer" in values or values.get("neurons"):
         folder = catalogue.resolve(settings.target)
-        layer = int(values["source_layer"]) % target.config.num_layers
-        start_from_target_layer(trainer.head, lambda name: float_tensor(folder, name), layer)
-    if values.get("embedding_half", 1) == 0:
+        layer = int(values.get("source_layer", -1)) % target.config.num_layers
+        strongest = bool(values.get("neurons"))
+        start_from_target_layer(trainer.head, lambda name: float_tensor(folder, name), layer, strongest)
+    if "embedding_half" in values:
         with torch.no_grad():
-            trainer.head.layer.self_attn.qkv_proj.weight[:, : target.config.hidden_size].zero_()
+            trainer.head.layer.self_attn.qkv_proj.weight[:, : target.config.hidden_size] *= values["embedding_half"]
     measured = make_method(dataclasses.replace(recipe, ttt_length=eval_steps)) if eval_steps else None
     rows, correct, counted, started = [], [0], [0], time.monotonic()
     while trainer.position.step < steps:

@@ -80,11 +80,14 @@ class EagleMethod:
 
 
 @torch.no_grad()
-def start_from_target_layer(head: EagleHead, read: Callable[[str], torch.Tensor], layer: int) -> None:
+def start_from_target_layer(
+    head: EagleHead, read: Callable[[str], torch.Tensor], layer: int, strongest_neurons: bool = False
+) -> None:
     """An EAGLE-3 head's layer set to the target's decoder layer `layer` (train-head: the
     last), `read(name)` giving the target's float weights by their Hugging Face names:
-    the hidden half of qkv (the embedding's half keeps its random start) and o_proj, the
-    first of the target's MLP neurons that the head's MLP holds, the norms (hidden_norm
+    the hidden half of qkv (the embedding's half keeps its random start) and o_proj, as
+    many of the target's MLP neurons as the head's MLP holds (the first, or with
+    `strongest_neurons` those of the largest weight norms), the norms (hidden_norm
     the layer's input norm, the head's norm the target's final one), and fc passing the
     last captured layer through. Biases the target's q/k/v carry are dropped: the head's
     Llama layer has none."""
@@ -99,9 +102,13 @@ def start_from_target_layer(head: EagleHead, read: Callable[[str], torch.Tensor]
     gate, up, down = (read(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
     width = mlp.down_proj.in_features  # the head's neurons: gate rows [0, width), up rows [width, 2 width)
     neurons = min(width, down.shape[1])
-    mlp.gate_up_proj.weight[:neurons].copy_(gate[:neurons])
-    mlp.gate_up_proj.weight[width : width + neurons].copy_(up[:neurons])
-    mlp.down_proj.weight[:, :neurons].copy_(down[:, :neurons])
+    kept = torch.arange(neurons)  # [neurons] of the target's
+    if strongest_neurons:
+        strength = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)  # [target's neurons]
+        kept = strength.topk(neurons).indices.sort().values
+    mlp.gate_up_proj.weight[:neurons].copy_(gate[kept])
+    mlp.gate_up_proj.weight[width : width + neurons].copy_(up[kept])
+    mlp.down_proj.weight[:, :neurons].copy_(down[:, kept])
     head.hidden_norm.weight.copy_(read(prefix + "input_layernorm.weight"))
     head.layer.post_attention_layernorm.weight.copy_(read(prefix + "post_attention_layernorm.weight"))
     head.norm.weight.copy_(read("model.norm.weight"))

@@ -116,6 +116,24 @@ def test_an_eagle3_head_starts_as_the_targets_last_layer(tmp_path):
         float_tensor(tmp_path, "model.layers.99.self_attn.q_proj.weight")
 
 
+def test_an_eagle3_head_can_start_from_the_targets_strongest_neurons(tmp_path):
+    """With `strongest_neurons`, the head's narrower MLP holds the neurons of the largest
+    weight norms, in the target's order: here the second half, the first made weak."""
+    target = sharp_target()
+    last, neurons = target.layers[-1], TARGET.intermediate_size // 2
+    with torch.no_grad():
+        last.mlp.down_proj.weight[:, :neurons] *= 0.01
+    checkpoint.write_checkpoint(tmp_path, TARGET, target.hf_state_dict())
+    vocab = DraftVocab.most_frequent(torch.arange(TARGET.vocab_size).float(), 64)
+    rows = target.lm_head.weight.detach()[vocab.target_ids]
+    head = EagleMethod(3, 2, neurons).new_head(TARGET, target.embed_tokens, vocab, rows)
+    start_from_target_layer(head, lambda name: float_tensor(tmp_path, name), TARGET.num_layers - 1, True)
+
+    gate, up = last.mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(head.layer.mlp.gate_up_proj.weight, torch.cat([gate[neurons:], up[neurons:]]))
+    assert torch.equal(head.layer.mlp.down_proj.weight, last.mlp.down_proj.weight[:, neurons:])
+
+
 def test_a_feature_set_holds_its_samples_in_order(tmp_path):
     target = sharp_target()
     texts = {
