@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from specserve import catalogue
 from specserve.engine.build import use_cuda_graphs
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import check_device_format, default_dtype, resolve_device
@@ -46,9 +45,12 @@ from specserve.train.objective import DraftVocab, estimated_acceptance_length
 METHODS = ("eagle3", "eagle", "medusa")
 LAYER_STARTS = ("target", "random")  # EAGLE-3's layer: from the target's last one, or at random
 # Answers generated at once by default: the CPU's int4 kernels answer the most tokens a
-# second near 8 at once; a GPU's step grows little with its rows (benchmarks/README.md,
-# "Current results: GPU").
-ANSWERS_AT_ONCE = {"cpu": DEFAULT_MAX_NUM_SEQS, "cuda": 128}
+# second from 16 at once (benchmarks/EXPERIMENTS.md, "Sixteen answers at once"); a GPU's
+# step grows little with its rows (benchmarks/README.md, "Current results: GPU").
+ANSWERS_AT_ONCE = {"cpu": 16, "cuda": 128}
+# Settings a resumed run may change: its budget, and how many answers it makes at once
+# (the answers made are kept; the batch changes how soon the rest come).
+NOT_DECIDING = ("max_minutes", "force", "name", "max_num_seqs")
 # Where each phase must end, as shares of the budget. Answers (recorded as they are
 # generated) are the text the head is measured on and drafts for; the features phase
 # reads what a resumed run did not record, and any standard-library text asked for.
@@ -156,8 +158,8 @@ class TrainHeadSettings:
         return f"{path.stem if path.suffix == '.gguf' else path.name}-{self.method}"
 
     def deciding_result(self) -> dict:
-        """The settings a resumed run must share (not the budget: more time may be given)."""
-        deciding = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("max_minutes", "force", "name")}
+        """The settings a resumed run must share (not `NOT_DECIDING`'s)."""
+        deciding = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_DECIDING}
         del deciding["loop"]["checkpoint_seconds"]
         return deciding
 
@@ -228,7 +230,7 @@ def check_same_run(work: Path, settings: TrainHeadSettings) -> None:
     run_file = work / "run.json"
     wanted = json.loads(json.dumps(settings.deciding_result(), default=str))
     if run_file.is_file():
-        started = json.loads(run_file.read_text())
+        started = {k: v for k, v in json.loads(run_file.read_text()).items() if k not in NOT_DECIDING}
         # A setting newer than the run: the run ran as that setting's default does (and on
         # the CPU, before there was a choice).
         defaults = TrainHeadSettings(settings.target, device=settings.device).resolved().deciding_result()

@@ -199,13 +199,14 @@ def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
     del stored["loop"]["feature_noise"], stored["ttt_length"], stored["device"]  # a run from before --device: the CPU
     (tmp_path / "run.json").write_text(json.dumps(stored))
     check_same_run(tmp_path, settings)  # not refused
+    check_same_run(tmp_path, dataclasses.replace(settings, max_num_seqs=3))  # how many at once: not deciding
     with pytest.raises(ConfigError, match=r"other settings \(loop\)"):
         check_same_run(tmp_path, dataclasses.replace(settings, loop=LoopSettings(steps=None, feature_noise=0.1)))
 
 
 def test_auto_settings_resolve_for_the_device():
     on_cpu = TrainHeadSettings("smollm2-135m", device="cpu").resolved()
-    assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 8)
+    assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 16)
     mine = TrainHeadSettings("smollm2-135m", device="cpu", quantization="none", max_num_seqs=3).resolved()
     assert (mine.quantization, mine.max_num_seqs) == ("none", 3)
 
