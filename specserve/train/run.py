@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from specserve import catalogue
 from specserve.engine.build import use_cuda_graphs
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import check_device_format, default_dtype, resolve_device
@@ -44,10 +45,10 @@ from specserve.train.objective import DraftVocab, estimated_acceptance_length
 
 METHODS = ("eagle3", "eagle", "medusa")
 LAYER_STARTS = ("target", "random")  # EAGLE-3's layer: from the target's last one, or at random
-# Answers generated at once by default: the CPU's int4 kernels answer the most tokens a
-# second from 16 at once (benchmarks/EXPERIMENTS.md, "Sixteen answers at once"); a GPU's
-# step grows little with its rows (benchmarks/README.md, "Current results: GPU").
-ANSWERS_AT_ONCE = {"cpu": 16, "cuda": 128}
+# Answers generated at once by default: the CPU's int4 kernels answer about as many tokens
+# a second at 8 as at 16 or 32 (benchmarks/EXPERIMENTS.md, "Sixteen answers at once"); a
+# GPU's step grows little with its rows (benchmarks/README.md, "Current results: GPU").
+ANSWERS_AT_ONCE = {"cpu": DEFAULT_MAX_NUM_SEQS, "cuda": 128}
 # Settings a resumed run may change: its budget, and how many answers it makes at once
 # (the answers made are kept; the batch changes how soon the rest come).
 NOT_DECIDING = ("max_minutes", "force", "name", "max_num_seqs")

@@ -206,7 +206,7 @@ def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
 
 def test_auto_settings_resolve_for_the_device():
     on_cpu = TrainHeadSettings("smollm2-135m", device="cpu").resolved()
-    assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 16)
+    assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 8)
     mine = TrainHeadSettings("smollm2-135m", device="cpu", quantization="none", max_num_seqs=3).resolved()
     assert (mine.quantization, mine.max_num_seqs) == ("none", 3)
 
