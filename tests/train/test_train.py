@@ -197,6 +197,7 @@ def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
     settings = TrainHeadSettings("qwen2.5-coder-1.5b", device="cpu").resolved()
     stored = json.loads(json.dumps(settings.deciding_result(), default=str))
     del stored["loop"]["feature_noise"], stored["ttt_length"], stored["device"]  # a run from before --device: the CPU
+    stored["max_num_seqs"] = 8  # and from when its batch was recorded as deciding
     (tmp_path / "run.json").write_text(json.dumps(stored))
     check_same_run(tmp_path, settings)  # not refused
     check_same_run(tmp_path, dataclasses.replace(settings, max_num_seqs=3))  # how many at once: not deciding
