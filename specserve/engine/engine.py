@@ -173,6 +173,16 @@ class Engine:
                 "shorten the prompt or lower max_tokens"
             )
         self.check_token_ids(itertools.chain(prompt_ids, params.stop_token_ids, (i for i, _ in params.logit_bias)))
+        if params.min_tokens > 0 and len(self.stop_ids(params)) >= self.target.config.vocab_size:
+            raise ConfigError(
+                f"stop_token_ids{'' if params.ignore_eos else ' and EOS'} cover the whole vocabulary, so no token "
+                f"can come before min_tokens ({params.min_tokens}); drop min_tokens or some stop ids"
+            )
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request's output: its own stop ids, and EOS unless it ignores it."""
+        stops = frozenset(params.stop_token_ids)
+        return stops if params.ignore_eos else stops | self.eos_token_ids
 
     def check_token_ids(self, ids: Iterable[int]) -> None:
         """Raise ConfigError naming the first ids outside the target's vocabulary."""
@@ -184,9 +194,6 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
         """Validate a request and queue it; it joins the batch at a later step."""
         self.check_request(prompt_ids, params)
-        stops = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
         seq = Sequence(
             seq_id=next(self._next_id),
             token_ids=list(prompt_ids),
@@ -194,7 +201,7 @@ class Engine:
             params=params,
             generator=params.make_generator(self.target.device),
             cache=self.target.new_cache(),
-            stop_token_ids=stops,
+            stop_token_ids=self.stop_ids(params),
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
         )
         self.waiting.append(seq)

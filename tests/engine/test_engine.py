@@ -236,6 +236,30 @@ def test_request_validation(target):
     assert not engine.has_unfinished()
 
 
+def test_min_tokens_with_every_id_a_stop_is_refused_and_one_id_left_decodes(target):
+    """With every id a stop id (EOS counted unless ignored), no token could come before
+    min_tokens: greedy decoding once took id 0 anyway. Refused with the fix; with one id
+    left out of the stops, the output is that id until min_tokens."""
+    engine = Engine(target, eos_token_ids=[EOS])
+    vocab = target.config.vocab_size
+    others = tuple(i for i in range(vocab) if i != EOS)
+    for params in (
+        SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2, stop_token_ids=others),
+        SamplingParams(max_tokens=4, temperature=0.8, min_tokens=1, stop_token_ids=(*others, EOS), ignore_eos=True),
+    ):
+        with pytest.raises(ConfigError, match="cover the whole vocabulary.*drop min_tokens"):
+            engine.add_request([1, 2, 3], params)
+    assert not engine.has_unfinished()
+    left = others[7]
+    stops = tuple(i for i in others if i != left)
+    seq = engine.add_request(
+        [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2, stop_token_ids=stops)
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids[:2] == [left, left] and seq.finish_reason in ("stop", "length")
+
+
 def test_a_top_k_past_what_a_chain_holds_is_refused_and_the_largest_decodes_beside_others(target):
     """A multi-step chain holds each request's top_k in a tensor, where 10**400 (which
     JSON carries) failed the step of every request beside it: it is refused. At the
