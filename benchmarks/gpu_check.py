@@ -81,7 +81,9 @@ SECTIONS = (  # in order
     "train",
 )
 # gather: attention over a gathered copy, not in place; autotune: compiled with inductor's
-# max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling); single: one
+# max-autotune (Triton GEMMs where they beat cuBLAS's, minutes of compiling); coordinate:
+# compiled with inductor's coordinate-descent tuning, which also turns a one-row
+# projection into a reduction fused with the norm before it; single: one
 # token an engine step (--num-scheduler-steps 1), where plain greedy decoding otherwise
 # decodes DEFAULT_NUM_SCHEDULER_STEPS in one graph
 MODES = (
@@ -92,6 +94,7 @@ MODES = (
     "graphs+gather",
     "graphs+compile+gather",
     "graphs+autotune",
+    "graphs+coordinate",
 )
 CUDA_TESTS = [
     "tests/model/test_graphs.py",
@@ -158,13 +161,22 @@ def random_decoder(config: ModelConfig, device: torch.device, seed: int) -> Deco
     return model
 
 
+def compile_arguments(mode: str) -> dict | None:
+    """`use_torch_compile`'s arguments in this mode; None: uncompiled."""
+    flags = mode.split("+")
+    if "autotune" in flags:
+        return {"mode": "max-autotune-no-cudagraphs"}
+    if "coordinate" in flags:
+        return {"options": {"coordinate_descent_tuning": True}}
+    return {} if "compile" in flags else None
+
+
 def build(config: ModelConfig, device: torch.device, mode: str, slots: int, capacity: int, seed: int) -> Decoder:
     model = random_decoder(config, device, seed)
     flags = mode.split("+")
-    if "compile" in flags:
-        model.use_torch_compile()
-    if "autotune" in flags:
-        model.use_torch_compile(mode="max-autotune-no-cudagraphs")
+    compiled = compile_arguments(mode)
+    if compiled is not None:
+        model.use_torch_compile(**compiled)
     if "graphs" in flags:
         model.use_cuda_graphs(slots, capacity)
         model.static.in_place = model.static.in_place and "gather" not in flags
@@ -549,10 +561,10 @@ def random_head_proposer(method: str, target: Decoder, mode: str, slots: int, ar
     if method == "medusa":
         return MedusaProposer(head, guesser)
     head.share_target(target.embed_tokens, target.lm_head)
-    flags = mode.split("+")
-    if "compile" in flags:
-        head.use_torch_compile()
-    if "graphs" in flags:
+    compiled = compile_arguments(mode)
+    if compiled is not None:
+        head.use_torch_compile(**compiled)
+    if "graphs" in mode.split("+"):
         head.use_cuda_graphs(slots, args.capacity)
     return EagleProposer(head, guesser)
 

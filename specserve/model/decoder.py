@@ -460,15 +460,23 @@ COMPILED_BLOCK_PARTS = ("project_qkv", "project_rotated_qkv", "finish")
 
 
 def compile_methods(
-    parts: list[tuple[object, str]], warm_up: Callable[[], None], required: bool, mode: str | None
+    parts: list[tuple[object, str]],
+    warm_up: Callable[[], None],
+    required: bool,
+    mode: str | None,
+    options: dict | None = None,
 ) -> bool:
-    """Replace each (owner, method name) by its torch.compile (dynamic shapes), then run
-    `warm_up`, which calls them in every shape class, so that compiling (tens of seconds)
-    happens now rather than in a request. Where inductor cannot build (no C++ compiler,
-    no Triton) the owners' own methods come back: an error naming the fix if `required`,
-    else a warning. Returns whether they are compiled."""
+    """Replace each (owner, method name) by its torch.compile (dynamic shapes; `mode`, or
+    inductor's settings `options`, torch.compile's arguments, which take one of the two),
+    then run `warm_up`, which calls them in every shape class, so that compiling (tens of
+    seconds) happens now rather than in a request. Where inductor cannot build (no C++
+    compiler, no Triton) the owners' own methods come back: an error naming the fix if
+    `required`, else a warning. Returns whether they are compiled."""
+    if mode is not None and options:
+        raise ConfigError("torch.compile takes a mode or inductor options, not both")
+    how = {"options": options} if options else {"mode": mode}
     for owner, name in parts:
-        setattr(owner, name, torch.compile(getattr(owner, name), dynamic=True, mode=mode))
+        setattr(owner, name, torch.compile(getattr(owner, name), dynamic=True, **how))
     try:
         warm_up()
     except Exception as error:  # inductor fails in many ways (compiler, codegen): report any
@@ -637,7 +645,7 @@ class Decoder(nn.Module):
         )
         self.__dict__.pop("_in_c_common", None)  # described with the old head
 
-    def use_torch_compile(self, required: bool = True, mode: str | None = None) -> bool:
+    def use_torch_compile(self, required: bool = True, mode: str | None = None, options: dict | None = None) -> bool:
         """Run the PyTorch parts that touch no cache through torch.compile (inductor):
         each block's norm and qkv projection (with RoPE, for the static step of CUDA
         graphs), its o_proj, residual adds and MLP, and the head. Inductor fuses the
@@ -649,8 +657,8 @@ class Decoder(nn.Module):
         Every piece is compiled here, for both shape classes, so that compiling (tens of
         seconds) happens at load rather than in a request. Where inductor cannot build
         (no C++ compiler, no Triton) the model stays uncompiled: an error naming the fix
-        if `required`, else a warning. Returns whether it is compiled. mode: torch.compile's
-        (None: its default)."""
+        if `required`, else a warning. Returns whether it is compiled. mode, options:
+        torch.compile's (None: its default; see `compile_methods`)."""
 
         def warm_up() -> None:
             cache = self.new_cache()
@@ -663,7 +671,9 @@ class Decoder(nn.Module):
                     self.layers[0].project_rotated_qkv(h, cos[:rows], rotated_sin[:rows])
 
         parts = [(block, name) for block in self.layers for name in COMPILED_BLOCK_PARTS]
-        self.compiled = compile_methods(parts + [(self, "score_every_id")], warm_up, required, mode)  # common: eager
+        self.compiled = compile_methods(
+            parts + [(self, "score_every_id")], warm_up, required, mode, options
+        )  # common: eager
         return self.compiled
 
     def use_cuda_graphs(self, num_slots: int, capacity: int, captured_bytes: int | None = None) -> None:

@@ -87,3 +87,22 @@ def test_compiled_static_steps_compute_what_eager_ones_do():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled in a request
     assert StepKey(1, 1, 64) in compiled.static.steps  # the decode steps were static ones
+
+
+def test_inductor_options_reach_torch_compile_and_a_mode_beside_them_is_refused(monkeypatch):
+    """Inductor's settings (as gpu_check's coordinate-descent mode passes them) go to
+    every compiled piece; torch.compile takes a mode or options, so both is an error."""
+    seen = []
+
+    def recorded(fn, **arguments):
+        seen.append(arguments)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    model = Decoder(tiny_config("llama")).eval()
+    assert model.use_torch_compile(options={"coordinate_descent_tuning": True})
+    assert seen and all(a == {"dynamic": True, "options": {"coordinate_descent_tuning": True}} for a in seen)
+    with pytest.raises(ConfigError, match="a mode or inductor options, not both"):
+        Decoder(tiny_config("llama")).use_torch_compile(
+            mode="max-autotune", options={"coordinate_descent_tuning": True}
+        )

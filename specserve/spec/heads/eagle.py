@@ -252,7 +252,7 @@ class EagleHead(nn.Module):
         residual = self.fc(torch.cat([embeddings, features], dim=-1))  # [..., H]
         return layer.project_qkv(residual), residual
 
-    def use_torch_compile(self, required: bool = True, mode: str | None = None) -> bool:
+    def use_torch_compile(self, required: bool = True, mode: str | None = None, options: dict | None = None) -> bool:
         """Run the parts of a head step that touch no cache through torch.compile, as
         Decoder.use_torch_compile runs the target's: the layer's inputs and qkv with RoPE,
         its o_proj, residual and MLP, and the draft logits. Call after `share_target`
@@ -277,7 +277,7 @@ class EagleHead(nn.Module):
             (self.layer, "finish"),
             (self, "_draft_scores"),
         ]
-        return compile_methods(parts, warm_up, required, mode)
+        return compile_methods(parts, warm_up, required, mode, options)
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, draft_vocab_size] float32
