@@ -9,6 +9,7 @@ Timed from the step after every prompt has been read until the last greedy reque
 finishes; the neighbour asks for more tokens than they do, so it runs throughout.
 
     .venv/bin/python benchmarks/neighbours.py                     # int4 pair, adaptive k
+    .venv/bin/python benchmarks/neighbours.py --draft qwen2.5-coder-1.5b-eagle3   # a head
     .venv/bin/python benchmarks/neighbours.py --draft '' --device cuda   # plain, CUDA graphs
 """
 
@@ -22,6 +23,7 @@ import time
 import torch
 
 from specserve.bench.suites import SUITES
+from specserve.bench.tune import NGRAM, head_of
 from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
 from specserve.model.device import resolve_device
@@ -56,10 +58,27 @@ def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: s
     return (sum(s.num_output_tokens for s in seqs) - done) / elapsed
 
 
+def spec_config(draft: str) -> SpecConfig | None:
+    """Adaptive k with `draft`: a draft model (from k = 7), `ngram` (k = 7), an EAGLE or
+    Medusa head (catalogue name or METHOD:FOLDER, from k = 3), or '' for none."""
+    if not draft:
+        return None
+    head = head_of(draft)
+    if head is not None:
+        return SpecConfig.parse({"method": head[0], "model": head[1], "num_speculative_tokens": 3})
+    if draft == NGRAM:
+        return SpecConfig.parse({"method": NGRAM, "num_speculative_tokens": 7})
+    return SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a draft model ('' for none), adaptive k")
+    parser.add_argument(
+        "--draft",
+        default="qwen2.5-coder-0.5b",
+        help="the proposer under adaptive k: a draft model, ngram, or a head (NAME or METHOD:FOLDER); '' for none",
+    )
     parser.add_argument("--quantization", default="int4", choices=("none", "int8", "int4"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
@@ -74,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kinds takes {', '.join(KINDS)}, greedy among them; got {args.kinds!r}")
 
     device = resolve_device(args.device)
-    spec = SpecConfig.parse({"model": args.draft, "num_speculative_tokens": 7}) if args.draft else None
+    spec = spec_config(args.draft)
     dtype = torch.bfloat16 if args.quantization != "none" or device.type == "cuda" else torch.float32
     engine, tokenizer = build_engine(
         args.target, spec, dtype=dtype, quantization=args.quantization, device=device, max_num_seqs=args.greedy + 1
