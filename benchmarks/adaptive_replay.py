@@ -20,6 +20,7 @@ the draft stops may differ.
     .venv/bin/python benchmarks/adaptive_replay.py            # the table, in a second
     .venv/bin/python benchmarks/adaptive_replay.py --draft-cost-scale 2   # a dearer draft
     .venv/bin/python benchmarks/adaptive_replay.py --score   # every trace set and scale: one figure
+    .venv/bin/python benchmarks/adaptive_replay.py --costs benchmarks/data/costs_h200.json   # priced there
 
 The recorded traces live in benchmarks/data/adaptive_traces*.json (also read by
 tests/benchmarks/test_adaptive_replay.py; benchmarks/README.md lists them). A trace set may keep
@@ -212,6 +213,18 @@ def replay(
 def load_traces(path: Path = TRACES) -> tuple[Costs, list[Trace]]:
     data = json.loads(path.read_text())
     return Costs(**data["costs"]), [Trace(**t) for t in data["traces"]]
+
+
+def machine_costs(path: Path, traces: Path) -> Costs:
+    """Another machine's costs (`--costs`: a JSON object of Costs by proposer kind, "draft",
+    "eagle3" or "medusa", and a "source" line) for the proposer `traces` were recorded with."""
+    draft = json.loads(traces.read_text())["pair"]["draft"]
+    method, colon, _ = draft.partition(":")
+    kind = method if colon else "draft"
+    table = json.loads(path.read_text())
+    if kind not in table:
+        sys.exit(f"adaptive_replay: {path} prices no {kind!r} proposer (it has {', '.join(sorted(table))})")
+    return Costs(**table[kind])
 
 
 def speedups(
@@ -476,6 +489,12 @@ def main() -> None:
         "--draft-cost-scale", type=float, default=1.0, help="replay with the draft's and the reading's costs times this"
     )
     parser.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        help="replay with another machine's costs (benchmarks/data/costs_*.json) instead of the recorded ones",
+    )
+    parser.add_argument(
         "--score", action="store_true", help="judge the policy over every recorded trace set and draft-cost scale"
     )
     args = parser.parse_args()
@@ -493,6 +512,8 @@ def main() -> None:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     costs, traces = load_traces(args.traces)
+    if args.costs is not None:
+        costs = machine_costs(args.costs, args.traces)
     print_table(traces, costs.with_dearer_draft(args.draft_cost_scale))
 
 

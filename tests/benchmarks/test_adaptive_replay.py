@@ -6,6 +6,9 @@ decoding, and where drafting pays it must come close to the best fixed k."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from benchmarks.adaptive_replay import (
@@ -14,6 +17,7 @@ from benchmarks.adaptive_replay import (
     Trace,
     geomean,
     load_traces,
+    machine_costs,
     replay,
     score,
     speedups,
@@ -35,6 +39,7 @@ TRACE_FILES = {
 }
 TRACE_SETS = {name: load_traces(path) for name, path in TRACE_FILES.items()}
 COSTS, TRACES = TRACE_SETS["zen4"]
+H200_COSTS = ZEN4_FILE.with_name("costs_h200.json")
 
 
 def suite_speedups(costs: Costs, k: int | None, warm: bool = True, traces: list[Trace] = TRACES) -> dict[str, float]:
@@ -217,3 +222,31 @@ def test_a_head_trace_drafts_its_chain_and_accepts_its_run_of_matches():
     # A first guess less sure than the least chance is dropped, and nothing drafted.
     assert trace.drafted_and_accepted(1, 3, threshold=0.5, least_chance=0.95) == (0, 0, 1)
     assert trace.drafted_and_accepted(1, 3, threshold=0.5, least_chance=0.85) == (2, 2, 0)  # later guesses: never
+
+
+@pytest.mark.parametrize(
+    ("traces", "drafting"),
+    [
+        (ZEN4_FILE.with_name("adaptive_traces_zen5_hp.json"), "draft"),
+        *((ZEN4_FILE.with_name(f"head_traces_{m}.json"), m) for m in HEAD_TRACES),
+    ],
+)
+def test_another_machines_costs_price_the_proposer_the_traces_were_recorded_with(traces, drafting):
+    """`--costs`: the H200's costs by proposer kind, a draft model's priced as a draft
+    model's and each head's as its own; plain decoding there is cheaper than any
+    verification (8 tokens a graph), so k = 1 with nothing accepted loses."""
+    table = json.loads(H200_COSTS.read_text())
+    costs = machine_costs(H200_COSTS, traces)
+    assert costs == Costs(**table[drafting])
+    assert costs.plain_step() < costs.forward(2)
+    trace = dataclasses.replace(
+        load_traces(traces)[1][0], match=[False] * 64, confidence=[1.0] * 64, chain=None, chain_confidence=None
+    )
+    assert replay(trace, costs, 1).seconds > replay(trace, costs, 0).seconds
+
+
+def test_costs_for_a_proposer_the_file_does_not_price_name_what_it_has(tmp_path):
+    only_draft = tmp_path / "costs.json"
+    only_draft.write_text(json.dumps({"source": "a test", "draft": json.loads(H200_COSTS.read_text())["draft"]}))
+    with pytest.raises(SystemExit, match="prices no 'eagle3' proposer \\(it has draft, source\\)"):
+        machine_costs(only_draft, ZEN4_FILE.with_name("head_traces_eagle3.json"))
