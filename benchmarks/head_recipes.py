@@ -73,6 +73,10 @@ def parse_recipes(text: str) -> dict[str, dict[str, float]]:
                 known = ", ".join(HEAD_KEYS + LOOP_KEYS + DATA_KEYS + INIT_KEYS)
                 raise SystemExit(f"recipe {name!r}: unknown key {key!r}; keys: {known}")
             values[key] = float(value)
+        if values.get("init_layer") == 0 and ("source_layer" in values or values.get("neurons")):
+            raise SystemExit(
+                f"recipe {name!r}: source_layer and neurons start the layer from the target's; drop init_layer=0"
+            )
         recipes[name] = values
     return recipes
 
@@ -140,8 +144,11 @@ def train_recipe(
     loop_values = {k: (int(v) if k in whole else v) for k, v in values.items() if k in LOOP_KEYS}
     loop = dataclasses.replace(settings.loop, steps=steps, **loop_values)
     recipe = dataclasses.replace(settings, loop=loop, **head_values)
-    if "init_layer" in values:
-        recipe = dataclasses.replace(recipe, layer_start="target" if values["init_layer"] else "random")
+    from_target = "source_layer" in values or values.get("neurons")
+    if "init_layer" in values or from_target:  # a start of its own below: new_trainer's would be read in vain
+        recipe = dataclasses.replace(
+            recipe, layer_start="target" if values.get("init_layer") and not from_target else "random"
+        )
     if values.get("text", int(settings.stdlib_tokens > 0)) == 0:
         keys = [key for key in keys if key.startswith("answer-")]
     if values.get("answers", 1.0) < 1.0:
@@ -152,7 +159,7 @@ def train_recipe(
     if values.get("feature_norm"):
         normalise_features(data, int(values["feature_norm"]), target.config.hidden_size)
     trainer = new_trainer(make_method(recipe), recipe, target, data, checkpoint)
-    if "source_layer" in values or values.get("neurons"):
+    if from_target:
         folder = catalogue.resolve(settings.target)
         layer = int(values.get("source_layer", -1)) % target.config.num_layers
         strongest = bool(values.get("neurons"))

@@ -1,6 +1,6 @@
 """benchmarks/head_recipes.py: recipes parse into the settings they name, an unknown
-key is refused with the keys there are, a data folder keeps its settings, and a share of
-the answers keeps the first ones."""
+key is refused with the keys there are, as is a random layer started from the target's,
+a data folder keeps its settings, and a share of the answers keeps the first ones."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def test_recipes_parse_into_named_settings():
 def test_an_unknown_key_is_refused_with_the_known_ones():
     with pytest.raises(SystemExit, match="unknown key 'dropout'.*weight_decay"):
         parse_recipes("x:dropout=0.1")
+
+
+def test_a_random_layer_with_a_start_from_the_target_is_refused():
+    """source_layer and neurons start the layer from the target's: init_layer=0 beside
+    them once started it from the target's all the same."""
+    for keys in ("init_layer=0,neurons=1", "init_layer=0,source_layer=20"):
+        with pytest.raises(SystemExit, match="start the layer from the target's; drop init_layer=0"):
+            parse_recipes(f"x:{keys}")
+    assert parse_recipes("x:init_layer=1,neurons=1") == {"x": {"init_layer": 1.0, "neurons": 1.0}}
 
 
 def test_a_data_folder_keeps_the_settings_it_was_made_with(tmp_path):
