@@ -23,7 +23,7 @@ import time
 import torch
 
 from specserve.bench.suites import SUITES
-from specserve.bench.tune import NGRAM, head_of
+from specserve.bench.tune import proposer_config
 from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
 from specserve.model.device import resolve_device
@@ -58,19 +58,6 @@ def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: s
     return (sum(s.num_output_tokens for s in seqs) - done) / elapsed
 
 
-def spec_config(draft: str) -> SpecConfig | None:
-    """Adaptive k with `draft`: a draft model (from k = 7), `ngram` (k = 7), an EAGLE or
-    Medusa head (catalogue name or METHOD:FOLDER, from k = 3), or '' for none."""
-    if not draft:
-        return None
-    head = head_of(draft)
-    if head is not None:
-        return SpecConfig.parse({"method": head[0], "model": head[1], "num_speculative_tokens": 3})
-    if draft == NGRAM:
-        return SpecConfig.parse({"method": NGRAM, "num_speculative_tokens": 7})
-    return SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -93,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kinds takes {', '.join(KINDS)}, greedy among them; got {args.kinds!r}")
 
     device = resolve_device(args.device)
-    spec = spec_config(args.draft)
+    spec = SpecConfig.parse(proposer_config(args.draft)) if args.draft else None  # adaptive k
     dtype = torch.bfloat16 if args.quantization != "none" or device.type == "cuda" else torch.float32
     engine, tokenizer = build_engine(
         args.target, spec, dtype=dtype, quantization=args.quantization, device=device, max_num_seqs=args.greedy + 1

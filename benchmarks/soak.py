@@ -36,6 +36,7 @@ import httpx
 from specserve import catalogue
 from specserve.bench.client import stream_request
 from specserve.bench.local_server import ServerProcess
+from specserve.bench.tune import proposer_config
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -239,7 +240,9 @@ def report(tally: Tally, args) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=catalogue.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=catalogue.DEFAULT_DRAFT)
+    parser.add_argument(
+        "--draft", default=catalogue.DEFAULT_DRAFT, help="a draft model, ngram, or a head (NAME or METHOD:FOLDER)"
+    )
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--phases", type=int, default=6)
@@ -250,7 +253,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="also print the tally as one JSON object")
     args = parser.parse_args()
 
-    spec = json.dumps({"model": args.draft, "num_speculative_tokens": 7})
+    spec = json.dumps(proposer_config(args.draft))  # adaptive k
     server = ServerProcess(
         args.target,
         "--quantization",

@@ -99,6 +99,16 @@ def head_of(name: str) -> tuple[str, str] | None:
     return (method, folder) if colon and method in HEAD_METHODS else None
 
 
+def proposer_config(draft: str, k: int | None = None) -> dict:
+    """`--speculative-config`'s proposer keys for `draft`, a draft model, `ngram` or a head
+    (see `head_of`), drafting k tokens (None: 3 for a head, 7 otherwise)."""
+    head = head_of(draft)
+    if head is not None:
+        return {"method": head[0], "model": head[1], "num_speculative_tokens": k or 3}
+    proposer = {"method": NGRAM} if draft == NGRAM else {"model": draft}
+    return {**proposer, "num_speculative_tokens": k or 7}
+
+
 def decode_step_seconds(model: LoadedModel, prompt_ids: list[int], num_tokens: int) -> float:
     """Seconds per decode step of `model` alone, plain, after its first token."""
     engine = Engine(model.decoder, eos_token_ids=())

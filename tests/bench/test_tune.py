@@ -1,5 +1,6 @@
-"""`specserve tune`: the Leviathan prediction, the recommendation, and a real sweep on
-smollm2-135m (drafting for itself, and n-gram lookup)."""
+"""`specserve tune`: the Leviathan prediction, a proposer's name as a speculative config,
+the recommendation, and a real sweep on smollm2-135m (drafting for itself, and n-gram
+lookup)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 
 import pytest
 
-from specserve.bench.tune import predicted_speedup, recommend
+from specserve.bench.tune import predicted_speedup, proposer_config, recommend
 from specserve.cli import main
+from specserve.config import SpecConfig
 from specserve.model import native
 
 
@@ -19,6 +21,25 @@ def test_predicted_speedup_is_leviathans_formula():
     assert predicted_speedup(1.0, 7, 0.0) == 8  # every draft accepted, free drafts
     assert predicted_speedup(0.0, 5, 0.2) == pytest.approx(1 / 2)  # nothing accepted: pure cost
     assert predicted_speedup(None, 3, 0.1) is None and predicted_speedup(0.5, 0, 0.1) is None
+
+
+def test_a_proposer_by_name_becomes_the_speculative_config_serve_takes():
+    """As tune names them: a draft model, ngram, a catalogue head or METHOD:FOLDER (a
+    head drafts from k = 3 unless told, the others from 7); each parses as serve's flag."""
+    cases = {
+        "qwen2.5-coder-0.5b": {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 7},
+        "qwen2.5-coder-1.5b-eagle3": {
+            "method": "eagle3",
+            "model": "qwen2.5-coder-1.5b-eagle3",
+            "num_speculative_tokens": 3,
+        },
+        "medusa:/heads/m": {"method": "medusa", "model": "/heads/m", "num_speculative_tokens": 3},
+    }
+    for name, config in cases.items():
+        assert proposer_config(name) == config
+        assert SpecConfig.parse(config).num_speculative_tokens == config["num_speculative_tokens"]
+    assert proposer_config("eagle:/heads/e", 5)["num_speculative_tokens"] == 5
 
 
 def test_recommend_takes_the_fastest_per_test_case_and_the_best_geometric_mean():
