@@ -699,13 +699,16 @@ class CapturedSteps:
     within a budget of the bytes they hold (`held_bytes`). Each new key (a batch size,
     a bucket, a sampling or logit-bias shape) holds its own; past the budget the least
     recently used are dropped, and captured again if they are met again, so that
-    requests of ever new shapes cannot fill the GPU."""
+    requests of ever new shapes cannot fill the GPU. A capture that runs out of GPU
+    memory is tried once more after every other entry is dropped, so that memory taken
+    elsewhere fails no batch while old captures can give it back."""
 
     def __init__(self, budget: int | None):
         self.budget = budget  # bytes; None: no bound
         self.entries: OrderedDict[tuple[str, tuple], tuple[object, int]] = OrderedDict()  # (kind, key): (entry, bytes)
         self.held = 0
-        self.dropped = 0
+        self.dropped = 0  # entries dropped, over the budget or to capture one more
+        self.over_budget = False  # once: the warning is logged
 
     def keys_of(self, kind: str) -> list[tuple]:
         return [key for entry_kind, key in self.entries if entry_kind == kind]
@@ -715,23 +718,42 @@ class CapturedSteps:
         if (kind, key) in self.entries:
             self.entries.move_to_end((kind, key))
             return self.entries[kind, key][0]
-        entry = make()
+        try:
+            entry = make()
+        except torch.OutOfMemoryError:
+            if not self.entries:
+                raise
+            log.warning(
+                "capturing a decode step ran out of GPU memory: the %d captured before it are dropped "
+                "and it is captured once more (lower --max-num-seqs or --max-model-len to leave them "
+                "more GPU memory)",
+                len(self.entries),
+            )
+            while self.entries:
+                self._drop_oldest()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what they held, back for the allocations outside the graphs
+            entry = make()
         size = held_bytes(entry)
         self.entries[kind, key] = (entry, size)
         self.held += size
         while self.budget is not None and self.held > self.budget and len(self.entries) > 1:
-            _, (old, freed) = self.entries.popitem(last=False)
-            vars(old).clear()  # its graph and tensors go now, not when a cycle is collected
-            self.held -= freed
-            if not self.dropped:
+            self._drop_oldest()
+            if not self.over_budget:
+                self.over_budget = True
                 log.warning(
                     "captured decode steps hold more than their %.2f GiB: the least recently used are "
                     "dropped and captured again when needed (lower --max-num-seqs or --max-model-len "
                     "to leave them more GPU memory)",
                     self.budget / 2**30,
                 )
-            self.dropped += 1
         return entry
+
+    def _drop_oldest(self) -> None:
+        _, (old, freed) = self.entries.popitem(last=False)
+        vars(old).clear()  # its graph and tensors go now, not when a cycle is collected
+        self.held -= freed
+        self.dropped += 1
 
 
 class StaticDecode:

@@ -338,6 +338,36 @@ def test_captured_steps_are_kept_least_recently_used_first_within_their_bytes():
     assert list(captured.entries) == [("step", ("e",))] and captured.held == 48
 
 
+def test_a_capture_out_of_memory_drops_the_others_and_is_tried_once_more(caplog):
+    """Memory taken elsewhere can leave too little for a new capture: every other entry
+    is dropped (their memory back) and the capture tried again; a second failure, or a
+    first with nothing to drop, is the caller's."""
+    captured = graphs.CapturedSteps(budget=None)
+    made = {}
+
+    def make(name: str, failures: list[int]):
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        made[name] = type("Entry", (), {})()
+        made[name].tensor = torch.zeros(4)
+        return made[name]
+
+    for name in ("a", "b"):
+        captured.get("step", (name,), lambda: make(name, [0]))
+    once = [1]
+    assert captured.get("chain", ("c",), lambda: make("c", once)) is made["c"]
+    assert list(captured.entries) == [("chain", ("c",))] and captured.held == 16 and captured.dropped == 2
+    assert vars(made["a"]) == {} and vars(made["b"]) == {}
+    assert "ran out of GPU memory: the 2 captured before it are dropped" in caplog.text
+    twice = [2]
+    with pytest.raises(torch.OutOfMemoryError):
+        captured.get("step", ("d",), lambda: make("d", twice))  # once more, then the caller's
+    assert twice == [0] and not captured.entries
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs.CapturedSteps(budget=None).get("step", ("e",), lambda: make("e", [1]))  # nothing to drop
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_multi_step_decoding_gives_plain_tokens_and_stops_where_they_do(device):
     """num_scheduler_steps = 4 on static steps: greedy requests decode 4 tokens a step
