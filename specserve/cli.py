@@ -390,9 +390,10 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser(
         "train-head",
         help="train an EAGLE-3, EAGLE or Medusa head for a target on its own answers, in a time budget",
-        description="Self-distilled: the target answers bundled instructions, its features and distributions are read "
-        "off teacher-forced forwards, and the head learns them; held-out top-1 agreement is measured and written to "
-        "training.json beside the head. Run the same command again to resume an interrupted run.",
+        description="Self-distilled: the target answers bundled instructions (or yours: --instructions), its "
+        "features and distributions are read off teacher-forced forwards, and the head learns them; held-out top-1 "
+        "agreement is measured and written to training.json beside the head. Run the same command again to resume "
+        "an interrupted run.",
     )
     train.add_argument("model", metavar="TARGET", help="a catalogue name, a .gguf file or a checkpoint folder")
     train.add_argument("--method", choices=METHODS, default=defaults.method, help="the head (default eagle3)")
@@ -430,6 +431,14 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     )
     data = train.add_argument_group("data")
     data.add_argument(
+        "--instructions",
+        default=None,
+        metavar="FILE",
+        help='a JSON-lines file of {"prompt": "...", "kind": "..."} lines ("kind" optional) for the target to '
+        "answer instead of the bundled instructions: a head for your own workload (every tenth is held out to "
+        "measure it)",
+    )
+    data.add_argument(
         "--max-answers",
         type=int,
         default=None,
@@ -445,8 +454,8 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
         "--written-instructions",
         type=int,
         default=defaults.written_instructions,
-        help="instructions the target is asked to write (Self-Instruct style, from the bundled ones) and answers, "
-        "once the bundled instructions' rounds are asked (default: as many as the budget allows; 0: none)",
+        help="instructions the target is asked to write (Self-Instruct style, from those it answers) and answers, "
+        "once their rounds are asked (default: as many as the budget allows; 0: none)",
     )
     data.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens, help="longest answer in tokens")
     data.add_argument("--temperature", type=float, default=defaults.temperature, help="of the target's answers")
@@ -533,6 +542,7 @@ def run_train_head(args: argparse.Namespace) -> int:
             device=args.device,
             quantization=args.quantization,
             dtype=args.dtype,
+            instructions=args.instructions,
             max_answers=args.max_answers,
             answer_rounds=args.answer_rounds,
             written_instructions=args.written_instructions,

@@ -2,7 +2,9 @@
 and teacher-forced standard-library source.
 
 - `instructions.jsonl` (beside this file): {"kind", "prompt"} lines written for training
-  heads; none is a benchmark prompt (bench/suites.py), which a test keeps true.
+  heads; none is a benchmark prompt (bench/suites.py), which a test keeps true. A user's
+  own file of such lines (`--instructions`, "kind" optional) takes their place: a head
+  for that workload.
 - Answers: the target answers the instructions in a seeded order through its chat
   template at a sampling temperature (SpecForge regenerates its data at 0.8), batched by
   the Engine, in rounds: every instruction once, then again with other seeds, as far as
@@ -29,6 +31,7 @@ answers, never trained on.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import sysconfig
@@ -42,12 +45,15 @@ import torch
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from specserve.train.features import AnswerRecorder
+
+log = logging.getLogger("specserve")
 
 INSTRUCTIONS_PATH = Path(__file__).with_name("instructions.jsonl")
 HOLDOUT_EVERY = 10  # instructions 0, 10, 20, ... of the seeded order
@@ -58,8 +64,12 @@ WRITE_TEMPERATURE = 1.0  # the variety Self-Instruct and Magpie sample their ins
 
 @dataclass(frozen=True)
 class Instruction:
-    kind: str  # code, structured, explanation, chat, math, rewriting
+    kind: str  # the bundled: code, structured, explanation, chat, math, rewriting
     prompt: str
+
+
+USER_KIND = "general"  # of a user's instruction that names none
+MIN_INSTRUCTIONS = 2  # one held out to measure the head, at least one to train on
 
 
 @dataclass(frozen=True)
@@ -89,11 +99,55 @@ class AnswerSettings:
     seed: int
     rounds: int = 1  # answers per instruction at most, each from its own seed
     written: int | None = 0  # instructions the target is asked to write after the rounds; None: no limit
+    instructions: str | None = None  # a user's file (`load_instructions`); None: the bundled ones
 
 
-def load_instructions() -> list[Instruction]:
-    lines = INSTRUCTIONS_PATH.read_text(encoding="utf-8").splitlines()
-    return [Instruction(**json.loads(line)) for line in lines if line.strip()]
+def load_instructions(path: str | Path | None = None) -> list[Instruction]:
+    """The bundled instructions, or a user's JSON-lines file of {"prompt": text, "kind":
+    text} objects ("kind" optional; blank lines skipped). A file that cannot serve raises
+    ConfigError naming the file, the line and the fix."""
+    if path is None:
+        lines = INSTRUCTIONS_PATH.read_text(encoding="utf-8").splitlines()
+        return [Instruction(**json.loads(line)) for line in lines if line.strip()]
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--instructions {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from None
+    instructions = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record, error = None, f"not JSON ({e.msg})"
+        else:
+            error = "not an object"
+        if isinstance(record, dict):
+            prompt, kind = record.get("prompt"), record.get("kind", USER_KIND)
+            if isinstance(prompt, str) and prompt.strip() and isinstance(kind, str) and kind.strip():
+                instructions.append(Instruction(kind.strip(), prompt.strip()))
+                continue
+            error = 'no text in "prompt"' if not (isinstance(prompt, str) and prompt.strip()) else '"kind" not text'
+        raise ConfigError(
+            f'--instructions {path}, line {number}: {error}; each line is {{"prompt": "...", "kind": "..."}} '
+            '("kind" optional)'
+        )
+    overlapping = sum(overlaps_benchmark(normalised(i.prompt)) for i in instructions)
+    if overlapping:
+        log.warning(
+            "--instructions %s: %d instructions hold a benchmark suite's prompt; a head trained on them "
+            "overrates itself on those suites",
+            path,
+            overlapping,
+        )
+    if len(instructions) < MIN_INSTRUCTIONS:
+        raise ConfigError(
+            f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "
+            f"{MIN_INSTRUCTIONS} (one held out to measure it, one to train on)"
+        )
+    return instructions
 
 
 def chat(instruction: Instruction) -> list[dict[str, str]]:
@@ -215,10 +269,11 @@ def writing_request(examples: list[str]) -> list[dict[str, str]]:
     ]
 
 
-def longest_sequence(tokenizer: Tokenizer, answer_tokens: int) -> int:
+def longest_sequence(tokenizer: Tokenizer, answer_tokens: int, instructions_file: str | None = None) -> int:
     """The most positions a sequence of `answer_instructions` holds: an instruction's
-    prompt (bundled or written) and its answer, or a writing request and what it writes."""
-    instructions = load_instructions()
+    prompt (bundled, the user's or written) and its answer, or a writing request and what
+    it writes."""
+    instructions = load_instructions(instructions_file)
     bundled = max(len(tokenizer.encode_chat(chat(i))) for i in instructions)
     written = len(tokenizer.encode_chat(chat(Instruction("written", "")))) + WRITE_TOKENS
     longest = sorted((i.prompt for i in instructions), key=len)[-WRITE_EXAMPLES:]
@@ -239,7 +294,7 @@ def answer_instructions(
     instructions it writes), generating those not yet in `answers_file` until every one
     wanted is there or the deadline passes. With a `recorder`, each new answer's sample is
     saved (as its key) as it is written."""
-    instructions = load_instructions()
+    instructions = load_instructions(settings.instructions)
     order = seeded_order(len(instructions), settings.seed)[: settings.max_answers]
     held_out = {i: position % HOLDOUT_EVERY == 0 for position, i in enumerate(order)}
     wanted = [answer_key(i, r) for r in range(settings.rounds) for i in order]

@@ -18,6 +18,7 @@ resumes an unfinished run where it stopped, or reports the finished head.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import sys
@@ -36,7 +37,15 @@ from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import check_device_format, default_dtype, resolve_device
 from specserve.spec.heads.checkpoint import save_head
-from specserve.train.data import AnswerSettings, Sample, answer_instructions, longest_sequence, stdlib_samples
+from specserve.train.data import (
+    MIN_INSTRUCTIONS,
+    AnswerSettings,
+    Sample,
+    answer_instructions,
+    load_instructions,
+    longest_sequence,
+    stdlib_samples,
+)
 from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
@@ -49,14 +58,15 @@ LAYER_STARTS = ("target", "random")  # EAGLE-3's layer: from the target's last o
 # a second at 8 as at 16 or 32 (benchmarks/EXPERIMENTS.md, "Sixteen answers at once"); a
 # GPU's step grows little with its rows (benchmarks/README.md, "Current results: GPU").
 ANSWERS_AT_ONCE = {"cpu": DEFAULT_MAX_NUM_SEQS, "cuda": 128}
-# Settings a resumed run may change: its budget, and how many answers it makes at once
-# (the answers made are kept; the batch changes how soon the rest come).
-NOT_DECIDING = ("max_minutes", "force", "name", "max_num_seqs")
+# Settings a resumed run may change: its budget, how many answers it makes at once (the
+# answers made are kept; the batch changes how soon the rest come), and where its
+# instructions file lies (their digest decides).
+NOT_DECIDING = ("max_minutes", "force", "name", "max_num_seqs", "instructions")
 # Where each phase must end, as shares of the budget. Answers (recorded as they are
 # generated) are the text the head is measured on and drafts for; the features phase
 # reads what a resumed run did not record, and any standard-library text asked for.
 DATA_END, FEATURES_END, TRAIN_END = 0.55, 0.6, 0.95
-MIN_ANSWERS = 2  # one held out to measure, at least one to train on
+MIN_ANSWERS = MIN_INSTRUCTIONS  # an answer of each: one held out to measure, one to train on
 
 
 class BudgetTooSmall(ConfigError):
@@ -75,9 +85,13 @@ class TrainHeadSettings:
     # fastest), none (bfloat16) on a GPU, where only unquantized weights run.
     quantization: str = "auto"
     dtype: str = "auto"  # auto, float32 or bfloat16
-    max_answers: int | None = None  # instructions; None: every bundled one, as far as the budget goes
+    max_answers: int | None = None  # instructions; None: every one, as far as the budget goes
+    # A user's JSON-lines file of instructions to answer instead of the bundled ones
+    # (data.load_instructions); resolved() adds its sha256, which a resumed run must share.
+    instructions: str | None = None
+    instructions_sha256: str | None = None
     answer_rounds: int = 3  # answers per instruction at most, each from its own seed
-    # Instructions the target is asked to write, and answers, once the bundled ones' rounds
+    # Instructions the target is asked to write, and answers, once the given ones' rounds
     # are asked; None: as many as the budget allows. A GPU answers the rounds in minutes.
     written_instructions: int | None = None
     answer_tokens: int = 256
@@ -144,11 +158,18 @@ class TrainHeadSettings:
         if quantization == "auto":
             quantization = "int4" if device.type == "cpu" else "none"
         check_device_format(device, quantization, batch_invariant=False)
+        instructions, digest = self.instructions, None
+        if instructions is not None:
+            path = Path(instructions).expanduser().resolve()
+            load_instructions(path)  # a file that cannot serve fails here, before any loading
+            instructions, digest = str(path), hashlib.sha256(path.read_bytes()).hexdigest()
         return dataclasses.replace(
             self,
             device=str(device),
             quantization=quantization,
             max_num_seqs=self.max_num_seqs or ANSWERS_AT_ONCE[device.type],
+            instructions=instructions,
+            instructions_sha256=digest,
         )
 
     @property
@@ -289,6 +310,7 @@ class Run:
             settings.seed,
             settings.answer_rounds,
             settings.written_instructions,
+            settings.instructions,
         )
         wanted = None  # answers at most, where they are bounded
         if settings.max_answers is not None and settings.written_instructions == 0:
@@ -433,7 +455,7 @@ def load_target(settings: TrainHeadSettings) -> catalogue.LoadedModel:
     compile = None if device.type == "cuda" else False
     target = catalogue.load_model(settings.target, dtype, settings.quantization, compile=compile, device=device)
     if device.type == "cuda":
-        answers = longest_sequence(target.tokenizer, settings.answer_tokens)
+        answers = longest_sequence(target.tokenizer, settings.answer_tokens, settings.instructions)
         positions = max(answers, settings.loop.window)  # an answer, or a piece of text
         use_cuda_graphs([target.decoder], settings.max_num_seqs, positions, asked=False)
     return target

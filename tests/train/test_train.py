@@ -205,6 +205,57 @@ def test_a_run_from_before_a_setting_existed_resumes_at_its_default(tmp_path):
         check_same_run(tmp_path, dataclasses.replace(settings, loop=LoopSettings(steps=None, feature_noise=0.1)))
 
 
+def instructions_file(folder, *lines: str):
+    path = folder / f"mine-{len(list(folder.glob('mine-*')))}.jsonl"  # a new file each call
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_users_instructions_are_read_and_a_file_that_cannot_serve_is_refused(tmp_path, caplog):
+    path = instructions_file(
+        tmp_path,
+        '{"prompt": "Summarise this ticket.", "kind": "support"}',
+        "",
+        '{"prompt": "  Draft a reply to an angry customer. "}',
+        json.dumps({"prompt": f"Do this: {SUITES['structured']['count']}"}),
+    )
+    assert [(i.kind, i.prompt) for i in load_instructions(path)][:2] == [
+        ("support", "Summarise this ticket."),
+        ("general", "Draft a reply to an angry customer."),
+    ]
+    assert "1 instructions hold a benchmark suite's prompt" in caplog.text
+    bad = {
+        "nothing here": (tmp_path / "missing.jsonl", "cannot read it"),
+        "not JSON": (instructions_file(tmp_path, '{"prompt": "a"}', "{prompt"), "line 2: not JSON"),
+        "a list": (instructions_file(tmp_path, '["a"]'), "line 1: not an object"),
+        "no prompt": (instructions_file(tmp_path, '{"prompt": "a"}', '{"text": "b"}'), 'line 2: no text in "prompt"'),
+        "a number of a kind": (instructions_file(tmp_path, '{"prompt": "a", "kind": 5}'), '"kind" not text'),
+        "one alone": (instructions_file(tmp_path, '{"prompt": "a"}'), "holds 1 instructions; a head needs at least 2"),
+    }
+    for case, (file, message) in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_instructions(file)
+        with pytest.raises(ConfigError, match="--instructions"):
+            TrainHeadSettings("smollm2-135m", device="cpu", instructions=str(file)).resolved()
+
+
+def test_a_run_on_a_users_instructions_resumes_only_on_the_same_ones(tmp_path):
+    """Their digest decides, not where the file lies: moved, the run resumes; edited, it
+    is refused until run with --force."""
+    path = instructions_file(tmp_path, '{"prompt": "a"}', '{"prompt": "b"}')
+    settings = TrainHeadSettings("qwen2.5-coder-1.5b", device="cpu", instructions=str(path)).resolved()
+    assert settings.instructions == str(path.resolve()) and len(settings.instructions_sha256) == 64
+    check_same_run(tmp_path / "work", settings)
+    moved = path.rename(tmp_path / "moved.jsonl")
+    check_same_run(tmp_path / "work", dataclasses.replace(settings, instructions=str(moved)).resolved())
+    moved.write_text('{"prompt": "a"}\n{"prompt": "c"}\n')
+    edited = dataclasses.replace(settings, instructions=str(moved)).resolved()
+    with pytest.raises(ConfigError, match=r"other settings \(instructions_sha256\)"):
+        check_same_run(tmp_path / "work", edited)
+    bundled = TrainHeadSettings("qwen2.5-coder-1.5b", device="cpu").resolved()
+    assert bundled.instructions is None and bundled.instructions_sha256 is None
+
+
 def test_auto_settings_resolve_for_the_device():
     on_cpu = TrainHeadSettings("smollm2-135m", device="cpu").resolved()
     assert (on_cpu.device, on_cpu.quantization, on_cpu.max_num_seqs) == ("cpu", "int4", 8)
@@ -320,6 +371,7 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
         (["smollm2-135m", "--name", "a/b"], "--name must be a plain folder name"),
         (["smollm2-135m", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["smollm2-135m", "--written-instructions", "-1"], "--written-instructions must be >= 0"),
+        (["smollm2-135m", "--instructions", "/no/such/file.jsonl"], "--instructions /no/such/file.jsonl: cannot read"),
         (["smollm2-135m", "--device", "tpu"], "use auto, cpu, cuda or cuda:N"),
         *([] if torch.cuda.is_available() else [(["smollm2-135m", "--device", "cuda"], "use --device cpu")]),
         *(
@@ -432,6 +484,25 @@ def test_written_answers_resume_and_fit_the_longest_sequence(smollm2, tmp_path):
         target.decoder, target.tokenizer, settings, answers_file, time.monotonic() + 600
     )
     assert answers_file.read_text() == lines and stats_again.keys == stats.keys and again == answers
+
+
+def test_the_target_answers_a_users_instructions(smollm2, tmp_path):
+    """--instructions: those prompts are what the target answers (the first of the
+    seeded order held out), within the longest sequence the file allows."""
+    prompts = ["Name a colour.", "Count to three.", "Say hello in French.", "Write one word: " + "very " * 40]
+    path = instructions_file(tmp_path, *(json.dumps({"prompt": p}) for p in prompts))
+    target = catalogue.load_model(str(smollm2), torch.float32)
+    settings = AnswerSettings(
+        None, max_tokens=4, temperature=0.8, max_num_seqs=2, seed=0, written=0, instructions=str(path)
+    )
+    answers, stats = answer_instructions(
+        target.decoder, target.tokenizer, settings, tmp_path / "answers.jsonl", time.monotonic() + 600
+    )
+    asked = [target.tokenizer.decode(s.token_ids[: s.first_trained]) for s in answers]
+    assert sorted(next(p for p in prompts if p.strip() in text) for text in asked) == sorted(prompts)
+    assert [s.held_out for s in answers] == [True, False, False, False]
+    assert max(len(s.token_ids) for s in answers) <= longest_sequence(target.tokenizer, 4, str(path))
+    assert longest_sequence(target.tokenizer, 4, str(path)) != longest_sequence(target.tokenizer, 4)
 
 
 def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):
