@@ -404,6 +404,9 @@ class Run:
                 "loss": round(agreement.loss, 4),
             },
             "data": {
+                # the user's file and its sha256, or the bundled instructions
+                "instructions": settings.instructions or "bundled",
+                **({"instructions_sha256": settings.instructions_sha256} if settings.instructions else {}),
                 "answers": len(answers),
                 "written_instructions": sum(key.startswith("written-") for key in samples),
                 "answer_tokens": answer_tokens,

@@ -352,7 +352,7 @@ def test_the_command_trains_a_head_and_resumes_after_an_interruption(smollm2, tm
     report = json.loads((folder / "training.json").read_text())
     assert report["device"] == device and report["quantization"] == "none"
     assert report["training"]["steps"] == 4 and report["data"]["answers"] == len(answers.splitlines())
-    assert report["training"]["layer_start"] == "target"
+    assert report["training"]["layer_start"] == "target" and report["data"]["instructions"] == "bundled"
     assert report["data"]["answers"] == 6 + report["data"]["written_instructions"]
     assert len(report["held_out"]["top1_agreement_per_step"]) == 2 and report["minutes"]["train"] >= 0
     head = load_head(folder, checkpoint.read_config(smollm2), "eagle3")
