@@ -31,7 +31,6 @@ answers, never trained on.
 from __future__ import annotations
 
 import json
-import logging
 import random
 import re
 import sysconfig
@@ -52,8 +51,6 @@ from specserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from specserve.train.features import AnswerRecorder
-
-log = logging.getLogger("specserve")
 
 INSTRUCTIONS_PATH = Path(__file__).with_name("instructions.jsonl")
 HOLDOUT_EVERY = 10  # instructions 0, 10, 20, ... of the seeded order
@@ -134,20 +131,17 @@ def load_instructions(path: str | Path | None = None) -> list[Instruction]:
             f'--instructions {path}, line {number}: {error}; each line is {{"prompt": "...", "kind": "..."}} '
             '("kind" optional)'
         )
-    overlapping = sum(overlaps_benchmark(normalised(i.prompt)) for i in instructions)
-    if overlapping:
-        log.warning(
-            "--instructions %s: %d instructions hold a benchmark suite's prompt; a head trained on them "
-            "overrates itself on those suites",
-            path,
-            overlapping,
-        )
     if len(instructions) < MIN_INSTRUCTIONS:
         raise ConfigError(
             f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "
             f"{MIN_INSTRUCTIONS} (one held out to measure it, one to train on)"
         )
     return instructions
+
+
+def benchmark_overlaps(instructions: list[Instruction]) -> int:
+    """How many instructions hold a benchmark suite's prompt (or lie within one)."""
+    return sum(overlaps_benchmark(normalised(i.prompt)) for i in instructions)
 
 
 def chat(instruction: Instruction) -> list[dict[str, str]]:

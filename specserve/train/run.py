@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import shutil
 import sys
 import time
@@ -42,6 +43,7 @@ from specserve.train.data import (
     AnswerSettings,
     Sample,
     answer_instructions,
+    benchmark_overlaps,
     load_instructions,
     longest_sequence,
     stdlib_samples,
@@ -51,6 +53,8 @@ from specserve.train.features import AnswerRecorder, FeatureSet, compute_feature
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
+
+log = logging.getLogger("specserve")
 
 METHODS = ("eagle3", "eagle", "medusa")
 LAYER_STARTS = ("target", "random")  # EAGLE-3's layer: from the target's last one, or at random
@@ -161,7 +165,14 @@ class TrainHeadSettings:
         instructions, digest = self.instructions, None
         if instructions is not None:
             path = Path(instructions).expanduser().resolve()
-            load_instructions(path)  # a file that cannot serve fails here, before any loading
+            overlapping = benchmark_overlaps(load_instructions(path))  # one that cannot serve fails here
+            if overlapping:
+                log.warning(
+                    "--instructions %s: %d instructions hold a benchmark suite's prompt; a head trained on "
+                    "them overrates itself on those suites",
+                    path,
+                    overlapping,
+                )
             instructions, digest = str(path), hashlib.sha256(path.read_bytes()).hexdigest()
         return dataclasses.replace(
             self,

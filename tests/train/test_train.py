@@ -223,7 +223,8 @@ def test_a_users_instructions_are_read_and_a_file_that_cannot_serve_is_refused(t
         ("support", "Summarise this ticket."),
         ("general", "Draft a reply to an angry customer."),
     ]
-    assert "1 instructions hold a benchmark suite's prompt" in caplog.text
+    TrainHeadSettings("smollm2-135m", device="cpu", instructions=str(path)).resolved()
+    assert caplog.text.count("1 instructions hold a benchmark suite's prompt") == 1
     bad = {
         "nothing here": (tmp_path / "missing.jsonl", "cannot read it"),
         "not JSON": (instructions_file(tmp_path, '{"prompt": "a"}', "{prompt"), "line 2: not JSON"),
