@@ -267,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or one per token, for clients that count events as tokens (LLMPerf)",
     )
     srv.add_argument(
+        "--record-prompts",
+        default=None,
+        metavar="FILE",
+        help="append each admitted request's prompts to FILE, as lines `specserve train-head --instructions "
+        "FILE` reads: a head trained on the traffic it will draft for (the file holds your users' text: "
+        "keep it as private as your logs)",
+    )
+    srv.add_argument(
         "--header-timeout",
         type=float,
         default=HEADER_TIMEOUT_S,
@@ -434,9 +442,10 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
         "--instructions",
         default=None,
         metavar="FILE",
-        help='a JSON-lines file of {"prompt": "...", "kind": "..."} lines ("kind" optional) for the target to '
-        "answer instead of the bundled instructions: a head for your own workload (every tenth is held out to "
-        "measure it)",
+        help='a JSON-lines file of {"prompt": "..."}, {"messages": [...]} (OpenAI chat) or {"text": "..."} '
+        '(a plain prompt) lines, each with an optional "kind", for the target to answer instead of the bundled '
+        "instructions: a head for your own workload (every tenth is held out to measure it; `specserve serve "
+        "--record-prompts FILE` writes one from what it serves)",
     )
     data.add_argument(
         "--max-answers",
@@ -653,6 +662,7 @@ def run_serve(args: argparse.Namespace) -> int:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             send_timeout_s=args.send_timeout,
+            record_prompts=args.record_prompts,
             log_level=args.uvicorn_log_level,
         )
     )

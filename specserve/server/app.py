@@ -42,9 +42,11 @@ from specserve.server.async_engine import (
 from specserve.server.fanout import ChoiceResult, Fanout, sample_params
 from specserve.server.logprob_fields import chat_logprobs, completion_logprobs
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from specserve.server.recording import PromptRecorder
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
+from specserve.train.instructions import Instruction, from_messages
 
 # A request body's limit: room for a batch of prompts of the whole context as text or
 # ids, and no more, since parsing and validating a body holds the interpreter (a 33 MB
@@ -194,7 +196,10 @@ def build_app(
     settings: ApiSettings,
     lifespan: Callable | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    recorder: PromptRecorder | None = None,
 ) -> FastAPI:
+    """The HTTP API over `engine`. With a `recorder`, each admitted request's prompts are
+    recorded (server/recording.py)."""
     app = FastAPI(title="specserve", lifespan=lifespan)
 
     @app.exception_handler(APIError)
@@ -275,6 +280,10 @@ def build_app(
                 code="model_not_found",
             )
 
+    def without_bos(ids: list[int]) -> list[int]:
+        """A prompt's ids less the BOS that encoding its text adds again."""
+        return ids[1:] if tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id] else ids
+
     def max_tokens_for(requested: int | None, num_prompt_tokens: int) -> int:
         # As vLLM: no max_tokens means the rest of the context.
         return requested if requested is not None else max(1, settings.max_model_len - num_prompt_tokens)
@@ -287,8 +296,10 @@ def build_app(
         head: dict[str, Any],
         make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
         make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
+        recorded: Callable[[], list[Instruction]],
     ) -> Response:
-        """Generate body.n choices for each prompt: choice i is prompt i // n."""
+        """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
+        engine admits them, the prompts `recorded` makes go to the recorder."""
         requests = []
         for prompt_ids in prompts:
             params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
@@ -300,6 +311,8 @@ def build_app(
             choices = Fanout(engine, requests, body.stop_strings(), arrival, per_token=body.stream and per_token)
         except Exception as e:  # refused before any choice started
             raise _as_api_error(e) from None
+        if recorder is not None:
+            recorder.record(recorded)
         if not body.stream:
             collecting = asyncio.ensure_future(choices.collect())
             try:
@@ -432,7 +445,11 @@ def build_app(
                 "spec_decode": _spec_decode(lasts),
             }
 
-        return await run(body, http_request, prompts, arrival, head, chunk, response)
+        def recorded() -> list[Instruction]:
+            texts = [p if isinstance(p, str) else tokenizer.decode(without_bos(ids)) for p, ids in zip(given, prompts)]
+            return [Instruction("completion", text, templated=False) for text in texts if text.strip()]
+
+        return await run(body, http_request, prompts, arrival, head, chunk, response, recorded)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request) -> Response:
@@ -440,7 +457,8 @@ def build_app(
         body = await _parsed(http_request, ChatCompletionRequest)
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
         check_request(body, 1)
-        prompt_ids = await encoded(tokenizer.encode_chat, body.template_messages(), "messages")
+        messages = body.template_messages()
+        prompt_ids = await encoded(tokenizer.encode_chat, messages, "messages")
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": request_id,
@@ -491,6 +509,12 @@ def build_app(
                 "spec_decode": _spec_decode(lasts),
             }
 
-        return await run(body, http_request, [prompt_ids], arrival, head, chunk, response)
+        def recorded() -> list[Instruction]:
+            try:
+                return [from_messages(messages, "chat")]
+            except ValueError:  # no user turn last: no instruction train-head answers
+                return []
+
+        return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded)
 
     return app

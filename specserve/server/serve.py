@@ -27,6 +27,7 @@ from specserve.model.device import CPU
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
+from specserve.server.recording import PromptRecorder
 from specserve.server.transport import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
@@ -65,6 +66,7 @@ class ServerConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     send_timeout_s: float = SEND_TIMEOUT_S
     shutdown_grace_s: float = 30.0
+    record_prompts: str | None = None  # a file the admitted prompts are appended to (server/recording.py)
     log_level: str = "info"
 
 
@@ -96,6 +98,8 @@ class _Server(uvicorn.Server):
 def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     name = config.served_model_name or config.model
+    # Opened before the models load: a path that cannot be written is refused at once.
+    recorder = None if config.record_prompts is None else PromptRecorder(config.record_prompts)
     engine, tokenizer = build_engine(
         config.model,
         config.spec,
@@ -127,7 +131,9 @@ def serve(config: ServerConfig) -> None:
         api_key=config.api_key,
         stream_mode=config.stream_mode,
     )
-    app = build_app(async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s)
+    app = build_app(
+        async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s, recorder=recorder
+    )
     spec = "off" if config.spec is None else f"{config.spec.method}, {config.spec.describe_k()}"
     if hasattr(engine.proposer, "describe"):  # a draft model or a head
         spec += f"; {engine.proposer.describe()}"
@@ -145,6 +151,8 @@ def serve(config: ServerConfig) -> None:
         kv,
         prefix,
     )
+    if recorder is not None:
+        log.info("recording the admitted requests' prompts in %s (for train-head --instructions)", recorder.path)
     raise_open_file_limit()
     uv_config = uvicorn.Config(
         app,
@@ -170,5 +178,8 @@ def serve(config: ServerConfig) -> None:
     http.start()
     async_engine.run()  # returns once uvicorn's shutdown has stopped the engine
     http.join()
+    if recorder is not None:
+        recorder.close()
+        log.info("recorded the prompts of %d requests in %s", recorder.written, recorder.path)
     if not server.started:  # e.g. the port was taken: uvicorn logged why
         raise ConfigError(f"the HTTP server did not start on {config.host}:{config.port}; see the log above")

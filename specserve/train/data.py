@@ -3,10 +3,10 @@ and teacher-forced standard-library source.
 
 - `instructions.jsonl` (beside this file): {"kind", "prompt"} lines written for training
   heads; none is a benchmark prompt (bench/suites.py), which a test keeps true. A user's
-  own file of such lines (`--instructions`, "kind" optional) takes their place: a head
-  for that workload.
-- Answers: the target answers the instructions in a seeded order through its chat
-  template at a sampling temperature (SpecForge regenerates its data at 0.8), batched by
+  own file (`--instructions`; prompts, conversations or plain prompts, instructions.py)
+  takes their place: a head for that workload.
+- Answers: the target answers the instructions in a seeded order (through its chat
+  template, a plain prompt without) at a sampling temperature (SpecForge regenerates its data at 0.8), batched by
   the Engine, in rounds: every instruction once, then again with other seeds, as far as
   the budget goes. Round r of instruction i is seeded `seed + r * len(instructions) + i`,
   so its answer is the same whatever ran beside it and whenever it ran. Each finished
@@ -14,7 +14,7 @@ and teacher-forced standard-library source.
   interrupted resumes with the answers it has.
 - Written instructions: once every bundled instruction's rounds are asked, the target
   writes new instructions, Self-Instruct style: shown three bundled instructions of one
-  kind (never a held-out one), it writes one more of that kind, and answers it.
+  kind (never a held-out one, nor a plain prompt), it writes one more of that kind, and answers it.
   Attempt j's examples and seeds derive from `seed` and j alone. A written instruction
   that runs past `WRITE_TOKENS`, repeats one already known or overlaps a benchmark
   prompt (bench/suites.py) is dropped. Written instructions are trained on, never held
@@ -44,29 +44,18 @@ import torch
 from specserve.bench.suites import SUITES
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.engine.engine import Engine
-from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.tokenizer import Tokenizer
+from specserve.train.instructions import Instruction, load_instructions
 
 if TYPE_CHECKING:
     from specserve.train.features import AnswerRecorder
 
-INSTRUCTIONS_PATH = Path(__file__).with_name("instructions.jsonl")
 HOLDOUT_EVERY = 10  # instructions 0, 10, 20, ... of the seeded order
 WRITE_TOKENS = 128  # a written instruction longer than this is dropped
 WRITE_EXAMPLES = 3  # bundled instructions shown to the target as it writes one
 WRITE_TEMPERATURE = 1.0  # the variety Self-Instruct and Magpie sample their instructions at
-
-
-@dataclass(frozen=True)
-class Instruction:
-    kind: str  # the bundled: code, structured, explanation, chat, math, rewriting
-    prompt: str
-
-
-USER_KIND = "general"  # of a user's instruction that names none
-MIN_INSTRUCTIONS = 2  # one held out to measure the head, at least one to train on
 
 
 @dataclass(frozen=True)
@@ -99,54 +88,9 @@ class AnswerSettings:
     instructions: str | None = None  # a user's file (`load_instructions`); None: the bundled ones
 
 
-def load_instructions(path: str | Path | None = None) -> list[Instruction]:
-    """The bundled instructions, or a user's JSON-lines file of {"prompt": text, "kind":
-    text} objects ("kind" optional; blank lines skipped). A file that cannot serve raises
-    ConfigError naming the file, the line and the fix."""
-    if path is None:
-        lines = INSTRUCTIONS_PATH.read_text(encoding="utf-8").splitlines()
-        return [Instruction(**json.loads(line)) for line in lines if line.strip()]
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--instructions {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from None
-    instructions = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            record, error = None, f"not JSON ({e.msg})"
-        else:
-            error = "not an object"
-        if isinstance(record, dict):
-            prompt, kind = record.get("prompt"), record.get("kind", USER_KIND)
-            if isinstance(prompt, str) and prompt.strip() and isinstance(kind, str) and kind.strip():
-                instructions.append(Instruction(kind.strip(), prompt.strip()))
-                continue
-            error = 'no text in "prompt"' if not (isinstance(prompt, str) and prompt.strip()) else '"kind" not text'
-        raise ConfigError(
-            f'--instructions {path}, line {number}: {error}; each line is {{"prompt": "...", "kind": "..."}} '
-            '("kind" optional)'
-        )
-    if len(instructions) < MIN_INSTRUCTIONS:
-        raise ConfigError(
-            f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "
-            f"{MIN_INSTRUCTIONS} (one held out to measure it, one to train on)"
-        )
-    return instructions
-
-
 def benchmark_overlaps(instructions: list[Instruction]) -> int:
-    """How many instructions hold a benchmark suite's prompt (or lie within one)."""
-    return sum(overlaps_benchmark(normalised(i.prompt)) for i in instructions)
-
-
-def chat(instruction: Instruction) -> list[dict[str, str]]:
-    """The messages the target answers for an instruction."""
-    return [{"role": "user", "content": instruction.prompt}]
+    """How many instructions hold a benchmark suite's prompt (or lie within one) in any of their texts."""
+    return sum(any(overlaps_benchmark(t) for t in map(normalised, i.texts()) if t) for i in instructions)
 
 
 def seeded_order(count: int, seed: int) -> list[int]:
@@ -213,8 +157,9 @@ class InstructionWriter:
     ):
         self.tokenizer, self.seed, self.limit = tokenizer, seed, limit
         self.by_kind: dict[str, list[str]] = {}
-        for i in sorted(shown):
-            self.by_kind.setdefault(instructions[i].kind, []).append(instructions[i].prompt)
+        for i in sorted(shown):  # a plain prompt is no request to an assistant: never shown
+            if instructions[i].templated:
+                self.by_kind.setdefault(instructions[i].kind, []).append(instructions[i].prompt)
         self.kinds = sorted(k for k, prompts in self.by_kind.items() if len(prompts) >= WRITE_EXAMPLES)
         self.known = {normalised(i.prompt) for i in instructions}
         self.next_attempt = 0
@@ -268,11 +213,11 @@ def longest_sequence(tokenizer: Tokenizer, answer_tokens: int, instructions_file
     prompt (bundled, the user's or written) and its answer, or a writing request and what
     it writes."""
     instructions = load_instructions(instructions_file)
-    bundled = max(len(tokenizer.encode_chat(chat(i))) for i in instructions)
-    written = len(tokenizer.encode_chat(chat(Instruction("written", "")))) + WRITE_TOKENS
-    longest = sorted((i.prompt for i in instructions), key=len)[-WRITE_EXAMPLES:]
+    given = max(len(i.prompt_ids(tokenizer)) for i in instructions)
+    written = len(Instruction("written", "").prompt_ids(tokenizer)) + WRITE_TOKENS
+    longest = sorted((i.prompt for i in instructions if i.templated), key=len)[-WRITE_EXAMPLES:]
     writing = len(tokenizer.encode_chat(writing_request(longest))) + WRITE_EXAMPLES  # a token to join each
-    return max(max(bundled, written) + answer_tokens, writing + WRITE_TOKENS)
+    return max(max(given, written) + answer_tokens, writing + WRITE_TOKENS)
 
 
 def answer_instructions(
@@ -310,7 +255,7 @@ def answer_instructions(
 
     def ask(instruction: Instruction, seed: int, record: dict) -> None:
         params = SamplingParams(settings.max_tokens, temperature=settings.temperature, seed=seed, logprobs=top_k)
-        asked[engine.add_request(tokenizer.encode_chat(chat(instruction)), params).seq_id] = record
+        asked[engine.add_request(instruction.prompt_ids(tokenizer), params).seq_id] = record
 
     def ask_to_write(attempt: int) -> None:
         params = SamplingParams(WRITE_TOKENS, temperature=WRITE_TEMPERATURE, seed=written_seed(settings.seed, attempt))

@@ -39,17 +39,16 @@ from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import check_device_format, default_dtype, resolve_device
 from specserve.spec.heads.checkpoint import save_head
 from specserve.train.data import (
-    MIN_INSTRUCTIONS,
     AnswerSettings,
     Sample,
     answer_instructions,
     benchmark_overlaps,
-    load_instructions,
     longest_sequence,
     stdlib_samples,
 )
 from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
+from specserve.train.instructions import MIN_INSTRUCTIONS, load_instructions
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -91,7 +90,7 @@ class TrainHeadSettings:
     dtype: str = "auto"  # auto, float32 or bfloat16
     max_answers: int | None = None  # instructions; None: every one, as far as the budget goes
     # A user's JSON-lines file of instructions to answer instead of the bundled ones
-    # (data.load_instructions); resolved() adds its sha256, which a resumed run must share.
+    # (instructions.py); resolved() adds its sha256, which a resumed run must share.
     instructions: str | None = None
     instructions_sha256: str | None = None
     answer_rounds: int = 3  # answers per instruction at most, each from its own seed

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.bench.local_server import ServerProcess
+from specserve.train.instructions import Instruction, load_instructions, parse_line
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
@@ -37,10 +38,21 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def plain(prepared_cache):
+def plain(prepared_cache, tmp_path_factory):
+    recorded = tmp_path_factory.mktemp("recorded") / "prompts.jsonl"
     server = ServerProcess(
-        MODEL, "--max-num-seqs", "2", "--max-queue-len", "1", "--max-model-len", "512", env={"SPECSERVE_API_KEY": KEY}
+        MODEL,
+        "--max-num-seqs",
+        "2",
+        "--max-queue-len",
+        "1",
+        "--max-model-len",
+        "512",
+        "--record-prompts",
+        str(recorded),
+        env={"SPECSERVE_API_KEY": KEY},
     )
+    server.recorded = recorded
     yield server
     server.stop()
 
@@ -681,3 +693,44 @@ def test_sigterm_finishes_or_fails_requests_in_flight_and_exits(prepared_cache):
         assert "shut down" in json.loads(lines[-2][len("data: ") :])["error"]["message"]
     finally:
         server.stop()
+
+
+def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
+    """--record-prompts: each admitted request's prompts once (whatever its n), in the
+    forms train-head answers them; a refused request, a blank prompt and a conversation
+    with no user turn are not recorded."""
+    chat = client(plain).chat.completions.create
+    brief = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
+    chat(model=MODEL, messages=brief, max_tokens=2, n=2)
+    chat(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], max_tokens=2
+    )
+    chat(model=MODEL, messages=[{"role": "system", "content": "A system turn alone."}], max_tokens=2)
+    complete(plain, ["def add(a, b):", "   "], MODEL, max_tokens=2)
+    ids = [504, 1023, 28]
+    echoed = complete(plain, ids, MODEL, max_tokens=1, echo=True).choices[0].text  # the ids' text, then a token
+    refused = {"model": MODEL, "messages": [{"role": "user", "content": "Refused prompt"}], "temperature": -1}
+    answer = httpx.post(f"{plain.url}/v1/chat/completions", json=refused, headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 400
+    expected = [
+        Instruction("chat", "Name a fruit.", (("system", "Be brief."),)),
+        Instruction("chat", "Hi"),
+        Instruction("completion", "def add(a, b):", templated=False),
+    ]
+
+    def recorded() -> list[Instruction]:
+        lines = plain.recorded.read_text().splitlines() if plain.recorded.exists() else []
+        return [parse_line(json.loads(line)) for line in lines]
+
+    def from_ids(lines: list[Instruction]) -> list[Instruction]:
+        return [i for i in lines if not i.templated and echoed.startswith(i.prompt)]  # the ids, decoded
+
+    deadline = time.monotonic() + 15  # written on the recorder's thread
+    while not (set(expected) <= set(recorded()) and from_ids(recorded())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = recorded()
+    assert [lines.count(i) for i in expected] == [1, 1, 1] and len(from_ids(lines)) == 1
+    assert not [
+        i for i in lines if "Refused prompt" in i.prompt or "system turn alone" in i.prompt or not i.prompt.strip()
+    ]
+    assert load_instructions(plain.recorded) == lines  # what train-head --instructions reads

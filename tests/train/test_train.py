@@ -29,12 +29,12 @@ from specserve.train.data import (
     InstructionWriter,
     Sample,
     answer_instructions,
-    load_instructions,
     longest_sequence,
     read_answers,
 )
 from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, FeatureSpec, compute_features
+from specserve.train.instructions import Instruction, load_instructions, parse_line
 from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -229,7 +229,19 @@ def test_a_users_instructions_are_read_and_a_file_that_cannot_serve_is_refused(t
         "nothing here": (tmp_path / "missing.jsonl", "cannot read it"),
         "not JSON": (instructions_file(tmp_path, '{"prompt": "a"}', "{prompt"), "line 2: not JSON"),
         "a list": (instructions_file(tmp_path, '["a"]'), "line 1: not an object"),
-        "no prompt": (instructions_file(tmp_path, '{"prompt": "a"}', '{"text": "b"}'), 'line 2: no text in "prompt"'),
+        "no prompt": (instructions_file(tmp_path, '{"prompt": "a"}', '{"prompt": " "}'), 'line 2: no text in "prompt"'),
+        "two forms": (instructions_file(tmp_path, '{"prompt": "a", "text": "b"}'), "holds prompt and text"),
+        "no form": (instructions_file(tmp_path, '{"kind": "a"}'), "holds none of prompt, messages and text"),
+        "a role": (instructions_file(tmp_path, '{"messages": [{"role": "tool", "content": "a"}]}'), "role 'tool'"),
+        "no user turn": (
+            instructions_file(tmp_path, '{"messages": [{"role": "system", "content": "a"}]}'),
+            "does not end with a user turn",
+        ),
+        "no messages": (instructions_file(tmp_path, '{"messages": []}'), '"messages" is not a list of messages'),
+        "an image": (
+            instructions_file(tmp_path, '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'),
+            "messages[0] holds no text content",
+        ),
         "a number of a kind": (instructions_file(tmp_path, '{"prompt": "a", "kind": 5}'), '"kind" not text'),
         "one alone": (instructions_file(tmp_path, '{"prompt": "a"}'), "holds 1 instructions; a head needs at least 2"),
     }
@@ -238,6 +250,32 @@ def test_a_users_instructions_are_read_and_a_file_that_cannot_serve_is_refused(t
             load_instructions(file)
         with pytest.raises(ConfigError, match="--instructions"):
             TrainHeadSettings("smollm2-135m", device="cpu", instructions=str(file)).resolved()
+
+
+def test_conversations_and_plain_prompts_are_instructions_too(tmp_path):
+    """A "messages" line is the conversation up to its last user turn (a fine-tuning
+    file's answers dropped, "developer" read as "system"); a "text" line a plain prompt,
+    kept as it is; and each instruction written as a line reads back the same."""
+    conversation = {
+        "messages": [
+            {"role": "developer", "content": "Answer in SQL."},
+            {"role": "user", "content": [{"type": "text", "text": "Count "}, {"type": "text", "text": "the rows."}]},
+            {"role": "assistant", "content": "SELECT COUNT(*) FROM t;"},
+        ],
+        "kind": "sql",
+    }
+    path = instructions_file(tmp_path, json.dumps(conversation), json.dumps({"text": "def add(a, b):\n    "}))
+    read = load_instructions(path)
+    assert read == [
+        Instruction("sql", "Count the rows.", (("system", "Answer in SQL."),)),
+        Instruction("general", "def add(a, b):\n    ", templated=False),
+    ]
+    assert read[0].messages() == [
+        {"role": "system", "content": "Answer in SQL."},
+        {"role": "user", "content": "Count the rows."},
+    ]
+    for instruction in [*read, Instruction("code", "Write a loop.")]:
+        assert parse_line(json.loads(instruction.to_line())) == instruction
 
 
 def test_a_run_on_a_users_instructions_resumes_only_on_the_same_ones(tmp_path):
@@ -491,7 +529,9 @@ def test_the_target_answers_a_users_instructions(smollm2, tmp_path):
     """--instructions: those prompts are what the target answers (the first of the
     seeded order held out), within the longest sequence the file allows."""
     prompts = ["Name a colour.", "Count to three.", "Say hello in French.", "Write one word: " + "very " * 40]
-    path = instructions_file(tmp_path, *(json.dumps({"prompt": p}) for p in prompts))
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a month."}]
+    lines = [*(json.dumps({"prompt": p}) for p in prompts), json.dumps({"messages": conversation})]
+    path = instructions_file(tmp_path, *lines, json.dumps({"text": "The capital of France is"}))
     target = catalogue.load_model(str(smollm2), torch.float32)
     settings = AnswerSettings(
         None, max_tokens=4, temperature=0.8, max_num_seqs=2, seed=0, written=0, instructions=str(path)
@@ -499,9 +539,10 @@ def test_the_target_answers_a_users_instructions(smollm2, tmp_path):
     answers, stats = answer_instructions(
         target.decoder, target.tokenizer, settings, tmp_path / "answers.jsonl", time.monotonic() + 600
     )
-    asked = [target.tokenizer.decode(s.token_ids[: s.first_trained]) for s in answers]
-    assert sorted(next(p for p in prompts if p.strip() in text) for text in asked) == sorted(prompts)
-    assert [s.held_out for s in answers] == [True, False, False, False]
+    asked = sorted(s.token_ids[: s.first_trained] for s in answers)
+    assert asked == sorted(i.prompt_ids(target.tokenizer) for i in load_instructions(path))
+    assert target.tokenizer.encode("The capital of France is") in asked  # a plain prompt: no chat template
+    assert [s.held_out for s in answers] == [True, False, False, False, False, False]
     assert max(len(s.token_ids) for s in answers) <= longest_sequence(target.tokenizer, 4, str(path))
     assert longest_sequence(target.tokenizer, 4, str(path)) != longest_sequence(target.tokenizer, 4)
 

@@ -1,0 +1,142 @@
+"""What the target answers to make a head's data: instructions, and the JSON-lines file
+that holds them (`train-head --instructions`, `serve --record-prompts`).
+
+Each line is one object with exactly one of:
+- "prompt": text, one user turn answered through the chat template;
+- "messages": a conversation in the OpenAI chat format ({"role", "content"} objects,
+  roles system, developer, user and assistant, content text or a list of text parts),
+  answered through the chat template as the chat endpoint answers it. Trailing
+  assistant turns are dropped, so that a fine-tuning file's answers are written again
+  by the target; the conversation must then end with a user turn;
+- "text": a plain prompt the target continues without the chat template, as the
+  completions endpoint does;
+
+and an optional "kind" (default "general"): instructions the target writes are modelled
+on those of one kind. Blank lines are skipped.
+
+Invariant: `Instruction.to_line` writes what `parse_line` reads back as the same
+instruction, so the prompts a server records train a head on the prompts it served.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specserve.tokenizer import Tokenizer
+
+BUNDLED_PATH = Path(__file__).with_name("instructions.jsonl")
+USER_KIND = "general"  # of a user's instruction that names none
+MIN_INSTRUCTIONS = 2  # one held out to measure the head, at least one to train on
+ROLES = ("system", "developer", "user", "assistant")
+LINE_FORMAT = '{"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} or {"text": "..."}'
+
+
+@dataclass(frozen=True)
+class Instruction:
+    kind: str  # the bundled: code, structured, explanation, chat, math, rewriting
+    prompt: str  # the last user turn's text; a plain prompt's whole text
+    before: tuple[tuple[str, str], ...] = ()  # a conversation's earlier turns, (role, text)
+    templated: bool = True  # False: a plain prompt, continued without the chat template
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation the chat template renders (templated instructions)."""
+        return [{"role": role, "content": text} for role, text in [*self.before, ("user", self.prompt)]]
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The ids the target answers, as the chat or the completions endpoint reads them."""
+        return tokenizer.encode_chat(self.messages()) if self.templated else tokenizer.encode(self.prompt)
+
+    def texts(self) -> list[str]:
+        """Every text the instruction holds."""
+        return [text for _, text in self.before] + [self.prompt]
+
+    def to_line(self) -> str:
+        """The JSON line `parse_line` reads as this instruction."""
+        if not self.templated:
+            record: dict[str, Any] = {"text": self.prompt}
+        elif self.before:
+            record = {"messages": self.messages()}
+        else:
+            record = {"prompt": self.prompt}
+        return json.dumps(record | {"kind": self.kind}, ensure_ascii=False)
+
+
+def from_messages(messages: list[dict[str, Any]], kind: str) -> Instruction:
+    """A conversation as an instruction: trailing assistant turns dropped. Raises
+    ValueError saying what is wrong with it."""
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] is not an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}] has role {role!r}; use one of {list(ROLES)}")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}] holds no text content")
+        # "developer" is OpenAI's newer name for "system"; templates know "system".
+        turns.append(("system" if role == "developer" else role, content))
+    while turns and turns[-1][0] == "assistant":
+        turns.pop()
+    if not turns or turns[-1][0] != "user" or not turns[-1][1].strip():
+        raise ValueError("the conversation does not end with a user turn that holds text (after its assistant turns)")
+    return Instruction(kind, turns[-1][1], tuple(turns[:-1]))
+
+
+def parse_line(record: Any) -> Instruction:
+    """One line's object as an instruction; raises ValueError saying what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError("not an object")
+    given = [key for key in ("prompt", "messages", "text") if key in record]
+    if len(given) != 1:
+        raise ValueError(f"it holds {' and '.join(given) or 'none'} of prompt, messages and text; give one")
+    kind = record.get("kind", USER_KIND)
+    if not (isinstance(kind, str) and kind.strip()):
+        raise ValueError('"kind" not text')
+    kind, value = kind.strip(), record[given[0]]
+    if given[0] == "messages":
+        if not (isinstance(value, list) and value):
+            raise ValueError('"messages" is not a list of messages')
+        return from_messages(value, kind)
+    if not (isinstance(value, str) and value.strip()):
+        raise ValueError(f'no text in "{given[0]}"')
+    if given[0] == "prompt":
+        return Instruction(kind, value.strip())
+    return Instruction(kind, value, templated=False)  # a plain prompt's spaces are part of it
+
+
+def load_instructions(path: str | Path | None = None) -> list[Instruction]:
+    """The bundled instructions, or a user's JSON-lines file (the module docstring). A file
+    that cannot serve raises ConfigError naming the file, the line and the fix."""
+    if path is None:
+        lines = BUNDLED_PATH.read_text(encoding="utf-8").splitlines()
+        return [Instruction(**json.loads(line)) for line in lines if line.strip()]
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--instructions {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from None
+    instructions = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            instructions.append(parse_line(json.loads(line)))
+        except (json.JSONDecodeError, ValueError) as e:
+            error = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ConfigError(
+                f'--instructions {path}, line {number}: {error}; each line is {LINE_FORMAT}, with an optional "kind"'
+            ) from None
+    if len(instructions) < MIN_INSTRUCTIONS:
+        raise ConfigError(
+            f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "
+            f"{MIN_INSTRUCTIONS} (one held out to measure it, one to train on)"
+        )
+    return instructions
