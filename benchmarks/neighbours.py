@@ -37,14 +37,30 @@ KINDS: dict[str, dict] = {
     "seeded": {"temperature": NEIGHBOUR_TEMPERATURE, "seed": 1},
     "penalised": {"temperature": NEIGHBOUR_TEMPERATURE, "repetition_penalty": 1.1, "frequency_penalty": 0.2},
     "logprobs": {"temperature": NEIGHBOUR_TEMPERATURE, "logprobs": 5},
+    "cut": {"temperature": NEIGHBOUR_TEMPERATURE, "top_k": 50, "top_p": 0.9, "min_p": 0.05},
+    "flat": {"temperature": 2.0, "top_p": 0.95},  # OpenAI's hottest: a nucleus of thousands of ids
+    # At the API's bounds (server/protocol.py): 1024 biased ids, and 1024 stop ids (given
+    # by `params_of`, from the vocabulary's rare end, so that the neighbour runs on).
+    "biased": {"temperature": NEIGHBOUR_TEMPERATURE, "logit_bias": tuple((i, 2.0) for i in range(1000, 2024))},
+    "stop-ids": {"temperature": NEIGHBOUR_TEMPERATURE, "min_tokens": 8},
 }
+STOP_IDS = 1024
+
+
+def params_of(kind: str, vocab_size: int) -> dict:
+    """A neighbour's sampling fields: KINDS's, and the stop ids of "stop-ids"."""
+    if kind != "stop-ids":
+        return KINDS[kind]
+    # Byte-pair merges are numbered as learnt, so the last ones before the special tokens are the rarest.
+    return KINDS[kind] | {"stop_token_ids": tuple(range(vocab_size - 2 * STOP_IDS, vocab_size - STOP_IDS))}
 
 
 def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: str, tokens: int) -> float:
     """Output tokens a second of the greedy requests beside one neighbour of `kind`."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(prompt, greedy) for prompt in prompts]
-    other = engine.add_request(neighbour, SamplingParams(max_tokens=4 * tokens, ignore_eos=True, **KINDS[kind]))
+    fields = params_of(kind, engine.target.config.vocab_size)
+    other = engine.add_request(neighbour, SamplingParams(max_tokens=4 * tokens, ignore_eos=True, **fields))
     while not all(s.prefilled for s in [*seqs, other]):
         engine.step()
     done = sum(s.num_output_tokens for s in seqs)
@@ -54,6 +70,8 @@ def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: s
     if engine.target.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
+    if other.finished:  # the rest of the window ran without it
+        print(f"warning: the {kind} neighbour stopped ({other.finish_reason}) before the greedy requests finished")
     engine.finish(other.seq_id)
     return (sum(s.num_output_tokens for s in seqs) - done) / elapsed
 

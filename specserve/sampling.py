@@ -42,8 +42,12 @@ FLOAT32_TINY, FLOAT32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.f
 # OpenAI's range of a logit bias: -100 bans a token, 100 all but forces it.
 LOGIT_BIAS_MAX = 100.0
 
-# Candidates top-p looks among before it sorts every id (`top_p_kept`).
-TOP_P_CANDIDATES = (256, 4096)
+# The likeliest ids top-p looks among first (`top_p_kept`), and the buckets of probability
+# a wider nucleus is summed in: probabilities whose float32 bits agree above bit 16 (sign,
+# exponent and 7 mantissa bits, so a bucket spans under 1% of its values).
+TOP_P_CANDIDATES = 256
+TOP_P_BUCKET_SHIFT = 16
+TOP_P_SORTED_VOCAB = 4096  # a vocabulary this small is sorted whole: cheaper than either
 # What torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Past any vocabulary, and what a multi-step chain's tensors hold (model/graphs.py): a
@@ -177,29 +181,59 @@ def min_p_floor(min_ps: torch.Tensor) -> torch.Tensor:
 def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [n, V] -> [n, V] bool: the ids top-p keeps. Likeliest first (ties: the lower
     id first, as argmax), an id is dropped once the ids before it already cover top_p; the
-    first always stays (a top_p that rounds to 0 in float32 would drop it too).
+    likeliest always stays (a top_p that rounds to 0 in float32 would drop it too).
 
-    The ids kept nearly always lie among the likeliest few hundred, which topk finds ~50x
-    faster than a sort of 152k ids on a CPU (40 ms for 8 rows): the candidates widen
-    (TOP_P_CANDIDATES) until their mass covers top_p in every row, and the full sort is
-    the last resort. Ids past the candidates would be dropped by the full sort too: the
-    mass before each of them is at least the candidates'."""
+    No row of a large vocabulary is sorted whole (7-13 ms a row of 152k ids on a CPU
+    core, paid by every request in the batch at each of the row's steps). A row whose
+    likeliest TOP_P_CANDIDATES ids cover top_p, as nearly all do, sorts those alone: ids
+    past them would be dropped by a full sort too, the mass before each being at least
+    theirs. A wider nucleus (a high temperature flattens the distribution) is found by
+    mass per bucket of probability (`_bucketed_top_p_kept`)."""
     vocab = probs.shape[-1]
-    for count in TOP_P_CANDIDATES:
-        if count >= vocab:
-            continue
-        values, ids = probs.topk(count, dim=-1, sorted=False)  # [n, count]
-        ids, by_id = ids.sort(dim=-1)
-        values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-        ids, cumulative = ids.gather(-1, order), values.cumsum(dim=-1)
-        if bool((cumulative[:, -1] >= top_p).all()):
-            break
-    else:
-        values, ids = probs.sort(dim=-1, descending=True, stable=True)  # [n, V]
-        cumulative = values.cumsum(dim=-1)
-    kept = cumulative - values < top_p  # [n, count]: the mass before each id is short of top_p
+    if vocab <= TOP_P_SORTED_VOCAB:
+        return _kept_in_order(*probs.sort(dim=-1, descending=True, stable=True), top_p, vocab)[0]
+    values, ids = probs.topk(TOP_P_CANDIDATES, dim=-1, sorted=False)  # [n, C]
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    kept, covered = _kept_in_order(values, ids.gather(-1, order), top_p, vocab)
+    if not bool(covered.all()):
+        wide = (~covered).nonzero()[:, 0]
+        kept[wide] = _bucketed_top_p_kept(probs[wide], top_p)
+    return kept
+
+
+def _kept_in_order(
+    values: torch.Tensor, ids: torch.Tensor, top_p: float, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids likeliest first (values, ids [n, C], ties by id) -> which of the vocabulary's
+    ids top-p keeps among them [n, V] bool, and whether they cover top_p [n] bool."""
+    cumulative = values.cumsum(dim=-1)  # [n, C]
+    kept = cumulative - values < top_p
     kept[:, 0] = True
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, kept)
+    covered = cumulative[:, -1] >= top_p
+    return torch.zeros(ids.shape[0], vocab, dtype=torch.bool, device=ids.device).scatter_(-1, ids, kept), covered
+
+
+def _bucketed_top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_kept` by buckets of probability: float32 bits order non-negative floats as
+    their values, so a bucket (the bits above TOP_P_BUCKET_SHIFT) holds a range of
+    probabilities, and every id of a bucket above the one where the mass from the top
+    reaches top_p is kept, every id below it dropped; only that bucket's ids are sorted.
+    probs [n, V] float32, non-negative -> [n, V] bool."""
+    buckets = (probs.contiguous().view(torch.int32) >> TOP_P_BUCKET_SHIFT).long()  # [n, V]
+    mass = torch.zeros(probs.shape[0], 1 << (31 - TOP_P_BUCKET_SHIFT), device=probs.device)  # [n, B]
+    mass.scatter_add_(-1, buckets, probs)
+    from_top = mass.flip(-1).cumsum(dim=-1).flip(-1)  # [n, B]: the mass of each bucket and those above
+    boundary = (from_top >= top_p).sum(dim=-1) - 1  # [n]: -1 where rounding leaves the whole row short
+    kept = buckets > boundary[:, None]  # [n, V]
+    for row, bucket in enumerate(boundary.tolist()):
+        if bucket < 0:
+            continue
+        members = (buckets[row] == bucket).nonzero()[:, 0]  # ascending ids
+        values, order = probs[row, members].sort(descending=True, stable=True)
+        before = from_top[row, bucket] - mass[row, bucket] + values.cumsum(dim=0) - values  # the mass before each
+        kept[row, members[order]] = before < top_p
+    return kept.scatter_(-1, probs.argmax(dim=-1, keepdim=True), True)
 
 
 def sample(

@@ -736,7 +736,32 @@ def test_top_p_keeps_the_likeliest_ids_that_cover_it(scale, top_p):
     assert (mass >= top_p - 1e-5).all() and (mass - least_kept < top_p + 1e-5).all()
 
 
-@pytest.mark.parametrize("vocab", [3, 300])  # a full sort; the candidates
+def sorted_top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top_p_kept's definition, by a sort of every id: the reference."""
+    values, ids = probs.sort(dim=-1, descending=True, stable=True)
+    kept = values.cumsum(dim=-1) - values < top_p
+    kept[:, 0] = True
+    return torch.zeros_like(kept).scatter_(-1, ids, kept)
+
+
+@pytest.mark.parametrize("top_p", [0.25, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_keeps_what_a_sort_of_every_id_keeps(top_p):
+    """Peaked rows (the candidates) and flat ones (buckets of probability, ties within and
+    across them) keep what the sorted definition keeps. Probabilities in multiples of
+    2^-20 make every sum exact, so no rounding tells the two apart."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 5000
+    rows = []
+    for scale in (30.0, 3.0, 1.0, 0.1, 0.0):  # from a few ids to all of them, equal
+        weights = (torch.randn(vocab, generator=g) * scale).softmax(-1)
+        counts = (weights * 2**20).floor()
+        counts[int(counts.argmax())] += 2**20 - counts.sum()  # the row sums to 1 exactly
+        rows.append(counts / 2**20)
+    probs = torch.stack(rows)  # [5, V]
+    assert torch.equal(top_p_kept(probs, top_p), sorted_top_p_kept(probs, top_p))
+
+
+@pytest.mark.parametrize("vocab", [3, 5000])  # a sort of every id; the candidates
 def test_top_p_breaks_ties_towards_the_lower_id(vocab):
     probs = torch.zeros(1, vocab)
     probs[0, :3] = torch.tensor([0.3, 0.3, 0.4])
