@@ -20,11 +20,13 @@ from specserve.penalties import apply_penalties
 from specserve.sampling import (
     SEED_MAX,
     SEED_MIN,
+    TOP_K_DIRECT,
     InvalidSamplingValue,
     SamplingParams,
     draw_on_device,
     keyed_uniform,
     keyed_uniforms,
+    kth_largest,
     logits_to_probs,
     probs_on_device,
     sample,
@@ -759,6 +761,18 @@ def test_top_p_keeps_what_a_sort_of_every_id_keeps(top_p):
         rows.append(counts / 2**20)
     probs = torch.stack(rows)  # [5, V]
     assert torch.equal(top_p_kept(probs, top_p), sorted_top_p_kept(probs, top_p))
+
+
+def test_a_large_top_k_finds_the_kth_largest_logit_as_topk_does():
+    """Past TOP_K_DIRECT the k-th largest is found by buckets of the logits' bits: the
+    same value as topk's, ties (bfloat16 logits) and -inf (min-p's cut) among them."""
+    g = torch.Generator().manual_seed(2)
+    for scale in (0.1, 2.0, 30.0):
+        logits = (torch.randn(3, 20000, generator=g) * scale).to(torch.bfloat16).float()
+        logits = logits - logits.amax(dim=-1, keepdim=True)  # [n, V], the likeliest at 0
+        logits[0, :3000] = float("-inf")
+        for k in (TOP_K_DIRECT + 1, 5000, 17500, 19999):
+            assert torch.equal(kth_largest(logits, k), logits.topk(k, dim=-1).values[:, -1:]), (scale, k)
 
 
 @pytest.mark.parametrize("vocab", [3, 5000])  # a sort of every id; the candidates
