@@ -180,11 +180,11 @@ def min_p_floor(min_ps: torch.Tensor) -> torch.Tensor:
 
 def kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
     """logits [n, V] float32, at most 0 (shifted so that the likeliest is 0) -> [n, 1] each
-    row's k-th largest. topk's partial sort costs ms a row for a k of thousands (4 ms at
-    100,000 of 152k ids), paid by the whole batch, so past TOP_K_DIRECT the logits are
+    row's k-th largest. On a CPU topk's partial sort costs ms a row for a k of thousands
+    (4 ms at 100,000 of 152k ids), paid by the whole batch, so past TOP_K_DIRECT the logits are
     counted in buckets of their float32 bits (as `_bucketed_top_p_kept`'s) and only the
     bucket holding the k-th is sorted."""
-    if k <= TOP_K_DIRECT:
+    if k <= TOP_K_DIRECT or logits.device.type != "cpu":  # a GPU's topk is fast and launches once
         return logits.topk(k, dim=-1).values[:, -1:]
     n, num_buckets = logits.shape[0], 1 << (31 - TOP_P_BUCKET_SHIFT)
     # A non-positive float's magnitude bits ascend as its value descends.
@@ -206,14 +206,14 @@ def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     id first, as argmax), an id is dropped once the ids before it already cover top_p; the
     likeliest always stays (a top_p that rounds to 0 in float32 would drop it too).
 
-    No row of a large vocabulary is sorted whole (7-13 ms a row of 152k ids on a CPU
-    core, paid by every request in the batch at each of the row's steps). A row whose
+    On a CPU no row of a large vocabulary is sorted whole (7-13 ms a row of 152k ids on
+    a core, paid by every request in the batch at each of the row's steps). A row whose
     likeliest TOP_P_CANDIDATES ids cover top_p, as nearly all do, sorts those alone: ids
     past them would be dropped by a full sort too, the mass before each being at least
     theirs. A wider nucleus (a high temperature flattens the distribution) is found by
     mass per bucket of probability (`_bucketed_top_p_kept`)."""
     vocab = probs.shape[-1]
-    if vocab <= TOP_P_SORTED_VOCAB:
+    if vocab <= TOP_P_SORTED_VOCAB or probs.device.type != "cpu":  # a GPU sorts a row in microseconds
         return _kept_in_order(*probs.sort(dim=-1, descending=True, stable=True), top_p, vocab)[0]
     values, ids = probs.topk(TOP_P_CANDIDATES, dim=-1, sorted=False)  # [n, C]
     ids, by_id = ids.sort(dim=-1)
