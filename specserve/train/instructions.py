@@ -112,15 +112,23 @@ def parse_line(record: Any) -> Instruction:
     return Instruction(kind, value, templated=False)  # a plain prompt's spaces are part of it
 
 
+def lines_of(text: str) -> list[str]:
+    """A JSON-lines text's lines: split at newlines alone, since JSON text may hold the
+    other characters str.splitlines splits at (U+2028, U+0085) unescaped."""
+    return text.split("\n")
+
+
 def load_instructions(path: str | Path | None = None) -> list[Instruction]:
-    """The bundled instructions, or a user's JSON-lines file (the module docstring). A file
-    that cannot serve raises ConfigError naming the file, the line and the fix."""
+    """The bundled instructions, or a user's JSON-lines file (the module docstring), each
+    instruction once (the first line of it: recorded traffic repeats prompts, and a copy of
+    a held-out one among those trained on would overrate the head). A file that cannot
+    serve raises ConfigError naming the file, the line and the fix."""
     if path is None:
         lines = BUNDLED_PATH.read_text(encoding="utf-8").splitlines()
         return [Instruction(**json.loads(line)) for line in lines if line.strip()]
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = lines_of(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--instructions {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from None
     instructions = []
@@ -134,6 +142,7 @@ def load_instructions(path: str | Path | None = None) -> list[Instruction]:
             raise ConfigError(
                 f'--instructions {path}, line {number}: {error}; each line is {LINE_FORMAT}, with an optional "kind"'
             ) from None
+    instructions = list(dict.fromkeys(instructions))
     if len(instructions) < MIN_INSTRUCTIONS:
         raise ConfigError(
             f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "

@@ -48,7 +48,7 @@ from specserve.train.data import (
 )
 from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
-from specserve.train.instructions import MIN_INSTRUCTIONS, load_instructions
+from specserve.train.instructions import MIN_INSTRUCTIONS, lines_of, load_instructions
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -164,7 +164,8 @@ class TrainHeadSettings:
         instructions, digest = self.instructions, None
         if instructions is not None:
             path = Path(instructions).expanduser().resolve()
-            overlapping = benchmark_overlaps(load_instructions(path))  # one that cannot serve fails here
+            read = load_instructions(path)  # one that cannot serve fails here
+            overlapping = benchmark_overlaps(read)
             if overlapping:
                 log.warning(
                     "--instructions %s: %d instructions hold a benchmark suite's prompt; a head trained on "
@@ -172,7 +173,11 @@ class TrainHeadSettings:
                     path,
                     overlapping,
                 )
-            instructions, digest = str(path), hashlib.sha256(path.read_bytes()).hexdigest()
+            contents = path.read_bytes()
+            repeated = sum(bool(line.strip()) for line in lines_of(contents.decode("utf-8"))) - len(read)
+            if repeated:
+                log.info("--instructions %s: %d lines repeat an instruction before them, read once", path, repeated)
+            instructions, digest = str(path), hashlib.sha256(contents).hexdigest()
         return dataclasses.replace(
             self,
             device=str(device),

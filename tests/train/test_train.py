@@ -278,6 +278,17 @@ def test_conversations_and_plain_prompts_are_instructions_too(tmp_path):
         assert parse_line(json.loads(instruction.to_line())) == instruction
 
 
+def test_instructions_are_read_once_whatever_they_hold(tmp_path, caplog):
+    """A repeated line is read once (a copy of a held-out instruction would otherwise be
+    trained on), and text JSON leaves unescaped (U+2028, U+0085) stays in its line."""
+    odd = Instruction("chat", "one\u2028two\x85three")
+    path = instructions_file(tmp_path, odd.to_line(), '{"prompt": "a"}', odd.to_line(), '{"prompt": "a"}')
+    assert load_instructions(path) == [odd, Instruction("general", "a")]
+    with caplog.at_level("INFO", logger="specserve"):
+        TrainHeadSettings("smollm2-135m", device="cpu", instructions=str(path)).resolved()
+    assert "2 lines repeat an instruction before them, read once" in caplog.text
+
+
 def test_a_run_on_a_users_instructions_resumes_only_on_the_same_ones(tmp_path):
     """Their digest decides, not where the file lies: moved, the run resumes; edited, it
     is refused until run with --force."""
