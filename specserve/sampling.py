@@ -82,6 +82,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # vLLM's: special tokens (EOS, chat markers) left out of the text; their ids still count.
     skip_special_tokens: bool = True
+    # vLLM's: the stop string (or stop token's text) that ended the output stays in its text.
+    include_stop_str_in_output: bool = False
     # vLLM's: no stop token id (EOS or the request's own) and no stop string ends the
     # output before this many tokens (penalties.py gives the ids no probability).
     min_tokens: int = 0

@@ -3,10 +3,13 @@
 `TextOutput.add` takes a step's new token ids and returns the text that may be sent
 now. Invariants:
 - The text sent, joined, never contains a stop string: the text ends just before the
-  first stop string found, and that ends the request (finish reason "stop").
+  first stop string found, and that ends the request (finish reason "stop"). With
+  `include_stop` (vLLM's include_stop_str_in_output) it ends just after it instead.
 - While a request runs, the last `len(longest stop string) - 1` characters are held
-  back, since the next tokens might complete a stop string that begins in them.
-- A stop token id (EOS or the request's own) ends the output without adding its text.
+  back, since the next tokens might complete a stop string that begins in them (none
+  with `include_stop`: every character sent stays).
+- A stop token id (EOS or the request's own) ends the output without adding its text
+  (with `include_stop`, adding it, as the special tokens' setting writes it).
 - As vLLM's min_tokens: no stop string ends the output before its min_tokens-th token,
   whose text (with the held-back characters before it) is the first searched.
 - Where a stop string ends the text, `ids_used` says how many of the step's ids it
@@ -30,10 +33,14 @@ class TextOutput:
         stop_token_ids: Collection[int] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
-        self._hold_back = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        # A stop string may begin this many characters before a step's new text.
+        self._search_back = max((len(s) for s in self._stop), default=1) - 1
+        self._hold_back = 0 if include_stop else self._search_back
         self._stop_token_ids = stop_token_ids
         self._min_tokens = min_tokens
         self._num_ids = 0  # output ids added so far
@@ -63,11 +70,11 @@ class TextOutput:
     def _add(self, new_ids: Sequence[int], finished: bool) -> str:
         if new_ids and new_ids[-1] in self._stop_token_ids:
             self.stop_reason = new_ids[-1]
-            new_ids = new_ids[:-1]
+            new_ids = new_ids if self._include_stop else new_ids[:-1]
         unsearched = max(0, self._min_tokens - 1 - self._num_ids)  # ids before the min_tokens-th
         self._num_ids += len(new_ids)
         self.text += self._detokenizer.add(new_ids[:unsearched])
-        searched_to = max(0, len(self.text) - self._hold_back)
+        searched_to = max(0, len(self.text) - self._search_back)
         self.text += self._detokenizer.add(new_ids[unsearched:])
         if finished or self.stop_reason is not None:
             self.text += self._detokenizer.flush()
@@ -80,11 +87,14 @@ class TextOutput:
         return delta
 
     def _truncate_at_stop_string(self, start: int) -> bool:
-        """Cut `text` before the earliest stop string found at or after `start`."""
+        """Cut `text` before (with `include_stop`, after) the earliest stop string found
+        at or after `start`."""
         found = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if not found:
             return False
         index, stop = min(found)
-        self.text = self.text[:index]
+        # Text already sent stays: with include_stop it is held back for nothing, and a
+        # stop string searched for the first time at min_tokens may lie within it.
+        self.text = self.text[: max(index + len(stop), self._num_sent)] if self._include_stop else self.text[:index]
         self.stop_reason = stop
         return True

@@ -313,6 +313,7 @@ class AsyncEngine:
             seq.stop_token_ids,
             params.skip_special_tokens,
             params.min_tokens,
+            params.include_stop_str_in_output,
         )
         self._requests[seq.seq_id] = request
 

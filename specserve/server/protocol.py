@@ -52,7 +52,6 @@ MAX_LOGIT_BIAS = 1024
 VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
-    ("include_stop_str_in_output", lambda v: not v, ""),
     ("allowed_token_ids", lambda v: not v, " (use logit_bias)"),
     ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
     ("prompt_logprobs", lambda v: v is None, ""),
@@ -142,7 +141,7 @@ class _Sampling(_Body):
     # as if it had not.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ending the text stays in it
     allowed_token_ids: Ids | None = None
     bad_words: Texts | None = None
     prompt_logprobs: int | None = None
@@ -219,6 +218,7 @@ class _Sampling(_Body):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
                 skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens,
                 logit_bias=self.logit_bias_pairs(),
             )

@@ -180,3 +180,25 @@ def test_a_stop_string_mid_step_uses_the_ids_up_to_the_one_that_completed_it(tok
     deltas = stream(output, ids, step)
     assert "".join(deltas) == "".join(expected) and output.stop_reason == one_a_step.stop_reason == stop
     assert (len(deltas) - 1) * step + output.ids_used == len(expected)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tokenizer, step):
+    """vLLM's include_stop_str_in_output: the text ends just after the stop string, a
+    stop string spanning steps is found all the same, and nothing waits to be sent."""
+    stop = "k bro"  # 'ick' + ' br' + 'own'
+    ids = tokenizer.encode("the quick brown fox jumps")
+    output = TextOutput(tokenizer, [], stop=[stop], include_stop=True)
+    assert output.add(ids[:3], finished=False) == "the quick"  # held back for nothing
+    sent = ["the quick", *stream(output, ids[3:], step=step)]
+    assert (output.stop_reason, "".join(sent), output.text) == (stop, "the quick bro", "the quick bro")
+    assert output.ids_used <= step
+
+
+def test_include_stop_keeps_a_stop_tokens_text(tokenizer):
+    ids = tokenizer.encode("Hello world.")
+    output = TextOutput(tokenizer, [], stop_token_ids={ids[-1]}, include_stop=True)
+    assert "".join(stream(output, ids, step=2, finish=False)) == output.text == "Hello world."
+    eos = tokenizer.eos_token_ids[0]
+    skipped = TextOutput(tokenizer, [], stop_token_ids={eos}, include_stop=True)
+    assert "".join(stream(skipped, [*tokenizer.encode("the lazy dog"), eos], finish=False)) == "the lazy dog"

@@ -129,7 +129,6 @@ def test_error_body_is_openai_shaped():
         (chat, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
         (completion, {"use_beam_search": True}, "use_beam_search"),
         (chat, {"length_penalty": 0.8}, "length_penalty"),
-        (completion, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         (chat, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         (chat, {"bad_words": ["no"]}, "bad_words"),
         (completion, {"prompt_logprobs": 1}, "prompt_logprobs"),

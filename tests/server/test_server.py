@@ -385,6 +385,14 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
         extra_body={"stop_token_ids": [stop_id], "min_tokens": 12},
     )
     assert also.usage.completion_tokens >= 12 and held.choices[0].text.startswith(also.choices[0].text)
+    # include_stop_str_in_output (vLLM's): the stop string, or the stop token's text, stays.
+    text = reference.choices[0].text
+    stop = text[4:7]
+    include = {"include_stop_str_in_output": True}
+    kept = complete(plain, PROMPTS[2], MODEL, max_tokens=20, stop=[stop], extra_body=include)
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+    kept_id = complete(plain, PROMPTS[2], MODEL, max_tokens=20, extra_body={"stop_token_ids": [stop_id], **include})
+    assert kept_id.choices[0].text == tokenizer.decode(ids[: ids.index(stop_id) + 1])
     echoed = complete(plain, PROMPTS[2], MODEL, max_tokens=5, echo=True)
     assert echoed.choices[0].text.startswith(PROMPTS[2])
     token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20, extra_body={"ignore_eos": True})
@@ -733,4 +741,4 @@ def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
     assert not [
         i for i in lines if "Refused prompt" in i.prompt or "system turn alone" in i.prompt or not i.prompt.strip()
     ]
-    assert load_instructions(plain.recorded) == lines  # what train-head --instructions reads
+    assert load_instructions(plain.recorded) == list(dict.fromkeys(lines))  # train-head reads each once
