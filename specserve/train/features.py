@@ -37,6 +37,11 @@ from specserve.train.data import Sample
 from specserve.train.objective import Batch
 
 FORWARD_CHUNK = 128  # positions per forward: bounds the [chunk, vocab] logits
+# Prompt positions a sample keeps before its first trained one: a head trains on windows
+# of LoopSettings.window (512) positions, so earlier ones would share no window with an
+# answer, and a long prompt (a user's recorded traffic) would fill memory with them
+# (9 KB a position of EAGLE-3 features on the default target).
+PROMPT_CONTEXT = 256
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,16 @@ def sample_tensors(
     top_probs: torch.Tensor,  # [T, k] float32
     sample: Sample,
 ) -> dict[str, torch.Tensor]:
-    """What a sample's file holds (`FeatureSet.load` reads it), on the CPU, features in bfloat16."""
+    """What a sample's file holds (`FeatureSet.load` reads it), on the CPU, features in
+    bfloat16: its positions from PROMPT_CONTEXT before the one that predicts its first
+    trained token (the features were read with the whole text before them)."""
+    start = max(0, sample.first_trained - 1 - PROMPT_CONTEXT)
     return {
-        "token_ids": token_ids.cpu(),
-        "features": features.to(torch.bfloat16).cpu(),
-        "top_ids": top_ids.cpu(),
-        "top_probs": top_probs.cpu(),
-        "first_trained": torch.tensor([sample.first_trained]),
+        "token_ids": token_ids[start:].cpu(),
+        "features": features[start:].to(torch.bfloat16).cpu(),
+        "top_ids": top_ids[start:].cpu(),
+        "top_probs": top_probs[start:].cpu(),
+        "first_trained": torch.tensor([sample.first_trained - start]),
         "held_out": torch.tensor([sample.held_out]),
     }
 

@@ -33,7 +33,14 @@ from specserve.train.data import (
     read_answers,
 )
 from specserve.train.eagle import EagleMethod, start_from_target_layer
-from specserve.train.features import AnswerRecorder, FeatureSet, FeatureSpec, compute_features
+from specserve.train.features import (
+    PROMPT_CONTEXT,
+    AnswerRecorder,
+    FeatureSet,
+    FeatureSpec,
+    compute_features,
+    sample_features,
+)
 from specserve.train.instructions import Instruction, load_instructions, parse_line
 from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
@@ -149,6 +156,26 @@ def test_a_feature_set_holds_its_samples_in_order(tmp_path):
     assert data.samples == [(s, s + n, i == 1) for i, (s, n) in enumerate(zip(starts, lengths))]
     # Position p is trained where p + 1 is in the sample's trained part: from first_trained on, the last excluded.
     assert data.trained.tolist() == [first <= p + 1 < n for first, n in zip(range(3), lengths) for p in range(n)]
+
+
+def test_a_long_prompt_keeps_only_the_context_a_window_can_read(tmp_path):
+    """A sample keeps PROMPT_CONTEXT prompt positions before the one that predicts its
+    first trained token, whose features were read with the whole prompt before them."""
+    target = sharp_target()
+    long, short = PROMPT_CONTEXT + 40, 5
+    texts = {
+        "long": Sample([7 + i % 50 for i in range(long + 12)], first_trained=long),
+        "short": Sample([7 + i % 50 for i in range(short + 12)], first_trained=short),
+    }
+    keys = compute_features(target, texts, FeatureSpec(layers=(2, 4)), 4, tmp_path, time.monotonic() + 600)
+    whole = sample_features(target, texts["long"], FeatureSpec(layers=(2, 4)), 4)
+    kept = load_file(str(tmp_path / "long.safetensors"))
+    cut = long - 1 - PROMPT_CONTEXT
+    assert whole["token_ids"].tolist() == texts["long"].token_ids[cut:] and int(whole["first_trained"]) == long - cut
+    assert torch.equal(kept["features"], whole["features"])
+    data = FeatureSet.load(tmp_path, keys)
+    assert [end - start for start, end, _ in data.samples] == [PROMPT_CONTEXT + 13, short + 12]
+    assert int(data.trained.sum()) == 2 * 12  # each sample's 12 answer tokens
 
 
 def test_a_head_is_measured_over_more_steps_than_it_trains(tmp_path):
