@@ -31,6 +31,7 @@ answers, never trained on.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import sysconfig
@@ -51,6 +52,8 @@ from specserve.train.instructions import Instruction, load_instructions
 
 if TYPE_CHECKING:
     from specserve.train.features import AnswerRecorder
+
+log = logging.getLogger("specserve")
 
 HOLDOUT_EVERY = 10  # instructions 0, 10, 20, ... of the seeded order
 WRITE_TOKENS = 128  # a written instruction longer than this is dropped
@@ -253,9 +256,17 @@ def answer_instructions(
     top_k = None if recorder is None else recorder.top_k
     asked: dict[int, dict] = {}  # seq_id -> the record its answer starts, or {"attempt": j} writing one
 
+    too_long: set[Instruction] = set()  # prompts that leave the target's context no room for an answer
+
     def ask(instruction: Instruction, seed: int, record: dict) -> None:
-        params = SamplingParams(settings.max_tokens, temperature=settings.temperature, seed=seed, logprobs=top_k)
-        asked[engine.add_request(instruction.prompt_ids(tokenizer), params).seq_id] = record
+        prompt_ids = instruction.prompt_ids(tokenizer)
+        room = engine.max_model_len - len(prompt_ids)  # a recorded prompt may come near the context's end
+        if room < 1:
+            too_long.add(instruction)
+            return
+        max_tokens = min(settings.max_tokens, room)
+        params = SamplingParams(max_tokens, temperature=settings.temperature, seed=seed, logprobs=top_k)
+        asked[engine.add_request(prompt_ids, params).seq_id] = record
 
     def ask_to_write(attempt: int) -> None:
         params = SamplingParams(WRITE_TOKENS, temperature=WRITE_TEMPERATURE, seed=written_seed(settings.seed, attempt))
@@ -301,6 +312,12 @@ def answer_instructions(
                 answers[key] = record
                 on_answer(seq.num_output_tokens)
     stats.seconds = time.monotonic() - started
+    if too_long:
+        log.warning(
+            "%d instructions fill the target's context of %d tokens, with no room for an answer: not answered",
+            len(too_long),
+            engine.max_model_len,
+        )
     for seq_id in list(engine.running) + [s.seq_id for s in engine.waiting]:
         engine.finish(seq_id)  # unfinished at the deadline: asked again by a resumed run
     written = sorted(key for key, record in answers.items() if "written" in record)

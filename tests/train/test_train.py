@@ -585,6 +585,32 @@ def test_the_target_answers_a_users_instructions(smollm2, tmp_path):
     assert longest_sequence(target.tokenizer, 4, str(path)) != longest_sequence(target.tokenizer, 4)
 
 
+def test_a_prompt_that_fills_the_context_is_not_answered_and_one_near_it_answers_less(smollm2, tmp_path, caplog):
+    """A recorded prompt may come near the target's context: its answer gets the room
+    left, and one with no room is left out, said once, while the others are answered."""
+    target = catalogue.load_model(str(smollm2), torch.float32)
+    context = 256  # the engine takes the target's context from its config: a short one reads fast
+    target.decoder.config = dataclasses.replace(target.decoder.config, max_position_embeddings=context)
+    tokenizer = target.tokenizer
+
+    def text_of(length: int) -> str:  # a plain prompt of `length` tokens
+        return tokenizer.decode(([tokenizer.encode("the")[-1]] * length))
+
+    lines = [json.dumps({"prompt": "Name a colour."}), json.dumps({"prompt": "Count to three."})]
+    lines += [json.dumps({"text": text_of(context + 5)}), json.dumps({"text": text_of(context - 3)})]
+    near = len(Instruction("general", text_of(context - 3), templated=False).prompt_ids(tokenizer))
+    assert near < context
+    path = instructions_file(tmp_path, *lines)
+    settings = AnswerSettings(None, 6, temperature=0.8, max_num_seqs=2, seed=0, written=0, instructions=str(path))
+    answers, _ = answer_instructions(
+        target.decoder, tokenizer, settings, tmp_path / "answers.jsonl", time.monotonic() + 600
+    )
+    lengths = sorted(s.first_trained for s in answers)
+    assert len(answers) == 3 and lengths[-1] == near
+    assert max(len(s.token_ids) for s in answers) <= context
+    assert caplog.text.count("1 instructions fill the target's context") == 1
+
+
 def test_a_budget_too_small_says_how_much_is_needed(smollm2, capsys):
     assert main(["train-head", str(smollm2), "--quantization", "none", "--max-minutes", "0.001"]) == 2
     err = capsys.readouterr().err
