@@ -373,12 +373,23 @@ def build_app(
         except SpecserveError as e:
             raise APIError(str(e), param="logit_bias") from None
 
-    async def encoded(encode: Callable, text: Any, param: str) -> list[int]:
-        """A prompt's ids, read on a worker thread, refused past the model's length."""
+    async def encoded(encode: Callable, text: Any, param: str, keep: int | None) -> list[int]:
+        """A prompt's ids, read on a worker thread: refused past the model's length, or,
+        where the request keeps its last `keep` ids (truncate_prompt_tokens), cut to them
+        (the body's limit bounds what is read)."""
+        at_most = settings.max_model_len if keep is None else None
         try:
-            return await _off_the_loop(functools.partial(encode, at_most=settings.max_model_len), text)
+            ids = await _off_the_loop(functools.partial(encode, at_most=at_most), text)
         except SpecserveError as e:
             raise APIError(str(e), param=param) from None
+        return check_ids(kept_ids(ids, keep), param)
+
+    def kept(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """How many of a prompt's last ids the request keeps; None: all."""
+        return settings.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+
+    def kept_ids(ids: list[int], keep: int | None) -> list[int]:
+        return ids if keep is None else ids[-keep:]
 
     def check_ids(ids: list[int], param: str) -> list[int]:
         if len(ids) > settings.max_model_len:  # refused by its length before its ids are read
@@ -400,12 +411,15 @@ def build_app(
         body.refuse_unsupported()
         given = body.prompt_list()
         check_request(body, len(given))
+        keep = kept(body)
         prompts = [
-            await encoded(tokenizer.encode, p, "prompt") if isinstance(p, str) else check_ids(list(p), "prompt")
+            await encoded(tokenizer.encode, p, "prompt", keep)
+            if isinstance(p, str)
+            else check_ids(kept_ids(list(p), keep), "prompt")
             for p in given
         ]
-        prompt_texts = [
-            p if isinstance(p, str) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
+        prompt_texts = [  # echo: the prompt as read (its ids' text where they were given or cut)
+            p if (isinstance(p, str) and keep is None) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
             for p, ids in zip(given, prompts)
         ]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -458,7 +472,7 @@ def build_app(
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
         check_request(body, 1)
         messages = body.template_messages()
-        prompt_ids = await encoded(tokenizer.encode_chat, messages, "messages")
+        prompt_ids = await encoded(tokenizer.encode_chat, messages, "messages", kept(body))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": request_id,

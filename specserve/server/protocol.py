@@ -55,7 +55,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("allowed_token_ids", lambda v: not v, " (use logit_bias)"),
     ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
     ("prompt_logprobs", lambda v: v is None, ""),
-    ("truncate_prompt_tokens", lambda v: v is None, ""),
     *(
         (name, lambda v: v is None, " (structured outputs are not implemented)")
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -145,7 +144,7 @@ class _Sampling(_Body):
     allowed_token_ids: Ids | None = None
     bad_words: Texts | None = None
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -173,6 +172,14 @@ class _Sampling(_Body):
                 param="logit_bias",
             )
         self.logit_bias_pairs()  # keys that are no token ids are refused here
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1
+        ):
+            raise APIError(
+                f"truncate_prompt_tokens must be >= 1, or -1 for the maximum model length, got "
+                f"{self.truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
         for field, asks_nothing, instead in VLLM_UNSUPPORTED:
             value = getattr(self, field)
             if not asks_nothing(value):

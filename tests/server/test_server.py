@@ -395,6 +395,17 @@ def test_stop_token_ids_ignore_eos_and_echo(plain):
     assert kept_id.choices[0].text == tokenizer.decode(ids[: ids.index(stop_id) + 1])
     echoed = complete(plain, PROMPTS[2], MODEL, max_tokens=5, echo=True)
     assert echoed.choices[0].text.startswith(PROMPTS[2])
+    # truncate_prompt_tokens (vLLM's): the prompt's last k ids alone, as text or ids, past the context too.
+    prompt_ids = tokenizer.encode(PROMPTS[2])
+    last = complete(plain, prompt_ids[-4:], MODEL, max_tokens=8)
+    for prompt in (PROMPTS[2], prompt_ids):
+        cut = complete(plain, prompt, MODEL, max_tokens=8, echo=True, extra_body={"truncate_prompt_tokens": 4})
+        assert cut.usage.prompt_tokens == 4
+        assert cut.choices[0].text == tokenizer.decode(prompt_ids[-4:]) + last.choices[0].text
+    long = tokenizer.decode(prompt_ids) * (600 // len(prompt_ids) + 1)  # past --max-model-len 512
+    assert len(tokenizer.encode(long)) > 512
+    fitted = complete(plain, long, MODEL, max_tokens=4, extra_body={"truncate_prompt_tokens": 500})
+    assert fitted.usage.prompt_tokens == 500
     token_prompt = complete(plain, tokenizer.encode(PROMPTS[2]), MODEL, max_tokens=20, extra_body={"ignore_eos": True})
     assert token_prompt.choices[0].text == reference.choices[0].text
 
