@@ -47,6 +47,7 @@ LOGIT_BIAS_MAX = 100.0
 # exponent and 7 mantissa bits, so a bucket spans under 1% of its values).
 TOP_P_CANDIDATES = 256
 TOP_P_BUCKET_SHIFT = 16
+NUM_BUCKETS = 1 << (31 - TOP_P_BUCKET_SHIFT)  # of a float32's magnitude bits
 TOP_P_SORTED_VOCAB = 4096  # a vocabulary this small is sorted whole: cheaper than either
 TOP_K_DIRECT = 1024  # a top-k this small takes topk's partial sort (`kth_largest`); past it, buckets
 # What torch.Generator.manual_seed takes.
@@ -188,11 +189,10 @@ def kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
     bucket holding the k-th is sorted."""
     if k <= TOP_K_DIRECT or logits.device.type != "cpu":  # a GPU's topk is fast and launches once
         return logits.topk(k, dim=-1).values[:, -1:]
-    n, num_buckets = logits.shape[0], 1 << (31 - TOP_P_BUCKET_SHIFT)
-    # A non-positive float's magnitude bits ascend as its value descends.
-    buckets = (logits.contiguous().view(torch.int32) & 0x7FFFFFFF) >> TOP_P_BUCKET_SHIFT  # [n, V]
-    rows = torch.arange(n, device=logits.device)[:, None] * num_buckets  # [n, 1]
-    counts = torch.bincount((buckets + rows).flatten(), minlength=n * num_buckets).view(n, num_buckets)
+    n = logits.shape[0]
+    buckets = buckets_of(logits)  # [n, V]: a non-positive float's bucket ascends as its value descends
+    rows = torch.arange(n, device=logits.device)[:, None] * NUM_BUCKETS  # [n, 1]
+    counts = torch.bincount((buckets + rows).flatten(), minlength=n * NUM_BUCKETS).view(n, NUM_BUCKETS)
     reached = counts.cumsum(dim=-1)  # [n, B]: ids in each bucket and those of larger logits
     boundary = (reached < k).sum(dim=-1)  # [n]: the bucket holding the k-th
     kth = torch.empty(n, 1, device=logits.device)
@@ -201,6 +201,12 @@ def kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
         members = logits[row][buckets[row] == bucket]
         kth[row, 0] = members.sort(descending=True).values[k - before - 1]
     return kth
+
+
+def buckets_of(values: torch.Tensor) -> torch.Tensor:
+    """float32 [n, V] -> int64 [n, V] in [0, NUM_BUCKETS): the magnitude bits above
+    TOP_P_BUCKET_SHIFT, which order floats of one sign by their size."""
+    return ((values.contiguous().view(torch.int32) & 0x7FFFFFFF) >> TOP_P_BUCKET_SHIFT).long()
 
 
 def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -245,8 +251,8 @@ def _bucketed_top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     probabilities, and every id of a bucket above the one where the mass from the top
     reaches top_p is kept, every id below it dropped; only that bucket's ids are sorted.
     probs [n, V] float32, non-negative -> [n, V] bool."""
-    buckets = (probs.contiguous().view(torch.int32) >> TOP_P_BUCKET_SHIFT).long()  # [n, V]
-    mass = torch.zeros(probs.shape[0], 1 << (31 - TOP_P_BUCKET_SHIFT), device=probs.device)  # [n, B]
+    buckets = buckets_of(probs)  # [n, V]
+    mass = torch.zeros(probs.shape[0], NUM_BUCKETS, device=probs.device)  # [n, B]
     mass.scatter_add_(-1, buckets, probs)
     from_top = mass.flip(-1).cumsum(dim=-1).flip(-1)  # [n, B]: the mass of each bucket and those above
     boundary = (from_top >= top_p).sum(dim=-1) - 1  # [n]: -1 where rounding leaves the whole row short
