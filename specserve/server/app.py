@@ -382,7 +382,7 @@ def build_app(
             ids = await _off_the_loop(functools.partial(encode, at_most=at_most), text)
         except SpecserveError as e:
             raise APIError(str(e), param=param) from None
-        return check_ids(kept_ids(ids, keep), param)
+        return check_length(kept_ids(ids, keep), param)  # a text's ids are the vocabulary's
 
     def kept(body: CompletionRequest | ChatCompletionRequest) -> int | None:
         """How many of a prompt's last ids the request keeps; None: all."""
@@ -391,13 +391,17 @@ def build_app(
     def kept_ids(ids: list[int], keep: int | None) -> list[int]:
         return ids if keep is None else ids[-keep:]
 
-    def check_ids(ids: list[int], param: str) -> list[int]:
-        if len(ids) > settings.max_model_len:  # refused by its length before its ids are read
+    def check_length(ids: list[int], param: str) -> list[int]:
+        if len(ids) > settings.max_model_len:
             raise APIError(
                 f"the prompt is {len(ids)} tokens, more than the maximum model length "
                 f"{settings.max_model_len}; shorten it",
                 param=param,
             )
+        return ids
+
+    def check_ids(ids: list[int], param: str) -> list[int]:
+        check_length(ids, param)  # refused by its length before its ids are read
         try:
             engine.check_token_ids(ids)
         except SpecserveError as e:
