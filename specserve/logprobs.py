@@ -10,6 +10,11 @@ speculation on or off; on our CPU kernels, which compute a verified row exactly 
 plain step computes it, bit for bit.
 
 Invariant: `Sequence.logprobs` holds one `TokenLogprob` per output token, in order.
+
+A prompt's logprobs (vLLM's `prompt_logprobs`, the completions API's echo with logprobs)
+are the same figure for each prompt token after the first, from the row of the token
+before it, read as the prompt is prefilled; they also carry the token's rank.
+`Sequence.prompt_logprobs` holds them in order, one per prompt token from the second.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely ids and their logprobs, most likely first
+    rank: int | None = None  # 1 + how many ids are likelier; set for a prompt's tokens alone
 
 
 def logprobs_on_device(
@@ -43,14 +49,21 @@ def logprobs_on_device(
     return chosen, top_values, top_ids
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: int, ranked: bool = False
+) -> list[TokenLogprob]:
     """logits [n, V] (row i predicts token_ids[i]; n >= len(token_ids)) -> one
-    TokenLogprob per token, with its num_top most likely alternatives."""
+    TokenLogprob per token, with its num_top most likely alternatives, and its rank
+    where `ranked`."""
+    logits = logits[: len(token_ids)]
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    chosen, top_values, top_ids = logprobs_on_device(logits[: len(token_ids)], ids, num_top)
+    chosen, top_values, top_ids = logprobs_on_device(logits, ids, num_top)
+    # Likelier ids by the raw logits, whose order the log-softmax keeps: no second [n, V] pass.
+    likelier = (logits > logits.gather(1, ids.unsqueeze(1))).sum(dim=-1) if ranked else None  # [n]
     # One copy to the host for the whole step, not a sync per token.
     chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.long().tolist()
+    ranks = [None] * len(token_ids) if likelier is None else [n + 1 for n in likelier.tolist()]
     return [
-        TokenLogprob(token_id, value, tuple(zip(ids, values)))
-        for token_id, value, ids, values in zip(token_ids, chosen, top_ids, top_values)
+        TokenLogprob(token_id, value, tuple(zip(ids, values)), rank)
+        for token_id, value, ids, values, rank in zip(token_ids, chosen, top_ids, top_values, ranks)
     ]

@@ -77,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; n: each output token's logprob and its n most likely alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (specserve/logprobs.py)
     # Penalties on the target's logits (specserve/penalties.py); 0, 0 and 1 are off.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +115,11 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),

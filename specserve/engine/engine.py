@@ -372,14 +372,18 @@ class Engine:
             # A preempted sequence reads all but its newest token, unscored: its next step
             # is then the step it would have taken (see the module's docstring).
             end = len(seq.token_ids) - 1 if seq.output_ids else len(seq.token_ids)
+            # A sequence owing prompt logprobs reads its prompt's rows itself: none copied.
+            owed = seq.scored_prompt_end
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                loaded = self.prefix_cache.load(seq.token_ids, seq.cache, min(end, len(seq.token_ids) - 1), live)
+                limit = min(end, len(seq.token_ids) - 1, len(seq.token_ids) if owed is None else owed)
+                loaded = self.prefix_cache.load(seq.token_ids, seq.cache, limit, live)
                 if not seq.num_preemptions:  # counted when it first joined
                     seq.num_cached_tokens += loaded
             start = seq.cache.length
             chunk = seq.token_ids[start : min(start + budget, end)]
-            if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), self.prefix_cache is not None):
+            shares = self.prefix_cache is not None and owed is None
+            if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), shares):
                 continue
             budget -= len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
@@ -522,12 +526,21 @@ class Engine:
         if not work:
             return []
         segments = [Segment(w.seq.cache, len(w.tokens), one_query_at_a_time=w.draft.num_tokens > 0) for w in work]
-        # Score the last k+1 positions of each scored sequence: its newest token and its drafts.
+        # Score the last k+1 positions of each scored sequence: its newest token and its
+        # drafts; then, after all of those, the rows of prompt tokens owed logprobs.
         rows, end = [], 0
+        owed: list[tuple[Sequence, range]] = []  # (sequence, positions) of the prompt rows, in row order
+        prompt_rows: list[int] = []
         for w in work:
+            positions = w.seq.prompt_rows_to_score(w.seq.cache.length, len(w.tokens))
+            if positions:
+                owed.append((w.seq, positions))
+                prompt_rows.extend(end + p - w.seq.cache.length for p in positions)  # the stream's row of position p
             end += len(w.tokens)
             if w.scored:
                 rows.extend(range(end - w.draft.num_tokens - 1, end))
+        num_scored = len(rows)
+        rows += prompt_rows
         device = self.target.device
         flat = torch.tensor([t for w in work for t in w.tokens], dtype=torch.int64, device=device)
         features = None if self.proposer is None else self.proposer.features
@@ -539,16 +552,20 @@ class Engine:
         )  # [R, V]
         # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
         # also where the step's work is waited for, so the timing below includes it.
-        argmax = logits.argmax(dim=-1).tolist()  # [R]
-        if self.adaptive is not None and len(flat) == len(rows):  # a pure decode step
+        argmax = logits[:num_scored].argmax(dim=-1).tolist()  # [R]
+        if self.adaptive is not None and len(flat) == num_scored:  # a pure decode step
             self.adaptive.observe_target(len(flat), time.perf_counter() - started)
         if features is not None:  # a head reads every row the target computed (its observe drops the rejected)
             features.read(capture, fed)
+        self._read_prompt_logprobs(owed, logits[num_scored:])
         outcomes, row = [], 0
         for w in work:
             if not w.scored:
                 continue
             k = w.draft.num_tokens
+            if w.seq.failure is not None:  # its prompt logprobs failed above
+                row += k + 1
+                continue
             try:
                 outcomes.append(self._verify_one(w, logits[row : row + k + 1], argmax[row : row + k + 1]))
             except Exception as error:  # this request's own arithmetic: it alone fails
@@ -556,6 +573,22 @@ class Engine:
                 w.seq.fail(error)
             row += k + 1
         return outcomes
+
+    @staticmethod
+    def _read_prompt_logprobs(owed: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+        """Each sequence's prompt logprobs from its rows of `logits` [P, V] (`owed`'s
+        positions, in order); one that fails to read them fails alone."""
+        row = 0
+        for seq, positions in owed:
+            tokens = seq.token_ids[positions.start + 1 : positions.stop + 1]
+            try:
+                seq.prompt_logprobs += token_logprobs(
+                    logits[row : row + len(positions)], tokens, seq.params.prompt_logprobs, ranked=True
+                )
+            except Exception as error:
+                log.exception("reading request %d's prompt logprobs failed; its batch goes on", seq.seq_id)
+                seq.fail(error)
+            row += len(positions)
 
     @staticmethod
     def _verify_one(w: _Work, logits: torch.Tensor, argmax: list[int]) -> _Outcome:

@@ -42,6 +42,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     num_preemptions: int = 0  # times it gave its caches up for others (engine.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
+    # One per prompt token from the second, in order, as the prompt is read, if params.prompt_logprobs is set.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -64,6 +66,22 @@ class Sequence:
         start + 1, ... of token_ids (sampling.keyed_uniforms), made on the host."""
         draws = [keyed_uniform(self._key, position) for position in range(start, start + count)]
         return torch.tensor(draws, dtype=torch.float32, device=device)
+
+    def prompt_rows_to_score(self, start: int, count: int) -> range:
+        """The positions among [start, start + count) whose rows give prompt logprobs
+        not yet held: position p's row scores prompt token p + 1."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + count, self.num_prompt_tokens - 1))
+
+    @property
+    def scored_prompt_end(self) -> int | None:
+        """How many leading positions a cache may be given without being read (the
+        prefix cache's, another sequence's): all of them, or, while prompt logprobs are
+        owed, those whose rows were read already."""
+        if self.params.prompt_logprobs is None or len(self.prompt_logprobs) == self.num_prompt_tokens - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def num_output_tokens(self) -> int:

@@ -18,6 +18,7 @@ from specserve.spec.ngram import NgramProposer
 from tests.engine.test_engine import EOS, UnstorablePrefixCache, perturbed, random_decoder
 from tests.head_models import permutation_target, right_head
 from tests.spec.test_head_proposers import proposer_of
+from tests.test_logprobs import check_prompt_logprobs
 
 MAX_MODEL_LEN = 200  # a sequence takes at most 256 positions of storage (caches double from 128)
 BUDGET = 384  # three short sequences, or one grown past 128 positions and one short
@@ -111,6 +112,20 @@ def test_a_preempted_request_reloads_its_prefix_and_counts_its_prompt_once():
     unbounded = run_all(engine_with("none", None), requests(LONG_GREEDY), None)
     assert [s.output_ids for s in seqs] == unbounded
     assert all(s.num_cached_tokens < s.num_prompt_tokens for s in seqs)
+
+
+@pytest.mark.parametrize("with_prefix_cache", [False, True])
+def test_prompt_logprobs_survive_a_preemption(with_prefix_cache):
+    """Preempted requests read their tokens again when they rejoin, or load them: their
+    prompt logprobs stay one per prompt token, each the target's."""
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    engine = engine_with("none", BUDGET, prefix_cache=PrefixCache(4096) if with_prefix_cache else None)
+    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_preemptions > 0
+    for seq in seqs:
+        check_prompt_logprobs(TARGET, seq, 2)
 
 
 def test_a_preempted_request_whose_prefix_cannot_be_stored_rejoins_all_the_same():
