@@ -40,7 +40,12 @@ from specserve.server.async_engine import (
     ShuttingDownError,
 )
 from specserve.server.fanout import ChoiceResult, Fanout, sample_params
-from specserve.server.logprob_fields import chat_logprobs, completion_logprobs
+from specserve.server.logprob_fields import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_entries,
+    prompt_logprobs_field,
+)
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from specserve.server.recording import PromptRecorder
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
@@ -105,6 +110,10 @@ def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any] | None:
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
+
+
+def _sse_or_none(payload: dict[str, Any] | None) -> bytes | None:
+    return None if payload is None else _sse(payload)
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -339,10 +348,14 @@ def build_app(
             last: dict[int, RequestOutput] = {}
             try:
                 async for choice, out in choices:
-                    piece = make_chunk(choice, out, choice not in last)
+                    first = choice not in last
                     last[choice] = out
-                    if piece is not None:
-                        yield _sse(piece)
+                    if out.prompt_logprobs:  # a whole prompt's logprobs: built and encoded off the loop
+                        event = await asyncio.to_thread(lambda: _sse_or_none(make_chunk(choice, out, first)))
+                    else:
+                        event = _sse_or_none(make_chunk(choice, out, first))
+                    if event is not None:
+                        yield event
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage([last[i] for i in sorted(last)], body.n)})
             except Exception as e:  # the stream has started: report in-band
@@ -428,9 +441,9 @@ def build_app(
         ]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": settings.served_model_name}
-        text_offsets = [0] * (len(prompts) * body.n)  # of each choice's next streamed token (no echo with logprobs)
+        text_offsets = [0] * (len(prompts) * body.n)  # of each choice's next listed token (the echo's first)
 
-        def choice(index: int, text: str, out: RequestOutput, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        def choice(index: int, text: str, out: RequestOutput, logprobs: Sequence[TokenLogprob | int]) -> dict[str, Any]:
             described = None
             if body.logprobs is not None:
                 described = completion_logprobs(logprobs, tokenizer, text_offsets[index])
@@ -439,6 +452,12 @@ def build_app(
 
         def echoed(index: int) -> str:
             return prompt_texts[index // body.n] if body.echo else ""
+
+        def echoed_logprobs(index: int, prompt_logprobs: Sequence[TokenLogprob] | None) -> list[TokenLogprob | int]:
+            """The prompt's tokens leading the choice's logprobs, under echo with logprobs."""
+            if body.echoed_logprobs is None:
+                return []
+            return echoed_entries(prompts[index // body.n], prompt_logprobs or (), body.echoed_logprobs)
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             text = (echoed(index) if first else "") + out.text
@@ -449,16 +468,26 @@ def build_app(
                 and not (per_token and out.num_new_tokens)
             ):
                 return None
-            piece = {**head, "choices": [choice(index, text, out, out.logprobs)]}
+            logprobs = (echoed_logprobs(index, out.prompt_logprobs) if first else []) + list(out.logprobs)
+            piece = {**head, "choices": [choice(index, text, out, logprobs)]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
+
+        def whole_choice(index: int, result: ChoiceResult) -> dict[str, Any]:
+            logprobs = echoed_logprobs(index, result.prompt_logprobs) + result.logprobs
+            described = choice(index, echoed(index) + "".join(result.text), result.last, logprobs)
+            if body.prompt_logprobs is not None:
+                described["prompt_logprobs"] = prompt_logprobs_field(
+                    result.prompt_logprobs or (), tokenizer, body.prompt_logprobs
+                )
+            return described
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]
             return {
                 **head,
-                "choices": [choice(i, echoed(i) + "".join(r.text), r.last, r.logprobs) for i, r in enumerate(results)],
+                "choices": [whole_choice(i, r) for i, r in enumerate(results)],
                 "usage": _usage(lasts, body.n),
                 "spec_decode": _spec_decode(lasts),
             }
@@ -511,8 +540,13 @@ def build_app(
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]
+            prompt_logprobs = {}
+            if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+                entries = results[0].prompt_logprobs or ()
+                prompt_logprobs["prompt_logprobs"] = prompt_logprobs_field(entries, tokenizer, body.prompt_logprobs)
             return {
                 **head,
+                **prompt_logprobs,
                 "object": "chat.completion",
                 "choices": [
                     {

@@ -82,6 +82,9 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: no prefix caching)
     spec: SpecStats | None = None  # the request's so far (a copy), None without speculation
     logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked for them
+    # Of the prompt's tokens from the second (specserve/logprobs.py), on the request's
+    # first output alone, when it asked for them; None otherwise.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -369,7 +372,8 @@ class AsyncEngine:
                     self.engine.finish(seq.seq_id, reason="stop")
                 break
         num_cached_tokens = None if self.engine.prefix_cache is None else seq.num_cached_tokens
-        if request.last_token_time is None:
+        first = request.last_token_time is None
+        if first:
             self.metrics.first_token(now - request.arrival_time, seq.num_prompt_tokens, num_cached_tokens)
             self._stat_logger.count(seq.num_prompt_tokens, 0, None)
             gap = None
@@ -397,6 +401,9 @@ class AsyncEngine:
                     num_cached_tokens=num_cached_tokens,
                     spec=spec,
                     logprobs=tuple(seq.logprobs[num_sent:][piece]),
+                    prompt_logprobs=tuple(seq.prompt_logprobs)
+                    if first and i == 0 and seq.params.prompt_logprobs is not None
+                    else None,
                 )
             )
 

@@ -3,8 +3,8 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (tools, best_of above n, the prompt's
-logprobs, ...) are refused by name rather than silently dropped.
+options keep working. Options we do not implement (tools, best_of above n, beam
+search, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Annotated, Any, Callable, ClassVar
 from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, field_validator
 
 from specserve.errors import SpecserveError
+from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
 
 
@@ -54,7 +55,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
     ("allowed_token_ids", lambda v: not v, " (use logit_bias)"),
     ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
-    ("prompt_logprobs", lambda v: v is None, ""),
     *(
         (name, lambda v: v is None, " (structured outputs are not implemented)")
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -143,7 +143,7 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ending the text stays in it
     allowed_token_ids: Ids | None = None
     bad_words: Texts | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and n alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
     guided_json: Any = None
     guided_regex: Any = None
@@ -180,6 +180,14 @@ class _Sampling(_Body):
                 f"{self.truncate_prompt_tokens}",
                 param="truncate_prompt_tokens",
             )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not served), "
+                f"got {self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         for field, asks_nothing, instead in VLLM_UNSUPPORTED:
             value = getattr(self, field)
             if not asks_nothing(value):
@@ -221,6 +229,7 @@ class _Sampling(_Body):
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -238,6 +247,10 @@ class _Sampling(_Body):
     def num_logprobs(self) -> int | None:
         """How many alternatives to each output token's logprob; None: no logprobs."""
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives to each prompt token's logprob; None: none asked."""
+        return self.prompt_logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -261,15 +274,19 @@ class CompletionRequest(_Sampling):
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise APIError("best_of is not supported (only best_of = n, which returns every choice)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(
-                "echo with logprobs (the prompt's logprobs) is not supported; "
-                "drop echo to get the completion's logprobs",
-                param="echo",
-            )
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs lists the prompt's tokens with theirs: the most either asks."""
+        asked = [n for n in (self.prompt_logprobs, self.echoed_logprobs) if n is not None]
+        return max(asked, default=None)
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        """The alternatives listed for each echoed prompt token; None: no prompt in the logprobs."""
+        return self.logprobs if self.echo else None
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts, each text or token ids: a list of texts or of id lists is a batch."""

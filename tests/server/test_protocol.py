@@ -119,7 +119,6 @@ def test_error_body_is_openai_shaped():
         (completion, {"n": 0}, "n"),
         (chat, {"n": -1}, "n"),
         (completion, {"n": 2, "best_of": 3}, "best_of"),
-        (completion, {"logprobs": 1, "echo": True}, "echo"),
         (completion, {"suffix": "!"}, "suffix"),
         (completion, {"best_of": 2}, "best_of"),
         (completion, {"logit_bias": {"fifty": 1.0}}, "logit_bias"),
@@ -131,7 +130,10 @@ def test_error_body_is_openai_shaped():
         (chat, {"length_penalty": 0.8}, "length_penalty"),
         (chat, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         (chat, {"bad_words": ["no"]}, "bad_words"),
-        (completion, {"prompt_logprobs": 1}, "prompt_logprobs"),
+        (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
+        (chat, {"prompt_logprobs": 21}, "prompt_logprobs"),
+        (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        (chat, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
         (completion, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         (chat, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         (chat, {"guided_json": {"type": "object"}}, "guided_json"),
@@ -258,6 +260,23 @@ def test_chat_top_logprobs_out_of_range_names_top_logprobs():
 )
 def test_logprobs_reach_the_sampling_params(make, fields, expected):
     assert make(**fields).sampling_params(8).logprobs == expected
+
+
+@pytest.mark.parametrize(
+    "make, fields, expected",
+    [
+        (completion, {"logprobs": 3}, None),
+        (completion, {"echo": True}, None),
+        (completion, {"echo": True, "logprobs": 3}, 3),  # the echoed prompt lists its tokens' logprobs
+        (completion, {"prompt_logprobs": 0}, 0),
+        (completion, {"echo": True, "logprobs": 1, "prompt_logprobs": 5}, 5),  # the most either asks
+        (completion, {"echo": True, "logprobs": 4, "prompt_logprobs": 0}, 4),
+        (chat, {"prompt_logprobs": 2}, 2),
+        (chat, {"logprobs": True, "top_logprobs": 4}, None),
+    ],
+)
+def test_prompt_logprobs_reach_the_sampling_params(make, fields, expected):
+    assert make(**fields).sampling_params(8).prompt_logprobs == expected
 
 
 def test_sampling_params_carry_the_body():

@@ -239,6 +239,66 @@ def test_chat_logprobs_streamed_and_whole(spec):
     assert without.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(plain, spec):
+    """lm-evaluation-harness scores a loglikelihood task with echo, logprobs 1 and
+    max_tokens 1, reading the prompt's tokens' logprobs: each must be the logprob that
+    decoding the same text gives it, with speculation on or off, streamed or not."""
+    answer = complete(plain, PROMPTS[2], MODEL, max_tokens=8, logprobs=1, extra_body={"ignore_eos": True})
+    answer = answer.choices[0]
+    asked = dict(max_tokens=1, logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    for server, model in ((plain, MODEL), (spec, "smol")):
+        scored = complete(server, PROMPTS[2] + answer.text, model, **asked).choices[0]
+        logprobs = scored.logprobs
+        assert scored.text.startswith(PROMPTS[2] + answer.text)
+        assert "".join(logprobs.tokens) == scored.text
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # no row predicts it
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+        # The answer's tokens, read as a prompt, score as they did when generated.
+        assert logprobs.tokens[-9:-1] == answer.logprobs.tokens
+        assert logprobs.token_logprobs[-9:-1] == pytest.approx(answer.logprobs.token_logprobs, abs=2e-3)
+        for token, value, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+            assert value <= 0 and top[token] == value and len(top) <= 2
+        assert all(
+            value == max(top.values()) for value, top in zip(logprobs.token_logprobs[-9:], logprobs.top_logprobs[-9:])
+        )
+        chunks = list(
+            client(server).completions.create(
+                model=model, prompt=PROMPTS[2] + answer.text, temperature=0, stream=True, **asked
+            )
+        )
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert sum((lp.tokens for lp in streamed), []) == logprobs.tokens
+        assert sum((lp.text_offset for lp in streamed), []) == logprobs.text_offset
+        assert sum((lp.token_logprobs for lp in streamed), [])[1:] == pytest.approx(
+            logprobs.token_logprobs[1:], abs=1e-5
+        )
+
+
+def test_vllms_prompt_logprobs_rank_each_prompt_token_in_completions_and_chat(spec):
+    """vLLM's prompt_logprobs: null for the first prompt token, then the token with its
+    rank and its n likeliest alternatives ranked 1..n; the same figures as echo's, and
+    again for a prompt the prefix cache holds."""
+    body = {"model": "smol", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    responses = [httpx.post(spec.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+    fields = [r["choices"][0]["prompt_logprobs"] for r in responses]
+    assert fields[0] == fields[1]  # the second read again, past the prefix cache
+    field = fields[0]
+    assert len(field) == responses[0]["usage"]["prompt_tokens"] and field[0] is None
+    echoed = complete(spec, PROMPTS[0], "smol", max_tokens=2, logprobs=3, echo=True).choices[0].logprobs
+    for entry, value, token in zip(field[1:], echoed.token_logprobs[1:], echoed.tokens[1:]):
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert len(entry) in (3, 4) and {1, 2, 3} <= {e["rank"] for e in ranked}  # the token may be among them
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in ranked)
+        mine = next(e for e in ranked if e["decoded_token"] == token)
+        assert mine["logprob"] == pytest.approx(value, abs=1e-5)
+        assert (mine["rank"] == 1) == (mine["logprob"] == max(e["logprob"] for e in ranked))
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    answered = httpx.post(spec.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert len(answered["prompt_logprobs"]) == answered["usage"]["prompt_tokens"]
+    assert answered["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in answered["prompt_logprobs"][1:])
+
+
 def test_penalties_give_the_same_text_with_and_without_speculation(plain, spec):
     penalties = dict(
         frequency_penalty=0.8, presence_penalty=0.3, extra_body={"repetition_penalty": 1.2, "ignore_eos": True}
@@ -515,7 +575,9 @@ BAD_REQUESTS = [
         400,
         "top_logprobs",
     ),
-    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, 400, "echo"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21, "echo": True}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
 ]
 
