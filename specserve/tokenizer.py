@@ -69,6 +69,14 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 
 # --- Tokenizer ---------------------------------------------------------------------------
 
+# The roles a conversation may give its turns, as OpenAI's API names them.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def template_role(role: str) -> str:
+    """The role a chat template knows a turn by: "developer" is OpenAI's newer name for "system"."""
+    return "system" if role == "developer" else role
+
 
 @functools.cache
 def _byte_of_character() -> dict[str, int]:

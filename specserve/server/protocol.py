@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, fie
 from specserve.errors import SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
+from specserve.tokenizer import CHAT_ROLES, template_role
 
 
 class APIError(SpecserveError):
@@ -317,9 +318,6 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], StopAtFirst()] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -366,8 +364,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [{"role": template_role(m.role), "content": m.text()} for m in self.messages]
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

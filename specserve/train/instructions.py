@@ -20,12 +20,14 @@ instruction, so the prompts a server records train a head on the prompts it serv
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from specserve.errors import ConfigError
+from specserve.tokenizer import CHAT_ROLES, template_role
 
 if TYPE_CHECKING:
     from specserve.tokenizer import Tokenizer
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
 BUNDLED_PATH = Path(__file__).with_name("instructions.jsonl")
 USER_KIND = "general"  # of a user's instruction that names none
 MIN_INSTRUCTIONS = 2  # one held out to measure the head, at least one to train on
-ROLES = ("system", "developer", "user", "assistant")
 LINE_FORMAT = '{"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} or {"text": "..."}'
 
 
@@ -75,14 +76,13 @@ def from_messages(messages: list[dict[str, Any]], kind: str) -> Instruction:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] is not an object")
         role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}] has role {role!r}; use one of {list(ROLES)}")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}] has role {role!r}; use one of {list(CHAT_ROLES)}")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}] holds no text content")
-        # "developer" is OpenAI's newer name for "system"; templates know "system".
-        turns.append(("system" if role == "developer" else role, content))
+        turns.append((template_role(role), content))
     while turns and turns[-1][0] == "assistant":
         turns.pop()
     if not turns or turns[-1][0] != "user" or not turns[-1][1].strip():
@@ -118,34 +118,48 @@ def lines_of(text: str) -> list[str]:
     return text.split("\n")
 
 
-def load_instructions(path: str | Path | None = None) -> list[Instruction]:
-    """The bundled instructions, or a user's JSON-lines file (the module docstring), each
-    instruction once (the first line of it: recorded traffic repeats prompts, and a copy of
-    a held-out one among those trained on would overrate the head). A file that cannot
+class InstructionsFile(NamedTuple):
+    """A user's instructions file as one read of it found it."""
+
+    instructions: list[Instruction]  # each once, in the order of its first line
+    sha256: str  # of the file's bytes
+    repeated: int  # lines that repeat an instruction before them
+
+
+def read_instructions_file(path: str | Path) -> InstructionsFile:
+    """A user's JSON-lines file (the module docstring), read once. A file that cannot
     serve raises ConfigError naming the file, the line and the fix."""
-    if path is None:
-        lines = BUNDLED_PATH.read_text(encoding="utf-8").splitlines()
-        return [Instruction(**json.loads(line)) for line in lines if line.strip()]
     path = Path(path)
     try:
-        lines = lines_of(path.read_text(encoding="utf-8"))
+        contents = path.read_bytes()
+        lines = lines_of(contents.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--instructions {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from None
-    instructions = []
+    read = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            instructions.append(parse_line(json.loads(line)))
+            read.append(parse_line(json.loads(line)))
         except (json.JSONDecodeError, ValueError) as e:
             error = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
             raise ConfigError(
                 f'--instructions {path}, line {number}: {error}; each line is {LINE_FORMAT}, with an optional "kind"'
             ) from None
-    instructions = list(dict.fromkeys(instructions))
+    instructions = list(dict.fromkeys(read))
     if len(instructions) < MIN_INSTRUCTIONS:
         raise ConfigError(
             f"--instructions {path} holds {len(instructions)} instructions; a head needs at least "
             f"{MIN_INSTRUCTIONS} (one held out to measure it, one to train on)"
         )
-    return instructions
+    return InstructionsFile(instructions, hashlib.sha256(contents).hexdigest(), len(read) - len(instructions))
+
+
+def load_instructions(path: str | Path | None = None) -> list[Instruction]:
+    """The bundled instructions, or a user's file's (`read_instructions_file`), each
+    instruction once (the first line of it: recorded traffic repeats prompts, and a copy of
+    a held-out one among those trained on would overrate the head)."""
+    if path is None:
+        lines = BUNDLED_PATH.read_text(encoding="utf-8").splitlines()
+        return [Instruction(**json.loads(line)) for line in lines if line.strip()]
+    return read_instructions_file(path).instructions

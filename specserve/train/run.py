@@ -18,7 +18,6 @@ resumes an unfinished run where it stopped, or reports the finished head.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -48,7 +47,7 @@ from specserve.train.data import (
 )
 from specserve.train.eagle import EagleMethod, start_from_target_layer
 from specserve.train.features import AnswerRecorder, FeatureSet, compute_features
-from specserve.train.instructions import MIN_INSTRUCTIONS, lines_of, load_instructions
+from specserve.train.instructions import MIN_INSTRUCTIONS, read_instructions_file
 from specserve.train.loop import HeadMethod, LoopSettings, Trainer
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
@@ -164,8 +163,8 @@ class TrainHeadSettings:
         instructions, digest = self.instructions, None
         if instructions is not None:
             path = Path(instructions).expanduser().resolve()
-            read = load_instructions(path)  # one that cannot serve fails here
-            overlapping = benchmark_overlaps(read)
+            read = read_instructions_file(path)  # one that cannot serve fails here
+            overlapping = benchmark_overlaps(read.instructions)
             if overlapping:
                 log.warning(
                     "--instructions %s: %d instructions hold a benchmark suite's prompt; a head trained on "
@@ -173,11 +172,11 @@ class TrainHeadSettings:
                     path,
                     overlapping,
                 )
-            contents = path.read_bytes()
-            repeated = sum(bool(line.strip()) for line in lines_of(contents.decode("utf-8"))) - len(read)
-            if repeated:
-                log.info("--instructions %s: %d lines repeat an instruction before them, read once", path, repeated)
-            instructions, digest = str(path), hashlib.sha256(contents).hexdigest()
+            if read.repeated:
+                log.info(
+                    "--instructions %s: %d lines repeat an instruction before them, read once", path, read.repeated
+                )
+            instructions, digest = str(path), read.sha256
         return dataclasses.replace(
             self,
             device=str(device),
