@@ -25,6 +25,7 @@ from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
+from specserve.server.tool_calls import TOOL_CALL_PARSERS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -265,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="step",
         help="a stream's SSE events: one per engine step, with all its tokens (fewest events), "
         "or one per token, for clients that count events as tokens (LLMPerf)",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat answers call the request\'s tools (tool_choice "auto"), read by --tool-call-parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes a tool call: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Hermes)",
     )
     srv.add_argument(
         "--record-prompts",
@@ -633,6 +645,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag, seconds in timeouts.items():
         if not 0 < seconds < math.inf:
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {seconds}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     prefix_cache_space = prefix_cache_space_of(args)
     kv_cache_space = kv_cache_space_of(args)
     serve(
@@ -663,6 +677,7 @@ def run_serve(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             send_timeout_s=args.send_timeout,
             record_prompts=args.record_prompts,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             log_level=args.uvicorn_log_level,
         )
     )

@@ -250,13 +250,19 @@ class Tokenizer:
 
     # -- chat --
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered the way transformers renders it."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for a conversation (and the tools it may call, in OpenAI's
+        form), rendered the way transformers renders it."""
         template = self._compiled_chat_template()
         try:
             return template.render(
                 messages=[dict(message) for message in messages],
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id) or "",
@@ -266,11 +272,15 @@ class Tokenizer:
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, at_most: int | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        at_most: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Ids of the templated conversation; BOS is added only if the template did not
         write it. at_most: as `encode`'s."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         ids = self.encode(text, add_special_tokens=False, at_most=at_most)
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

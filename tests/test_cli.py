@@ -164,6 +164,7 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be >= 1, got 0"),
         (["--max-queue-len", "-1"], "--max-queue-len must be >= 0"),
         (["--port", "65536"], "--port must be in [1, 65535]"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen2_5_coder)"),
         (["--max-model-len", "100000"], "--max-model-len must be in"),
         (["--kv-cache-space", "0"], "--kv-cache-space must be auto or a number of GiB > 0, got '0'"),
         (["--kv-cache-space", "lots"], "--kv-cache-space must be auto or a number of GiB > 0"),

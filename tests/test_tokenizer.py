@@ -128,6 +128,41 @@ def test_chat_template_matches_reference(model):
     assert not model.ours.apply_chat_template(CONVERSATION, add_generation_prompt=False).endswith("assistant\n")
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
+]
+
+
+def test_tools_and_tool_turns_render_as_the_reference_renders_them(model):
+    """Qwen's template lists the tools and writes calls and results in its own markup;
+    SmolLM2's ignores them: either way, the text transformers renders."""
+    expected = model.reference.apply_chat_template(
+        TOOL_CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert model.ours.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS) == expected
+    assert model.ours.encode_chat(TOOL_CONVERSATION, tools=TOOLS) == model.reference.encode(
+        expected, add_special_tokens=False
+    )
+
+
 def test_special_ids_match_reference(model):
     ours, reference = model.ours, model.reference
     assert ours.vocab_size == len(read_gguf_tokenizer_fields(model.gguf)["tokenizer.ggml.tokens"])

@@ -48,6 +48,7 @@ from specserve.server.logprob_fields import (
 )
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from specserve.server.recording import PromptRecorder
+from specserve.server.tool_calls import ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.tokenizer import Tokenizer
@@ -76,6 +77,9 @@ class ApiSettings:
     # A stream's events: one per engine step ("step"), or one per token ("token"), for
     # clients that count events as tokens (LLMPerf): see docs/serving.md, "Streaming".
     stream_mode: str = "step"
+    # How chat answers' tool calls are read (server/tool_calls.py); None: tool_choice
+    # "auto" is refused (vLLM's --enable-auto-tool-choice with --tool-call-parser).
+    tool_call_parser: str | None = None
 
 
 def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
@@ -503,9 +507,15 @@ def build_app(
         arrival = time.perf_counter()
         body = await _parsed(http_request, ChatCompletionRequest)
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
+        if body.parses_tool_calls and settings.tool_call_parser is None:
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param="tool_choice",
+            )
         check_request(body, 1)
         messages = body.template_messages()
-        prompt_ids = await encoded(tokenizer.encode_chat, messages, "messages", kept(body))
+        encode = functools.partial(tokenizer.encode_chat, tools=body.template_tools())
+        prompt_ids = await encoded(encode, messages, "messages", kept(body))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": request_id,
@@ -517,10 +527,22 @@ def build_app(
         def described(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
             return chat_logprobs(logprobs, tokenizer) if body.logprobs else None
 
+        tool_calls = None  # how the answers' tool calls are read (server/tool_calls.py); None: not read
+        if body.parses_tool_calls:
+            tool_calls = ToolCallParser(settings.tool_call_parser, frozenset(t.function.name for t in body.tools))
+        # Each streamed choice's text, holding back what may be a tool call's.
+        calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
+
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
+            content, calls = out.text, []
+            if calling is not None:
+                content = calling[index].add(out.text)
+                if out.finished:
+                    rest, calls = calling[index].finish()
+                    content += rest
             with_logprobs = body.logprobs and out.logprobs
             if (
-                not out.text
+                not content
                 and not out.finished
                 and not first
                 and not with_logprobs
@@ -528,15 +550,27 @@ def build_app(
             ):
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if out.text or first or with_logprobs:
-                delta["content"] = out.text
+            if content or first or with_logprobs:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call.described()} for i, call in enumerate(calls)]
+            ended = finish(out) | ({"finish_reason": "tool_calls"} if calls else {})
             piece = {
                 **head,
-                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **finish(out)}],
+                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended}],
             }
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
+
+        def whole_choice(index: int, result: ChoiceResult) -> dict[str, Any]:
+            text = "".join(result.text)
+            content, calls = (text, []) if tool_calls is None else tool_calls.parse(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.described() for call in calls]
+            ended = finish(result.last) | ({"finish_reason": "tool_calls"} if calls else {})
+            return {"index": index, "message": message, "logprobs": described(result.logprobs), **ended}
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]
@@ -548,15 +582,7 @@ def build_app(
                 **head,
                 **prompt_logprobs,
                 "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": "".join(r.text)},
-                        "logprobs": described(r.logprobs),
-                        **finish(r.last),
-                    }
-                    for i, r in enumerate(results)
-                ],
+                "choices": [whole_choice(i, r) for i, r in enumerate(results)],
                 "usage": _usage(lasts, body.n),
                 "spec_decode": _spec_decode(lasts),
             }

@@ -3,12 +3,13 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (tools, best_of above n, beam
+options keep working. Options we do not implement (a forced tool call, best_of above n, beam
 search, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Callable, ClassVar
 
@@ -307,15 +308,71 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as the API gives it
+
+
+class MessageToolCall(_Body):
+    """A call an assistant turn made (server/tool_calls.py), given back in a later request."""
+
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """transformers' form: the arguments an object where they are a JSON object (as
+        vLLM gives them), since templates write them with `tojson`."""
+        arguments = _json_object_or_text(self.function.arguments)
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Body):
     role: str
     content: str | Annotated[list[ContentPart], StopAtFirst()] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], StopAtFirst()] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The turn as chat templates read it."""
+        turn: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+def _json_object_or_text(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": self.type, "function": self.function.model_dump(exclude_none=True)}
+
+
+SERVED_ROLES = (*CHAT_ROLES, "tool")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -323,28 +380,38 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], StopAtFirst()] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # OpenAI's default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True  # every call the answer makes is returned
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):  # asks for a call no tool can answer
+        for i, tool in enumerate(self.tools or ()):
+            if tool.type != "function":
+                raise APIError(
+                    f'tools of type {tool.type!r} are not supported; use "function"', param=f"tools[{i}].type"
+                )
+        if self.tool_choice not in (None, "none", "auto"):  # forcing a call needs structured outputs
             raise APIError(
-                f"tool_choice {self.tool_choice!r} asks for a tool call; tools are not supported", param="tool_choice"
+                f"tool_choice {self.tool_choice!r} forces a tool call, which needs structured outputs (not "
+                'implemented); use "auto" and describe when to call in the prompt',
+                param="tool_choice",
             )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError('only response_format {"type": "text"} is supported', param="response_format")
         for i, message in enumerate(self.messages):
-            if message.role not in CHAT_ROLES:
+            if message.role not in SERVED_ROLES:
                 raise APIError(
-                    f"unknown role {message.role!r}; use one of {list(CHAT_ROLES)}",
+                    f"unknown role {message.role!r}; use one of {list(SERVED_ROLES)}",
                     param=f"messages[{i}].role",
                 )
+            if message.role == "tool" and message.content is None:
+                raise APIError("a tool turn needs its content: the call's result", param=f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise APIError("only an assistant turn makes tool calls", param=f"messages[{i}].tool_calls")
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 if part.type != "text":
                     raise APIError(
@@ -363,8 +430,17 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": template_role(m.role), "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates list them; None: no tools."""
+        return [tool.for_template() for tool in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer may call the tools (tool_choice "auto", the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

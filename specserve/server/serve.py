@@ -67,6 +67,7 @@ class ServerConfig:
     send_timeout_s: float = SEND_TIMEOUT_S
     shutdown_grace_s: float = 30.0
     record_prompts: str | None = None  # a file the admitted prompts are appended to (server/recording.py)
+    tool_call_parser: str | None = None  # see ApiSettings.tool_call_parser
     log_level: str = "info"
 
 
@@ -130,6 +131,7 @@ def serve(config: ServerConfig) -> None:
         max_model_len=engine.max_model_len,
         api_key=config.api_key,
         stream_mode=config.stream_mode,
+        tool_call_parser=config.tool_call_parser,
     )
     app = build_app(
         async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s, recorder=recorder

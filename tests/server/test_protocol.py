@@ -12,6 +12,9 @@ from specserve.sampling import SamplingParams
 from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
 USER = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+TOOL_TURN = {"role": "tool", "tool_call_id": "c1", "content": "42"}
 
 
 def completion(**fields: Any) -> CompletionRequest:
@@ -141,11 +144,17 @@ def test_error_body_is_openai_shaped():
         (chat, {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
         (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
         (chat, {"top_logprobs": 2}, "top_logprobs"),
-        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            chat,
+            {"tools": [{"type": "function", "function": {"name": "f"}}, {**TOOL, "type": "custom"}]},
+            "tools[1].type",
+        ),
         (chat, {"tool_choice": "required"}, "tool_choice"),
         (chat, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         (chat, {"response_format": {"type": "json_object"}}, "response_format"),
-        (chat, {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].role"),
+        (chat, {"messages": [USER, {"role": "function", "content": "42"}]}, "messages[1].role"),
+        (chat, {"messages": [USER, {"role": "tool", "tool_call_id": "c1"}]}, "messages[1].content"),
+        (chat, {"messages": [{**USER, "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
         (
             chat,
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
@@ -188,10 +197,43 @@ def test_unsupported_options_are_refused_by_name(make, fields, param):
             response_format={"type": "text"},
             messages=[{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")],
         ),
+        chat(
+            tools=[TOOL],
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            messages=[USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, TOOL_TURN],
+        ),
     ],
 )
 def test_supported_values_of_those_options_pass(body):
     body.refuse_unsupported()
+
+
+def test_tool_turns_reach_the_template_as_transformers_templates_read_them():
+    body = chat(tools=[TOOL], messages=[USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, TOOL_TURN])
+    assert body.template_messages() == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert body.template_tools() == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    not_an_object = {**CALL, "function": {"name": "f", "arguments": "[1, 2"}}  # given back as it came
+    turn = chat(messages=[{"role": "assistant", "tool_calls": [not_an_object]}]).template_messages()[0]
+    assert turn["tool_calls"][0]["function"]["arguments"] == "[1, 2"
+    assert chat().template_tools() is None
+
+
+@pytest.mark.parametrize(
+    "fields, parses",
+    [({}, False), ({"tools": [TOOL]}, True), ({"tools": [TOOL], "tool_choice": "auto"}, True)]
+    + [({"tools": [TOOL], "tool_choice": "none"}, False), ({"tool_choice": "auto"}, False)],
+)
+def test_tool_calls_are_read_where_the_answer_may_call_a_tool(fields, parses):
+    assert chat(**fields).parses_tool_calls is parses
 
 
 def test_a_logit_bias_becomes_pairs_ids_ascending_biases_clamped_as_vllm_clamps():

@@ -1,0 +1,145 @@
+"""Tool calls in a chat answer (`--enable-auto-tool-choice --tool-call-parser P`).
+
+Qwen2.5's and Hermes' chat templates list the request's tools and teach the model to
+answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block
+a call. The parsers:
+
+- `hermes`, as vLLM's reads them: an answer's content is its text before the first
+  block (None where that is blank); each block becomes one of the message's
+  `tool_calls`, its arguments as JSON text. Where any block is not such an object,
+  nothing is taken for a call: the whole answer is content.
+- `qwen2_5_coder`: those blocks, and also an answer that is nothing but one such object
+  (or a list of them) naming one of the request's tools, bare or in a ``` fence, as
+  Qwen2.5-Coder writes its calls (llama.cpp's Hermes reader takes fenced calls too).
+
+A stream sends content as it comes, holding back a tail that may begin a block (and,
+for `qwen2_5_coder`, an answer that may be a whole call: one starting `{`, `[` or a
+fence); from a call's start on it holds everything, and at the answer's end sends either
+the calls (each whole, in one delta) or, where they do not parse, the held text as
+content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes", "qwen2_5_coder")
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(CALL_START) + r"(.*?)(?:" + re.escape(CALL_END) + r"|\Z)", re.DOTALL)
+_FENCED = re.compile(r"```[a-z]*\n(.*?)\n?```", re.DOTALL)
+# How a whole-answer call may begin (qwen2_5_coder): what is held until the answer ends.
+_WHOLE_STARTS = ("{", "[", "```json\n", "```\n")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def described(self) -> dict[str, Any]:
+        """The call as a message's `tool_calls` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_of(value: Any, names: Collection[str] | None = None) -> ToolCall | None:
+    """A {"name", "arguments"} object as a call (its name among `names`, where given)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if names is not None and value["name"] not in names:
+        return None
+    return ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _whole_answer_calls(text: str, names: Collection[str]) -> list[ToolCall]:
+    """The calls an answer is, where it is nothing but a call object or a list of them
+    (bare or fenced), each naming one of `names`; else none."""
+    text = text.strip()
+    fenced = _FENCED.fullmatch(text)
+    value = _json(fenced.group(1) if fenced else text)
+    values = value if isinstance(value, list) else [value]
+    calls = [_call_of(v, names) for v in values]
+    return calls if calls and None not in calls else []
+
+
+@dataclass(frozen=True)
+class ToolCallParser:
+    """How one request's answers are read: `parser` (TOOL_CALL_PARSERS) and its tools' names."""
+
+    parser: str
+    tool_names: frozenset[str]
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """An answer's (content, calls); (text, []) where it makes none."""
+        start = text.find(CALL_START)
+        if start >= 0:
+            calls = [_call_of(_json(block.strip())) for block in _BLOCK.findall(text, start)]
+            if calls and None not in calls:
+                content = text[:start]
+                return (content if content.strip() else None), calls
+            return text, []
+        if self.parser == "qwen2_5_coder":
+            calls = _whole_answer_calls(text, self.tool_names)
+            if calls:
+                return None, calls
+        return text, []
+
+    def stream(self) -> StreamedToolCalls:
+        return StreamedToolCalls(self)
+
+
+def _held_back(text: str) -> int:
+    """How many of text's last characters may begin CALL_START."""
+    for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
+        if CALL_START.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class StreamedToolCalls:
+    """One streamed choice's text, split into content to send now and, at its end, calls."""
+
+    parser: ToolCallParser
+    text: str = ""
+    sent: int = 0  # characters of text sent as content
+    in_call: bool = False  # a call may have begun: everything from `sent` on is held to the end
+
+    def add(self, new_text: str) -> str:
+        """Take a step's text; return the content to send for it."""
+        self.text += new_text
+        if self.in_call:
+            return ""
+        if self.parser.parser == "qwen2_5_coder" and self.sent == 0:
+            answer = self.text.lstrip()
+            if any(answer.startswith(s) for s in _WHOLE_STARTS):
+                self.in_call = True
+                return ""
+            if any(s.startswith(answer) for s in _WHOLE_STARTS):
+                return ""  # blank, or a start that may still become one: decided by the next text
+        start = self.text.find(CALL_START, self.sent)
+        end = start if start >= 0 else len(self.text) - _held_back(self.text[self.sent :])
+        self.in_call = start >= 0
+        end = max(self.sent, len(self.text[:end].rstrip()))  # blanks wait: before a call, they are no content
+        content, self.sent = self.text[self.sent : end], end
+        return content
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the answer's end: the content not sent yet, and the calls (the whole
+        answer's parse: what was sent is always the start of its content)."""
+        content, calls = self.parser.parse(self.text)
+        rest = (content or "")[self.sent :] if calls else self.text[self.sent :]
+        self.sent = len(self.text)
+        return rest, calls
