@@ -13,8 +13,9 @@ As vLLM applies them (and in its order): the repetition penalty (Keskar et al. 2
 occurs in the prompt or the output; then the frequency penalty is subtracted once per
 occurrence in the output, and the presence penalty once for any occurrence there
 (OpenAI's definitions). A request's logit bias (OpenAI's) is added before them, as
-vLLM adds it; it reads no text, so every row gets the same. Logprobs stay the raw ones
-(specserve/logprobs.py).
+vLLM adds it; it reads no text, so every row gets the same, as do its allowed ids
+(vLLM's allowed_token_ids: every other id gets no probability). Logprobs stay the raw
+ones (specserve/logprobs.py).
 
 Proposers penalise their guesses the same way (spec/guesses.py, with the step's
 earlier guesses counted), so they guess what the penalised target will choose; any
@@ -49,19 +50,37 @@ def processed_logits(
 ) -> torch.Tensor:
     """logits [k+1, V] -> [k+1, V] float32 (a copy) as the request samples from them, row i
     scoring output token len(output_ids) + i: biased (`biased`), penalised
-    (`apply_penalties`), and on the rows before the min_tokens-th output token the stop
-    ids (EOS and the request's own) given no probability, as vLLM's min_tokens does."""
+    (`apply_penalties`), every id but the allowed ones given no probability
+    (`allowed_only`), and on the rows before the min_tokens-th output token the stop
+    ids (EOS and the request's own) given none, as vLLM's min_tokens does."""
     if params.logit_bias:
         logits = biased(logits, params.logit_bias)
     if params.penalized:
         out = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
     else:
         out = logits.to(torch.float32, copy=not params.logit_bias)
+    if params.allowed_token_ids:
+        out = allowed_only(out, params.allowed_ids)
     early_rows = params.min_tokens - len(output_ids)
     if early_rows > 0:
         masked = [i for i in stop_ids if i < out.shape[-1]]
         out[:early_rows, masked] = float("-inf")
     return out
+
+
+def allowed_only(scores: torch.Tensor, allowed_ids: torch.Tensor) -> torch.Tensor:
+    """scores [n, V] float32 -> [n, V] with every id but allowed_ids [A] given no
+    probability. A row that would keep none (a proposer's narrower or widened head, where
+    the allowed ids are not its own) is left as it is: its guesses go to the target,
+    whose rows always keep some."""
+    allowed = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)  # [V]
+    allowed[allowed_ids[allowed_ids < scores.shape[-1]].to(scores.device)] = True
+    return kept_where_any(scores, scores.masked_fill(~allowed, float("-inf")))
+
+
+def kept_where_any(scores: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """masked [n, V], except its rows with no finite score, which stay scores' [n, V]."""
+    return torch.where(torch.isfinite(masked).any(dim=-1, keepdim=True), masked, scores)
 
 
 def biased(logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]]) -> torch.Tensor:

@@ -25,6 +25,7 @@ so no request's parameters can make the sampler fail.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -93,6 +94,9 @@ class SamplingParams:
     # logit before the penalties. Given as a dict or (id, bias) pairs (a later pair of
     # the same id wins), kept as pairs, ids ascending.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: the only ids the request may sample (after bias and penalties every other
+    # id gets no probability); kept distinct, ascending. Empty: every id.
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +104,11 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise InvalidSamplingValue("logit_bias", "must map token ids to biases", self.logit_bias) from None
         object.__setattr__(self, "logit_bias", pairs)
+        try:
+            allowed = tuple(sorted(set(self.allowed_token_ids)))
+        except TypeError:
+            raise InvalidSamplingValue("allowed_token_ids", "must be token ids", self.allowed_token_ids) from None
+        object.__setattr__(self, "allowed_token_ids", allowed)
         checks = [  # (parameter, within its range, the range)
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             (
@@ -134,6 +143,11 @@ class SamplingParams:
                 all(isinstance(i, int) and i >= 0 and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for i, b in pairs),
                 f"must map token ids >= 0 to numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]",
             ),
+            (
+                "allowed_token_ids",
+                all(isinstance(i, int) and i >= 0 for i in allowed),
+                "must be token ids >= 0",
+            ),
         ]
         for param, ok, rule in checks:
             if not ok:
@@ -151,7 +165,12 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (`penalties.processed_logits`):
         such a request's tokens cannot come from the raw logits' argmax."""
-        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.allowed_token_ids)
+
+    @functools.cached_property
+    def allowed_ids(self) -> torch.Tensor:  # [A] int64 on the CPU
+        """allowed_token_ids as a tensor, made once: a step's rows read it."""
+        return torch.tensor(self.allowed_token_ids, dtype=torch.int64)
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A request's own random stream on the models' device: seeded runs repeat,

@@ -30,7 +30,7 @@ def reference_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], before: list[int]
 ) -> torch.Tensor:
     """One row [V], token by token: the definitions, with `before` the output so far
-    (the logit bias first, as vLLM adds it)."""
+    (the logit bias first, as vLLM adds it; then every id but the allowed ones out)."""
     out = logits.clone().float()
     for token, bias in params.logit_bias:
         if token < out.shape[0]:
@@ -41,6 +41,8 @@ def reference_penalties(
             x = out[token]
             out[token] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
         out[token] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    if params.allowed_token_ids:
+        out[[t for t in range(out.shape[0]) if t not in params.allowed_token_ids]] = float("-inf")
     return out
 
 
@@ -140,18 +142,29 @@ def penalised_greedy_by_hand(
     return output
 
 
-@pytest.mark.parametrize("processing", ["penalties", "logit-bias"])
+@pytest.mark.parametrize("processing", ["penalties", "logit-bias", "allowed-ids"])
 def test_plain_decoding_with_penalties_is_the_definition(target, processing):
     unprocessed = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS[:2]:
         raw = Engine(target, eos_token_ids=[EOS]).generate(prompt, unprocessed).output_ids
-        processing_fields = PENALTIES if processing == "penalties" else banned_and_lifted(raw)
+        processing_fields = {
+            "penalties": PENALTIES,
+            "logit-bias": banned_and_lifted(raw),
+            "allowed-ids": allowed_but_the_first(raw),
+        }[processing]
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **processing_fields)
         ours = Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
         assert ours == penalised_greedy_by_hand(target, prompt, params)
         assert ours != raw  # the processing does change this text
-        if processing == "logit-bias":
+        if processing != "penalties":
             assert raw[0] not in ours
+        if processing == "allowed-ids":
+            assert set(ours) <= set(params.allowed_token_ids)
+
+
+def allowed_but_the_first(text: list[int]) -> dict:
+    """Allowed ids: every third id from 2 and the text's own, bar its first token."""
+    return dict(allowed_token_ids=tuple({*range(2, 90, 3), *text} - {text[0]}))
 
 
 def banned_and_lifted(text: list[int]) -> dict:
@@ -161,7 +174,7 @@ def banned_and_lifted(text: list[int]) -> dict:
     return dict(logit_bias=tuple(sorted([(text[0], -100.0), (lifted, 3.0)])))
 
 
-@pytest.mark.parametrize("processing", ["penalties", "penalties and logit bias"])
+@pytest.mark.parametrize("processing", ["penalties", "penalties and logit bias", "penalties and allowed ids"])
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
 def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind, processing):
     proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else DraftModelProposer(perturbed(target, 0.3, seed=2))
@@ -172,8 +185,9 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
         num_speculative_tokens=4,
         lookup_first=1 if "lookup" in proposer_kind else None,
     )
-    bias = banned_and_lifted(Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], GREEDY_24).output_ids)
-    fields = PENALTIES | (bias if "bias" in processing else {})
+    raw = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], GREEDY_24).output_ids
+    fields = PENALTIES | (banned_and_lifted(raw) if "bias" in processing else {})
+    fields |= allowed_but_the_first(raw) if "allowed" in processing else {}
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **fields)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     while engine.has_unfinished():
@@ -202,16 +216,16 @@ def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
 
 
 @pytest.mark.parametrize(
-    "min_tokens, bias",
-    [(0, True), (4, False)],
-    ids=["penalties-and-logit-bias", "penalties-and-min-tokens"],
+    "min_tokens, bias, allowed",
+    [(0, True, ()), (4, False, ()), (0, False, (0, 1, 3))],
+    ids=["penalties-and-logit-bias", "penalties-and-min-tokens", "penalties-and-allowed-ids"],
 )
-def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens, bias):
+def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens, bias, allowed):
     """At temperature > 0 with every penalty on, 4-token outputs through a draft that is
     often wrong are distributed as sampling the penalised target one token at a time
     (chi-square over all 4^4 outputs); with min_tokens = max_tokens and a stop id, with
     that id masked too, and it never appears; with a logit bias, biased first, and the
-    banned id never appears."""
+    banned id never appears; with allowed ids, the one left out never appears."""
     vocab, length, prompt, stop = 4, 4, [0, 1, 2], 2
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
@@ -220,6 +234,8 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_to
         fields |= dict(min_tokens=min_tokens, stop_token_ids=(stop,))
     if bias:
         fields |= LOGIT_BIAS
+    if allowed:
+        fields |= dict(allowed_token_ids=allowed)
     params = SamplingParams(**fields)
 
     expected = torch.ones([vocab] * length, dtype=torch.float64)
@@ -241,6 +257,7 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_to
     samples = seeded_outputs(engine, prompt, fields)
     assert not min_tokens or not (samples == stop).any()
     assert not bias or not (samples == 1).any()
+    assert not allowed or not (samples == 2).any()
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
 
@@ -282,3 +299,18 @@ def test_min_tokens_holds_back_a_stop_token_and_speculation_keeps_the_output(tar
     }[proposer_kind]
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
     assert engine.generate(PROMPTS[1], params).output_ids == plain
+
+
+def test_allowed_ids_the_engine_cannot_serve_are_refused(target):
+    engine = Engine(target, eos_token_ids=[EOS])
+    with pytest.raises(ConfigError, match="every allowed token id is a stop id"):
+        engine.add_request(
+            PROMPTS[0], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(EOS, 7), stop_token_ids=(7,))
+        )
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, allowed_token_ids=(3, target.config.vocab_size)))
+    with pytest.raises(ConfigError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(3, -1))
+    engine.add_request(
+        PROMPTS[0], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(EOS, 7))
+    )  # 7 does not stop

@@ -172,11 +172,21 @@ class Engine:
                 f"is {total} tokens, more than the maximum model length {self.max_model_len}; "
                 "shorten the prompt or lower max_tokens"
             )
-        self.check_token_ids(itertools.chain(prompt_ids, params.stop_token_ids, (i for i, _ in params.logit_bias)))
-        if params.min_tokens > 0 and len(self.stop_ids(params)) >= self.target.config.vocab_size:
+        self.check_token_ids(
+            itertools.chain(
+                prompt_ids, params.stop_token_ids, (i for i, _ in params.logit_bias), params.allowed_token_ids
+            )
+        )
+        stops = self.stop_ids(params)
+        if params.min_tokens > 0 and len(stops) >= self.target.config.vocab_size:
             raise ConfigError(
                 f"stop_token_ids{'' if params.ignore_eos else ' and EOS'} cover the whole vocabulary, so no token "
                 f"can come before min_tokens ({params.min_tokens}); drop min_tokens or some stop ids"
+            )
+        if params.min_tokens > 0 and params.allowed_token_ids and stops.issuperset(params.allowed_token_ids):
+            raise ConfigError(
+                f"every allowed token id is a stop id, so no token can come before min_tokens ({params.min_tokens}); "
+                "allow a token that does not stop, or drop min_tokens"
             )
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:

@@ -46,7 +46,7 @@ from specserve.logprobs import MAX_LOGPROBS, TokenLogprob, logprobs_on_device
 from specserve.model import slot_attention
 from specserve.model.decoder import attention_backends, batched_grouped_attention, grouped_mask, in_asked_order
 from specserve.model.kv_cache import CachePool, KVCache
-from specserve.penalties import counted_text, penalised
+from specserve.penalties import counted_text, kept_where_any, penalised
 from specserve.sampling import SamplingParams, draw_on_device, keyed_uniforms, probs_on_device, seed_key
 
 if TYPE_CHECKING:
@@ -316,6 +316,8 @@ class ChainKey(NamedTuple):
     processed: int = 0
     # And the most logit bias entries of a processed sequence, a power of two; 0: none.
     biases: int = 0
+    # And the most allowed ids of one (SamplingParams.allowed_token_ids), likewise.
+    allowed: int = 0
 
 
 class ProcessedText(NamedTuple):
@@ -415,6 +417,8 @@ class TokenChain:
             self.stop_ids = torch.zeros(2, key.processed, key.stops, dtype=torch.float32, device=device)
             # [2, P, biases]: each one's logit bias, ids and values (0 padding adds nothing)
             self.bias = torch.zeros(2, key.processed, key.biases, dtype=torch.float32, device=device)
+            # [2, P, allowed]: each one's allowed ids, 1 where there is one (a row with none allows every id)
+            self.allowed = torch.zeros(2, key.processed, key.allowed, dtype=torch.float32, device=device)
 
         def forward() -> list[torch.Tensor]:
             """guesses [B, positions] (token ids), confidences [B, positions] (or [B, 0]);
@@ -425,7 +429,7 @@ class TokenChain:
             starts, slots, lengths = self.index
             tokens, features = self.tokens, self.features
             guesses, confidences, captured, logprobs, draft_probs = [], [], [], [], []
-            spread = None  # with key.distinct: each processed row's counts, prompt ids, stop ids and bias, [P, V] each
+            spread = None  # with key.distinct: each processed row's counts, prompt ids, stop ids, bias and allowed ids
             step_key = StepKey(key.batch, 1, key.bucket, key.layers, key.final)
             for j in range(key.positions):
                 inputs = StepInputs(tokens[:, None], starts + j, slots, lengths, features)
@@ -518,17 +522,27 @@ class TokenChain:
             confidence = torch.where(processed, confidence, own_confidence)
         return chosen, confidence
 
-    def _texts_over(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _texts_over(
+        self, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Each processed row's text spread over the vocabulary of its logits [P, V]: its
         output counts [P, V] float32 (the chain adds its tokens as it goes), its prompt's
-        ids and its stop ids [P, V] bool, and its logit bias [P, V] float32."""
+        ids and its stop ids [P, V] bool, its logit bias [P, V] float32, and the ids it may
+        sample [P, V] bool (every id in a row that names none, or none of these columns:
+        penalties.allowed_only)."""
         ids, stop_ids = self.text[0].long(), self.stop_ids[0].long()
         dense = torch.zeros_like(logits, dtype=torch.float32)  # [P, V]
         counts = dense.scatter_add(1, ids, self.text[1])
         in_prompt = dense.scatter_add(1, ids, self.text[2]) > 0
         stop_mask = dense.scatter_add(1, stop_ids, self.stop_ids[1]) > 0
         bias = dense.scatter_add(1, self.bias[0].long(), self.bias[1]) if self.key.biases else None
-        return counts, in_prompt, stop_mask, bias
+        allowed = None
+        if self.key.allowed:
+            # Ids past these columns (a narrower head's) are left out: their flags go to column 0, unset.
+            fits = self.allowed[0] < logits.shape[-1]  # [P, allowed]
+            allowed = dense.scatter_add(1, self.allowed[0].long() * fits, self.allowed[1] * fits) > 0
+            allowed |= ~allowed.any(dim=-1, keepdim=True)  # a row that names none allows every id
+        return counts, in_prompt, stop_mask, bias, allowed
 
     def _processed(
         self,
@@ -538,14 +552,17 @@ class TokenChain:
         in_prompt: torch.Tensor,
         stop_mask: torch.Tensor,
         bias: torch.Tensor | None,
+        allowed: torch.Tensor | None,
     ) -> torch.Tensor:
         """The processed rows' logits [P, V] at position j -> float32 [P, V] as
         penalties.processed_logits gives them, row by row: biased, penalised for the row's
-        text so far (`_texts_over`, this chain's tokens counted), and its stop ids given no
-        probability before its min_tokens-th token."""
+        text so far (`_texts_over`, this chain's tokens counted), every id it may not
+        sample given no probability, and its stop ids none before its min_tokens-th token."""
         repetition, frequency, presence, early = self.penalties[:, :, None]  # [P, 1] each
         scores = logits.float() if bias is None else logits.float() + bias
         scores = penalised(scores, counts, in_prompt, repetition, frequency, presence)
+        if allowed is not None:
+            scores = kept_where_any(scores, scores.masked_fill(~allowed, float("-inf")))
         return scores.masked_fill(stop_mask & (early > j), float("-inf"))
 
     def _set_sampling(self, params: list[SamplingParams], sampled: list[int], draw_from: list[int]) -> None:
@@ -573,6 +590,7 @@ class TokenChain:
         text = torch.zeros(3, self.key.processed, self.key.distinct, device="cpu")
         stop_ids = torch.zeros(2, self.key.processed, self.key.stops, device="cpu")
         bias = torch.zeros(2, self.key.processed, self.key.biases, device="cpu")
+        allowed = torch.zeros(2, self.key.processed, self.key.allowed, device="cpu")
         for r, i in enumerate(processed_rows):
             processed, q = texts[i], params[i]
             early = max(0, q.min_tokens - len(processed.output_ids))
@@ -584,6 +602,9 @@ class TokenChain:
             stop_ids[1, r, : len(stops)] = 1.0
             if q.logit_bias:
                 bias[:, r, : len(q.logit_bias)] = torch.tensor(q.logit_bias, dtype=torch.float32, device="cpu").T
+            if q.allowed_token_ids:
+                allowed[0, r, : len(q.allowed_token_ids)] = q.allowed_ids
+                allowed[1, r, : len(q.allowed_token_ids)] = 1.0
         flags = torch.zeros(self.key.batch, dtype=torch.bool, device="cpu")
         flags[processed_rows] = True
         self.processed.copy_(flags)
@@ -593,6 +614,7 @@ class TokenChain:
         self.text.copy_(text)
         self.stop_ids.copy_(stop_ids)
         self.bias.copy_(bias)
+        self.allowed.copy_(allowed)
 
     def run(
         self,
@@ -869,6 +891,7 @@ class StaticDecode:
         distinct = max([next_power_of_two(len(t.prompt_ids) + len(t.output_ids)) for t in processed], default=0)
         stops = max([next_power_of_two(max(len(t.stop_ids), 1)) for t in processed], default=0)
         biases = max([len(p.logit_bias) for p, t in zip(params or (), texts or ()) if t is not None], default=0)
+        allowed = max([len(p.allowed_token_ids) for p, t in zip(params or (), texts or ()) if t is not None], default=0)
         widened = vocab if sampled or processed else 0
         key = ChainKey(
             next_power_of_two(len(caches)),
@@ -883,6 +906,7 @@ class StaticDecode:
             stops=stops,
             processed=padded_count(len(processed)),
             biases=padded_count(biases),
+            allowed=padded_count(allowed),
             vocab=widened,
             draft_probs=bool(widened) and any(not p.greedy and p.seed is None for p in params or ()),
         )

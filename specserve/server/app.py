@@ -377,7 +377,7 @@ def build_app(
 
     def check_request(body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
         """What can be refused before any prompt is read: the model's name, the count,
-        the logit bias's ids."""
+        the logit bias's and the allowed ids."""
         check_model(body.model)
         if num_prompts * body.n > engine.max_unfinished:
             raise APIError(
@@ -385,10 +385,14 @@ def build_app(
                 f"this server holds at once ({engine.max_unfinished}); split the request",
                 param="n",
             )
-        try:
-            engine.check_token_ids([i for i, _ in body.logit_bias_pairs()])
-        except SpecserveError as e:
-            raise APIError(str(e), param="logit_bias") from None
+        for param, ids in (
+            ("logit_bias", [i for i, _ in body.logit_bias_pairs()]),
+            ("allowed_token_ids", body.allowed_token_ids or []),
+        ):
+            try:
+                engine.check_token_ids(ids)
+            except SpecserveError as e:
+                raise APIError(str(e), param=param) from None
 
     async def encoded(encode: Callable, text: Any, param: str, keep: int | None) -> list[int]:
         """A prompt's ids, read on a worker thread: refused past the model's length, or,

@@ -55,7 +55,6 @@ MAX_LOGIT_BIAS = 1024
 VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
-    ("allowed_token_ids", lambda v: not v, " (use logit_bias)"),
     ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
     *(
         (name, lambda v: v is None, " (structured outputs are not implemented)")
@@ -137,16 +136,16 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     min_p: float = 0.0  # vLLM's extension: 0 = off
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ending the text stays in it
+    allowed_token_ids: Ids | None = None  # vLLM's extension: the only ids the answer may hold
+    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and n alternatives
+    truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
     # vLLM's extensions we do not implement, taken only at the values that ask for nothing
     # (`VLLM_UNSUPPORTED`): a vLLM client's request that sets one is refused, not answered
     # as if it had not.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ending the text stays in it
-    allowed_token_ids: Ids | None = None
     bad_words: Texts | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and n alternatives
-    truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -239,6 +238,7 @@ class _Sampling(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens,
                 logit_bias=self.logit_bias_pairs(),
+                allowed_token_ids=tuple(self.allowed_token_ids or ()),
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used

@@ -485,21 +485,26 @@ def test_penalised_requests_and_min_tokens_decode_in_chains_with_the_step_by_ste
         # Its plain text's token at a banned and another lifted; and a seeded draw biased.
         (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, logit_bias=((plain[a], -100.0), (7, 2.0)))),
         (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, seed=5, logit_bias=((3, 4.0),), ignore_eos=True)),
+        # Its plain text's token at a not allowed; and a seeded draw among a few ids.
+        (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, allowed_token_ids=set(plain) - {plain[a]})),
+        (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, seed=6, allowed_token_ids=(3, 5, 7, 11))),
     ]
     expected = [step_by_step.generate(prompt, params).output_ids for prompt, params in requests]
+    assert expected[7][:a] == plain[:a] and plain[a] not in expected[7] and set(expected[8]) <= {3, 5, 7, 11}
     assert expected[5][:a] == plain[:a] and plain[a] not in expected[5]
     assert expected[3] == plain[: a + 1] and expected[4][:b] == plain[:b] and expected[4][b] != plain[b]
     graphed = copy.deepcopy(target)
-    graphed.use_cuda_graphs(num_slots=7, capacity=128)
-    outputs, _ = run(graphed, lambda: None, requests, max_num_seqs=7, num_scheduler_steps=4)
+    graphed.use_cuda_graphs(num_slots=9, capacity=128)
+    outputs, _ = run(graphed, lambda: None, requests, max_num_seqs=9, num_scheduler_steps=4)
     assert outputs == expected
     assert {key.processed for key in graphed.static.chains if key.distinct} >= {8}
     assert 2 in {key.biases for key in graphed.static.chains}
+    assert any(key.allowed for key in graphed.static.chains)  # the allowed ids went into the chains
 
 
 # Beside a greedy request, every kind a proposer's chains take: penalised and biased
-# greedy with min_tokens, seeded sampling cut by top-p and min-p, and seeded sampling
-# with a penalty and a bias.
+# greedy with min_tokens, seeded sampling cut by top-p and min-p, seeded sampling with a
+# penalty and a bias, and seeded sampling among a third of the ids.
 MIXED = [
     GREEDY,
     SamplingParams(
@@ -509,6 +514,7 @@ MIXED = [
     SamplingParams(
         max_tokens=30, temperature=1.1, presence_penalty=0.7, seed=2**40, logit_bias={9: -100, 4: 2}, ignore_eos=True
     ),
+    SamplingParams(max_tokens=30, temperature=0.9, seed=3, allowed_token_ids=range(0, 96, 3), ignore_eos=True),
 ]
 
 
@@ -549,10 +555,11 @@ def test_a_draft_models_chains_guess_for_every_kind_of_request_as_its_steps_do(m
     each output stays the one plain decoding gives it alone."""
     target = random_decoder("qwen3", seed=1)
     _, keys, engine = chained_and_stepped(
-        monkeypatch, target, perturbed(target, 0.3, seed=2), list(zip(PROMPTS, MIXED))
+        monkeypatch, target, perturbed(target, 0.3, seed=2), list(zip(PROMPTS * 2, MIXED))
     )
     assert 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
     assert any(key.sampled and key.keyed and key.vocab and key.distinct and key.biases for key in keys)
+    assert any(key.allowed for key in keys)
 
 
 def test_a_proposers_chain_hands_each_sampled_sequence_the_distributions_it_drew_from():

@@ -131,7 +131,6 @@ def test_error_body_is_openai_shaped():
         (chat, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
         (completion, {"use_beam_search": True}, "use_beam_search"),
         (chat, {"length_penalty": 0.8}, "length_penalty"),
-        (chat, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         (chat, {"bad_words": ["no"]}, "bad_words"),
         (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
         (chat, {"prompt_logprobs": 21}, "prompt_logprobs"),
@@ -302,6 +301,12 @@ def test_chat_top_logprobs_out_of_range_names_top_logprobs():
 )
 def test_logprobs_reach_the_sampling_params(make, fields, expected):
     assert make(**fields).sampling_params(8).logprobs == expected
+
+
+def test_allowed_token_ids_reach_the_sampling_params_distinct_and_ascending():
+    assert chat(allowed_token_ids=[9, 2, 9]).sampling_params(8).allowed_token_ids == (2, 9)
+    assert chat(allowed_token_ids=[]).sampling_params(8).allowed_token_ids == ()
+    assert not chat(allowed_token_ids=[]).sampling_params(8).processes_logits
 
 
 @pytest.mark.parametrize(

@@ -328,6 +328,28 @@ def test_a_logit_bias_bans_and_forces_tokens_with_and_without_speculation(plain,
     assert caught.value.body["param"] == "logit_bias" and "outside the vocabulary" in caught.value.body["message"]
 
 
+def test_allowed_token_ids_keep_the_answer_to_them_with_and_without_speculation(plain, spec):
+    """vLLM's allowed_token_ids: a classifier's answer held to " yes" and " no" (and the
+    end of text), greedy and sampled, the speculative server's text the plain one's."""
+    from specserve import catalogue
+    from specserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(catalogue.prepared_dir(MODEL))
+    allowed = [tokenizer.encode(" yes")[-1], tokenizer.encode(" no")[-1]]
+    prompt = "Q: Is the sky green? Answer yes or no.\nA:"
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        options = dict(max_tokens=6, extra_body={"allowed_token_ids": allowed, "ignore_eos": True, **sampling})
+        texts = [
+            complete(server, prompt, model, **options).choices[0].text
+            for server, model in ((plain, MODEL), (spec, "smol"))
+        ]
+        assert texts[0] == texts[1]
+        assert texts[0] and set(texts[0].split()) <= {"yes", "no"}, texts
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(spec, prompt, "smol", extra_body={"allowed_token_ids": [3, 49152]})
+    assert caught.value.body["param"] == "allowed_token_ids"
+
+
 def test_several_prompts_times_n_choices_streamed_and_whole(spec):
     """Choice i is prompt i // n; at temperature 0 each is that prompt's own answer."""
     prompts = [PROMPTS[2], PROMPTS[0]]

@@ -150,8 +150,9 @@ def test_an_eagle_heads_chains_guess_for_every_kind_of_request_as_its_steps_do(n
         SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=1.1, frequency_penalty=0.6, seed=2**40, ignore_eos=True),
         GREEDY,
+        SamplingParams(max_tokens=24, temperature=0.9, seed=9, allowed_token_ids=range(0, 64, 2), ignore_eos=True),
     ]
-    requests = list(zip(PROMPTS + [[8, 8, 8]], kinds))
+    requests = list(zip(PROMPTS + [[8, 8, 8], [9, 9, 9]], kinds))
     drafts, chains = {}, {}
     for chained in (True, False):
         head = copy.deepcopy(right_head(method, target, perm))
@@ -357,6 +358,23 @@ def test_first_guesses_too_unlikely_for_their_rows_are_dropped_and_the_output_st
     assert any(draft.num_tokens for greedy, _, draft in seen if not greedy)
     assert not any(draft.dropped for greedy, _, draft in seen if not greedy)
     assert method != "medusa" or max(map(len, heads_run)) > 1  # heads past the first ran where chains went on
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_allowed_ids_keep_the_targets_output_where_the_heads_guesses_fall_outside_them(noisy, method):
+    """A head guesses over every id (EAGLE-3 over its own draft vocabulary): with a third
+    of the ids allowed, its guesses are cut to them (or left as they are where its row
+    holds none), and the output is plain decoding's, every token an allowed one."""
+    target, perm = noisy
+    proposer = proposer_of(right_head(method, target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    allowed = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, allowed_token_ids=range(1, 64, 3))
+    requests = [(PROMPTS[1], allowed), (PROMPTS[3], GREEDY)]
+    seqs = run_batch(engine, requests)
+    for seq, (prompt, params) in zip(seqs, requests):
+        assert seq.output_ids == plain_tokens(target, prompt, params)
+    assert set(seqs[0].output_ids) <= set(range(1, 64, 3))
+    assert engine.spec_stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
