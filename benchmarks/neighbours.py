@@ -43,12 +43,16 @@ KINDS: dict[str, dict] = {
     # by `params_of`, from the vocabulary's rare end, so that the neighbour runs on).
     "biased": {"temperature": NEIGHBOUR_TEMPERATURE, "logit_bias": tuple((i, 2.0) for i in range(1000, 2024))},
     "stop-ids": {"temperature": NEIGHBOUR_TEMPERATURE, "min_tokens": 8},
+    # vLLM's allowed_token_ids, half the vocabulary (given by `params_of`): every row a mask.
+    "allowed": {"temperature": NEIGHBOUR_TEMPERATURE},
 }
 STOP_IDS = 1024
 
 
 def params_of(kind: str, vocab_size: int) -> dict:
-    """A neighbour's sampling fields: KINDS's, and the stop ids of "stop-ids"."""
+    """A neighbour's sampling fields: KINDS's, and the ids of "stop-ids" and "allowed"."""
+    if kind == "allowed":
+        return KINDS[kind] | {"allowed_token_ids": tuple(range(0, vocab_size, 2))}
     if kind != "stop-ids":
         return KINDS[kind]
     # Byte-pair merges are numbered as learnt, so the last ones before the special tokens are the rarest.
