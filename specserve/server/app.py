@@ -537,6 +537,9 @@ def build_app(
         # Each streamed choice's text, holding back what may be a tool call's.
         calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
 
+        def ended(out: RequestOutput, calls: list) -> dict[str, Any]:
+            return finish(out) | ({"finish_reason": "tool_calls"} if calls else {})
+
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             content, calls = out.text, []
             if calling is not None:
@@ -558,10 +561,9 @@ def build_app(
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = [{"index": i, **call.described()} for i, call in enumerate(calls)]
-            ended = finish(out) | ({"finish_reason": "tool_calls"} if calls else {})
             piece = {
                 **head,
-                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended}],
+                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended(out, calls)}],
             }
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
@@ -573,8 +575,12 @@ def build_app(
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [call.described() for call in calls]
-            ended = finish(result.last) | ({"finish_reason": "tool_calls"} if calls else {})
-            return {"index": index, "message": message, "logprobs": described(result.logprobs), **ended}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": described(result.logprobs),
+                **ended(result.last, calls),
+            }
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
             lasts = [r.last for r in results]

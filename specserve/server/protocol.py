@@ -3,8 +3,8 @@
 Bodies are validated strictly (a string where a number belongs is an error, not a
 guess); an invalid one becomes HTTP 400 with an OpenAI-style error naming the
 parameter. Unknown fields are ignored, as vLLM does, so clients that send extra
-options keep working. Options we do not implement (a forced tool call, best_of above n, beam
-search, ...) are refused by name rather than silently dropped.
+options keep working. Options we do not implement (a forced tool call, best_of above
+n, beam search, ...) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
