@@ -279,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the model writes a tool call: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Hermes)",
     )
     srv.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the chat template and special tokens), which lm-evaluation-harness's "
+        "remote tokenizer reads",
+    )
+    srv.add_argument(
         "--record-prompts",
         default=None,
         metavar="FILE",
@@ -678,6 +684,7 @@ def run_serve(args: argparse.Namespace) -> int:
             send_timeout_s=args.send_timeout,
             record_prompts=args.record_prompts,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            tokenizer_info=args.enable_tokenizer_info_endpoint,
             log_level=args.uvicorn_log_level,
         )
     )

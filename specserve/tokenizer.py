@@ -227,6 +227,10 @@ class Tokenizer:
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level BPE's "Ġ" for a space)."""
+        return [self._backend.id_to_token(token_id) or "" for token_id in ids]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a special token's own text included). A
         byte-level BPE token may hold part of a UTF-8 character, which `decode` of the

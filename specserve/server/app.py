@@ -46,7 +46,14 @@ from specserve.server.logprob_fields import (
     echoed_entries,
     prompt_logprobs_field,
 )
-from specserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from specserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
 from specserve.server.recording import PromptRecorder
 from specserve.server.tool_calls import ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
@@ -80,6 +87,13 @@ class ApiSettings:
     # How chat answers' tool calls are read (server/tool_calls.py); None: tool_choice
     # "auto" is refused (vLLM's --enable-auto-tool-choice with --tool-call-parser).
     tool_call_parser: str | None = None
+    # GET /tokenizer_info, which shows the chat template and special tokens (vLLM's
+    # --enable-tokenizer-info-endpoint): off unless asked for.
+    tokenizer_info: bool = False
+
+
+# Routes outside /v1 that the API key guards too: they do the model's tokenizer's work.
+KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
@@ -234,7 +248,7 @@ def build_app(
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if settings.api_key is not None and request.url.path.startswith("/v1"):
+        if settings.api_key is not None and (request.url.path.startswith("/v1") or request.url.path in KEYED_ROUTES):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             # As bytes: compare_digest refuses str with non-ASCII characters.
             given, key = (
@@ -282,6 +296,55 @@ def build_app(
                 }
             ],
         }
+
+    @app.post("/tokenize")
+    async def tokenize(http_request: Request) -> dict[str, Any]:
+        """vLLM's: a text's or a conversation's token ids, as a prompt of it would read."""
+        body = await _parsed(http_request, TokenizeRequest)
+        body.check()
+        check_model(body.model)
+        try:
+            if body.messages is None:
+                encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
+                ids = await _off_the_loop(encode, body.prompt)
+            else:
+                encode = functools.partial(tokenizer.encode_chat, add_generation_prompt=body.add_generation_prompt)
+                ids = await _off_the_loop(encode, [m.for_template() for m in body.messages])
+        except SpecserveError as e:  # the chat template's refusal
+            raise APIError(str(e), param="messages") from None
+        strings = tokenizer.token_strings(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize(http_request: Request) -> dict[str, Any]:
+        """vLLM's: token ids' text, special tokens included."""
+        body = await _parsed(http_request, DetokenizeRequest)
+        check_model(body.model)
+        try:
+            engine.check_token_ids(body.tokens)
+        except SpecserveError as e:
+            raise APIError(str(e), param="tokens") from None
+        return {
+            "prompt": await _off_the_loop(functools.partial(tokenizer.decode, skip_special_tokens=False), body.tokens)
+        }
+
+    if settings.tokenizer_info:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness's
+            remote tokenizer reads it)."""
+            return {
+                "tokenizer_class": "specserve",
+                "eos_token": tokenizer.token_strings(tokenizer.eos_token_ids[:1])[0],
+                "bos_token": None
+                if tokenizer.bos_token_id is None
+                else tokenizer.token_strings([tokenizer.bos_token_id])[0],
+                "pad_token": None,
+                "add_bos_token": tokenizer.add_bos,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": settings.max_model_len,
+            }
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.served_model_name:

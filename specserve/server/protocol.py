@@ -375,6 +375,30 @@ class Tool(_Body):
 SERVED_ROLES = (*CHAT_ROLES, "tool")
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Refuse, naming the message, a turn a chat template must not see: an unknown role,
+    a tool turn without its result, a call made by another than the assistant, a content
+    part that is not text."""
+    for i, message in enumerate(messages):
+        if message.role not in SERVED_ROLES:
+            raise APIError(
+                f"unknown role {message.role!r}; use one of {list(SERVED_ROLES)}", param=f"messages[{i}].role"
+            )
+        if message.role == "tool" and message.content is None:
+            raise APIError("a tool turn needs its content: the call's result", param=f"messages[{i}].content")
+        if message.tool_calls and message.role != "assistant":
+            raise APIError("only an assistant turn makes tool calls", param=f"messages[{i}].tool_calls")
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text":
+                raise APIError(
+                    f"content parts of type {part.type!r} are not supported; send text parts "
+                    '({"type": "text", "text": ...})',
+                    param=f"messages[{i}].content[{j}].type",
+                )
+            if part.text is None:
+                raise APIError("a text part needs its text", param=f"messages[{i}].content[{j}].text")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], StopAtFirst()] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -402,25 +426,7 @@ class ChatCompletionRequest(_Sampling):
             )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError('only response_format {"type": "text"} is supported', param="response_format")
-        for i, message in enumerate(self.messages):
-            if message.role not in SERVED_ROLES:
-                raise APIError(
-                    f"unknown role {message.role!r}; use one of {list(SERVED_ROLES)}",
-                    param=f"messages[{i}].role",
-                )
-            if message.role == "tool" and message.content is None:
-                raise APIError("a tool turn needs its content: the call's result", param=f"messages[{i}].content")
-            if message.tool_calls and message.role != "assistant":
-                raise APIError("only an assistant turn makes tool calls", param=f"messages[{i}].tool_calls")
-            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                if part.type != "text":
-                    raise APIError(
-                        f"content parts of type {part.type!r} are not supported; send text parts "
-                        '({"type": "text", "text": ...})',
-                        param=f"messages[{i}].content[{j}].type",
-                    )
-                if part.text is None:
-                    raise APIError("a text part needs its text", param=f"messages[{i}].content[{j}].text")
+        check_messages(self.messages)
 
     logprobs_param: ClassVar[str] = "top_logprobs"
 
@@ -441,6 +447,30 @@ class ChatCompletionRequest(_Sampling):
     def parses_tool_calls(self) -> bool:
         """Whether the answer may call the tools (tool_choice "auto", the default with tools)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text (`prompt`), or a conversation (`messages`) through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], StopAtFirst()] | None = None
+    add_special_tokens: bool = True  # a text's: BOS where the model wants one
+    add_generation_prompt: bool = True  # a conversation's: the assistant's turn opened
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give either prompt (a text) or messages (a conversation)", param="prompt")
+        if self.messages is not None:
+            check_messages(self.messages)
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to their text."""
+
+    model: str | None = None
+    tokens: Ids
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

@@ -68,6 +68,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     record_prompts: str | None = None  # a file the admitted prompts are appended to (server/recording.py)
     tool_call_parser: str | None = None  # see ApiSettings.tool_call_parser
+    tokenizer_info: bool = False  # see ApiSettings.tokenizer_info
     log_level: str = "info"
 
 
@@ -132,6 +133,7 @@ def serve(config: ServerConfig) -> None:
         api_key=config.api_key,
         stream_mode=config.stream_mode,
         tool_call_parser=config.tool_call_parser,
+        tokenizer_info=config.tokenizer_info,
     )
     app = build_app(
         async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s, recorder=recorder

@@ -76,6 +76,7 @@ def spec(prepared_cache):
         "--enable-prefix-caching",
         "--prefix-cache-space",
         "0.5",
+        "--enable-tokenizer-info-endpoint",
     )
     yield server
     server.stop()
@@ -348,6 +349,44 @@ def test_allowed_token_ids_keep_the_answer_to_them_with_and_without_speculation(
     with pytest.raises(openai.BadRequestError) as caught:
         complete(spec, prompt, "smol", extra_body={"allowed_token_ids": [3, 49152]})
     assert caught.value.body["param"] == "allowed_token_ids"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(plain, spec):
+    """vLLM's /tokenize and /detokenize (and, with its flag, /tokenizer_info), which
+    lm-evaluation-harness's remote tokenizer reads: a text's ids are those a completion
+    of it reads, a conversation's those a chat completion reads, and the ids' text is
+    the text again."""
+    text = PROMPTS[0] + " <|im_end|>"
+    tokenized = httpx.post(spec.url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert (
+        tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+        and tokenized["max_model_len"] == 1024
+    )
+    usage = complete(spec, text, "smol", max_tokens=1).usage
+    assert usage.prompt_tokens == tokenized["count"]
+    detokenized = httpx.post(spec.url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()
+    assert detokenized["prompt"] == text  # special tokens' text included
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = httpx.post(spec.url + "/tokenize", json={"model": "smol", "messages": messages}).json()
+    answered = client(spec).chat.completions.create(model="smol", messages=messages, max_tokens=1)
+    assert chat["count"] == answered.usage.prompt_tokens
+    info = httpx.get(spec.url + "/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == 1024
+    eos = httpx.post(spec.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["count"] == 1  # the harness reads the EOS id as its text's one token
+    for route, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ("/detokenize", {"tokens": [1, 49152]}, "tokens"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "model"),
+    ]:
+        refused = httpx.post(spec.url + route, json=body)
+        assert refused.status_code in (400, 404) and refused.json()["error"]["param"] == param, refused.text
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(plain.url + "/tokenizer_info", headers=auth).status_code == 404  # not without its flag
+    assert httpx.post(plain.url + "/tokenize", json={"prompt": "a"}).status_code == 401  # the API key guards it
+    keyed = httpx.post(plain.url + "/tokenize", json={"prompt": "a"}, headers=auth).json()
+    assert keyed["tokens"] == httpx.post(spec.url + "/tokenize", json={"prompt": "a"}).json()["tokens"]
 
 
 def test_several_prompts_times_n_choices_streamed_and_whole(spec):
