@@ -10,9 +10,9 @@ bits per byte, byte perplexity and word perplexity. The text is the Python versi
 so compare figures taken with one version.
 
     .venv/bin/python benchmarks/lm_eval_tasks.py /tmp/specserve-tasks
+    specserve serve qwen2.5-coder-1.5b -q int4 --enable-tokenizer-info-endpoint &
     lm_eval --model local-completions --tasks stdlib_bpb --include_path /tmp/specserve-tasks \\
-        --model_args model=qwen2.5-coder-1.5b,base_url=http://127.0.0.1:8000/v1/completions,\\
-    tokenizer_backend=huggingface,tokenizer=$HOME/.cache/specserve/models/qwen2.5-coder-1.5b,num_concurrent=1
+        --model_args model=qwen2.5-coder-1.5b,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=1
 """
 
 from __future__ import annotations
