@@ -188,8 +188,8 @@ class Tokenizer:
         self._backend.save(str(path / "tokenizer.json"))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self._token_text(self.bos_token_id),
-            "eos_token": self._token_text(self.eos_token_ids[0]),
+            "bos_token": self.token_text(self.bos_token_id),
+            "eos_token": self.token_text(self.eos_token_ids[0]),
             "add_bos_token": self.add_bos,
             "add_eos_token": False,
             # Cleaning spaces around punctuation would make decode disagree with ours.
@@ -224,12 +224,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _token_text(self, token_id: int | None) -> str | None:
+    def token_text(self, token_id: int | None) -> str | None:
+        """An id's token as the vocabulary spells it (byte-level BPE's "Ġ" for a space); None for None."""
         return None if token_id is None else self._backend.id_to_token(token_id)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Each id's token as the vocabulary spells it (byte-level BPE's "Ġ" for a space)."""
-        return [self._backend.id_to_token(token_id) or "" for token_id in ids]
+        return [self.token_text(token_id) or "" for token_id in ids]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a special token's own text included). A
@@ -269,8 +269,8 @@ class Tokenizer:
                 tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_token_id) or "",
-                eos_token=self._token_text(self.eos_token_ids[0]),
+                bos_token=self.token_text(self.bos_token_id) or "",
+                eos_token=self.token_text(self.eos_token_ids[0]),
             )
         except Exception as error:  # the template is the model's code: any failure is a bad request
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error

@@ -386,7 +386,9 @@ class Engine:
             owed = seq.scored_prompt_end
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                limit = min(end, len(seq.token_ids) - 1, len(seq.token_ids) if owed is None else owed)
+                limit = min(end, len(seq.token_ids) - 1)
+                if owed is not None:  # only positions whose rows it has read
+                    limit = min(limit, owed)
                 loaded = self.prefix_cache.load(seq.token_ids, seq.cache, limit, live)
                 if not seq.num_preemptions:  # counted when it first joined
                     seq.num_cached_tokens += loaded
@@ -562,7 +564,7 @@ class Engine:
         )  # [R, V]
         # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
         # also where the step's work is waited for, so the timing below includes it.
-        argmax = logits[:num_scored].argmax(dim=-1).tolist()  # [R]
+        argmax = logits[:num_scored].argmax(dim=-1).tolist()  # [num_scored]
         if self.adaptive is not None and len(flat) == num_scored:  # a pure decode step
             self.adaptive.observe_target(len(flat), time.perf_counter() - started)
         if features is not None:  # a head reads every row the target computed (its observe drops the rejected)

@@ -336,10 +336,8 @@ def build_app(
             remote tokenizer reads it)."""
             return {
                 "tokenizer_class": "specserve",
-                "eos_token": tokenizer.token_strings(tokenizer.eos_token_ids[:1])[0],
-                "bos_token": None
-                if tokenizer.bos_token_id is None
-                else tokenizer.token_strings([tokenizer.bos_token_id])[0],
+                "eos_token": tokenizer.token_text(tokenizer.eos_token_ids[0]),
+                "bos_token": tokenizer.token_text(tokenizer.bos_token_id),
                 "pad_token": None,
                 "add_bos_token": tokenizer.add_bos,
                 "chat_template": tokenizer.chat_template,

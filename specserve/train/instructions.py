@@ -24,13 +24,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from specserve.errors import ConfigError
-from specserve.tokenizer import CHAT_ROLES, template_role
-
-if TYPE_CHECKING:
-    from specserve.tokenizer import Tokenizer
+from specserve.tokenizer import CHAT_ROLES, Tokenizer, template_role
 
 BUNDLED_PATH = Path(__file__).with_name("instructions.jsonl")
 USER_KIND = "general"  # of a user's instruction that names none
