@@ -14,8 +14,10 @@ occurs in the prompt or the output; then the frequency penalty is subtracted onc
 occurrence in the output, and the presence penalty once for any occurrence there
 (OpenAI's definitions). A request's logit bias (OpenAI's) is added before them, as
 vLLM adds it; it reads no text, so every row gets the same, as do its allowed ids
-(vLLM's allowed_token_ids: every other id gets no probability). Logprobs stay the raw
-ones (specserve/logprobs.py).
+(vLLM's allowed_token_ids: every other id gets no probability). Last, a structured
+output's guide leaves only the ids that keep the text on its pattern, row i's after the
+output and drafts[:i] (specserve/structured/guide.py). Logprobs stay the raw ones
+(specserve/logprobs.py).
 
 Proposers penalise their guesses the same way (spec/guesses.py, with the step's
 earlier guesses counted), so they guess what the penalised target will choose; any
@@ -30,6 +32,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from specserve.sampling import FLOAT32_MAX, SamplingParams
+from specserve.structured.guide import guided_rows
 
 
 def distinct_ids(ids: Sequence[int]) -> torch.Tensor:
@@ -51,8 +54,10 @@ def processed_logits(
     """logits [k+1, V] -> [k+1, V] float32 (a copy) as the request samples from them, row i
     scoring output token len(output_ids) + i: biased (`biased`), penalised
     (`apply_penalties`), every id but the allowed ones given no probability
-    (`allowed_only`), and on the rows before the min_tokens-th output token the stop
-    ids (EOS and the request's own) given none, as vLLM's min_tokens does."""
+    (`allowed_only`), on the rows before the min_tokens-th output token the stop
+    ids (EOS and the request's own) given none, as vLLM's min_tokens does, and with a
+    guide every id that would leave its pattern given none (a row that would keep
+    none stays as it was)."""
     if params.logit_bias:
         logits = biased(logits, params.logit_bias)
     if params.penalized:
@@ -65,6 +70,9 @@ def processed_logits(
     if early_rows > 0:
         masked = [i for i in stop_ids if i < out.shape[-1]]
         out[:early_rows, masked] = float("-inf")
+    if params.guide is not None:
+        on_pattern = guided_rows(params.guide, output_ids, drafts, stop_ids, out.shape[-1]).to(out.device)
+        out = kept_where_any(out, out.masked_fill(~on_pattern, float("-inf")))
     return out
 
 

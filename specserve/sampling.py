@@ -28,11 +28,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from specserve.structured.guide import Guide
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -97,6 +101,10 @@ class SamplingParams:
     # vLLM's: the only ids the request may sample (after bias and penalties every other
     # id gets no probability); kept distinct, ascending. Empty: every id.
     allowed_token_ids: tuple[int, ...] = ()
+    # Structured outputs (vLLM's guided_*, OpenAI's response_format): the pattern the
+    # output must follow; every id that would leave it gets no probability, last of all
+    # (specserve/structured/).
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -165,7 +173,13 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (`penalties.processed_logits`):
         such a request's tokens cannot come from the raw logits' argmax."""
-        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.allowed_token_ids)
+        return (
+            self.penalized
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or bool(self.allowed_token_ids)
+            or self.guide is not None
+        )
 
     @functools.cached_property
     def allowed_ids(self) -> torch.Tensor:  # [A] int64 on the CPU

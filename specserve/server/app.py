@@ -55,9 +55,11 @@ from specserve.server.protocol import (
     validation_error,
 )
 from specserve.server.recording import PromptRecorder
-from specserve.server.tool_calls import ToolCallParser
+from specserve.server.tool_calls import ForcedToolCalls, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
+from specserve.structured import GuideCache
+from specserve.structured.guide import Guide
 from specserve.tokenizer import Tokenizer
 from specserve.train.instructions import Instruction, from_messages
 
@@ -375,8 +377,9 @@ def build_app(
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
         engine admits them, the prompts `recorded` makes go to the recorder."""
         requests = []
+        guide = await structured_guide(body)
         for prompt_ids in prompts:
-            params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)))
+            params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)), guide)
             try:
                 requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
             except SpecserveError as e:  # a seed + j past 64 bits
@@ -435,6 +438,18 @@ def build_app(
         return {"finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason}
 
     per_token = settings.stream_mode == "token"
+    guides = GuideCache(tokenizer)
+
+    async def structured_guide(body: CompletionRequest | ChatCompletionRequest) -> Guide | None:
+        """The compiled guide of the body's structured output (None: free text), made on a
+        worker thread: a new schema takes a while to compile, and the event loop runs on."""
+        wanted = body.structured_output()
+        if wanted is None:
+            return None
+        try:
+            return await _off_the_loop(guides.guide, wanted)
+        except SpecserveError as error:
+            raise APIError(str(error), param=body.structured_param()) from None
 
     def check_request(body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
         """What can be refused before any prompt is read: the model's name, the count,
@@ -592,14 +607,18 @@ def build_app(
         def described(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
             return chat_logprobs(logprobs, tokenizer) if body.logprobs else None
 
-        tool_calls = None  # how the answers' tool calls are read (server/tool_calls.py); None: not read
+        # How the answers' tool calls are read (server/tool_calls.py); None: not read.
+        tool_calls: ToolCallParser | ForcedToolCalls | None = None
         if body.parses_tool_calls:
             tool_calls = ToolCallParser(settings.tool_call_parser, frozenset(t.function.name for t in body.tools))
+        elif (forced := body.forced_tool()) is not None:
+            tool_calls = ForcedToolCalls(forced)
         # Each streamed choice's text, holding back what may be a tool call's.
         calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
 
         def ended(out: RequestOutput, calls: list) -> dict[str, Any]:
-            return finish(out) | ({"finish_reason": "tool_calls"} if calls else {})
+            reason = tool_calls.finish_reason if calls else None
+            return finish(out) | ({"finish_reason": reason} if reason else {})
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             content, calls = out.text, []

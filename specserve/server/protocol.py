@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, fie
 from specserve.errors import SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
+from specserve.structured import StructuredOutput
+from specserve.structured.guide import Guide
 from specserve.tokenizer import CHAT_ROLES, template_role
 
 
@@ -56,10 +58,7 @@ VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
     ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
-    *(
-        (name, lambda v: v is None, " (structured outputs are not implemented)")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-    ),
+    ("guided_grammar", lambda v: v is None, " (grammars are not served; use guided_json or guided_regex)"),
 )
 
 
@@ -146,11 +145,14 @@ class _Sampling(_Body):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     bad_words: Texts | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # Structured outputs (specserve/structured/): vLLM's older fields, its newer
+    # `structured_outputs` object, and OpenAI's response_format; one of them at most.
+    guided_json: Any = None  # a schema: an object, a boolean, or its JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.n < 1:
@@ -195,6 +197,37 @@ class _Sampling(_Body):
                 raise APIError(f"{field} is not supported{instead}, got {value!r}", param=field)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+        self.structured_output()  # a malformed one, or two, refused here; compiled later
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the answer must follow, from whichever field asks (APIError(400) where two
+        do, or one is malformed); None: free text."""
+        asked = self._structured_asks()
+        if len(asked) > 1:
+            names = " and ".join(name for name, _ in asked)
+            raise APIError(f"{names} both constrain the answer; send one of them", param=asked[1][0])
+        return asked[0][1] if asked else None
+
+    def structured_param(self) -> str | None:
+        """The field that asked for the structured output."""
+        asked = self._structured_asks()
+        return asked[0][0] if asked else None
+
+    def _structured_asks(self) -> list[tuple[str, StructuredOutput]]:
+        asked: list[tuple[str, StructuredOutput]] = []
+        if self.guided_json is not None:
+            asked.append(("guided_json", _json_schema(self.guided_json, "guided_json")))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", _choices(self.guided_choice, "guided_choice")))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", _vllm_structured_outputs(self.structured_outputs)))
+        if self.response_format is not None:
+            wanted = _response_format(self.response_format)
+            if wanted is not None:
+                asked.append(("response_format", wanted))
+        return asked
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -217,8 +250,9 @@ class _Sampling(_Body):
             pairs[token_id] = min(LOGIT_BIAS_MAX, max(-LOGIT_BIAS_MAX, bias))
         return tuple(sorted(pairs.items()))
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams of this body; out-of-range values become APIError(400, param)."""
+    def sampling_params(self, max_tokens: int, guide: Guide | None = None) -> SamplingParams:
+        """SamplingParams of this body (with the compiled guide of its structured output);
+        out-of-range values become APIError(400, param)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -239,6 +273,7 @@ class _Sampling(_Body):
                 min_tokens=self.min_tokens,
                 logit_bias=self.logit_bias_pairs(),
                 allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                guide=guide,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used
@@ -260,6 +295,68 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _json_schema(schema: Any, param: str) -> StructuredOutput:
+    """A schema given as an object, a boolean, or JSON text, kept as JSON text (its keys
+    in the order given: the properties' order is the answer's)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise APIError(f"{param} is not valid JSON: {error}", param=param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param=param)
+    return StructuredOutput("json", json.dumps(schema))
+
+
+def _choices(choices: Any, param: str) -> StructuredOutput:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise APIError(f"{param} must be a list of one or more non-empty strings", param=param)
+    return StructuredOutput("choice", tuple(choices))
+
+
+def _vllm_structured_outputs(value: dict[str, Any]) -> StructuredOutput:
+    """vLLM's `structured_outputs` object: one of json, regex, choice, json_object."""
+    param = "structured_outputs"
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object", "disable_fallback", "whitespace_pattern"})
+    if unknown:
+        raise APIError(f"{param}.{unknown[0]} is not supported; use json, regex, choice or json_object", param=param)
+    kinds = [k for k in ("json", "regex", "choice", "json_object") if k in given]
+    if len(kinds) != 1:
+        raise APIError(f"{param} must set exactly one of json, regex, choice and json_object", param=param)
+    kind = kinds[0]
+    if kind == "json":
+        return _json_schema(given["json"], f"{param}.json")
+    if kind == "choice":
+        return _choices(given["choice"], f"{param}.choice")
+    if kind == "regex":
+        if not isinstance(given["regex"], str):
+            raise APIError(f"{param}.regex must be a string", param=param)
+        return StructuredOutput("regex", given["regex"])
+    return StructuredOutput("json_object")
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict):
+            raise APIError(
+                'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}',
+                param="response_format",
+            )
+        return _json_schema(inner.get("schema", {}), "response_format.json_schema.schema")
+    raise APIError(
+        f'response_format type {kind!r} is not supported; use "text", "json_object" or "json_schema"',
+        param="response_format",
+    )
 
 
 class CompletionRequest(_Sampling):
@@ -407,7 +504,6 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], StopAtFirst()] | None = None
     tool_choice: str | dict[str, Any] | None = None  # OpenAI's default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True  # every call the answer makes is returned
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -418,14 +514,7 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError(
                     f'tools of type {tool.type!r} are not supported; use "function"', param=f"tools[{i}].type"
                 )
-        if self.tool_choice not in (None, "none", "auto"):  # forcing a call needs structured outputs
-            raise APIError(
-                f"tool_choice {self.tool_choice!r} forces a tool call, which needs structured outputs (not "
-                'implemented); use "auto" and describe when to call in the prompt',
-                param="tool_choice",
-            )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError('only response_format {"type": "text"} is supported', param="response_format")
+        self.forced_tool()  # a malformed or unknown forced choice is refused here
         check_messages(self.messages)
 
     logprobs_param: ClassVar[str] = "top_logprobs"
@@ -442,6 +531,53 @@ class ChatCompletionRequest(_Sampling):
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates list them; None: no tools."""
         return [tool.for_template() for tool in self.tools] if self.tools else None
+
+    def forced_tool(self) -> str | None:
+        """The tool the answer must call: its name for a named choice, "required" for any
+        of them (one call or more), None where the answer may be text."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        names = [tool.function.name for tool in self.tools or ()]
+        if not names:
+            raise APIError(f"tool_choice {choice!r} needs tools to call", param="tool_choice")
+        if choice == "required":
+            return "required"
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or choice.get("type", "function") != "function":
+            raise APIError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+                f"got {choice!r}",
+                param="tool_choice",
+            )
+        if name not in names:
+            raise APIError(f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
+        return name
+
+    def tool_choice_schema(self) -> dict[str, Any] | None:
+        """What a forced choice makes the answer (vLLM's way): a named tool's arguments
+        object; for "required", a list of one or more {"name", "arguments"} calls."""
+        forced = self.forced_tool()
+        if forced is None:
+            return None
+        parameters = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools}
+        if forced != "required":
+            return parameters[forced]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"],
+            }
+            for name, schema in parameters.items()
+        ]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+    def _structured_asks(self) -> list[tuple[str, StructuredOutput]]:
+        schema = self.tool_choice_schema()
+        forced = [] if schema is None else [("tool_choice", _json_schema(schema, "tool_choice"))]
+        return super()._structured_asks() + forced
 
     @property
     def parses_tool_calls(self) -> bool:

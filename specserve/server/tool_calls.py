@@ -99,6 +99,36 @@ class ToolCallParser:
     def stream(self) -> StreamedToolCalls:
         return StreamedToolCalls(self)
 
+    @property
+    def finish_reason(self) -> str:
+        """An answer's finish_reason where it made calls."""
+        return "tool_calls"
+
+
+@dataclass(frozen=True)
+class ForcedToolCalls:
+    """A forced tool_choice's answer, which a guide held to the calls' JSON (protocol.py,
+    `tool_choice_schema`): for a named tool, its arguments object, one call whose
+    finish_reason stays the answer's (OpenAI's "stop"); for "required", a list of
+    {"name", "arguments"} calls, finishing "tool_calls". An answer cut short of valid
+    JSON (max_tokens) is content, as an unparsed one is."""
+
+    tool: str  # a tool's name, or "required"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        value = _json(text)
+        if self.tool != "required":
+            return (None, [ToolCall(self.tool, text)]) if isinstance(value, dict) else (text, [])
+        calls = [_call_of(v) for v in value] if isinstance(value, list) else []
+        return (None, calls) if calls and None not in calls else (text, [])
+
+    def stream(self) -> StreamedToolCalls:
+        return StreamedToolCalls(self, in_call=True)  # every text is the call's, sent at the end
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.tool != "required" else "tool_calls"
+
 
 def _held_back(text: str) -> int:
     """How many of text's last characters may begin CALL_START."""
@@ -112,7 +142,7 @@ def _held_back(text: str) -> int:
 class StreamedToolCalls:
     """One streamed choice's text, split into content to send now and, at its end, calls."""
 
-    parser: ToolCallParser
+    parser: ToolCallParser | ForcedToolCalls
     text: str = ""
     sent: int = 0  # characters of text sent as content
     in_call: bool = False  # a call may have begun: everything from `sent` on is held to the end

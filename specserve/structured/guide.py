@@ -1,0 +1,187 @@
+"""Which tokens a structured output may take next: a pattern's DFA walked over the vocabulary.
+
+A `Guide` holds a request's compiled pattern and the target's vocabulary spelled as
+text (`GuideVocabulary`). The state after an output is the DFA's state after the
+output's text; a token is allowed where its whole text leads to a live state, and the
+stop ids (EOS, the request's own) where the state accepts. The masks a state allows are
+computed once, for every token at once (numpy over the vocabulary's characters,
+a few milliseconds), and kept.
+
+Invariants:
+- Every token with an allowed id, appended to a text the pattern can still complete,
+  leaves a text it can still complete; so a guided output that ends on a stop id
+  matches the pattern in full (one cut by max_tokens is a prefix of a match).
+- A token is text only if its bytes are whole UTF-8 on their own; a byte-level piece
+  of a character, and every special token, is never allowed (a character the
+  vocabulary spells only in pieces cannot be written, and JSON can escape it).
+- Where a state allows no token and does not accept (the pattern needs a character
+  no whole token spells), the stop ids are allowed, so the output ends rather than
+  leaving the pattern.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.errors import ConfigError
+from specserve.structured.regex import DFA, compile_regex
+from specserve.tokenizer import Tokenizer
+
+# What a guide keeps: each state's mask as bits (151,936 ids: 19 KB), and each
+# (state, token) step taken; past these it starts afresh.
+MAX_CACHED_STATES = 1024
+MAX_CACHED_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class GuideVocabulary:
+    """A vocabulary of `width` ids as text, laid out for walking every token at once:
+    tokens sorted by length, longest first, so the tokens with a j-th character are
+    the first `counts[j]` of `order`."""
+
+    width: int
+    texts: tuple[str | None, ...]  # [width]: each id's text; None: never allowed (special, partial, padding)
+    order: np.ndarray  # [T] int64: the ids of the text tokens, longest first
+    counts: np.ndarray  # [L] int64: how many tokens have a j-th character
+    columns: tuple[np.ndarray, ...]  # L of [counts[j]] int32: the j-th character of each, as an index into `alphabet`
+    alphabet: np.ndarray  # [A] int64: the distinct code points the vocabulary spells
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, width: int) -> GuideVocabulary:
+        """The tokenizer's vocabulary over a model's `width` logits (ids past the tokenizer's are never allowed)."""
+        return _vocabulary(tokenizer, width)
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str | None]) -> GuideVocabulary:
+        """Each id's text (None or "": never allowed)."""
+        texts = tuple(t or None for t in texts)
+        ids = sorted((i for i, t in enumerate(texts) if t), key=lambda i: -len(texts[i]))
+        alphabet = sorted({c for i in ids for c in texts[i]})
+        position = {c: n for n, c in enumerate(alphabet)}
+        lengths = np.array([len(texts[i]) for i in ids], dtype=np.int64)
+        longest = int(lengths[0]) if ids else 0
+        counts = np.array([(lengths > j).sum() for j in range(longest)], dtype=np.int64)
+        columns = tuple(
+            np.array([position[texts[i][j]] for i in ids[: counts[j]]], dtype=np.int32) for j in range(longest)
+        )
+        codepoints = np.array([ord(c) for c in alphabet], dtype=np.int64)
+        return cls(len(texts), texts, np.array(ids, dtype=np.int64), counts, columns, codepoints)
+
+
+@functools.cache
+def _vocabulary(tokenizer: Tokenizer, width: int) -> GuideVocabulary:
+    texts: list[str | None] = []
+    for token_id in range(width):
+        text = None
+        if token_id < tokenizer.vocab_size and token_id not in tokenizer.special_ids:
+            try:
+                text = tokenizer.token_bytes(token_id).decode("utf-8")
+            except UnicodeDecodeError:  # a piece of a character
+                pass
+        texts.append(text)
+    return GuideVocabulary.from_texts(texts)
+
+
+class Guide:
+    """A compiled pattern over one vocabulary: the states an output passes through and
+    the ids each state allows. Shared by every request with the same pattern; safe to
+    use from several threads (the server compiles, the engine steps)."""
+
+    def __init__(self, dfa: DFA, vocabulary: GuideVocabulary, description: str):
+        if dfa.transitions[0].min() == dfa.dead and not dfa.accepting[0]:
+            raise ConfigError(f"the {description} matches no text at all")
+        self.dfa, self.vocabulary, self.description = dfa, vocabulary, description
+        classes = dfa.char_classes(vocabulary.alphabet)  # [A]
+        self._columns = tuple(classes[column] for column in vocabulary.columns)  # L of [counts[j]] int32
+        self._masks: dict[int, np.ndarray] = {}  # state -> [ceil(width / 8)] uint8, the mask's bits
+        self._steps: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_regex(cls, pattern: str, tokenizer: Tokenizer, width: int) -> Guide:
+        return cls(compile_regex(pattern), GuideVocabulary.of(tokenizer, width), f"regex {pattern[:80]!r}")
+
+    # -- states --
+
+    @property
+    def start(self) -> int:
+        return 0
+
+    def step(self, state: int, token_id: int) -> int:
+        """The state after one more token; `dead` where the token cannot follow (an id
+        that is no text, or one whose text leaves the pattern)."""
+        key = (state, token_id)
+        found = self._steps.get(key)
+        if found is None:
+            text = self.vocabulary.texts[token_id] if 0 <= token_id < self.vocabulary.width else None
+            found = self.dfa.dead if text is None else self.dfa.walk(state, text)
+            if len(self._steps) >= MAX_CACHED_STEPS:
+                self._steps.clear()
+            self._steps[key] = found
+        return found
+
+    def state_after(self, token_ids: Sequence[int], state: int = 0) -> int:
+        for token_id in token_ids:
+            if state == self.dfa.dead:
+                break
+            state = self.step(state, token_id)
+        return state
+
+    def accepts(self, state: int) -> bool:
+        return bool(self.dfa.accepting[state])
+
+    # -- masks --
+
+    def allowed(self, state: int, stop_ids: Collection[int]) -> torch.Tensor:
+        """[width] bool: the ids allowed after `state`; in a dead state (an output that
+        left the pattern, as a row past a rejected draft does), the stop ids alone."""
+        mask = self._text_mask(state)
+        if state == self.dfa.dead or self.accepts(state) or not mask.any():
+            stops = [i for i in stop_ids if i < self.vocabulary.width]
+            mask[stops] = True
+        return mask
+
+    def _text_mask(self, state: int) -> torch.Tensor:
+        """[width] bool (a new tensor): the ids whose text the pattern can read from `state`."""
+        bits = self._masks.get(state)
+        if bits is None:
+            bits = np.packbits(self._walk_every_token(state))
+            with self._lock:
+                if len(self._masks) >= MAX_CACHED_STATES:
+                    self._masks.clear()
+                self._masks[state] = bits
+        return torch.from_numpy(np.unpackbits(bits, count=self.vocabulary.width).view(np.bool_))
+
+    def _walk_every_token(self, state: int) -> np.ndarray:
+        """[width] bool: which ids' whole text the DFA reads from `state` to a live state."""
+        vocabulary, transitions, dead = self.vocabulary, self.dfa.transitions, self.dfa.dead
+        mask = np.zeros(vocabulary.width, dtype=bool)
+        if state == dead:
+            return mask
+        current = np.full(len(vocabulary.order), state, dtype=np.int32)  # each token's state so far
+        for count, classes in zip(vocabulary.counts, self._columns):
+            current[:count] = transitions[current[:count], classes]
+        mask[vocabulary.order] = current != dead
+        return mask
+
+
+def guided_rows(
+    guide: Guide, output_ids: Sequence[int], drafts: Sequence[int], stop_ids: Collection[int], width: int
+) -> torch.Tensor:
+    """[len(drafts) + 1, width] bool: row i allows what may follow output_ids + drafts[:i]
+    (ids past the guide's vocabulary never; a narrower width cuts them off)."""
+    state = guide.state_after(output_ids)
+    rows = [guide.allowed(state, stop_ids)]
+    for token_id in drafts:
+        state = guide.step(state, token_id) if state != guide.dfa.dead else state
+        rows.append(guide.allowed(state, stop_ids))
+    allowed = torch.stack(rows)  # [k + 1, guide width]
+    if allowed.shape[-1] < width:
+        return torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
+    return allowed[:, :width]

@@ -1,0 +1,181 @@
+"""A guide in the engine: guided greedy decoding is the masked target's, token by token,
+with every proposer; sampling through a draft that is often wrong draws the masked
+target's distribution (chi-square); an answer that ends on EOS matches the pattern."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.model.decoder import Decoder, Segment
+from specserve.penalties import processed_logits
+from specserve.sampling import SamplingParams, logits_to_probs
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from specserve.structured.guide import Guide, GuideVocabulary
+from specserve.structured.regex import compile_regex
+from tests.chi_square import chi_square_p_value, seeded_outputs
+from tests.conftest import tiny_config
+from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
+from tests.head_models import METHODS, permutation_target, right_head
+from tests.spec.test_head_proposers import proposer_of, run_batch
+
+# 96 ids: single characters, a few longer pieces, and EOS (95), which is no text.
+PIECES = (
+    list("0123456789abcdefghijklmnopqrstuvwxyz")
+    + list('{}[]":, -.\n')
+    + [
+        '{"',
+        '":',
+        '",',
+        '"}',
+        "12",
+        "ab",
+        "true",
+        "false",
+        "null",
+        '": "',
+        "name",
+        "age",
+    ]
+)
+TEXTS = (PIECES + [f"<{i}>" for i in range(len(PIECES), EOS)] + [None])[: EOS + 1]
+VOCABULARY = GuideVocabulary.from_texts(TEXTS)
+PATTERNS = {
+    "object": r'\{"name": "[a-z ]{1,12}", "age": (0|[1-9][0-9]{0,2})\}',
+    "choice": r"(yes|no|maybe)",
+    "digits": r"[0-9]+(,[0-9]+)*",
+}
+
+
+def guide_of(pattern: str) -> Guide:
+    return Guide(compile_regex(pattern), VOCABULARY, "test pattern")
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(TEXTS[i] or "" for i in ids)
+
+
+def guided_greedy_by_hand(target: Decoder, prompt: list[int], guide: Guide, max_tokens: int) -> list[int]:
+    """One full forward a token; the argmax among the ids whose text keeps a match in
+    reach (EOS where the text already matches), until EOS."""
+    output: list[int] = []
+    state = guide.start
+    while len(output) < max_tokens:
+        ids = prompt + output
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
+        allowed = [
+            t
+            for t in range(len(TEXTS))
+            if (t == EOS and guide.accepts(state)) or (TEXTS[t] and guide.dfa.live()[guide.dfa.walk(state, TEXTS[t])])
+        ]
+        token = max(allowed, key=lambda t: float(logits[t]))
+        output.append(token)
+        if token == EOS:
+            break
+        state = guide.step(state, token)
+    return output
+
+
+def test_masks_are_the_ids_whose_text_keeps_a_match_in_reach():
+    """Every state's mask, against walking each id's text through the DFA alone."""
+    for pattern in PATTERNS.values():
+        guide = guide_of(pattern)
+        live = guide.dfa.live()
+        for state in range(guide.dfa.dead):
+            expected = [bool(t) and bool(live[guide.dfa.walk(state, t)]) for t in TEXTS]
+            assert guide.allowed(state, {EOS})[:EOS].tolist() == expected[:EOS], (pattern, state)
+            assert bool(guide.allowed(state, {EOS})[EOS]) == (guide.accepts(state) or not any(expected))
+        assert guide.allowed(guide.dfa.dead, {EOS}).nonzero().flatten().tolist() == [EOS]
+
+
+def test_each_row_is_masked_after_the_drafts_before_it():
+    guide = guide_of(PATTERNS["choice"])
+    params = SamplingParams(guide=guide)
+    logits = torch.randn(4, EOS + 1)
+    y, e, m = TEXTS.index("y"), TEXTS.index("e"), TEXTS.index("m")
+    out = processed_logits(logits, params, [1], [], [y, e, m], stop_ids={EOS})
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == sorted([TEXTS.index(c) for c in "ynm"])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [e]
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [TEXTS.index("s")]
+    assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [EOS]  # "yesm" left the pattern
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    return random_decoder("qwen2", seed=1)
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("proposer_kind", ["none", "draft", "ngram"])
+def test_guided_greedy_decoding_is_the_masked_targets_with_every_proposer(target, pattern, proposer_kind):
+    guide = guide_of(PATTERNS[pattern])
+    params = SamplingParams(max_tokens=40, temperature=0.0, guide=guide)
+    proposer = {
+        "none": None,
+        "draft": DraftModelProposer(perturbed(target, 0.3, seed=2)),
+        "ngram": NgramProposer(1, 3),
+    }[proposer_kind]
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = [(prompt, params) for prompt in PROMPTS] + [(PROMPTS[0], free)]  # a free neighbour
+    seqs = [engine.add_request(prompt, p) for prompt, p in requests]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    for seq, (prompt, p) in zip(seqs[:-1], requests):
+        expected = guided_greedy_by_hand(target, prompt, guide, 40)
+        assert seq.output_ids == expected
+        if expected[-1] == EOS:
+            assert re.fullmatch(PATTERNS[pattern], text_of(expected[:-1]))
+    assert seqs[-1].output_ids == Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], free).output_ids
+    if proposer_kind == "draft":
+        assert engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_guided_greedy_decoding_with_heads_is_the_masked_targets(method):
+    target, perm = permutation_target(noise=0.18)
+    guide = Guide(compile_regex(r"[0-9a-f]{3,30}"), GuideVocabulary.from_texts(TEXTS), "hex")
+    head = proposer_of(right_head(method, target, perm), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=head, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, guide=guide)
+    requests = [(PROMPTS[1], params), (PROMPTS[3], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
+    seqs = run_batch(engine, requests)
+    assert seqs[0].output_ids == guided_greedy_by_hand(target, PROMPTS[1], guide, 24)
+    assert all(TEXTS[t] in set("0123456789abcdef") or t == EOS for t in seqs[0].output_ids)
+    assert engine.spec_stats.num_draft_tokens > 0
+
+
+def test_guided_sampling_through_a_draft_samples_the_masked_target():
+    """3-token answers at temperature 0.9 through a draft that is often wrong, under a
+    pattern that allows some ids at each position and not others: distributed as
+    sampling the masked target token by token (chi-square over all outputs)."""
+    vocab, length, prompt = 5, 3, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    texts = ["a", "b", "c", "ab", None]  # id 4: the stop id, no text
+    guide = Guide(compile_regex("(a|b)(b|c)(a|c)c*"), GuideVocabulary.from_texts(texts), "test")
+    fields = dict(max_tokens=length, temperature=0.9, ignore_eos=True, guide=guide)
+    params = SamplingParams(**fields)
+    expected = torch.zeros([vocab] * length, dtype=torch.float64)
+    for cont in itertools.product(range(vocab), repeat=length):
+        ids = prompt + list(cont)
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[len(prompt) - 1 : -1]
+        probability = 1.0
+        for j, token in enumerate(cont):
+            masked = processed_logits(logits[j : j + 1], params, prompt, list(cont[:j]), [], stop_ids=set())
+            probability *= float(logits_to_probs(masked, params)[0, token])
+        expected[cont] = probability
+    assert abs(float(expected.sum()) - 1) < 1e-6
+    engine = Engine(
+        target, eos_token_ids=[4], proposer=DraftModelProposer(perturbed(target, 1.5, seed=4)), num_speculative_tokens=2
+    )
+    samples = seeded_outputs(engine, prompt, fields, batches=6)
+    for row in samples.tolist()[:200]:
+        assert re.fullmatch("(a|b)(b|c)(a|c)c*", "".join(texts[t] for t in row)) or "ab" in [texts[t] for t in row]
+    assert 0.1 < engine.spec_stats.acceptance_rate < 0.95
+    assert chi_square_p_value(samples, expected) > 1e-4
