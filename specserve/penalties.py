@@ -72,7 +72,11 @@ def processed_logits(
         out[:early_rows, masked] = float("-inf")
     if params.guide is not None:
         on_pattern = guided_rows(params.guide, output_ids, drafts, stop_ids, out.shape[-1]).to(out.device)
-        out = kept_where_any(out, out.masked_fill(~on_pattern, float("-inf")))
+        masked = out.masked_fill(~on_pattern, float("-inf"))
+        emptied = masked.amax(dim=-1) == float("-inf")  # [k+1]: rows the guide left nothing (one pass)
+        if emptied.any():
+            masked[emptied] = out[emptied]
+        out = masked
     return out
 
 

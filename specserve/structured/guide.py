@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from specserve.tokenizer import Tokenizer
 # (state, token) step taken; past these it starts afresh.
 MAX_CACHED_STATES = 1024
 MAX_CACHED_STEPS = 100_000
+# And the masks of the states it met last, whole (152 KB each): a step's rows read them.
+MAX_UNPACKED_MASKS = 16
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Guide:
         classes = dfa.char_classes(vocabulary.alphabet)  # [A]
         self._columns = tuple(classes[column] for column in vocabulary.columns)  # L of [counts[j]] int32
         self._masks: dict[int, np.ndarray] = {}  # state -> [ceil(width / 8)] uint8, the mask's bits
+        self._unpacked: OrderedDict[tuple[int, tuple[int, ...]], torch.Tensor] = OrderedDict()
         self._steps: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 
@@ -139,12 +143,21 @@ class Guide:
     # -- masks --
 
     def allowed(self, state: int, stop_ids: Collection[int]) -> torch.Tensor:
-        """[width] bool: the ids allowed after `state`; in a dead state (an output that
-        left the pattern, as a row past a rejected draft does), the stop ids alone."""
+        """[width] bool, not to be written to: the ids allowed after `state`; in a dead
+        state (an output that left the pattern, as a row past a rejected draft does),
+        the stop ids alone."""
+        key = (state, tuple(sorted(stop_ids)))
+        mask = self._unpacked.get(key)
+        if mask is not None:
+            self._unpacked.move_to_end(key)
+            return mask
         mask = self._text_mask(state)
         if state == self.dfa.dead or self.accepts(state) or not mask.any():
             stops = [i for i in stop_ids if i < self.vocabulary.width]
             mask[stops] = True
+        self._unpacked[key] = mask
+        if len(self._unpacked) > MAX_UNPACKED_MASKS:
+            self._unpacked.popitem(last=False)
         return mask
 
     def _text_mask(self, state: int) -> torch.Tensor:
