@@ -28,6 +28,8 @@ from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
 from specserve.model.device import resolve_device
 from specserve.sampling import SamplingParams
+from specserve.structured import GuideCache, StructuredOutput
+from specserve.tokenizer import Tokenizer
 
 NEIGHBOUR_TEMPERATURE = 0.8
 # Each kind of neighbour: its sampling fields (greedy: the reference every ratio is to).
@@ -45,12 +47,17 @@ KINDS: dict[str, dict] = {
     "stop-ids": {"temperature": NEIGHBOUR_TEMPERATURE, "min_tokens": 8},
     # vLLM's allowed_token_ids, half the vocabulary (given by `params_of`): every row a mask.
     "allowed": {"temperature": NEIGHBOUR_TEMPERATURE},
+    # OpenAI's JSON mode (a guide, given by `params_of`): each row a mask of the JSON state.
+    "guided": {"temperature": NEIGHBOUR_TEMPERATURE},
 }
 STOP_IDS = 1024
 
 
-def params_of(kind: str, vocab_size: int) -> dict:
-    """A neighbour's sampling fields: KINDS's, and the ids of "stop-ids" and "allowed"."""
+def params_of(kind: str, tokenizer: Tokenizer, vocab_size: int) -> dict:
+    """A neighbour's sampling fields: KINDS's, the ids of "stop-ids" and "allowed", and
+    the guide of "guided"."""
+    if kind == "guided":
+        return KINDS[kind] | {"guide": GuideCache(tokenizer).guide(StructuredOutput("json_object"))}
     if kind == "allowed":
         return KINDS[kind] | {"allowed_token_ids": tuple(range(0, vocab_size, 2))}
     if kind != "stop-ids":
@@ -59,11 +66,10 @@ def params_of(kind: str, vocab_size: int) -> dict:
     return KINDS[kind] | {"stop_token_ids": tuple(range(vocab_size - 2 * STOP_IDS, vocab_size - STOP_IDS))}
 
 
-def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: str, tokens: int) -> float:
-    """Output tokens a second of the greedy requests beside one neighbour of `kind`."""
+def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], fields: dict, tokens: int) -> float:
+    """Output tokens a second of the greedy requests beside one neighbour sampling with `fields`."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(prompt, greedy) for prompt in prompts]
-    fields = params_of(kind, engine.target.config.vocab_size)
     other = engine.add_request(neighbour, SamplingParams(max_tokens=4 * tokens, ignore_eos=True, **fields))
     while not all(s.prefilled for s in [*seqs, other]):
         engine.step()
@@ -75,7 +81,7 @@ def greedy_speed(engine, prompts: list[list[int]], neighbour: list[int], kind: s
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     if other.finished:  # the rest of the window ran without it
-        print(f"warning: the {kind} neighbour stopped ({other.finish_reason}) before the greedy requests finished")
+        print(f"warning: the neighbour {fields} stopped ({other.finish_reason}) before the greedy requests finished")
     engine.finish(other.seq_id)
     return (sum(s.num_output_tokens for s in seqs) - done) / elapsed
 
@@ -110,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     open_ended = list(SUITES["open-ended"].values())
     prompts = [encode_prompt(tokenizer, chat=open_ended[i % len(open_ended)]) for i in range(args.greedy)]
     neighbour = encode_prompt(tokenizer, chat=SUITES["structured"]["code"])
-    greedy_speed(engine, prompts, neighbour, "greedy", min(args.tokens, 16))  # warm-up
+    fields = {kind: params_of(kind, tokenizer, engine.target.config.vocab_size) for kind in kinds}
+    greedy_speed(engine, prompts, neighbour, fields["greedy"], min(args.tokens, 16))  # warm-up
     speeds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
-            speeds[kind].append(greedy_speed(engine, prompts, neighbour, kind, args.tokens))
+            speeds[kind].append(greedy_speed(engine, prompts, neighbour, fields[kind], args.tokens))
 
     print(f"{args.greedy} greedy requests beside one neighbour, {args.tokens} tokens, {args.rounds} rounds")
     print(f"{'neighbour':<10} {'greedy tok/s (median)':>22} {'vs greedy neighbour':>20} {'range':>14}")
