@@ -14,10 +14,11 @@ occurs in the prompt or the output; then the frequency penalty is subtracted onc
 occurrence in the output, and the presence penalty once for any occurrence there
 (OpenAI's definitions). A request's logit bias (OpenAI's) is added before them, as
 vLLM adds it; it reads no text, so every row gets the same, as do its allowed ids
-(vLLM's allowed_token_ids: every other id gets no probability). Last, a structured
-output's guide leaves only the ids that keep the text on its pattern, row i's after the
-output and drafts[:i] (specserve/structured/guide.py). Logprobs stay the raw ones
-(specserve/logprobs.py).
+(vLLM's allowed_token_ids: every other id gets no probability). Then vLLM's bad
+words: a word's last id gets none where the output before the row ends with its other
+ids. Last, a structured output's guide leaves only the ids that keep the text on its
+pattern, row i's after the output and drafts[:i] (specserve/structured/guide.py).
+Logprobs stay the raw ones (specserve/logprobs.py).
 
 Proposers penalise their guesses the same way (spec/guesses.py, with the step's
 earlier guesses counted), so they guess what the penalised target will choose; any
@@ -70,6 +71,8 @@ def processed_logits(
     if early_rows > 0:
         masked = [i for i in stop_ids if i < out.shape[-1]]
         out[:early_rows, masked] = float("-inf")
+    if params.bad_words_ids:
+        out = without_bad_words(out, params, output_ids, drafts)
     if params.guide is not None:
         on_pattern = guided_rows(params.guide, output_ids, drafts, stop_ids, out.shape[-1]).to(out.device)
         masked = out.masked_fill(~on_pattern, float("-inf"))
@@ -78,6 +81,30 @@ def processed_logits(
             masked[emptied] = out[emptied]
         out = masked
     return out
+
+
+def without_bad_words(
+    scores: torch.Tensor, params: SamplingParams, output_ids: Sequence[int], drafts: Sequence[int]
+) -> torch.Tensor:
+    """scores [k+1, V] with, on row i, the last id of every bad word whose other ids end
+    output_ids + drafts[:i] given no probability (vLLM's bad_words; a row that would keep
+    none stays as it was)."""
+    text = [*output_ids, *drafts]
+    end = len(output_ids)
+    banned_rows, banned_ids = [], []
+    for row in range(scores.shape[0]):
+        for length, prefixes in params.bad_words_by_prefix.items():
+            if length > end + row:
+                continue
+            for token in prefixes.get(tuple(text[end + row - length : end + row]), ()):
+                if token < scores.shape[-1]:
+                    banned_rows.append(row)
+                    banned_ids.append(token)
+    if not banned_rows:
+        return scores
+    masked = scores.clone()
+    masked[banned_rows, banned_ids] = float("-inf")
+    return kept_where_any(scores, masked)
 
 
 def allowed_only(scores: torch.Tensor, allowed_ids: torch.Tensor) -> torch.Tensor:

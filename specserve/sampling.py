@@ -105,6 +105,9 @@ class SamplingParams:
     # output must follow; every id that would leave it gets no probability, last of all
     # (specserve/structured/).
     guide: Guide | None = None
+    # vLLM's bad_words as token id sequences: the last id of each gets no probability
+    # where the text ends with the ones before it (a one-id word: everywhere).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +120,11 @@ class SamplingParams:
         except TypeError:
             raise InvalidSamplingValue("allowed_token_ids", "must be token ids", self.allowed_token_ids) from None
         object.__setattr__(self, "allowed_token_ids", allowed)
+        try:
+            bad_words = tuple(dict.fromkeys(tuple(word) for word in self.bad_words_ids))
+        except TypeError:
+            raise InvalidSamplingValue("bad_words_ids", "must be token id sequences", self.bad_words_ids) from None
+        object.__setattr__(self, "bad_words_ids", bad_words)
         checks = [  # (parameter, within its range, the range)
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             (
@@ -156,6 +164,11 @@ class SamplingParams:
                 all(isinstance(i, int) and i >= 0 for i in allowed),
                 "must be token ids >= 0",
             ),
+            (
+                "bad_words_ids",
+                all(word and all(isinstance(i, int) and i >= 0 for i in word) for word in bad_words),
+                "must be non-empty sequences of token ids >= 0",
+            ),
         ]
         for param, ok, rule in checks:
             if not ok:
@@ -179,7 +192,24 @@ class SamplingParams:
             or bool(self.logit_bias)
             or bool(self.allowed_token_ids)
             or self.guide is not None
+            or bool(self.bad_words_ids)
         )
+
+    @property
+    def masks_on_host(self) -> bool:
+        """Whether a row's mask depends on the text before it in a way only the host
+        follows (a guide's state, bad words' prefixes): such a request is processed row by
+        row, not in a graphed chain or the fused C step."""
+        return self.guide is not None or bool(self.bad_words_ids)
+
+    @functools.cached_property
+    def bad_words_by_prefix(self) -> dict[int, dict[tuple[int, ...], list[int]]]:
+        """bad_words_ids by the length of the prefix before their last id: {n: {prefix:
+        last ids}}, so that a row looks up one suffix of its text per length."""
+        by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for word in self.bad_words_ids:
+            by_prefix.setdefault(len(word) - 1, {}).setdefault(word[:-1], []).append(word[-1])
+        return by_prefix
 
     @functools.cached_property
     def allowed_ids(self) -> torch.Tensor:  # [A] int64 on the CPU

@@ -5,6 +5,7 @@ chi-square)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -43,6 +44,9 @@ def reference_penalties(
         out[token] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
     if params.allowed_token_ids:
         out[[t for t in range(out.shape[0]) if t not in params.allowed_token_ids]] = float("-inf")
+    for word in params.bad_words_ids:  # its last id out where the output ends with the rest
+        if len(word) - 1 <= len(before) and tuple(before[len(before) - len(word) + 1 :]) == word[:-1]:
+            out[word[-1]] = float("-inf")
     return out
 
 
@@ -142,7 +146,7 @@ def penalised_greedy_by_hand(
     return output
 
 
-@pytest.mark.parametrize("processing", ["penalties", "logit-bias", "allowed-ids"])
+@pytest.mark.parametrize("processing", ["penalties", "logit-bias", "allowed-ids", "bad-words"])
 def test_plain_decoding_with_penalties_is_the_definition(target, processing):
     unprocessed = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS[:2]:
@@ -151,12 +155,15 @@ def test_plain_decoding_with_penalties_is_the_definition(target, processing):
             "penalties": PENALTIES,
             "logit-bias": banned_and_lifted(raw),
             "allowed-ids": allowed_but_the_first(raw),
+            "bad-words": bad_words_of(raw),
         }[processing]
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **processing_fields)
         ours = Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
         assert ours == penalised_greedy_by_hand(target, prompt, params)
         assert ours != raw  # the processing does change this text
-        if processing != "penalties":
+        if processing == "bad-words":
+            assert ours[:2] == raw[:2] and ours[2] != raw[2]  # the pair (raw[1], raw[2]) is a bad word
+        elif processing != "penalties":
             assert raw[0] not in ours
         if processing == "allowed-ids":
             assert set(ours) <= set(params.allowed_token_ids)
@@ -167,6 +174,13 @@ def allowed_but_the_first(text: list[int]) -> dict:
     return dict(allowed_token_ids=tuple({*range(2, 90, 3), *text} - {text[0]}))
 
 
+def bad_words_of(text: list[int]) -> dict:
+    """vLLM's bad words as ids: the text's second and third tokens as a pair, its
+    fifth to seventh as a triple, and one id it never writes."""
+    never = next(t for t in range(10, 90) if t not in text)
+    return dict(bad_words_ids=((text[1], text[2]), tuple(text[4:7]), (never,)))
+
+
 def banned_and_lifted(text: list[int]) -> dict:
     """A logit bias that bans the first token of an unprocessed greedy text and lifts a
     token it never writes a little: fields of SamplingParams."""
@@ -174,7 +188,9 @@ def banned_and_lifted(text: list[int]) -> dict:
     return dict(logit_bias=tuple(sorted([(text[0], -100.0), (lifted, 3.0)])))
 
 
-@pytest.mark.parametrize("processing", ["penalties", "penalties and logit bias", "penalties and allowed ids"])
+@pytest.mark.parametrize(
+    "processing", ["penalties", "penalties and logit bias", "penalties and allowed ids", "penalties and bad words"]
+)
 @pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
 def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kind, processing):
     proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else DraftModelProposer(perturbed(target, 0.3, seed=2))
@@ -188,6 +204,9 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
     raw = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], GREEDY_24).output_ids
     fields = PENALTIES | (banned_and_lifted(raw) if "bias" in processing else {})
     fields |= allowed_but_the_first(raw) if "allowed" in processing else {}
+    if "bad words" in processing:  # the penalised text's own, so that the first prompt meets them
+        penalised = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[0], dataclasses.replace(GREEDY_24, **fields))
+        fields |= bad_words_of(penalised.output_ids)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **fields)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     while engine.has_unfinished():
@@ -195,6 +214,9 @@ def test_greedy_with_penalties_is_the_same_with_speculation(target, proposer_kin
     plain = Engine(target, eos_token_ids=[EOS])
     for prompt, seq in zip(PROMPTS, seqs):
         assert seq.output_ids == plain.generate(prompt, params).output_ids
+    if "bad words" in processing:
+        assert seqs[0].output_ids[:2] == penalised.output_ids[:2]
+        assert seqs[0].output_ids[2] != penalised.output_ids[2]
     stats = engine.spec_stats
     # A lookup repeats text, which the penalties push away from: drafted, all rejected here.
     assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens > 0 or proposer_kind == "ngram")
@@ -216,16 +238,22 @@ def test_a_draft_equal_to_the_target_guesses_the_penalised_tokens(target):
 
 
 @pytest.mark.parametrize(
-    "min_tokens, bias, allowed",
-    [(0, True, ()), (4, False, ()), (0, False, (0, 1, 3))],
-    ids=["penalties-and-logit-bias", "penalties-and-min-tokens", "penalties-and-allowed-ids"],
+    "min_tokens, bias, allowed, bad_words",
+    [(0, True, (), ()), (4, False, (), ()), (0, False, (0, 1, 3), ()), (0, False, (), ((0, 1), (3, 3, 2)))],
+    ids=[
+        "penalties-and-logit-bias",
+        "penalties-and-min-tokens",
+        "penalties-and-allowed-ids",
+        "penalties-and-bad-words",
+    ],
 )
-def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens, bias, allowed):
+def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_tokens, bias, allowed, bad_words):
     """At temperature > 0 with every penalty on, 4-token outputs through a draft that is
     often wrong are distributed as sampling the penalised target one token at a time
     (chi-square over all 4^4 outputs); with min_tokens = max_tokens and a stop id, with
     that id masked too, and it never appears; with a logit bias, biased first, and the
-    banned id never appears; with allowed ids, the one left out never appears."""
+    banned id never appears; with allowed ids, the one left out never appears; with bad
+    words, no 0 is ever followed by 1."""
     vocab, length, prompt, stop = 4, 4, [0, 1, 2], 2
     torch.manual_seed(3)
     target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
@@ -236,6 +264,8 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_to
         fields |= LOGIT_BIAS
     if allowed:
         fields |= dict(allowed_token_ids=allowed)
+    if bad_words:
+        fields |= dict(bad_words_ids=bad_words)
     params = SamplingParams(**fields)
 
     expected = torch.ones([vocab] * length, dtype=torch.float64)
@@ -258,6 +288,8 @@ def test_speculative_sampling_with_penalties_samples_the_penalised_target(min_to
     assert not min_tokens or not (samples == stop).any()
     assert not bias or not (samples == 1).any()
     assert not allowed or not (samples == 2).any()
+    pairs = torch.stack([samples[:, :-1], samples[:, 1:]], dim=-1)  # [N, length - 1, 2]
+    assert not bad_words or not ((pairs[..., 0] == 0) & (pairs[..., 1] == 1)).any()
     assert 0.2 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
 

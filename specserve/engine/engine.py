@@ -503,8 +503,8 @@ class Engine:
             return None
         if self.proposer is not None and (self.adaptive is None or self.adaptive.measuring_plain(len(work))):
             return None
-        if not all(w.seq.prefilled and len(w.tokens) == 1 and w.seq.params.guide is None for w in work):
-            return None  # a guide's masks follow each token on the host
+        if not all(w.seq.prefilled and len(w.tokens) == 1 and not w.seq.params.masks_on_host for w in work):
+            return None  # their masks follow each token on the host
         caches = [w.seq.cache for w in work]
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()

@@ -167,6 +167,20 @@ def _as_api_error(error: Exception) -> APIError:
     )
 
 
+def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad words as the id sequences the answer must not end with: each word as
+    the text's first word, and after a space where that spells it with other ids of
+    the same count (vLLM's rule)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 async def _off_the_loop(function: Callable, *args: Any) -> Any:
     """Run tokenization on a worker thread: a long prompt takes seconds, and the Rust
     tokenizer lets the event loop (every other request, /health) run meanwhile."""
@@ -378,8 +392,10 @@ def build_app(
         engine admits them, the prompts `recorded` makes go to the recorder."""
         requests = []
         guide = await structured_guide(body)
+        bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words or ())
         for prompt_ids in prompts:
-            params = body.sampling_params(max_tokens_for(body.requested_max_tokens(), len(prompt_ids)), guide)
+            max_tokens = max_tokens_for(body.requested_max_tokens(), len(prompt_ids))
+            params = body.sampling_params(max_tokens, guide, bad_words)
             try:
                 requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
             except SpecserveError as e:  # a seed + j past 64 bits

@@ -48,8 +48,10 @@ class APIError(SpecserveError):
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-# And on the logit bias, whose entries every processed row of the request adds.
+# And on the logit bias, whose entries every processed row of the request adds, and
+# vLLM's bad words, each of which every row looks up.
 MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 256
 
 
 # vLLM's sampling extensions we do not implement: (field, whether a value asks for
@@ -57,7 +59,6 @@ MAX_LOGIT_BIAS = 1024
 VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
-    ("bad_words", lambda v: not v, " (use logit_bias on their tokens)"),
     ("guided_grammar", lambda v: v is None, " (grammars are not served; use guided_json or guided_regex)"),
 )
 
@@ -144,8 +145,8 @@ class _Sampling(_Body):
     # as if it had not.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    bad_words: Texts | None = None
     guided_grammar: Any = None
+    bad_words: Texts | None = None  # vLLM's: words the answer must not write (penalties.without_bad_words)
     # Structured outputs (specserve/structured/): vLLM's older fields, its newer
     # `structured_outputs` object, and OpenAI's response_format; one of them at most.
     guided_json: Any = None  # a schema: an object, a boolean, or its JSON text
@@ -168,6 +169,14 @@ class _Sampling(_Body):
             raise APIError(
                 f"{len(self.stop_token_ids)} stop token ids, more than the limit of {MAX_STOP_TOKEN_IDS}",
                 param="stop_token_ids",
+            )
+        if len(self.bad_words or ()) > MAX_BAD_WORDS:
+            raise APIError(
+                f"{len(self.bad_words)} bad words, more than the limit of {MAX_BAD_WORDS}", param="bad_words"
+            )
+        if any(not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words or ()):
+            raise APIError(
+                f"each bad word must hold text, at most {MAX_STOP_STRING_CHARS} characters", param="bad_words"
             )
         if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise APIError(
@@ -250,9 +259,11 @@ class _Sampling(_Body):
             pairs[token_id] = min(LOGIT_BIAS_MAX, max(-LOGIT_BIAS_MAX, bias))
         return tuple(sorted(pairs.items()))
 
-    def sampling_params(self, max_tokens: int, guide: Guide | None = None) -> SamplingParams:
-        """SamplingParams of this body (with the compiled guide of its structured output);
-        out-of-range values become APIError(400, param)."""
+    def sampling_params(
+        self, max_tokens: int, guide: Guide | None = None, bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    ) -> SamplingParams:
+        """SamplingParams of this body (with the compiled guide of its structured output
+        and its bad words' ids); out-of-range values become APIError(400, param)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -274,6 +285,7 @@ class _Sampling(_Body):
                 logit_bias=self.logit_bias_pairs(),
                 allowed_token_ids=tuple(self.allowed_token_ids or ()),
                 guide=guide,
+                bad_words_ids=bad_words_ids,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used

@@ -179,8 +179,6 @@ class DraftChains:
         keeps), or None where it drafted nothing this way."""
         seqs = [self.seqs[i] for i in going_on]
         params = [seq.params for seq in seqs]
-        if any(p.guide is not None for p in params):  # a guide's masks follow each guess on the host
-            return None
         texts = [
             ProcessedText(
                 seq.prompt_distinct_ids, [*seq.token_ids[seq.num_prompt_tokens :], *self.drafted[i]], seq.stop_token_ids

@@ -131,7 +131,7 @@ def test_error_body_is_openai_shaped():
         (chat, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
         (completion, {"use_beam_search": True}, "use_beam_search"),
         (chat, {"length_penalty": 0.8}, "length_penalty"),
-        (chat, {"bad_words": ["no"]}, "bad_words"),
+        (chat, {"bad_words": ["no", ""]}, "bad_words"),
         (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
         (chat, {"prompt_logprobs": 21}, "prompt_logprobs"),
         (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),

@@ -242,3 +242,32 @@ def test_a_bad_forced_tool_choice_is_a_400(fields, says):
     (response,) = asyncio.run(served([chat(**fields)]))
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"]
+
+
+def test_bad_words_are_never_written_as_the_tokens_they_read_as():
+    """vLLM's bad_words: a word read as two pieces loses its second where the answer ends
+    with its first; the answer is the same up to there, plain and speculative."""
+    tokenizer = character_tokenizer()
+    # Pieces alone, so that a word of two of them reads as those two.
+    free = completion(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, allowed_token_ids=list(range(36)))
+    (response,) = asyncio.run(served([free]))
+    ids = output_ids(tokenizer, response)
+    word = tokenizer.decode(ids[3:5])
+    assert tokenizer.encode(word, add_special_tokens=False) == ids[3:5], word
+    for draft in (False, True):
+        (banned,) = asyncio.run(served([completion(**free[1], bad_words=[word])], draft=draft))
+        answer = output_ids(tokenizer, banned)
+        assert answer[:4] == ids[:4] and answer[4] != ids[4]
+        assert tuple(ids[3:5]) not in set(zip(answer, answer[1:]))
+
+
+def output_ids(tokenizer: Tokenizer, response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    return [tokenizer.encode(token, add_special_tokens=False)[0] for token in tokens]
+
+
+def test_too_many_or_blank_bad_words_are_400s():
+    responses = asyncio.run(served([chat(bad_words=["x"] * 257), chat(bad_words=["ok", " "])]))
+    for response in responses:
+        assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"

@@ -4,6 +4,7 @@ target's distribution (chi-square); an answer that ends on EOS matches the patte
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 
@@ -179,3 +180,39 @@ def test_guided_sampling_through_a_draft_samples_the_masked_target():
         assert re.fullmatch("(a|b)(b|c)(a|c)c*", "".join(texts[t] for t in row)) or "ab" in [texts[t] for t in row]
     assert 0.1 < engine.spec_stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
+
+
+@pytest.mark.parametrize("proposer_kind", ["none", "draft"])
+def test_on_static_steps_a_guided_request_keeps_its_masks(target, proposer_kind):
+    """Static steps process logits inside the graph and know no guide or bad words.
+    While a request with them runs, the target's multi-step chains wait (the batch steps
+    row by row on the host), and a draft's chains of guesses go on unmasked for it (its
+    guesses are verified against the masked rows): each request gets the masked
+    target's greedy text, the free neighbour plain decoding's."""
+    graphed = copy.deepcopy(target)
+    graphed.use_cuda_graphs(num_slots=4, capacity=128)  # static steps, eager on a CPU
+    proposer = None
+    if proposer_kind == "draft":
+        draft = perturbed(target, 0.3, seed=2)
+        draft.use_cuda_graphs(num_slots=4, capacity=128)
+        proposer = DraftModelProposer(draft, catch_up_chunk_size=8)
+    engine = Engine(
+        graphed,
+        eos_token_ids=[EOS],
+        proposer=proposer,
+        num_speculative_tokens=3 if proposer else 0,
+        num_scheduler_steps=4 if proposer is None else 1,
+    )
+    guide = guide_of(PATTERNS["digits"])
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain_free = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], free).output_ids
+    bad = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, bad_words_ids=(tuple(plain_free[2:4]),))
+    guided = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, guide=guide))
+    neighbour = engine.add_request(PROMPTS[1], free)
+    banned = engine.add_request(PROMPTS[1], bad)
+    while engine.has_unfinished():
+        engine.step()
+    assert guided.output_ids == guided_greedy_by_hand(target, PROMPTS[0], guide, 30)
+    assert neighbour.output_ids == plain_free
+    assert banned.output_ids[:3] == plain_free[:3] and banned.output_ids[3] != plain_free[3]
+    assert proposer is None or draft.static.chains
