@@ -9,6 +9,7 @@ n, beam search, ...) are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Annotated, Any, Callable, ClassVar
@@ -152,6 +153,7 @@ class _Sampling(_Body):
     guided_json: Any = None  # a schema: an object, a boolean, or its JSON text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's: what JSON may put between its tokens
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -223,6 +225,20 @@ class _Sampling(_Body):
         return asked[0][0] if asked else None
 
     def _structured_asks(self) -> list[tuple[str, StructuredOutput]]:
+        return [(name, self._with_whitespace(wanted)) for name, wanted in self._structures_asked()]
+
+    def _with_whitespace(self, wanted: StructuredOutput) -> StructuredOutput:
+        """`wanted` with the request's whitespace pattern, where its JSON takes one."""
+        pattern = self.guided_whitespace_pattern
+        if isinstance(self.structured_outputs, dict) and self.structured_outputs.get("whitespace_pattern"):
+            pattern = self.structured_outputs["whitespace_pattern"]
+        if pattern is None or wanted.kind not in ("json", "json_object"):
+            return wanted
+        if not isinstance(pattern, str):
+            raise APIError("the whitespace pattern must be a regex string", param="guided_whitespace_pattern")
+        return dataclasses.replace(wanted, whitespace=pattern)
+
+    def _structures_asked(self) -> list[tuple[str, StructuredOutput]]:
         asked: list[tuple[str, StructuredOutput]] = []
         if self.guided_json is not None:
             asked.append(("guided_json", _json_schema(self.guided_json, "guided_json")))
@@ -586,10 +602,10 @@ class ChatCompletionRequest(_Sampling):
         ]
         return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
-    def _structured_asks(self) -> list[tuple[str, StructuredOutput]]:
+    def _structures_asked(self) -> list[tuple[str, StructuredOutput]]:
         schema = self.tool_choice_schema()
         forced = [] if schema is None else [("tool_choice", _json_schema(schema, "tool_choice"))]
-        return super()._structured_asks() + forced
+        return super()._structures_asked() + forced
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.structured.guide import Guide, GuideVocabulary
-from specserve.structured.json_schema import json_object_regex, schema_to_regex
+from specserve.structured.json_schema import WHITESPACE, json_object_regex, schema_to_regex
 from specserve.structured.regex import compile_regex
 from specserve.tokenizer import Tokenizer
 
@@ -31,12 +31,14 @@ class StructuredOutput:
 
     kind: str
     spec: Any = None
+    whitespace: str | None = None  # JSON's: a regex of what may go between its tokens; None: WHITESPACE
 
     def regex(self) -> str:
+        whitespace = WHITESPACE if self.whitespace is None else self.whitespace
         if self.kind == "json":
-            return schema_to_regex(json.loads(self.spec))
+            return schema_to_regex(json.loads(self.spec), whitespace)
         if self.kind == "json_object":
-            return json_object_regex()
+            return json_object_regex(whitespace)
         if self.kind == "choice":
             return "|".join(f"(?:{re.escape(choice)})" for choice in self.spec)
         return self.spec

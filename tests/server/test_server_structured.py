@@ -271,3 +271,21 @@ def test_too_many_or_blank_bad_words_are_400s():
     responses = asyncio.run(served([chat(bad_words=["x"] * 257), chat(bad_words=["ok", " "])]))
     for response in responses:
         assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"
+
+
+def test_a_whitespace_pattern_decides_what_goes_between_jsons_tokens():
+    """vLLM's guided_whitespace_pattern (and structured_outputs.whitespace_pattern): with
+    a vocabulary holding none of the default whitespace, "-" as JSON's whitespace."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    responses = asyncio.run(
+        served(
+            [
+                chat(guided_json=schema, guided_whitespace_pattern="-{1,2}", temperature=0),
+                chat(structured_outputs={"json": schema, "whitespace_pattern": "-{1,2}"}, temperature=0),
+                chat(guided_json=schema, guided_whitespace_pattern="(", temperature=0),
+            ]
+        )
+    )
+    for response in responses[:2]:
+        assert re.fullmatch(r'\{-{1,2}"ok"-{1,2}:-{1,2}(true|false)-{1,2}\}', text_of(response))
+    assert responses[2].status_code == 400 and responses[2].json()["error"]["param"] == "guided_json"
