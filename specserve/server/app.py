@@ -632,20 +632,18 @@ def build_app(
         # Each streamed choice's text, holding back what may be a tool call's.
         calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
 
-        def ended(out: RequestOutput, calls: list) -> dict[str, Any]:
-            reason = tool_calls.finish_reason if calls else None
+        def ended(out: RequestOutput, calls_made: bool) -> dict[str, Any]:
+            reason = tool_calls.finish_reason if calls_made else None
             return finish(out) | ({"finish_reason": reason} if reason else {})
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-            content, calls = out.text, []
+            content, entries = out.text, []  # entries: the delta's tool_calls
             if calling is not None:
-                content = calling[index].add(out.text)
-                if out.finished:
-                    rest, calls = calling[index].finish()
-                    content += rest
+                content, entries = calling[index].step(out.text, out.finished)
             with_logprobs = body.logprobs and out.logprobs
             if (
                 not content
+                and not entries
                 and not out.finished
                 and not first
                 and not with_logprobs
@@ -654,12 +652,15 @@ def build_app(
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if content or first or with_logprobs:
-                delta["content"] = content
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call.described()} for i, call in enumerate(calls)]
+                delta["content"] = content or (None if entries else content)
+            if entries:
+                delta["tool_calls"] = entries
+            calls_made = out.finished and calling is not None and calling[index].calls_made
             piece = {
                 **head,
-                "choices": [{"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended(out, calls)}],
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended(out, calls_made)}
+                ],
             }
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
@@ -675,7 +676,7 @@ def build_app(
                 "index": index,
                 "message": message,
                 "logprobs": described(result.logprobs),
-                **ended(result.last, calls),
+                **ended(result.last, bool(calls)),
             }
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:

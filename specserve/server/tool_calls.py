@@ -108,22 +108,25 @@ class ToolCallParser:
 @dataclass(frozen=True)
 class ForcedToolCalls:
     """A forced tool_choice's answer, which a guide held to the calls' JSON (protocol.py,
-    `tool_choice_schema`): for a named tool, its arguments object, one call whose
-    finish_reason stays the answer's (OpenAI's "stop"); for "required", a list of
-    {"name", "arguments"} calls, finishing "tool_calls". An answer cut short of valid
-    JSON (max_tokens) is content, as an unparsed one is."""
+    `tool_choice_schema`). For a named tool, the answer is its arguments: one call,
+    whatever they hold (cut short by max_tokens too, as vLLM and OpenAI give them),
+    streamed as they come, its finish_reason the answer's (OpenAI's "stop"). For
+    "required", a list of {"name", "arguments"} calls, sent whole at the end and
+    finishing "tool_calls"; one cut short of valid JSON is content."""
 
     tool: str  # a tool's name, or "required"
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        value = _json(text)
         if self.tool != "required":
-            return (None, [ToolCall(self.tool, text)]) if isinstance(value, dict) else (text, [])
+            return None, [ToolCall(self.tool, text)]
+        value = _json(text)
         calls = [_call_of(v) for v in value] if isinstance(value, list) else []
         return (None, calls) if calls and None not in calls else (text, [])
 
-    def stream(self) -> StreamedToolCalls:
-        return StreamedToolCalls(self, in_call=True)  # every text is the call's, sent at the end
+    def stream(self) -> StreamedToolCalls | StreamedArguments:
+        if self.tool != "required":
+            return StreamedArguments(self.tool)
+        return StreamedToolCalls(self, in_call=True)  # every text is the calls', sent at the end
 
     @property
     def finish_reason(self) -> str | None:
@@ -173,3 +176,32 @@ class StreamedToolCalls:
         rest = (content or "")[self.sent :] if calls else self.text[self.sent :]
         self.sent = len(self.text)
         return rest, calls
+
+    def step(self, new_text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """One streamed step: the content to send, and its delta's `tool_calls` entries
+        (the calls, each whole, at the end)."""
+        content = self.add(new_text)
+        if not finished:
+            return content, []
+        rest, calls = self.finish()
+        self.calls_made = bool(calls)
+        return content + rest, [{"index": i, **call.described()} for i, call in enumerate(calls)]
+
+    calls_made: bool = False  # known at the end: whether the answer was calls
+
+
+@dataclass
+class StreamedArguments:
+    """A named forced call, streamed as OpenAI streams one: no content; the first
+    delta's entry carries the call's id, type and name, and every step's text is the
+    next piece of its arguments."""
+
+    name: str
+    call: ToolCall | None = None
+    calls_made: bool = True
+
+    def step(self, new_text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        if self.call is None:
+            self.call = ToolCall(self.name, new_text)
+            return "", [{"index": 0, **self.call.described()}]
+        return "", [{"index": 0, "function": {"arguments": new_text}}] if new_text else []

@@ -211,9 +211,11 @@ def test_a_forced_tool_choice_answers_with_the_call(stream):
         if stream:
             lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
             deltas = [json.loads(line)["choices"][0] for line in lines if line != "[DONE]"]
-            calls = [call for d in deltas for call in d["delta"].get("tool_calls") or ()]
+            calls = assembled([entry for d in deltas for entry in d["delta"].get("tool_calls") or ()])
             assert not "".join(d["delta"].get("content") or "" for d in deltas)
             reason = deltas[-1]["finish_reason"]
+            if finish_reason == "stop":  # a named call's arguments come piece by piece
+                assert sum(bool(d["delta"].get("tool_calls")) for d in deltas) > 3
         else:
             choice = response.json()["choices"][0]
             assert choice["message"]["content"] is None
@@ -227,6 +229,18 @@ def test_a_forced_tool_choice_answers_with_the_call(stream):
             else:
                 assert arguments == {}
     assert len(calls) >= 1
+
+
+def assembled(entries: list[dict]) -> list[dict]:
+    """Streamed tool_calls entries put together as the OpenAI SDK does: by index, the
+    first giving id, type and name, every one a piece of the arguments."""
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"id": None, "function": {"name": None, "arguments": ""}})
+        call["id"] = call["id"] or entry.get("id")
+        call["function"]["name"] = call["function"]["name"] or entry["function"].get("name")
+        call["function"]["arguments"] += entry["function"].get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize(
