@@ -8,6 +8,7 @@ import copy
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from specserve.structured.guide import Guide, GuideVocabulary
+from specserve.structured.guide import Guide, GuideVocabulary, mask_classes
 from specserve.structured.regex import compile_regex
 from tests.chi_square import chi_square_p_value, seeded_outputs
 from tests.conftest import tiny_config
@@ -216,3 +217,15 @@ def test_on_static_steps_a_guided_request_keeps_its_masks(target, proposer_kind)
     assert neighbour.output_ids == plain_free
     assert banned.output_ids[:3] == plain_free[:3] and banned.output_ids[3] != plain_free[3]
     assert proposer is None or draft.static.chains
+
+
+@pytest.mark.parametrize("pattern", [*PATTERNS.values(), "[a-z]{0,40}x", r'"([^"\\]|\\n){0,30}"', "(ab|a){3,9}b?"])
+def test_states_that_share_a_mask_class_allow_the_same_tokens(pattern):
+    """Mask classes are exact: every state's own walk over the vocabulary gives the
+    mask its class keeps; and a long bounded repeat shares masks."""
+    guide = guide_of(pattern)
+    for state in range(guide.dfa.dead + 1):
+        assert np.array_equal(guide._walk_every_token(state), guide._text_mask(state).numpy()), state
+    classes = mask_classes(guide.dfa, len(VOCABULARY.counts))
+    if pattern == "[a-z]{0,40}x":
+        assert len(np.unique(classes)) < guide.dfa.dead / 2
