@@ -101,7 +101,9 @@ class Guide:
             raise ConfigError(f"the {description} matches no text at all")
         self.dfa, self.vocabulary, self.description = dfa, vocabulary, description
         classes = dfa.char_classes(vocabulary.alphabet)  # [A]
-        self._columns = tuple(classes[column] for column in vocabulary.columns)  # L of [counts[j]] int32
+        narrow = np.uint8 if len(dfa.boundaries) <= 256 else np.int32  # 1 MB a guide for Qwen's, not 4
+        # L of [counts[j]]: each token's j-th character's class
+        self._columns = tuple(classes[column].astype(narrow) for column in vocabulary.columns)
         # States whose masks are one (the same live futures within the longest token's reach).
         self._mask_class = mask_classes(dfa, len(vocabulary.counts))  # [states + 1]
         self._masks: dict[int, np.ndarray] = {}  # mask class -> [ceil(width / 8)] uint8, the mask's bits
