@@ -7,6 +7,7 @@ fix, with exit status 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
 from specserve.server.tool_calls import TOOL_CALL_PARSERS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
+from specserve.structured import GuideCache, StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -208,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = off")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
     gen.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens (vLLM's)")
+    structure = gen.add_mutually_exclusive_group()  # structured outputs (docs/serving.md#structured-outputs)
+    structure.add_argument(
+        "--guided-json", metavar="SCHEMA", help="a JSON schema (its text, or @FILE) the answer follows"
+    )
+    structure.add_argument("--guided-regex", metavar="REGEX", help="a regex the answer matches in full")
+    structure.add_argument("--guided-choice", metavar="TEXT", nargs="+", help="texts, one of which is the answer")
+    structure.add_argument("--json-object", action="store_true", help="the answer is a JSON object (JSON mode)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with figures")
     gen.set_defaults(run=run_generate)
 
@@ -591,11 +600,34 @@ def run_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def structured_output_of(args: argparse.Namespace) -> StructuredOutput | None:
+    """What `generate`'s --guided-* or --json-object flag holds the answer to (None: free)."""
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.guided_regex is not None:
+        return StructuredOutput("regex", args.guided_regex)
+    if args.guided_choice is not None:
+        return StructuredOutput("choice", tuple(args.guided_choice))
+    if args.guided_json is None:
+        return None
+    text = args.guided_json
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as error:
+            raise ConfigError(f"--guided-json {args.guided_json}: {error}") from None
+    try:
+        return StructuredOutput("json", json.dumps(json.loads(text)))
+    except ValueError as error:
+        raise ConfigError(f"--guided-json is not valid JSON ({error}); give the schema's text or @FILE") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.sampling import SamplingParams
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
+    wanted = structured_output_of(args)
     require_positive(args, "num_scheduler_steps")
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -623,6 +655,8 @@ def run_generate(args: argparse.Namespace) -> int:
         max_num_seqs=1,
         num_scheduler_steps=args.num_scheduler_steps,
     )
+    if wanted is not None:
+        params = dataclasses.replace(params, guide=GuideCache(tokenizer).guide(wanted))
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,25 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
 
 
 @pytest.mark.parametrize(
+    "flags, answer",
+    [
+        (["--guided-regex", "1, 2, 3(, [0-9]+){0,3}"], r"1, 2, 3(, [0-9]+){0,3}"),
+        (["--guided-choice", "ten", "eleven"], "ten|eleven"),
+        (["--guided-json", '{"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}'], None),
+    ],
+)
+def test_a_structured_answer_from_the_cli(prepared_cache, capsys, flags, answer):
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert main(["generate", *CHAT, "--json", *flags, "--speculative-config", spec]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    if answer is None:
+        assert json.loads(text)["n"] in (1, 2)
+    else:
+        assert re.fullmatch(answer, text), text
+
+
+@pytest.mark.parametrize(
     "args, words",
     [
         (
@@ -115,6 +135,10 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
         (["--max-model-len", "10"], "maximum model length 10"),
         (["--num-scheduler-steps", "-2"], "--num-scheduler-steps must be >= 1, got -2"),
         (["--min-tokens", "300"], "min_tokens must be an integer in [0, max_tokens] (24), got 300"),
+        (["--guided-json", "{bad"], "--guided-json is not valid JSON"),
+        (["--guided-json", "@/no/such/schema.json"], "--guided-json @/no/such/schema.json"),
+        (["--guided-json", '{"type": "object", "not": {}}'], "keyword 'not' at # is not supported"),
+        (["--guided-regex", "(a"], "is not closed"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):

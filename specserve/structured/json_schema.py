@@ -62,7 +62,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from specserve.errors import ConfigError
-from specserve.structured.regex import MAX_REPEAT
+from specserve.structured.regex import MAX_REPEAT, merged_intervals
 
 WHITESPACE = r"[ \t\n\r]*"  # between JSON tokens, as a generator writes them (pretty-printed or compact)
 MAX_REGEX_CHARS = 200_000
@@ -619,16 +619,6 @@ class _CharSet:
         return hit != self.negated
 
 
-def _merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return [(lo, hi) for lo, hi in merged]
-
-
 def _without_special(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out = []
     for lo, hi in ranges:
@@ -645,7 +635,7 @@ def _without_special(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _class_body(ranges: list[tuple[int, int]]) -> str:
     parts = []
-    for lo, hi in _merged_ranges(ranges):
+    for lo, hi in merged_intervals(ranges):
         parts.append(_class_char(lo))
         if hi > lo:
             parts.append(("-" if hi > lo + 1 else "") + _class_char(hi))

@@ -33,7 +33,7 @@ MAX_DFA_STATES = 20_000
 Interval = tuple[int, int]  # [first, last] code points, inclusive
 
 
-def _normalised(intervals: list[Interval]) -> tuple[Interval, ...]:
+def merged_intervals(intervals: list[Interval]) -> tuple[Interval, ...]:
     """Sorted, merged, non-overlapping intervals."""
     merged: list[list[int]] = []
     for first, last in sorted(intervals):
@@ -55,9 +55,9 @@ def _complement(intervals: tuple[Interval, ...]) -> tuple[Interval, ...]:
     return tuple(out)
 
 
-DIGITS = _normalised([(ord("0"), ord("9"))])
-WORD = _normalised([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("a"), ord("z")), (ord("_"), ord("_"))])
-SPACE = _normalised([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
+DIGITS = merged_intervals([(ord("0"), ord("9"))])
+WORD = merged_intervals([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("a"), ord("z")), (ord("_"), ord("_"))])
+SPACE = merged_intervals([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
 NOT_NEWLINE = _complement(((10, 10),))
 SHORTHANDS = {
     "d": DIGITS,
@@ -219,7 +219,7 @@ class _Parser:
                 intervals.append((low[0][0], high[0][0]))
             else:
                 intervals.extend(low)
-        normal = _normalised(intervals)
+        normal = merged_intervals(intervals)
         return _complement(normal) if negated else normal
 
 
