@@ -28,7 +28,8 @@ from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
 from specserve.server.tool_calls import TOOL_CALL_PARSERS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
-from specserve.structured import GuideCache, StructuredOutput
+from specserve.structured.guide import GuideCache
+from specserve.structured.outputs import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]

@@ -58,8 +58,7 @@ from specserve.server.recording import PromptRecorder
 from specserve.server.tool_calls import ForcedToolCalls, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
-from specserve.structured import GuideCache
-from specserve.structured.guide import Guide
+from specserve.structured.guide import Guide, GuideCache
 from specserve.tokenizer import Tokenizer
 from specserve.train.instructions import Instruction, from_messages
 
@@ -454,7 +453,7 @@ def build_app(
         return {"finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason}
 
     per_token = settings.stream_mode == "token"
-    guides = GuideCache(tokenizer)
+    guides = GuideCache(tokenizer, isolated=True)  # schemas compile away from the engine's thread
 
     async def structured_guide(body: CompletionRequest | ChatCompletionRequest) -> Guide | None:
         """The compiled guide of the body's structured output (None: free text), made on a

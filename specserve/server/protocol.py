@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, fie
 from specserve.errors import SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
-from specserve.structured import StructuredOutput
 from specserve.structured.guide import Guide
+from specserve.structured.outputs import StructuredOutput
 from specserve.tokenizer import CHAT_ROLES, template_role
 
 

@@ -22,16 +22,21 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specserve.errors import ConfigError
-from specserve.structured.regex import DFA, compile_regex
+from specserve.structured.outputs import StructuredOutput, automaton
+from specserve.structured.regex import DFA, mask_classes
 from specserve.tokenizer import Tokenizer
 
 # What a guide keeps: each state's mask as bits (151,936 ids: 19 KB), and each
@@ -96,7 +101,13 @@ class Guide:
     the ids each state allows. Shared by every request with the same pattern; safe to
     use from several threads (the server compiles, the engine steps)."""
 
-    def __init__(self, dfa: DFA, vocabulary: GuideVocabulary, description: str):
+    def __init__(
+        self,
+        dfa: DFA,
+        vocabulary: GuideVocabulary,
+        description: str,
+        mask_class: np.ndarray | None = None,  # [states + 1]: `mask_classes(dfa, reach)`, reach >= the longest token
+    ):
         if dfa.transitions[0].min() == dfa.dead and not dfa.accepting[0]:
             raise ConfigError(f"the {description} matches no text at all")
         self.dfa, self.vocabulary, self.description = dfa, vocabulary, description
@@ -105,15 +116,11 @@ class Guide:
         # L of [counts[j]]: each token's j-th character's class
         self._columns = tuple(classes[column].astype(narrow) for column in vocabulary.columns)
         # States whose masks are one (the same live futures within the longest token's reach).
-        self._mask_class = mask_classes(dfa, len(vocabulary.counts))  # [states + 1]
+        self._mask_class = mask_classes(dfa, len(vocabulary.counts)) if mask_class is None else mask_class
         self._masks: dict[int, np.ndarray] = {}  # mask class -> [ceil(width / 8)] uint8, the mask's bits
         self._unpacked: OrderedDict[tuple[int, bool, tuple[int, ...]], torch.Tensor] = OrderedDict()
         self._steps: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_regex(cls, pattern: str, tokenizer: Tokenizer, width: int) -> Guide:
-        return cls(compile_regex(pattern), GuideVocabulary.of(tokenizer, width), f"regex {pattern[:80]!r}")
 
     # -- states --
 
@@ -190,33 +197,6 @@ class Guide:
         return mask
 
 
-def mask_classes(dfa: DFA, reach: int) -> np.ndarray:
-    """[states + 1] int64: states numbered alike where every text of at most `reach`
-    characters leaves them both live or both dead, so that every token (no longer than
-    `reach`) is allowed after both or neither: Moore's partition refinement, `reach`
-    rounds at most. A bounded repeat's states far from its end share one mask (a string
-    of maxLength 1,000: 8,004 states, 766 masks; JSON mode: 7,410 states, 457).
-
-    Each round's signatures are hashed to 64 bits (one sort, not a sort of rows) and the
-    new classes checked exactly against them, with the exact sort where a hash merged two."""
-    transitions = dfa.transitions.astype(np.int64)  # [S, C]
-    weights = np.random.default_rng(0).integers(1, 2**63, size=transitions.shape[1] + 1, dtype=np.uint64)
-    classes = dfa.live().astype(np.int64)
-    count = len(np.unique(classes))
-    for _ in range(reach):
-        rows = np.concatenate([classes[:, None], classes[transitions]], axis=1)  # [S, C + 1]: each state's signature
-        with np.errstate(over="ignore"):
-            hashed = (rows.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-        _, first, refined = np.unique(hashed, return_index=True, return_inverse=True)
-        if not (rows == rows[first[refined.ravel()]]).all():  # a collision: sort the rows themselves
-            _, refined = np.unique(rows, axis=0, return_inverse=True)
-        refined = refined.ravel().astype(np.int64)
-        if refined.max() + 1 == count:
-            break
-        classes, count = refined, int(refined.max()) + 1
-    return classes
-
-
 def guided_rows(
     guide: Guide, output_ids: Sequence[int], drafts: Sequence[int], stop_ids: Collection[int], width: int
 ) -> torch.Tensor:
@@ -231,3 +211,64 @@ def guided_rows(
     if allowed.shape[-1] < width:
         return torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
     return allowed[:, :width]
+
+
+class GuideCache:
+    """Guides compiled for one tokenizer, the most recent `size` kept: requests that send
+    the same schema (an application's, every time) compile it once.
+
+    With `isolated`, the automaton is built in a worker process at the lowest priority
+    (one for the whole server, started at the first compile): building one is pure
+    Python for up to a second or two, and on a thread of the server it held the GIL from
+    the engine's thread and took a core from its kernels."""
+
+    def __init__(self, tokenizer: Tokenizer, size: int = 64, isolated: bool = False):
+        self.tokenizer, self.size, self.isolated = tokenizer, size, isolated
+        self._guides: OrderedDict[StructuredOutput, Guide] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def guide(self, wanted: StructuredOutput) -> Guide:
+        """The compiled guide (ConfigError for a pattern or schema it cannot serve)."""
+        with self._lock:
+            if wanted in self._guides:
+                self._guides.move_to_end(wanted)
+                return self._guides[wanted]
+        vocabulary = GuideVocabulary.of(self.tokenizer, self.tokenizer.vocab_size)
+        reach = len(vocabulary.counts)
+        if self.isolated:
+            dfa, classes = _compile_in_worker(wanted, reach)
+        else:
+            dfa, classes = automaton(wanted, reach)
+        guide = Guide(dfa, vocabulary, wanted.describe(), classes)
+        with self._lock:
+            self._guides[wanted] = guide
+            while len(self._guides) > self.size:
+                self._guides.popitem(last=False)
+        return guide
+
+
+_worker: ProcessPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def _compile_in_worker(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
+    """`automaton(wanted, reach)` in the compiling process (spawned: it imports numpy and
+    this package's torch-free modules, not the server's state); a worker that died is
+    replaced, and the compile tried once more."""
+    global _worker
+    for attempt in range(2):
+        with _worker_lock:
+            if _worker is None:
+                _worker = ProcessPoolExecutor(
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(19,)
+                )
+            worker = _worker
+        try:
+            return worker.submit(automaton, wanted, reach).result()
+        except BrokenProcessPool:
+            with _worker_lock:
+                if _worker is worker:
+                    _worker = None
+            if attempt:
+                raise ConfigError("compiling the structure failed: the compiling process died (out of memory?)")
+    raise AssertionError("unreachable")

@@ -19,6 +19,7 @@ ConfigError naming it.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ MAX_UNICODE = 0x10FFFF
 MAX_REPEAT = 1000  # {n,m} past this is refused: it is copied n or m times into the NFA
 MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 20_000
+MASK_CLASSES_BUDGET_S = 0.3  # `mask_classes` past this gives every state its own mask
 
 Interval = tuple[int, int]  # [first, last] code points, inclusive
 
@@ -230,6 +232,7 @@ class _NFA:
     def __init__(self) -> None:
         self.epsilon: list[list[int]] = []
         self.edges: list[list[tuple[tuple[Interval, ...], int]]] = []
+        self._closures: dict[int, frozenset[int]] = {}
 
     def state(self) -> int:
         if len(self.edges) >= MAX_NFA_STATES:
@@ -274,13 +277,23 @@ class _NFA:
         return end
 
     def closure(self, states: set[int] | frozenset[int]) -> frozenset[int]:
-        seen, stack = set(states), list(states)
-        while stack:
-            for nxt in self.epsilon[stack.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return frozenset(seen)
+        """The states reachable from `states` by epsilon edges (each state's own closure
+        computed once: subset construction asks for the same ones again and again)."""
+        if len(states) == 1:
+            return self._closure_of(next(iter(states)))
+        return frozenset().union(*map(self._closure_of, states))
+
+    def _closure_of(self, state: int) -> frozenset[int]:
+        found = self._closures.get(state)
+        if found is None:
+            seen, stack = {state}, [state]
+            while stack:
+                for nxt in self.epsilon[stack.pop()]:
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
+            found = self._closures[state] = frozenset(seen)
+        return found
 
 
 @dataclass(frozen=True)
@@ -382,3 +395,35 @@ def _classes_of(intervals: tuple[Interval, ...], boundaries: np.ndarray) -> rang
         high = int(np.searchsorted(boundaries, last, side="right")) - 1
         covered.extend(range(low, high + 1))
     return covered
+
+
+def mask_classes(dfa: DFA, reach: int, budget_s: float = MASK_CLASSES_BUDGET_S) -> np.ndarray:
+    """[states + 1] int64: states numbered alike where every text of at most `reach`
+    characters leaves them both live or both dead, so that every token (no longer than
+    `reach`) is allowed after both or neither: Moore's partition refinement, `reach`
+    rounds at most. A bounded repeat's states far from its end share one mask (a string
+    of maxLength 1,000: 8,004 states, 766 masks; JSON mode: 7,410 states, 457).
+
+    Each round's signatures are hashed to 64 bits (one sort, not a sort of rows) and the
+    new classes checked exactly against them, with the exact sort where a hash merged two.
+    Past `budget_s` of CPU time (long chains of states refine a round at a time) every state is its
+    own class: always exact, and no mask is shared."""
+    transitions = dfa.transitions.astype(np.int64)  # [S, C]
+    weights = np.random.default_rng(0).integers(1, 2**63, size=transitions.shape[1] + 1, dtype=np.uint64)
+    classes = dfa.live().astype(np.int64)
+    count = len(np.unique(classes))
+    started = time.process_time()  # its own CPU: a busy server slows it, not its budget
+    for _ in range(reach):
+        if time.process_time() - started > budget_s:
+            return np.arange(len(classes), dtype=np.int64)
+        rows = np.concatenate([classes[:, None], classes[transitions]], axis=1)  # [S, C + 1]: each state's signature
+        with np.errstate(over="ignore"):
+            hashed = (rows.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+        _, first, refined = np.unique(hashed, return_index=True, return_inverse=True)
+        if not (rows == rows[first[refined.ravel()]]).all():  # a collision: sort the rows themselves
+            _, refined = np.unique(rows, axis=0, return_inverse=True)
+        refined = refined.ravel().astype(np.int64)
+        if refined.max() + 1 == count:
+            break
+        classes, count = refined, int(refined.max()) + 1
+    return classes

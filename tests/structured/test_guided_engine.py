@@ -18,8 +18,8 @@ from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from specserve.structured.guide import Guide, GuideVocabulary, mask_classes
-from specserve.structured.regex import compile_regex
+from specserve.structured.guide import Guide, GuideVocabulary
+from specserve.structured.regex import compile_regex, mask_classes
 from tests.chi_square import chi_square_p_value, seeded_outputs
 from tests.conftest import tiny_config
 from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder

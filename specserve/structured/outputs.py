@@ -1,0 +1,47 @@
+"""What a request's answer must follow, and its automaton: a module without torch, so
+that a worker process compiles schemas away from the server's threads (guide.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specserve.structured.json_schema import WHITESPACE, json_object_regex, schema_to_regex
+from specserve.structured.regex import DFA, compile_regex, mask_classes
+
+KINDS = ("json", "regex", "choice", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's answer must be: `kind` one of KINDS, `spec` the schema (JSON
+    text), the regex, or the choices (a tuple); None for json_object."""
+
+    kind: str
+    spec: Any = None
+    whitespace: str | None = None  # JSON's: a regex of what may go between its tokens; None: WHITESPACE
+
+    def regex(self) -> str:
+        whitespace = WHITESPACE if self.whitespace is None else self.whitespace
+        if self.kind == "json":
+            return schema_to_regex(json.loads(self.spec), whitespace)
+        if self.kind == "json_object":
+            return json_object_regex(whitespace)
+        if self.kind == "choice":
+            return "|".join(f"(?:{re.escape(choice)})" for choice in self.spec)
+        return self.spec
+
+    def describe(self) -> str:
+        what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object"}
+        return what[self.kind]
+
+
+def automaton(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
+    """`wanted`'s DFA and its states' mask classes for tokens of at most `reach`
+    characters (ConfigError for a pattern or schema it cannot serve)."""
+    dfa = compile_regex(wanted.regex())
+    return dfa, mask_classes(dfa, reach)
