@@ -227,13 +227,16 @@ class GuideCache:
         self._guides: OrderedDict[StructuredOutput, Guide] = OrderedDict()
         self._lock = threading.Lock()
 
+    def vocabulary(self) -> GuideVocabulary:
+        return GuideVocabulary.of(self.tokenizer, self.tokenizer.vocab_size)
+
     def guide(self, wanted: StructuredOutput) -> Guide:
         """The compiled guide (ConfigError for a pattern or schema it cannot serve)."""
         with self._lock:
             if wanted in self._guides:
                 self._guides.move_to_end(wanted)
                 return self._guides[wanted]
-        vocabulary = GuideVocabulary.of(self.tokenizer, self.tokenizer.vocab_size)
+        vocabulary = self.vocabulary()
         reach = len(vocabulary.counts)
         if self.isolated:
             dfa, classes = _compile_in_worker(wanted, reach)
