@@ -28,7 +28,8 @@ from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
 from specserve.model.device import resolve_device
 from specserve.sampling import SamplingParams
-from specserve.structured import GuideCache, StructuredOutput
+from specserve.structured.guide import GuideCache
+from specserve.structured.outputs import StructuredOutput
 from specserve.tokenizer import Tokenizer
 
 NEIGHBOUR_TEMPERATURE = 0.8
