@@ -20,7 +20,7 @@ from specserve.errors import SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
 from specserve.structured.guide import Guide
-from specserve.structured.outputs import StructuredOutput
+from specserve.structured.outputs import KINDS, StructuredOutput
 from specserve.tokenizer import CHAT_ROLES, template_role
 
 
@@ -348,10 +348,10 @@ def _vllm_structured_outputs(value: dict[str, Any]) -> StructuredOutput:
     """vLLM's `structured_outputs` object: one of json, regex, choice, json_object."""
     param = "structured_outputs"
     given = {k: v for k, v in value.items() if v is not None and v is not False}
-    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object", "disable_fallback", "whitespace_pattern"})
+    unknown = sorted(set(given) - set(KINDS) - {"disable_fallback", "whitespace_pattern"})
     if unknown:
         raise APIError(f"{param}.{unknown[0]} is not supported; use json, regex, choice or json_object", param=param)
-    kinds = [k for k in ("json", "regex", "choice", "json_object") if k in given]
+    kinds = [k for k in KINDS if k in given]
     if len(kinds) != 1:
         raise APIError(f"{param} must set exactly one of json, regex, choice and json_object", param=param)
     kind = kinds[0]

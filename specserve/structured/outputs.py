@@ -13,7 +13,8 @@ import numpy as np
 from specserve.structured.json_schema import WHITESPACE, json_object_regex, schema_to_regex
 from specserve.structured.regex import DFA, compile_regex, mask_classes
 
-KINDS = ("json", "regex", "choice", "json_object")
+# Each kind of structure, as error messages name it.
+KINDS = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object"}
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,7 @@ class StructuredOutput:
         return self.spec
 
     def describe(self) -> str:
-        what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object"}
-        return what[self.kind]
+        return KINDS[self.kind]
 
 
 def automaton(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
