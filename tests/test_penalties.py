@@ -324,13 +324,17 @@ def test_min_tokens_holds_back_a_stop_token_and_speculation_keeps_the_output(tar
     plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], params).output_ids
     assert len(plain) >= 10 and stop not in plain[:10] and plain[:2] == plain_text[:2]
     assert plain == penalised_greedy_by_hand(target, PROMPTS[1], params, stop_ids={stop})[: len(plain)]
-    proposer = {
-        "none": None,
-        "draft": DraftModelProposer(perturbed(target, 0.3, seed=2)),
-        "ngram": NgramProposer(1, 3),
-    }[proposer_kind]
-    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    engine = Engine(
+        target, eos_token_ids=[EOS], proposer=proposer_of_kind(proposer_kind, target), num_speculative_tokens=4
+    )
     assert engine.generate(PROMPTS[1], params).output_ids == plain
+
+
+def proposer_of_kind(kind: str, target: Decoder) -> DraftModelProposer | NgramProposer | None:
+    """None, a draft model that mostly agrees with `target`, or n-gram lookups."""
+    if kind == "draft":
+        return DraftModelProposer(perturbed(target, 0.3, seed=2))
+    return NgramProposer(1, 3) if kind == "ngram" else None
 
 
 def test_allowed_ids_the_engine_cannot_serve_are_refused(target):

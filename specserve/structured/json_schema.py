@@ -161,10 +161,10 @@ def _repeat(atom: str, low: int, high: int | None) -> str:
 # -- literals
 
 
-def _literal(code: int) -> str:
-    """One character, outside a class."""
+def _literal(code: int, special: str = "\\.^$*+?{}[]()|") -> str:
+    """One character, outside a class (inside one: `_class_char`)."""
     char = chr(code)
-    if char in "\\.^$*+?{}[]()|":
+    if char in special:
         return "\\" + char
     if 0x20 <= code < 0x7F or (code >= 0x80 and char.isprintable()):
         return char
@@ -173,12 +173,7 @@ def _literal(code: int) -> str:
 
 def _class_char(code: int) -> str:
     """One character, inside a class."""
-    char = chr(code)
-    if char in "\\]^-[":
-        return "\\" + char
-    if 0x20 <= code < 0x7F or (code >= 0x80 and char.isprintable()):
-        return char
-    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else char
+    return _literal(code, special="\\]^-[")
 
 
 def _escaped(text: str) -> str:

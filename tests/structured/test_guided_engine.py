@@ -17,7 +17,6 @@ from specserve.model.decoder import Decoder, Segment
 from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.spec.draft_model import DraftModelProposer
-from specserve.spec.ngram import NgramProposer
 from specserve.structured.guide import Guide, GuideVocabulary
 from specserve.structured.regex import compile_regex, mask_classes
 from tests.chi_square import chi_square_p_value, seeded_outputs
@@ -25,6 +24,7 @@ from tests.conftest import tiny_config
 from tests.engine.test_engine import EOS, PROMPTS, perturbed, random_decoder
 from tests.head_models import METHODS, permutation_target, right_head
 from tests.spec.test_head_proposers import proposer_of, run_batch
+from tests.test_penalties import proposer_of_kind
 
 # 96 ids: single characters, a few longer pieces, and EOS (95), which is no text.
 PIECES = (
@@ -117,11 +117,7 @@ def target() -> Decoder:
 def test_guided_greedy_decoding_is_the_masked_targets_with_every_proposer(target, pattern, proposer_kind):
     guide = guide_of(PATTERNS[pattern])
     params = SamplingParams(max_tokens=40, temperature=0.0, guide=guide)
-    proposer = {
-        "none": None,
-        "draft": DraftModelProposer(perturbed(target, 0.3, seed=2)),
-        "ngram": NgramProposer(1, 3),
-    }[proposer_kind]
+    proposer = proposer_of_kind(proposer_kind, target)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     requests = [(prompt, params) for prompt in PROMPTS] + [(PROMPTS[0], free)]  # a free neighbour
