@@ -75,11 +75,7 @@ def processed_logits(
         out = without_bad_words(out, params, output_ids, drafts)
     if params.guide is not None:
         on_pattern = guided_rows(params.guide, output_ids, drafts, stop_ids, out.shape[-1]).to(out.device)
-        masked = out.masked_fill(~on_pattern, float("-inf"))
-        emptied = masked.amax(dim=-1) == float("-inf")  # [k+1]: rows the guide left nothing (one pass)
-        if emptied.any():
-            masked[emptied] = out[emptied]
-        out = masked
+        out = kept_where_any(out, out.masked_fill(~on_pattern, float("-inf")))
     return out
 
 
@@ -118,8 +114,10 @@ def allowed_only(scores: torch.Tensor, allowed_ids: torch.Tensor) -> torch.Tenso
 
 
 def kept_where_any(scores: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """masked [n, V], except its rows with no finite score, which stay scores' [n, V]."""
-    return torch.where(torch.isfinite(masked).any(dim=-1, keepdim=True), masked, scores)
+    """masked [n, V], except its rows left with nothing but -inf, which stay scores' [n, V].
+    One reduction a row and no read back, so it runs inside a CUDA graph too."""
+    emptied = masked.amax(dim=-1, keepdim=True) == float("-inf")  # [n, 1]
+    return torch.where(emptied, scores, masked)
 
 
 def biased(logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]]) -> torch.Tensor:

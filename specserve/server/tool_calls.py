@@ -149,6 +149,7 @@ class StreamedToolCalls:
     text: str = ""
     sent: int = 0  # characters of text sent as content
     in_call: bool = False  # a call may have begun: everything from `sent` on is held to the end
+    calls_made: bool = False  # known at the end: whether the answer was calls
 
     def add(self, new_text: str) -> str:
         """Take a step's text; return the content to send for it."""
@@ -186,8 +187,6 @@ class StreamedToolCalls:
         rest, calls = self.finish()
         self.calls_made = bool(calls)
         return content + rest, [{"index": i, **call.described()} for i, call in enumerate(calls)]
-
-    calls_made: bool = False  # known at the end: whether the answer was calls
 
 
 @dataclass

@@ -98,8 +98,8 @@ def _vocabulary(tokenizer: Tokenizer, width: int) -> GuideVocabulary:
 
 class Guide:
     """A compiled pattern over one vocabulary: the states an output passes through and
-    the ids each state allows. Shared by every request with the same pattern; safe to
-    use from several threads (the server compiles, the engine steps)."""
+    the ids each state allows. Shared by every request with the same pattern: built on
+    any thread, then stepped and masked by the engine's thread alone."""
 
     def __init__(
         self,
@@ -120,7 +120,6 @@ class Guide:
         self._masks: dict[int, np.ndarray] = {}  # mask class -> [ceil(width / 8)] uint8, the mask's bits
         self._unpacked: OrderedDict[tuple[int, bool, tuple[int, ...]], torch.Tensor] = OrderedDict()
         self._steps: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
 
     # -- states --
 
@@ -178,10 +177,9 @@ class Guide:
         bits = self._masks.get(mask_class)
         if bits is None:
             bits = np.packbits(self._walk_every_token(state))
-            with self._lock:
-                if len(self._masks) >= MAX_CACHED_STATES:
-                    self._masks.clear()
-                self._masks[mask_class] = bits
+            if len(self._masks) >= MAX_CACHED_STATES:
+                self._masks.clear()
+            self._masks[mask_class] = bits
         return torch.from_numpy(np.unpackbits(bits, count=self.vocabulary.width).view(np.bool_))
 
     def _walk_every_token(self, state: int) -> np.ndarray:
@@ -205,7 +203,7 @@ def guided_rows(
     state = guide.state_after(output_ids)
     rows = [guide.allowed(state, stop_ids)]
     for token_id in drafts:
-        state = guide.step(state, token_id) if state != guide.dfa.dead else state
+        state = guide.step(state, token_id)
         rows.append(guide.allowed(state, stop_ids))
     allowed = torch.stack(rows)  # [k + 1, guide width]
     if allowed.shape[-1] < width:

@@ -387,7 +387,7 @@ def compile_regex(pattern: str) -> DFA:
     return DFA(transitions, accepting, boundaries)
 
 
-def _classes_of(intervals: tuple[Interval, ...], boundaries: np.ndarray) -> range | list[int]:
+def _classes_of(intervals: tuple[Interval, ...], boundaries: np.ndarray) -> list[int]:
     """The class indices an edge's intervals cover (each interval starts and ends on a cut)."""
     covered: list[int] = []
     for first, last in intervals:
