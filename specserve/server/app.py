@@ -392,7 +392,7 @@ def build_app(
         engine admits them, the prompts `recorded` makes go to the recorder."""
         requests = []
         guide = await structured_guide(body)
-        bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words or ())
+        bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words) if body.bad_words else ()
         for prompt_ids in prompts:
             max_tokens = max_tokens_for(body.requested_max_tokens(), len(prompt_ids))
             params = body.sampling_params(max_tokens, guide, bad_words)
@@ -655,7 +655,7 @@ def build_app(
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if content or first or with_logprobs:
-                delta["content"] = content or (None if entries else content)
+                delta["content"] = None if entries and not content else content
             if entries:
                 delta["tool_calls"] = entries
             calls_made = out.finished and calling is not None and calling[index].calls_made

@@ -229,13 +229,13 @@ class _Sampling(_Body):
 
     def _with_whitespace(self, wanted: StructuredOutput) -> StructuredOutput:
         """`wanted` with the request's whitespace pattern, where its JSON takes one."""
-        pattern = self.guided_whitespace_pattern
+        param, pattern = "guided_whitespace_pattern", self.guided_whitespace_pattern
         if isinstance(self.structured_outputs, dict) and self.structured_outputs.get("whitespace_pattern"):
-            pattern = self.structured_outputs["whitespace_pattern"]
+            param, pattern = "structured_outputs", self.structured_outputs["whitespace_pattern"]
         if pattern is None or wanted.kind not in ("json", "json_object"):
             return wanted
         if not isinstance(pattern, str):
-            raise APIError("the whitespace pattern must be a regex string", param="guided_whitespace_pattern")
+            raise APIError("the whitespace pattern must be a regex string", param=param)
         return dataclasses.replace(wanted, whitespace=pattern)
 
     def _structures_asked(self) -> list[tuple[str, StructuredOutput]]:
