@@ -199,7 +199,7 @@ class SamplingParams:
     def masks_on_host(self) -> bool:
         """Whether a row's mask depends on the text before it in a way only the host
         follows (a guide's state, bad words' prefixes): such a request is processed row by
-        row, not in a graphed chain or the fused C step."""
+        row on the host, not in a graphed chain (the fused C step hands its rows back)."""
         return self.guide is not None or bool(self.bad_words_ids)
 
     @functools.cached_property

@@ -93,10 +93,17 @@ class _Outcome(NamedTuple):
 
 
 def fusable(seq: Sequence) -> bool:
-    """Whether the fused call can run this sequence's step: it returns the argmaxes of
-    the raw logits, so not for sampling, logprobs, penalties or min_tokens."""
+    """Whether the fused call can run this sequence's step: greedy, drafting from the raw
+    logits. Masks (allowed ids, min_tokens, bad words, a guide) and logprobs are applied
+    to the rows' logits the call returns (`verified_on_host`); penalties and logit bias
+    are not fused, since the raw guesses would miss what they change."""
     params = seq.params
-    return params.greedy and params.logprobs is None and not params.processes_logits
+    return params.greedy and not params.penalized and not params.logit_bias
+
+
+def verified_on_host(seq: Sequence) -> bool:
+    """Whether a fused sequence's verdict needs its rows' logits, not the raw argmax."""
+    return seq.params.processes_logits or seq.params.logprobs is not None
 
 
 class Engine:
@@ -450,7 +457,7 @@ class Engine:
         if outcomes is None:
             outcomes = self._speculate_fused(fused, fused_wanted) + self._forward_and_verify(work)
         advanced = [outcome.seq for outcome in outcomes]
-        failed = [w.seq for w in work if w.seq.failure is not None]
+        failed = [seq for seq in [*(w.seq for w in work), *fused] if seq.failure is not None]
         for seq, num_drafted, verdict, logprobs, num_dropped, first_confidence in outcomes:
             seq.append(verdict.tokens, logprobs)
             seq.cache.truncate(min(seq.cache.length, len(seq.token_ids) - 1))
@@ -484,12 +491,24 @@ class Engine:
         if not seqs:
             return []
         assert isinstance(self.proposer, FusedDraftProposer)
-        results = self.proposer.speculate(seqs, wanted, [s.cache for s in seqs])
+        on_host = [verified_on_host(s) for s in seqs]
+        jobs = self.proposer.speculate(seqs, wanted, [s.cache for s in seqs], on_host)
         drafting, verifying = self.proposer.last_seconds
-        self._observe_draft([n for n, _ in results], wanted, drafting)
+        self._observe_draft([len(job.drafted) for job in jobs], wanted, drafting)
         if self.adaptive is not None:
-            self.adaptive.observe_target(sum(n + 1 for n, _ in results), verifying)
-        return [_Outcome(seq, n, verdict) for seq, (n, verdict) in zip(seqs, results)]
+            self.adaptive.observe_target(sum(len(job.drafted) + 1 for job in jobs), verifying)
+        outcomes = []
+        for seq, job in zip(seqs, jobs):
+            if job.target_logits is None:
+                outcomes.append(_Outcome(seq, len(job.drafted), verdict_from_argmax(job.drafted, job.target_argmax)))
+                continue
+            work = _Work(seq, [], Draft.of(job.drafted), True)
+            try:  # as _forward_and_verify: this request's own arithmetic fails it alone
+                outcomes.append(self._verify_one(work, job.target_logits.float(), job.target_argmax))
+            except Exception as error:
+                log.exception("verifying request %d failed; its batch goes on", seq.seq_id)
+                seq.fail(error)
+        return outcomes
 
     def _decode_ahead(self, work: list[_Work]) -> list[_Outcome] | None:
         """Multi-step decoding (see the module's docstring): each sequence's next

@@ -487,6 +487,7 @@ class _Sequence(ctypes.Structure):  # struct sequence in speculate.c
         ("drafted", ctypes.c_void_p),
         ("num_drafted", ctypes.c_int),
         ("target_argmax", ctypes.c_void_p),
+        ("target_logits", ctypes.c_void_p),
     ]
 
 
@@ -620,16 +621,19 @@ class GreedySpeculation:
     """One sequence's share of `speculate_greedy`. In: the caches' tensors (keys,
     values [layers, kv_heads, capacity, head_dim], with room for what is read) and
     lengths, the tokens the draft has not read (ending with the newest), the newest
-    token, and k. Out: `drafted`, and `target_argmax` [len(drafted) + 1] when the call
-    verified."""
+    token, k, and whether the verified rows' logits are wanted. Out: `drafted`, and when
+    the call verified, `target_argmax` [len(drafted) + 1] and, where wanted,
+    `target_logits` [len(drafted) + 1, vocab] bfloat16."""
 
     draft_cache: tuple[torch.Tensor, torch.Tensor, int]
     target_cache: tuple[torch.Tensor, torch.Tensor, int] | None
     unseen: list[int]
     newest: int
     max_drafts: int
+    wants_logits: bool = False
     drafted: list[int] = field(default_factory=list)
     target_argmax: list[int] = field(default_factory=list)
+    target_logits: torch.Tensor | None = None
 
 
 def speculate_greedy(
@@ -656,12 +660,17 @@ def speculate_greedy(
         return _Segment(keys.data_ptr(), values.data_ptr(), 0, keys.shape[2], length)
 
     described = (_Sequence * len(seqs))()
+    vocab = None if target is None else target[0].described.vocab
+    logits = [
+        torch.empty(s.max_drafts + 1, vocab, dtype=torch.bfloat16) if vocab and s.wants_logits else None for s in seqs
+    ]
     read = written = 0
-    for slot, s in zip(described, seqs):
+    for slot, s, rows in zip(described, seqs, logits):
         slot.draft, slot.target = segment(s.draft_cache), segment(s.target_cache)
         slot.unseen, slot.num_unseen = unseen.data_ptr() + 8 * read, len(s.unseen)
         slot.newest, slot.max_drafts = s.newest, s.max_drafts
         slot.drafted, slot.target_argmax = drafted.data_ptr() + 8 * written, target_argmax.data_ptr() + 8 * written
+        slot.target_logits = _pointer(rows)
         read += len(s.unseen)
         written += s.max_drafts + 1
     seconds = (ctypes.c_double * 2)()
@@ -682,9 +691,10 @@ def speculate_greedy(
         raise MemoryError("speculate_greedy could not allocate its buffers")
     drafted_list, argmax_list = drafted.tolist(), target_argmax.tolist()
     written = 0
-    for slot, s in zip(described, seqs):
+    for slot, s, rows in zip(described, seqs, logits):
         s.drafted = drafted_list[written : written + slot.num_drafted]
         if target is not None:
             s.target_argmax = argmax_list[written : written + slot.num_drafted + 1]
+            s.target_logits = None if rows is None else rows[: slot.num_drafted + 1]
         written += s.max_drafts + 1
     return seconds[0], seconds[1]

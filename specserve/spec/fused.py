@@ -13,6 +13,12 @@ int4/int8 kernels). The target's verification joins the call when the target is
 quantized too; otherwise the drafts come back and the target verifies them in its
 usual PyTorch forward. Sampled requests take the unfused path: rejection sampling needs
 the draft's probabilities, which the C code does not produce.
+
+A greedy request whose rows are masked (allowed ids, min_tokens, bad words, a guide) or
+that asks for logprobs still runs fused: its drafts are the raw argmaxes, as a graphed
+chain guesses, and the call hands back its verified rows' logits (bfloat16, as the
+target's head writes them), which the engine masks and reads as the unfused path does.
+The drafts are only guesses, so the verdict stays the masked target's own.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from specserve.model.decoder import Decoder
 from specserve.model.kv_cache import KVCache
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.proposer import Draft, SequenceView
-from specserve.spec.verify import Verdict, verdict_from_argmax
 
 
 class FusedDraftProposer(DraftModelProposer):
@@ -78,24 +83,34 @@ class FusedDraftProposer(DraftModelProposer):
         return drafts
 
     def speculate(
-        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], target_caches: Sequence[KVCache]
-    ) -> list[tuple[int, Verdict]]:
+        self,
+        seqs: Sequence[SequenceView],
+        num_tokens: Sequence[int],
+        target_caches: Sequence[KVCache],
+        wants_logits: Sequence[bool],
+    ) -> list[native.GreedySpeculation]:
         """Draft up to num_tokens[i] tokens for each greedy sequence and verify them with
         the target, whose cache for seqs[i] is target_caches[i] (holding every token but
-        the newest). Returns (tokens drafted, verdict) per sequence; each target cache
-        then holds the newest token and every draft (the caller rolls back the rejected)."""
+        the newest). Returns each sequence's drafts, the target's argmax of every row and,
+        where wants_logits[i], the rows' logits (for a host that masks them or reads their
+        logprobs); each target cache then holds the newest token and every draft (the
+        caller rolls back the rejected)."""
         assert self.verifies and all(s.params.greedy for s in seqs)
         num_tokens = self.catch_up_prompts(seqs, num_tokens)
-        done = self._run(seqs, num_tokens, target_caches)
-        return [(len(job.drafted), verdict_from_argmax(job.drafted, job.target_argmax)) for job in done]
+        return self._run(seqs, num_tokens, target_caches, wants_logits)
 
     def _run(
-        self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], target_caches: Sequence[KVCache] | None
+        self,
+        seqs: Sequence[SequenceView],
+        num_tokens: Sequence[int],
+        target_caches: Sequence[KVCache] | None,
+        wants_logits: Sequence[bool] | None = None,
     ) -> list[native.GreedySpeculation]:
         """The C call for seqs (after `catch_up_prompts`); counts what the draft reads."""
         if not seqs:
             return []
         jobs = []
+        wants_logits = wants_logits or [False] * len(seqs)
         draft_end = target_end = 0  # the furthest position each model reads, plus one
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
             cache = self._cache(seq)
@@ -109,9 +124,8 @@ class FusedDraftProposer(DraftModelProposer):
                 target_end = max(target_end, target_cache.length + k + 1)
                 target_cache.reserve(target_cache.length + k + 1)
                 target = (target_cache.keys, target_cache.values, target_cache.length)
-            jobs.append(
-                native.GreedySpeculation((cache.keys, cache.values, cache.length), target, unseen, seq.token_ids[-1], k)
-            )
+            draft_cache = (cache.keys, cache.values, cache.length)
+            jobs.append(native.GreedySpeculation(draft_cache, target, unseen, seq.token_ids[-1], k, wants_logits[i]))
         target = None
         if target_caches is not None:
             target = (self.target_in_c, self.target.rope_table(target_end))

@@ -19,6 +19,7 @@ from specserve.spec.fused import FusedDraftProposer
 from tests.engine.test_engine import EOS, GREEDY, PROMPTS, log_lookups, perturbed, plain_tokens, random_decoder
 from tests.model.test_native import needs_kernel, on_bfloat16_kernel
 from tests.spec.test_adaptive import FreeCosts
+from tests.structured.test_guided_engine import PATTERNS, guide_of
 
 
 def quantized(model: Decoder, quantization: str = "int4") -> Decoder:
@@ -211,34 +212,80 @@ def test_sampled_requests_beside_fused_ones_take_the_unfused_path(target, draft)
     assert run(FusedDraftProposer(draft, target)) == run(DraftModelProposer(draft))
 
 
-@needs_kernel
-@pytest.mark.parametrize(
-    "options", [{"logprobs": 2}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5}], ids=["logprobs", "penalties"]
-)
-def test_greedy_requests_that_need_the_logits_take_the_unfused_path(target, draft, options, monkeypatch):
-    """The fused call returns the raw logits' argmaxes only: a greedy request that wants
-    logprobs or penalties is verified in the forward, and gives plain decoding's tokens
-    and logprobs bit for bit (our int4 kernels compute a verified row as a plain step).
-    While it decodes, the fusable request beside it goes in the same forward (a fused
-    call beside it would read the target's weights twice a step), and fused after."""
-    proposer = FusedDraftProposer(draft, target)
-    fused = []  # per fused call: its sequences, and whether the other was still decoding
+def spy_on_fused_calls(proposer: FusedDraftProposer, monkeypatch) -> list[list[int]]:
+    """The sequence ids of each fused call the proposer makes from now on."""
+    calls: list[list[int]] = []
     speculate = proposer.speculate
     monkeypatch.setattr(
-        proposer,
-        "speculate",
-        lambda seqs, *a: fused.append(([s.seq_id for s in seqs], seq.finished)) or speculate(seqs, *a),
+        proposer, "speculate", lambda seqs, *a: calls.append([s.seq_id for s in seqs]) or speculate(seqs, *a)
     )
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options",
+    [{"repetition_penalty": 1.3, "frequency_penalty": 0.5}, {"logit_bias": ((3, 5.0), (17, -2.0))}],
+    ids=["penalties", "logit-bias"],
+)
+def test_penalised_greedy_requests_take_the_unfused_path(target, draft, options, monkeypatch):
+    """The C draft guesses from the raw logits, which penalties and biases move: such a
+    request is verified in the forward, and gives plain decoding's tokens. While it
+    decodes, the fusable request beside it goes in the same forward (a fused call beside
+    it would read the target's weights twice a step), and fused after."""
+    proposer = FusedDraftProposer(draft, target)
+    calls = spy_on_fused_calls(proposer, monkeypatch)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
-    needs_logits = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **options)
+    penalised = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **options)
     fused_seq = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    seq = engine.add_request(PROMPTS[1], needs_logits)
+    seq = engine.add_request(PROMPTS[1], penalised)
+    finished_before = []
+    while engine.has_unfinished():
+        calls_before = len(calls)
+        engine.step()
+        finished_before += [seq.finished] * (len(calls) - calls_before)
+    assert calls and all(ids == [fused_seq.seq_id] for ids in calls) and all(finished_before)
+    assert seq.output_ids == plain_tokens(target, PROMPTS[1], penalised)
+    assert seq.spec.num_draft_tokens > 0
+
+
+# Masks on PROMPTS[1]'s request, from its free answer `ids`, so that each one bites.
+MASKED_OPTIONS = {
+    "logprobs": lambda ids: {"logprobs": 2},
+    "allowed-ids": lambda ids: {"allowed_token_ids": tuple(range(0, 96, 3))},
+    "min-tokens": lambda ids: {"min_tokens": 15, "stop_token_ids": (ids[2], ids[5])},
+    "bad-words": lambda ids: {"bad_words_ids": ((ids[0],), (ids[3], ids[4]), (ids[8], ids[9]))},
+    "guide": lambda ids: {"guide": guide_of(PATTERNS["digits"]), "ignore_eos": False},
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(MASKED_OPTIONS))
+def test_masked_greedy_requests_run_fused_as_the_masked_target(target, draft, kind, monkeypatch):
+    """A greedy request whose rows are masked, or that asks for logprobs, runs in the
+    fused call beside a free one: the call hands back its rows' logits, and its tokens
+    and logprobs are plain decoding's bit for bit (our int4 kernels compute a verified
+    row as a plain step), however often its raw-argmax drafts break the mask."""
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free_answer = plain_tokens(target, PROMPTS[1], free)
+    options = {"ignore_eos": True} | MASKED_OPTIONS[kind](free_answer)
+    masked = SamplingParams(max_tokens=30, temperature=0.0, **options)
+    proposer = FusedDraftProposer(draft, target)
+    calls = spy_on_fused_calls(proposer, monkeypatch)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    seqs = [engine.add_request(PROMPTS[0], free), engine.add_request(PROMPTS[1], masked)]
+    unfused_steps = []
+    forward = engine._forward_and_verify
+    monkeypatch.setattr(engine, "_forward_and_verify", lambda work: unfused_steps.append(len(work)) or forward(work))
     while engine.has_unfinished():
         engine.step()
-    assert fused and all(ids == [fused_seq.seq_id] and other_done for ids, other_done in fused)
-    plain = Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[1], needs_logits)
-    assert seq.output_ids == plain.output_ids and seq.logprobs == plain.logprobs
-    assert seq.spec.num_draft_tokens > 0
+    plain = [Engine(target, eos_token_ids=[EOS]).generate(PROMPTS[i], p) for i, p in enumerate((free, masked))]
+    assert [s.output_ids for s in seqs] == [p.output_ids for p in plain]
+    assert [s.logprobs for s in seqs] == [p.logprobs for p in plain]
+    assert (plain[1].output_ids == free_answer) == (kind == "logprobs")  # each mask bites
+    assert [seqs[1].seq_id in ids for ids in calls].count(True) >= 3
+    assert not any(unfused_steps[1:-1])  # every step between the prompts' and the last (k = 0) is fused
+    assert seqs[1].spec.num_accepted_tokens > 0
 
 
 def test_fused_needs_a_draft_in_c(float_target):

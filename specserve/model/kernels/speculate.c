@@ -30,6 +30,7 @@ struct sequence {
     int64_t *drafted;                 /* out [max_drafts] */
     int num_drafted;                  /* out */
     int64_t *target_argmax;           /* out [max_drafts + 1], when a target is given */
+    uint16_t *target_logits;          /* out [max_drafts + 1, vocab] bfloat16, or NULL: its rows' logits */
 };
 
 static double now(void) {
@@ -131,7 +132,9 @@ static int draft_steps(const struct model *m, const uint16_t *cos, const uint16_
 }
 
 /* The target reads every sequence's newest token and drafts (one query at a time) and
- * scores each row: target_argmax, and target.start advanced by the tokens read. */
+ * scores each row: target_argmax, target_logits where asked (a host that masks or
+ * penalises the rows takes its own argmax of them), and target.start advanced by the
+ * tokens read. */
 static int verify_steps(const struct model *m, const uint16_t *cos, const uint16_t *rotated_sin,
                         struct sequence *seqs, int count) {
     int rows = 0;
@@ -156,6 +159,9 @@ static int verify_steps(const struct model *m, const uint16_t *cos, const uint16
         row = 0;
         for (int s = 0; s < count; s++) {
             memcpy(seqs[s].target_argmax, tokens + row, sizeof(int64_t) * (size_t)segments[s].n);
+            if (seqs[s].target_logits)
+                memcpy(seqs[s].target_logits, logits + (size_t)row * m->vocab,
+                       sizeof(uint16_t) * (size_t)segments[s].n * m->vocab);
             row += segments[s].n;
             seqs[s].target.start += segments[s].n;
         }
