@@ -502,20 +502,25 @@ def test_requests_outgrowing_the_kv_cache_space_are_preempted_and_answer_as_alon
 
 
 def test_draining_answers_503_while_requests_in_flight_finish(prepared_cache):
-    server = ServerProcess(MODEL, "--shutdown-grace", "30")
+    """The answer in flight is long enough (seconds) for the probes to reach the draining
+    server before it finishes; the probes wait for the signal to land, not a fixed time."""
+    server = ServerProcess(MODEL, "--shutdown-grace", "60")
     try:
         with httpx.stream(
-            "POST", server.url + "/v1/completions", json=greedy("Once", 150, stream=True), timeout=120
+            "POST", server.url + "/v1/completions", json=greedy("Once", 600, stream=True), timeout=120
         ) as running:
             lines = running.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             server.terminate()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while httpx.get(server.url + "/health", timeout=30).status_code == 200:
+                assert time.monotonic() < deadline, "the server never began draining"
+                time.sleep(0.05)
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 503
             refused = httpx.post(server.url + "/v1/completions", json=greedy("Hi", 2), timeout=30)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-            assert httpx.get(server.url + "/health", timeout=30).status_code == 503
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert rest[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
-        assert server.process.wait(30) in (0, -15)
+        assert server.process.wait(60) in (0, -15)
     finally:
         server.stop()
