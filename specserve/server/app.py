@@ -98,12 +98,12 @@ class ApiSettings:
 KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
+def _usage(outs: list[RequestOutput], n: int, completed: bool = True) -> dict[str, Any]:
     """Usage of a response's choices (n per prompt): each prompt counted once, every
-    choice's tokens."""
+    choice's tokens (none where the answer leaves them out: `completed` False)."""
     firsts = outs[::n]  # one choice of each prompt
     prompt_tokens = sum(out.num_prompt_tokens for out in firsts)
-    completion_tokens = sum(out.num_output_tokens for out in outs)
+    completion_tokens = sum(out.num_output_tokens for out in outs) if completed else 0
     cached = [out.num_cached_tokens for out in firsts]
     return {
         "prompt_tokens": prompt_tokens,
@@ -441,7 +441,8 @@ def build_app(
                     if event is not None:
                         yield event
                 if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage([last[i] for i in sorted(last)], body.n)})
+                    usage = _usage([last[i] for i in sorted(last)], body.n, completed=not body.echo_only)
+                    yield _sse({**head, "choices": [], "usage": usage})
             except Exception as e:  # the stream has started: report in-band
                 yield _sse(_as_api_error(e).body())
             finally:
@@ -563,23 +564,25 @@ def build_app(
             return echoed_entries(prompts[index // body.n], prompt_logprobs or (), body.echoed_logprobs)
 
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-            text = (echoed(index) if first else "") + out.text
+            generated, generated_logprobs = ("", []) if body.echo_only else (out.text, list(out.logprobs))
+            text = (echoed(index) if first else "") + generated
             if (
                 not text
                 and not out.finished
-                and not (body.logprobs is not None and out.logprobs)
-                and not (per_token and out.num_new_tokens)
+                and not (body.logprobs is not None and generated_logprobs)
+                and not (per_token and out.num_new_tokens and not body.echo_only)
             ):
                 return None
-            logprobs = (echoed_logprobs(index, out.prompt_logprobs) if first else []) + list(out.logprobs)
+            logprobs = (echoed_logprobs(index, out.prompt_logprobs) if first else []) + generated_logprobs
             piece = {**head, "choices": [choice(index, text, out, logprobs)]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
 
         def whole_choice(index: int, result: ChoiceResult) -> dict[str, Any]:
-            logprobs = echoed_logprobs(index, result.prompt_logprobs) + result.logprobs
-            described = choice(index, echoed(index) + "".join(result.text), result.last, logprobs)
+            generated, generated_logprobs = ("", []) if body.echo_only else ("".join(result.text), result.logprobs)
+            logprobs = echoed_logprobs(index, result.prompt_logprobs) + generated_logprobs
+            described = choice(index, echoed(index) + generated, result.last, logprobs)
             if body.prompt_logprobs is not None:
                 described["prompt_logprobs"] = prompt_logprobs_field(
                     result.prompt_logprobs or (), tokenizer, body.prompt_logprobs
@@ -591,7 +594,7 @@ def build_app(
             return {
                 **head,
                 "choices": [whole_choice(i, r) for i, r in enumerate(results)],
-                "usage": _usage(lasts, body.n),
+                "usage": _usage(lasts, body.n, completed=not body.echo_only),
                 "spec_decode": _spec_decode(lasts),
             }
 
@@ -693,7 +696,7 @@ def build_app(
                 **prompt_logprobs,
                 "object": "chat.completion",
                 "choices": [whole_choice(i, r) for i, r in enumerate(results)],
-                "usage": _usage(lasts, body.n),
+                "usage": _usage(lasts, body.n, completed=not body.echo_only),
                 "spec_decode": _spec_decode(lasts),
             }
 

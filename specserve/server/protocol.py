@@ -200,7 +200,7 @@ class _Sampling(_Body):
                 f"got {self.prompt_logprobs}",
                 param="prompt_logprobs",
             )
-        if self.prompt_logprobs is not None and self.stream:
+        if self.prompt_logprobs and self.stream:  # 0 is taken, as vLLM takes it, and lists nothing
             raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         for field, asks_nothing, instead in VLLM_UNSUPPORTED:
             value = getattr(self, field)
@@ -315,10 +315,20 @@ class _Sampling(_Body):
 
     def num_prompt_logprobs(self) -> int | None:
         """How many alternatives to each prompt token's logprob; None: none asked."""
-        return self.prompt_logprobs
+        return self.listed_prompt_logprobs
+
+    @property
+    def listed_prompt_logprobs(self) -> int | None:
+        """vLLM's prompt_logprobs where the answer lists them: not in a stream."""
+        return None if self.stream else self.prompt_logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        """Whether the answer is the prompt alone, its decoded tokens left out."""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -405,9 +415,19 @@ class CompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone comes back, with its tokens' logprobs
+        where asked (vLLM's and the legacy OpenAI completions' way to score a text). The
+        engine still decodes one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
     def num_prompt_logprobs(self) -> int | None:
         """Echo with logprobs lists the prompt's tokens with theirs: the most either asks."""
-        asked = [n for n in (self.prompt_logprobs, self.echoed_logprobs) if n is not None]
+        asked = [n for n in (self.listed_prompt_logprobs, self.echoed_logprobs) if n is not None]
         return max(asked, default=None)
 
     @property

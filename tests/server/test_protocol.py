@@ -135,7 +135,7 @@ def test_error_body_is_openai_shaped():
         (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
         (chat, {"prompt_logprobs": 21}, "prompt_logprobs"),
         (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-        (chat, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+        (chat, {"prompt_logprobs": 3, "stream": True}, "prompt_logprobs"),
         (completion, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         (chat, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         (chat, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
@@ -323,6 +323,8 @@ def test_allowed_token_ids_reach_the_sampling_params_distinct_and_ascending():
         (completion, {"echo": True, "logprobs": 4, "prompt_logprobs": 0}, 4),
         (chat, {"prompt_logprobs": 2}, 2),
         (chat, {"logprobs": True, "top_logprobs": 4}, None),
+        (chat, {"prompt_logprobs": 0, "stream": True}, None),  # taken, as vLLM takes it; a stream lists none
+        (completion, {"echo": True, "logprobs": 2, "prompt_logprobs": 0, "stream": True}, 2),
     ],
 )
 def test_prompt_logprobs_reach_the_sampling_params(make, fields, expected):

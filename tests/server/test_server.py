@@ -275,6 +275,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(plai
         )
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(plain, spec):
+    """Older lm-evaluation-harness versions score a text with echo and max_tokens 0: the
+    choice is the prompt and its tokens' logprobs, nothing generated, streamed or not."""
+    asked = dict(max_tokens=1, logprobs=2, echo=True)
+    for server, model in ((plain, MODEL), (spec, "smol")):
+        with_token = complete(server, PROMPTS[1], model, **asked).choices[0]
+        alone = client(server).completions.create(
+            model=model, prompt=PROMPTS[1], temperature=0, **(asked | {"max_tokens": 0})
+        )
+        choice = alone.choices[0]
+        assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == with_token.logprobs.tokens[:-1]
+        assert choice.logprobs.token_logprobs == with_token.logprobs.token_logprobs[:-1]
+        assert alone.usage.completion_tokens == 0 and alone.usage.total_tokens == alone.usage.prompt_tokens
+        chunks = list(
+            client(server).completions.create(
+                model=model,
+                prompt=PROMPTS[1],
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                **(asked | {"max_tokens": 0}),
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[1]
+        assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices), []) == choice.logprobs.tokens
+        assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_vllms_prompt_logprobs_rank_each_prompt_token_in_completions_and_chat(spec):
     """vLLM's prompt_logprobs: null for the first prompt token, then the token with its
     rank and its n likeliest alternatives ranked 1..n; the same figures as echo's, and
