@@ -702,8 +702,8 @@ def build_app(
 
         def recorded() -> list[Instruction]:
             try:
-                return [from_messages(messages, "chat")]
-            except ValueError:  # no user turn last: no instruction train-head answers
+                return [from_messages(messages, "chat", body.template_tools())]
+            except ValueError:  # no user or tool turn last: no instruction train-head answers
                 return []
 
         return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded)

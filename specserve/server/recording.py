@@ -4,9 +4,10 @@ the traffic it will draft for.
 
 What is recorded: each prompt of a request the engine admitted (once, whatever its n),
 a chat request's conversation as "messages" (or "prompt" for one user turn) of kind
-"chat", a completion's prompt as "text" of kind "completion" (token ids decoded, the
-leading BOS left out since reading the text adds it again). Conversations that end in no
-user turn holding text, which train-head cannot answer, are not.
+"chat", with its "tools" and tool turns where it has them, a completion's prompt as
+"text" of kind "completion" (token ids decoded, the leading BOS left out since reading
+the text adds it again). Conversations that end in neither a user turn holding text nor
+a tool's result, which train-head cannot answer, are not.
 
 Invariants: recording never delays or fails a request. A request hands over a function
 that makes its lines, which a thread of the recorder's own calls and writes (decoding

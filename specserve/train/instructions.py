@@ -7,7 +7,10 @@ Each line is one object with exactly one of:
   roles system, developer, user and assistant, content text or a list of text parts),
   answered through the chat template as the chat endpoint answers it. Trailing
   assistant turns are dropped, so that a fine-tuning file's answers are written again
-  by the target; the conversation must then end with a user turn;
+  by the target; the conversation must then end with a user turn. An agent's
+  conversation may also hold "tools" beside "messages" (OpenAI tool objects, listed by
+  the template), assistant turns with "tool_calls", and "tool" turns with the calls'
+  results; it may end with a tool turn, whose result the target answers;
 - "text": a plain prompt the target continues without the chat template, as the
   completions endpoint does;
 
@@ -32,7 +35,10 @@ from specserve.tokenizer import CHAT_ROLES, Tokenizer, template_role
 BUNDLED_PATH = Path(__file__).with_name("instructions.jsonl")
 USER_KIND = "general"  # of a user's instruction that names none
 MIN_INSTRUCTIONS = 2  # one held out to measure the head, at least one to train on
-LINE_FORMAT = '{"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} or {"text": "..."}'
+LINE_FORMAT = (
+    '{"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} (with "tools" where it calls them) '
+    'or {"text": "..."}'
+)
 
 
 @dataclass(frozen=True)
@@ -41,23 +47,43 @@ class Instruction:
     prompt: str  # the last user turn's text; a plain prompt's whole text
     before: tuple[tuple[str, str], ...] = ()  # a conversation's earlier turns, (role, text)
     templated: bool = True  # False: a plain prompt, continued without the chat template
+    # A conversation with tools or tool turns, whole: {"messages": [...], "tools": [...]}
+    # as JSON text (prompt is then its last user text, before empty); "" for any other.
+    agent: str = ""
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """The conversation the chat template renders (templated instructions)."""
+        if self.agent:
+            return json.loads(self.agent)["messages"]
         return [{"role": role, "content": text} for role, text in [*self.before, ("user", self.prompt)]]
+
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template lists; None: none."""
+        return json.loads(self.agent).get("tools") if self.agent else None
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The ids the target answers, as the chat or the completions endpoint reads them."""
-        return tokenizer.encode_chat(self.messages()) if self.templated else tokenizer.encode(self.prompt)
+        if not self.templated:
+            return tokenizer.encode(self.prompt)
+        return tokenizer.encode_chat(self.messages(), tools=self.tools())
 
     def texts(self) -> list[str]:
-        """Every text the instruction holds."""
+        """Every text the instruction holds (an agent's calls' arguments and results too)."""
+        if self.agent:
+            return [
+                text
+                for message in self.messages()
+                for text in [message["content"] or ""]
+                + [json.dumps(call["function"]["arguments"]) for call in message.get("tool_calls", ())]
+            ]
         return [text for _, text in self.before] + [self.prompt]
 
     def to_line(self) -> str:
         """The JSON line `parse_line` reads as this instruction."""
         if not self.templated:
             record: dict[str, Any] = {"text": self.prompt}
+        elif self.agent:
+            record = {"messages": self.messages()} | ({"tools": self.tools()} if self.tools() else {})
         elif self.before:
             record = {"messages": self.messages()}
         else:
@@ -65,26 +91,72 @@ class Instruction:
         return json.dumps(record | {"kind": self.kind}, ensure_ascii=False)
 
 
-def from_messages(messages: list[dict[str, Any]], kind: str) -> Instruction:
-    """A conversation as an instruction: trailing assistant turns dropped. Raises
-    ValueError saying what is wrong with it."""
+def from_messages(messages: list[dict[str, Any]], kind: str, tools: Any = None) -> Instruction:
+    """A conversation (and the tools it may call) as an instruction: trailing assistant
+    turns dropped. Raises ValueError saying what is wrong with it."""
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError('"tools" is not a list of tool objects')
+    agent = bool(tools) or any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages
+    )
+    roles = [*CHAT_ROLES, "tool"] if agent else list(CHAT_ROLES)
     turns = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] is not an object")
-        role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}] has role {role!r}; use one of {list(CHAT_ROLES)}")
+        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls")
+        if role not in roles:
+            raise ValueError(f"messages[{i}] has role {role!r}; use one of {roles}")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(str(p.get("text", "")) for p in content)
+        if content is None and calls and role == "assistant":
+            content = ""  # a turn that only calls
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}] holds no text content")
-        turns.append((template_role(role), content))
-    while turns and turns[-1][0] == "assistant":
+        turn = {"role": template_role(role), "content": content}
+        if calls:
+            turn["tool_calls"] = _calls(calls, i)
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            turn["tool_call_id"] = message["tool_call_id"]
+        turns.append(turn)
+    while turns and turns[-1]["role"] == "assistant":
         turns.pop()
-    if not turns or turns[-1][0] != "user" or not turns[-1][1].strip():
+    users = [t["content"] for t in turns if t["role"] == "user" and t["content"].strip()]
+    if agent:
+        if not turns or turns[-1]["role"] not in ("user", "tool") or not users:
+            raise ValueError(
+                "the conversation does not end with a user or tool turn (after its assistant turns), "
+                "or no user turn holds text"
+            )
+        whole = {"messages": turns} | ({"tools": tools} if tools else {})
+        return Instruction(kind, users[-1], agent=json.dumps(whole, ensure_ascii=False))
+    if not turns or turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
         raise ValueError("the conversation does not end with a user turn that holds text (after its assistant turns)")
-    return Instruction(kind, turns[-1][1], tuple(turns[:-1]))
+    return Instruction(kind, turns[-1]["content"], tuple((t["role"], t["content"]) for t in turns[:-1]))
+
+
+def _calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant turn's tool_calls as templates read them: each function's arguments
+    an object where they are JSON text of one (as the chat endpoint passes them)."""
+    if not (
+        isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+    ):
+        raise ValueError(f'messages[{index}]\'s "tool_calls" is not a list of calls with a "function"')
+    read = []
+    for call in calls:
+        function = dict(call["function"])
+        if not isinstance(function.get("name"), str):
+            raise ValueError(f"messages[{index}] calls a function with no name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        function["arguments"] = arguments
+        read.append({**call, "type": call.get("type", "function"), "function": function})
+    return read
 
 
 def parse_line(record: Any) -> Instruction:
@@ -98,10 +170,12 @@ def parse_line(record: Any) -> Instruction:
     if not (isinstance(kind, str) and kind.strip()):
         raise ValueError('"kind" not text')
     kind, value = kind.strip(), record[given[0]]
+    if "tools" in record and given[0] != "messages":
+        raise ValueError('"tools" goes with "messages" alone')
     if given[0] == "messages":
         if not (isinstance(value, list) and value):
             raise ValueError('"messages" is not a list of messages')
-        return from_messages(value, kind)
+        return from_messages(value, kind, record.get("tools"))
     if not (isinstance(value, str) and value.strip()):
         raise ValueError(f'no text in "{given[0]}"')
     if given[0] == "prompt":

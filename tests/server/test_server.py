@@ -20,7 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.bench.local_server import ServerProcess
-from specserve.train.instructions import Instruction, load_instructions, parse_line
+from specserve.train.instructions import Instruction, from_messages, load_instructions, parse_line
+from tests.test_tokenizer import TOOLS
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
@@ -877,6 +878,18 @@ def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], max_tokens=2
     )
     chat(model=MODEL, messages=[{"role": "system", "content": "A system turn alone."}], max_tokens=2)
+    calling = [  # an agent's turn after its tool's result, the call's arguments given as JSON text
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
+    ]
+    chat(model=MODEL, messages=calling, tools=TOOLS, tool_choice="none", max_tokens=2)
     complete(plain, ["def add(a, b):", "   "], MODEL, max_tokens=2)
     ids = [504, 1023, 28]
     echoed = complete(plain, ids, MODEL, max_tokens=1, echo=True).choices[0].text  # the ids' text, then a token
@@ -887,6 +900,7 @@ def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
         Instruction("chat", "Name a fruit.", (("system", "Be brief."),)),
         Instruction("chat", "Hi"),
         Instruction("completion", "def add(a, b):", templated=False),
+        from_messages(calling, "chat", TOOLS),
     ]
 
     def recorded() -> list[Instruction]:
@@ -900,7 +914,8 @@ def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
     while not (set(expected) <= set(recorded()) and from_ids(recorded())) and time.monotonic() < deadline:
         time.sleep(0.05)
     lines = recorded()
-    assert [lines.count(i) for i in expected] == [1, 1, 1] and len(from_ids(lines)) == 1
+    assert [lines.count(i) for i in expected] == [1, 1, 1, 1] and len(from_ids(lines)) == 1
+    assert expected[-1].messages()[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert not [
         i for i in lines if "Refused prompt" in i.prompt or "system turn alone" in i.prompt or not i.prompt.strip()
     ]

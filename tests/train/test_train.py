@@ -47,6 +47,7 @@ from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 from specserve.train.run import TrainHeadSettings, check_same_run, float_tensor, train_head
 from tests.conftest import DEVICES, tiny_config
+from tests.test_tokenizer import TOOL_CONVERSATION, TOOLS, _qwen05_gguf
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
 TARGET = tiny_config("qwen2", num_layers=8)
@@ -259,7 +260,10 @@ def test_a_users_instructions_are_read_and_a_file_that_cannot_serve_is_refused(t
         "no prompt": (instructions_file(tmp_path, '{"prompt": "a"}', '{"prompt": " "}'), 'line 2: no text in "prompt"'),
         "two forms": (instructions_file(tmp_path, '{"prompt": "a", "text": "b"}'), "holds prompt and text"),
         "no form": (instructions_file(tmp_path, '{"kind": "a"}'), "holds none of prompt, messages and text"),
-        "a role": (instructions_file(tmp_path, '{"messages": [{"role": "tool", "content": "a"}]}'), "role 'tool'"),
+        "a role": (
+            instructions_file(tmp_path, '{"messages": [{"role": "function", "content": "a"}]}'),
+            "role 'function'",
+        ),
         "no user turn": (
             instructions_file(tmp_path, '{"messages": [{"role": "system", "content": "a"}]}'),
             "does not end with a user turn",
@@ -303,6 +307,59 @@ def test_conversations_and_plain_prompts_are_instructions_too(tmp_path):
     ]
     for instruction in [*read, Instruction("code", "Write a loop.")]:
         assert parse_line(json.loads(instruction.to_line())) == instruction
+
+
+def test_an_agents_conversation_is_answered_with_its_tools_and_tool_turns(tmp_path):
+    """A conversation that calls tools keeps them whole: the tools, the assistant's calls
+    (arguments given as JSON text read as the object they hold) and the tools' results;
+    it may end with a result, which the target answers, and reads back as it was written.
+    Qwen's template renders it as the chat endpoint renders the same request."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 21 degrees."},  # an answer: dropped, the target writes its own
+    ]
+    path = instructions_file(
+        tmp_path,
+        json.dumps({"messages": messages, "tools": TOOLS, "kind": "agent"}),
+        json.dumps({"messages": messages[:1], "tools": TOOLS}),
+    )
+    after_result, first = load_instructions(path)
+    assert after_result.kind == "agent" and after_result.prompt == "Weather in Paris?"
+    assert after_result.messages() == TOOL_CONVERSATION and after_result.tools() == TOOLS
+    assert first.messages() == TOOL_CONVERSATION[:1] and first.tools() == TOOLS
+    assert '{"city": "Paris"}' in after_result.texts() and '{"temp_c": 21}' in after_result.texts()
+    for instruction in (after_result, first):
+        assert parse_line(json.loads(instruction.to_line())) == instruction
+    tokenizer = Tokenizer.from_gguf(_qwen05_gguf())
+    rendered = tokenizer.decode(after_result.prompt_ids(tokenizer))
+    assert "get_weather" in rendered and '{"temp_c": 21}' in rendered and rendered.endswith("assistant\n")
+    assert after_result.prompt_ids(tokenizer) == tokenizer.encode_chat(TOOL_CONVERSATION, tools=TOOLS)
+
+
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        ({"messages": [{"role": "user", "content": "Hi"}], "tools": "get_weather"}, "not a list of tool objects"),
+        ({"prompt": "Hi", "tools": []}, '"tools" goes with "messages" alone'),
+        ({"messages": [{"role": "tool", "content": "21"}]}, "no user turn holds text"),
+        (
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+            "not a list of calls",
+        ),
+    ],
+)
+def test_a_malformed_agent_conversation_is_refused_naming_the_fault(tmp_path, line, error):
+    path = instructions_file(tmp_path, json.dumps(line), '{"prompt": "a"}')
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        load_instructions(path)
 
 
 def test_instructions_are_read_once_whatever_they_hold(tmp_path, caplog):
