@@ -111,8 +111,9 @@ class ForcedToolCalls:
     `tool_choice_schema`). For a named tool, the answer is its arguments: one call,
     whatever they hold (cut short by max_tokens too, as vLLM and OpenAI give them),
     streamed as they come, its finish_reason the answer's (OpenAI's "stop"). For
-    "required", a list of {"name", "arguments"} calls, sent whole at the end and
-    finishing "tool_calls"; one cut short of valid JSON is content."""
+    "required", a list of {"name", "arguments"} calls finishing "tool_calls", each
+    streamed as it comes (`StreamedCallList`), its arguments the text the model wrote;
+    whole, one cut short of valid JSON is content."""
 
     tool: str  # a tool's name, or "required"
 
@@ -121,12 +122,16 @@ class ForcedToolCalls:
             return None, [ToolCall(self.tool, text)]
         value = _json(text)
         calls = [_call_of(v) for v in value] if isinstance(value, list) else []
-        return (None, calls) if calls and None not in calls else (text, [])
+        if not calls or None in calls:
+            return text, []
+        as_written = StreamedCallList()
+        as_written.step(text, finished=True)
+        return None, as_written.calls() if len(as_written.names) == len(calls) else calls
 
-    def stream(self) -> StreamedToolCalls | StreamedArguments:
+    def stream(self) -> StreamedCallList | StreamedArguments:
         if self.tool != "required":
             return StreamedArguments(self.tool)
-        return StreamedToolCalls(self, in_call=True)  # every text is the calls', sent at the end
+        return StreamedCallList()
 
     @property
     def finish_reason(self) -> str | None:
@@ -204,3 +209,93 @@ class StreamedArguments:
             self.call = ToolCall(self.name, new_text)
             return "", [{"index": 0, **self.call.described()}]
         return "", [{"index": 0, "function": {"arguments": new_text}}] if new_text else []
+
+
+# A call's head in a "required" answer, its name first as the guide writes it: the list's
+# opening bracket (or the previous call's closing brace and a comma) up to its arguments.
+_CALL_HEAD = re.compile(r'\s*(?:\[|\}\s*,)\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class _ValueEnd:
+    """Where a JSON object, array or string that text holds from some index ends, read
+    as the text comes: the state of the brackets and strings read so far."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """The index past the value's end, reading text from start; None: not ended yet."""
+        for i in range(start, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+@dataclass
+class StreamedCallList:
+    """A "required" answer streamed as OpenAI streams several calls: for each, a first
+    entry with its index, id, type and name once the name is written, then the text of
+    its arguments piece by piece as the model writes it (whitespace before them left
+    out). The answer finishes "tool_calls" where the whole is a list of calls; cut short
+    (max_tokens), the calls begun stay as sent and it finishes as the answer did."""
+
+    text: str = ""
+    read: int = 0  # characters of text taken: up to the next call's head, or into its arguments
+    names: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    arguments: list[str] = field(default_factory=list)
+    value: _ValueEnd | None = None  # the arguments being read, or None between calls
+    calls_made: bool = False
+
+    def step(self, new_text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        self.text += new_text
+        entries: dict[int, dict[str, Any]] = {}
+        while True:
+            if self.value is None:
+                head = _CALL_HEAD.match(self.text, self.read)
+                if head is None:
+                    break
+                call = ToolCall(json.loads(f'"{head.group(1)}"'), "")
+                self.names.append(call.name)
+                self.ids.append(call.id)
+                self.arguments.append("")
+                entries[len(self.names) - 1] = call.described()
+                self.read, self.value = head.end(), _ValueEnd()
+            if not self.arguments[-1]:  # whitespace before the arguments is no part of them
+                while self.read < len(self.text) and self.text[self.read].isspace():
+                    self.read += 1
+            end = self.value.scan(self.text, self.read)
+            piece = self.text[self.read : len(self.text) if end is None else end]
+            if piece:
+                self.arguments[-1] += piece
+                entry = entries.setdefault(len(self.names) - 1, {"function": {}})
+                entry["function"]["arguments"] = entry["function"].get("arguments", "") + piece
+            if end is None:
+                self.read = len(self.text)
+                break
+            self.read, self.value = end, None
+        if finished:
+            self.calls_made = bool(self.names) and isinstance(_json(self.text), list)
+        return "", [{"index": i, **entry} for i, entry in sorted(entries.items())]
+
+    def calls(self) -> list[ToolCall]:
+        """The calls read, each with the arguments as written."""
+        return [ToolCall(name, arguments, id) for name, arguments, id in zip(self.names, self.arguments, self.ids)]

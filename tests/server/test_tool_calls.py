@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specserve.server.tool_calls import CALL_START, ToolCallParser
+from specserve.server.tool_calls import CALL_START, ForcedToolCalls, ToolCallParser
 
 HERMES = ToolCallParser("hermes", frozenset({"get_weather", "add"}))
 CODER = ToolCallParser("qwen2_5_coder", frozenset({"get_weather", "add"}))
@@ -100,3 +100,44 @@ def test_a_stream_sends_text_before_a_call_as_it_comes_and_holds_the_call():
     coder = CODER.stream()
     assert coder.add("```") == "" and coder.add("python\nx = 1") == "```python\nx = 1"  # a fence of code
     assert coder.add("\n```") == "\n```"
+
+
+REQUIRED_ANSWER = (
+    '[\n  {"name": "paint", "arguments": {"color": "r\\"e}d", "sizes": [1, {"a": [2]}]}},\n'
+    '  {"name": "ping", "arguments":   {}}\n]'
+)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_a_required_answer_streams_each_call_as_it_is_written(piece):
+    """tool_choice "required": each call's name as soon as it is written, then its
+    arguments piece by piece (braces and quotes inside strings read as text), which put
+    together are the whole answer's calls, the arguments as the model wrote them."""
+    stream = ForcedToolCalls("required").stream()
+    entries = []
+    for start in range(0, len(REQUIRED_ANSWER), piece):
+        content, step_entries = stream.step(
+            REQUIRED_ANSWER[start : start + piece], start + piece >= len(REQUIRED_ANSWER)
+        )
+        assert content == "" and len({e["index"] for e in step_entries}) == len(step_entries)
+        entries += step_entries
+    assert stream.calls_made
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"id": entry.get("id"), "name": entry["function"].get("name"), "a": ""})
+        call["a"] += entry["function"].get("arguments", "")
+    _, whole = ForcedToolCalls("required").parse(REQUIRED_ANSWER)
+    assert [(c["name"], c["a"]) for c in calls.values()] == [(c.name, c.arguments) for c in whole]
+    assert [json.loads(c.arguments) for c in whole] == [{"color": 'r"e}d', "sizes": [1, {"a": [2]}]}, {}]
+    assert all(c["id"] for c in calls.values())
+    if piece == 1:  # the first call's head comes before its arguments end
+        first_args = [e for e in entries if e["index"] == 0 and e["function"].get("arguments")]
+        assert len(first_args) > 10
+
+
+def test_a_required_answer_cut_short_keeps_the_calls_sent_and_is_content_whole():
+    cut = REQUIRED_ANSWER[:-5]  # inside the second call's arguments
+    stream = ForcedToolCalls("required").stream()
+    _, entries = stream.step(cut, finished=True)
+    assert [e["function"].get("name") for e in entries] == ["paint", "ping"] and not stream.calls_made
+    assert ForcedToolCalls("required").parse(cut) == (cut, [])
