@@ -51,7 +51,7 @@ from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.graphs import ProcessedText
-from specserve.model.prefix_cache import ChunkReads, PrefixCache, release_into
+from specserve.model.prefix_cache import ChunkReads, PrefixCache, copy_prefix, release_into
 from specserve.penalties import processed_logits
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
@@ -389,19 +389,30 @@ class Engine:
             # A preempted sequence reads all but its newest token, unscored: its next step
             # is then the step it would have taken (see the module's docstring).
             end = len(seq.token_ids) - 1 if seq.output_ids else len(seq.token_ids)
-            # A sequence owing prompt logprobs reads its prompt's rows itself: none copied.
+            # Sequences with this very prompt (a request's n choices): it reads once.
+            siblings = [s for s in self.running.values() if s is not seq and s.same_prompt_as(seq)]
+            for sibling in siblings:
+                seq.take_prompt_logprobs(sibling)
+            # A sequence owing prompt logprobs reads the rows it has none for itself.
             owed = seq.scored_prompt_end
+            copyable = min(end, len(seq.token_ids) - 1)  # not the last token, whose row it must compute
+            limit = copyable if owed is None else min(copyable, owed)  # only positions whose rows it has
             if self.prefix_cache is not None:
                 live = [(s.token_ids, s.cache) for s in self.running.values() if s is not seq]
-                limit = min(end, len(seq.token_ids) - 1)
-                if owed is not None:  # only positions whose rows it has read
-                    limit = min(limit, owed)
                 loaded = self.prefix_cache.load(seq.token_ids, seq.cache, limit, live)
                 if not seq.num_preemptions:  # counted when it first joined
                     seq.num_cached_tokens += loaded
+            elif siblings:  # no reuse across requests, but a sibling's prompt is copied, to the token
+                source = max(siblings, key=lambda s: s.cache.length).cache
+                copy_prefix(source, seq.cache, min(limit, source.length, seq.num_prompt_tokens))
             start = seq.cache.length
             chunk = seq.token_ids[start : min(start + budget, end)]
-            shares = self.prefix_cache is not None and owed is None
+            # It waits a step for a chunk another reads where it can copy it then (with
+            # the rows' logprobs, where it owes them: a sibling's).
+            copies_later = (self.prefix_cache is not None and owed is None) or any(
+                owed is None or s.params.prompt_logprobs == seq.params.prompt_logprobs for s in siblings
+            )
+            shares = copies_later and start < copyable
             if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), shares):
                 continue
             budget -= len(chunk)

@@ -58,6 +58,25 @@ class Sequence:
         return distinct_ids(self.token_ids[: self.num_prompt_tokens])
 
     @functools.cached_property
+    def _prompt_hash(self) -> int:
+        return hash(tuple(self.token_ids[: self.num_prompt_tokens]))
+
+    def same_prompt_as(self, other: Sequence) -> bool:
+        """Whether other's prompt is this one's (a request's n choices share theirs)."""
+        n = self.num_prompt_tokens
+        return (
+            other.num_prompt_tokens == n
+            and other._prompt_hash == self._prompt_hash
+            and other.token_ids[:n] == self.token_ids[:n]
+        )
+
+    def take_prompt_logprobs(self, other: Sequence) -> None:
+        """Those of other's prompt logprobs (the same prompt's, as many alternatives) that
+        this sequence has not read yet: a request's choices read their prompt once."""
+        if other.params.prompt_logprobs == self.params.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(other.prompt_logprobs[len(self.prompt_logprobs) :])
+
+    @functools.cached_property
     def _key(self) -> int:
         return seed_key(self.params.seed)
 

@@ -86,6 +86,19 @@ def read_elsewhere(token_ids: list[int], start: int, end: int, reading: Iterable
     return False
 
 
+def copy_prefix(source: KVCache, cache: KVCache, length: int) -> int:
+    """Extend `cache` to `length` positions copied from `source`, which holds the same
+    tokens there; returns the positions copied."""
+    start = cache.length
+    if length <= start:
+        return 0
+    cache.reserve(length)
+    cache.keys[:, :, start:length].copy_(source.keys[:, :, start:length])
+    cache.values[:, :, start:length].copy_(source.values[:, :, start:length])
+    cache.length = length
+    return length - start
+
+
 class ChunkReads:
     """The chunks of tokens one forward reads, so that a sequence whose chunk another
     reads in the same forward waits a step and copies it (`read_elsewhere`): the
@@ -149,17 +162,16 @@ class PrefixCache:
         start = cache.length
         if length <= start:
             return 0
-        cache.reserve(length)
         if isinstance(source, KVCache):
-            cache.keys[:, :, start:length].copy_(source.keys[:, :, start:length])
-            cache.values[:, :, start:length].copy_(source.values[:, :, start:length])
+            copy_prefix(source, cache, length)
         else:
+            cache.reserve(length)
             for j in range(start // BLOCK, length // BLOCK):
                 first = max(start, j * BLOCK)  # a cache may end inside a block
                 cache.keys[:, :, first : (j + 1) * BLOCK].copy_(source[j].keys[:, :, first - j * BLOCK :])
                 cache.values[:, :, first : (j + 1) * BLOCK].copy_(source[j].values[:, :, first - j * BLOCK :])
             self._touch(source)
-        cache.length = length
+            cache.length = length
         self.hit_tokens += length - start
         return length - start
 

@@ -114,6 +114,26 @@ def test_a_preempted_request_reloads_its_prefix_and_counts_its_prompt_once():
     assert all(s.num_cached_tokens < s.num_prompt_tokens for s in seqs)
 
 
+def test_a_requests_preempted_choice_copies_only_the_prompt_from_a_sibling():
+    """Two sampled choices of one prompt; one is preempted after 20 tokens and reads its
+    tokens again beside the other, still running: it copies the prompt (not its
+    sibling's answer) and reads its own tokens. Each gives what it gives alone."""
+    choices = [SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(2)]
+    alone = [run_all(engine_with("none", None), [(PROMPTS[0], params)], None)[0] for params in choices]
+    engine = engine_with("none", None)
+    first, second = (engine.add_request(PROMPTS[0], params) for params in choices)
+    while len(second.output_ids) < 20:
+        engine.step()
+    budget = engine._over_budget
+    engine._over_budget = lambda joining=None: len(engine.running) > 1  # room for one, once
+    engine.step()
+    engine._over_budget = budget
+    assert second.num_preemptions == 1 and not first.finished
+    while engine.has_unfinished():
+        engine.step()
+    assert [first.output_ids, second.output_ids] == alone
+
+
 @pytest.mark.parametrize("with_prefix_cache", [False, True])
 def test_prompt_logprobs_survive_a_preemption(with_prefix_cache):
     """Preempted requests read their tokens again when they rejoin, or load them: their

@@ -257,6 +257,44 @@ def test_the_draft_reads_a_shared_prompt_once(target):
     assert together == [Engine(target, eos_token_ids=[EOS]).generate(p, seeded).output_ids for p in prompts]
 
 
+def tokens_read(engine: Engine) -> list[int]:
+    """Wraps the engine's target: a list that gains the tokens each forward reads."""
+    read: list[int] = []
+    forward = engine.target.forward
+
+    def counted(tokens, *args, **kwargs):
+        read.append(len(tokens))
+        return forward(tokens, *args, **kwargs)
+
+    engine.target.forward = counted
+    return read
+
+
+@pytest.mark.parametrize("owed", [None, 2], ids=["plain", "prompt-logprobs"])
+def test_a_requests_choices_read_their_prompt_once_without_a_prefix_cache(target, owed):
+    """n choices of one prompt (no prefix cache): the first reads it, the others wait a
+    step and copy its keys and values, and its prompt logprobs where they ask for them,
+    reading only their last token; each answers as it would alone. A request with
+    another prompt reads its own."""
+    prompt = [(7 * i) % 89 for i in range(6 * BLOCK)]
+    engine = Engine(copy.deepcopy(target), eos_token_ids=[EOS], prefill_chunk_size=16 * BLOCK)
+    read = tokens_read(engine)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, prompt_logprobs=owed) for i in range(4)]
+    choices = [engine.add_request(prompt, p) for p in params]
+    other = engine.add_request(prompt[:-1] + [3], params[0])
+    while engine.has_unfinished():
+        engine.step()
+    # The first choice's reading and the other's own; then the choices' last tokens
+    # beside those two decoding.
+    assert read[:2] == [2 * len(prompt), 3 + 2], read
+    alone = Engine(target, eos_token_ids=[EOS])
+    for seq, p in zip([*choices, other], [*params, params[0]]):
+        expected = alone.generate(seq.token_ids[: seq.num_prompt_tokens], p)
+        assert seq.output_ids == expected.output_ids and seq.prompt_logprobs == expected.prompt_logprobs
+    assert len({tuple(s.output_ids) for s in choices}) > 1  # their own draws
+    assert all(s.num_cached_tokens == 0 for s in choices)  # no prefix cache to count
+
+
 def test_a_chunk_waits_only_when_most_of_it_is_read_elsewhere():
     first = list(range(4 * BLOCK))
     second = first[: 3 * BLOCK] + [-1] * (7 * BLOCK)  # shares 3 blocks with first
