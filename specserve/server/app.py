@@ -696,7 +696,7 @@ def build_app(
                 **prompt_logprobs,
                 "object": "chat.completion",
                 "choices": [whole_choice(i, r) for i, r in enumerate(results)],
-                "usage": _usage(lasts, body.n, completed=not body.echo_only),
+                "usage": _usage(lasts, body.n),
                 "spec_decode": _spec_decode(lasts),
             }
 
