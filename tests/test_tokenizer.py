@@ -149,6 +149,18 @@ TOOL_CONVERSATION = [
     },
     {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
 ]
+# The same turns as a client sends them: a call's content null, its arguments JSON text.
+SENT_TOOL_CONVERSATION = [
+    TOOL_CONVERSATION[0],
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    TOOL_CONVERSATION[2],
+]
 
 
 def test_tools_and_tool_turns_render_as_the_reference_renders_them(model):

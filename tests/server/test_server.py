@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.bench.local_server import ServerProcess
 from specserve.train.instructions import Instruction, from_messages, load_instructions, parse_line
-from tests.test_tokenizer import TOOLS
+from tests.test_tokenizer import SENT_TOOL_CONVERSATION, TOOLS
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
@@ -878,17 +878,7 @@ def test_admitted_prompts_are_recorded_as_train_head_reads_them(plain):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], max_tokens=2
     )
     chat(model=MODEL, messages=[{"role": "system", "content": "A system turn alone."}], max_tokens=2)
-    calling = [  # an agent's turn after its tool's result, the call's arguments given as JSON text
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-            ],
-        },
-        {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
-    ]
+    calling = SENT_TOOL_CONVERSATION  # an agent's turn after its tool's result
     chat(model=MODEL, messages=calling, tools=TOOLS, tool_choice="none", max_tokens=2)
     complete(plain, ["def add(a, b):", "   "], MODEL, max_tokens=2)
     ids = [504, 1023, 28]

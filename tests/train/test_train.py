@@ -41,13 +41,13 @@ from specserve.train.features import (
     compute_features,
     sample_features,
 )
-from specserve.train.instructions import Instruction, load_instructions, parse_line
+from specserve.train.instructions import Instruction, from_messages, load_instructions, parse_line
 from specserve.train.loop import LoopSettings, Trainer, with_noise
 from specserve.train.medusa import MedusaMethod
 from specserve.train.objective import DraftVocab, estimated_acceptance_length
 from specserve.train.run import TrainHeadSettings, check_same_run, float_tensor, train_head
 from tests.conftest import DEVICES, tiny_config
-from tests.test_tokenizer import TOOL_CONVERSATION, TOOLS, _qwen05_gguf
+from tests.test_tokenizer import SENT_TOOL_CONVERSATION, TOOL_CONVERSATION, TOOLS, _qwen05_gguf, _smollm2_gguf
 
 # Eight layers: EAGLE-3 reads the inputs of layers 2, 4 and 5.
 TARGET = tiny_config("qwen2", num_layers=8)
@@ -313,19 +313,9 @@ def test_an_agents_conversation_is_answered_with_its_tools_and_tool_turns(tmp_pa
     """A conversation that calls tools keeps them whole: the tools, the assistant's calls
     (arguments given as JSON text read as the object they hold) and the tools' results;
     it may end with a result, which the target answers, and reads back as it was written.
-    Qwen's template renders it as the chat endpoint renders the same request."""
-    messages = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-            ],
-        },
-        {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"},
-        {"role": "assistant", "content": "It is 21 degrees."},  # an answer: dropped, the target writes its own
-    ]
+    A template renders it as the chat endpoint renders the same request."""
+    answered = {"role": "assistant", "content": "It is 21 degrees."}  # dropped: the target writes its own
+    messages = [*SENT_TOOL_CONVERSATION, answered]
     path = instructions_file(
         tmp_path,
         json.dumps({"messages": messages, "tools": TOOLS, "kind": "agent"}),
@@ -338,10 +328,16 @@ def test_an_agents_conversation_is_answered_with_its_tools_and_tool_turns(tmp_pa
     assert '{"city": "Paris"}' in after_result.texts() and '{"temp_c": 21}' in after_result.texts()
     for instruction in (after_result, first):
         assert parse_line(json.loads(instruction.to_line())) == instruction
-    tokenizer = Tokenizer.from_gguf(_qwen05_gguf())
-    rendered = tokenizer.decode(after_result.prompt_ids(tokenizer))
-    assert "get_weather" in rendered and '{"temp_c": 21}' in rendered and rendered.endswith("assistant\n")
+    tokenizer = Tokenizer.from_gguf(_smollm2_gguf())
     assert after_result.prompt_ids(tokenizer) == tokenizer.encode_chat(TOOL_CONVERSATION, tools=TOOLS)
+
+
+def test_qwens_template_lists_an_agents_tools_and_results():
+    instruction = from_messages(SENT_TOOL_CONVERSATION, "agent", TOOLS)
+    tokenizer = Tokenizer.from_gguf(_qwen05_gguf())
+    rendered = tokenizer.decode(instruction.prompt_ids(tokenizer))
+    assert "get_weather" in rendered and '{"temp_c": 21}' in rendered and rendered.endswith("assistant\n")
+    assert instruction.prompt_ids(tokenizer) == tokenizer.encode_chat(TOOL_CONVERSATION, tools=TOOLS)
 
 
 @pytest.mark.parametrize(
