@@ -78,6 +78,19 @@ def template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
+def template_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as chat templates read them: the object where they are
+    JSON text of one (as the API sends them; templates write them with `tojson`), else
+    as given."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
 @functools.cache
 def _byte_of_character() -> dict[str, int]:
     """Byte-level BPE's alphabet inverted: the character that spells each byte -> the byte."""

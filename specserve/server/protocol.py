@@ -21,7 +21,7 @@ from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
 from specserve.structured.guide import Guide
 from specserve.structured.outputs import KINDS, StructuredOutput
-from specserve.tokenizer import CHAT_ROLES, template_role
+from specserve.tokenizer import CHAT_ROLES, template_arguments, template_role
 
 
 class APIError(SpecserveError):
@@ -466,9 +466,8 @@ class MessageToolCall(_Body):
     function: CalledFunction
 
     def for_template(self) -> dict[str, Any]:
-        """transformers' form: the arguments an object where they are a JSON object (as
-        vLLM gives them), since templates write them with `tojson`."""
-        arguments = _json_object_or_text(self.function.arguments)
+        """transformers' form (`template_arguments`), as vLLM gives them."""
+        arguments = template_arguments(self.function.arguments)
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
@@ -492,14 +491,6 @@ class ChatMessage(_Body):
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
         return turn
-
-
-def _json_object_or_text(text: str) -> dict[str, Any] | str:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
 
 
 class FunctionDefinition(_Body):

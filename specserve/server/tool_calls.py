@@ -21,6 +21,7 @@ content.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -126,7 +127,7 @@ class ForcedToolCalls:
             return text, []
         as_written = StreamedCallList()
         as_written.step(text, finished=True)
-        return None, as_written.calls() if len(as_written.names) == len(calls) else calls
+        return None, as_written.calls if len(as_written.calls) == len(calls) else calls
 
     def stream(self) -> StreamedCallList | StreamedArguments:
         if self.tool != "required":
@@ -259,9 +260,7 @@ class StreamedCallList:
 
     text: str = ""
     read: int = 0  # characters of text taken: up to the next call's head, or into its arguments
-    names: list[str] = field(default_factory=list)
-    ids: list[str] = field(default_factory=list)
-    arguments: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # those begun, their arguments as read so far
     value: _ValueEnd | None = None  # the arguments being read, or None between calls
     calls_made: bool = False
 
@@ -273,29 +272,23 @@ class StreamedCallList:
                 head = _CALL_HEAD.match(self.text, self.read)
                 if head is None:
                     break
-                call = ToolCall(json.loads(f'"{head.group(1)}"'), "")
-                self.names.append(call.name)
-                self.ids.append(call.id)
-                self.arguments.append("")
-                entries[len(self.names) - 1] = call.described()
+                self.calls.append(ToolCall(json.loads(f'"{head.group(1)}"'), ""))
+                entries[len(self.calls) - 1] = self.calls[-1].described()
                 self.read, self.value = head.end(), _ValueEnd()
-            if not self.arguments[-1]:  # whitespace before the arguments is no part of them
+            call = self.calls[-1]
+            if not call.arguments:  # whitespace before the arguments is no part of them
                 while self.read < len(self.text) and self.text[self.read].isspace():
                     self.read += 1
             end = self.value.scan(self.text, self.read)
             piece = self.text[self.read : len(self.text) if end is None else end]
             if piece:
-                self.arguments[-1] += piece
-                entry = entries.setdefault(len(self.names) - 1, {"function": {}})
+                self.calls[-1] = dataclasses.replace(call, arguments=call.arguments + piece)
+                entry = entries.setdefault(len(self.calls) - 1, {"function": {}})
                 entry["function"]["arguments"] = entry["function"].get("arguments", "") + piece
             if end is None:
                 self.read = len(self.text)
                 break
             self.read, self.value = end, None
         if finished:
-            self.calls_made = bool(self.names) and isinstance(_json(self.text), list)
+            self.calls_made = bool(self.calls) and isinstance(_json(self.text), list)
         return "", [{"index": i, **entry} for i, entry in sorted(entries.items())]
-
-    def calls(self) -> list[ToolCall]:
-        """The calls read, each with the arguments as written."""
-        return [ToolCall(name, arguments, id) for name, arguments, id in zip(self.names, self.arguments, self.ids)]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from specserve.errors import ConfigError
-from specserve.tokenizer import CHAT_ROLES, Tokenizer, template_role
+from specserve.tokenizer import CHAT_ROLES, Tokenizer, template_arguments, template_role
 
 BUNDLED_PATH = Path(__file__).with_name("instructions.jsonl")
 USER_KIND = "general"  # of a user's instruction that names none
@@ -83,7 +83,7 @@ class Instruction:
         if not self.templated:
             record: dict[str, Any] = {"text": self.prompt}
         elif self.agent:
-            record = {"messages": self.messages()} | ({"tools": self.tools()} if self.tools() else {})
+            record = json.loads(self.agent)  # {"messages": [...]}, and "tools" where it has them
         elif self.before:
             record = {"messages": self.messages()}
         else:
@@ -136,8 +136,8 @@ def from_messages(messages: list[dict[str, Any]], kind: str, tools: Any = None) 
 
 
 def _calls(calls: Any, index: int) -> list[dict[str, Any]]:
-    """An assistant turn's tool_calls as templates read them: each function's arguments
-    an object where they are JSON text of one (as the chat endpoint passes them)."""
+    """An assistant turn's tool_calls as templates read them (`template_arguments`), as
+    the chat endpoint passes them."""
     if not (
         isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
     ):
@@ -147,14 +147,7 @@ def _calls(calls: Any, index: int) -> list[dict[str, Any]]:
         function = dict(call["function"])
         if not isinstance(function.get("name"), str):
             raise ValueError(f"messages[{index}] calls a function with no name")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except json.JSONDecodeError:
-                parsed = None
-            arguments = parsed if isinstance(parsed, dict) else arguments
-        function["arguments"] = arguments
+        function["arguments"] = template_arguments(function.get("arguments", {}))
         read.append({**call, "type": call.get("type", "function"), "function": function})
     return read
 
