@@ -16,7 +16,9 @@ With a `prefix_cache` (the draft's own, model/prefix_cache.py) a sequence's draf
 starts from the longest stored prefix of its tokens, and is stored when it is freed.
 Other sequences' draft caches are sources too, looked at before each chunk of a long
 catch-up, and a chunk that another sequence reads in the same call waits a call to be
-copied, as the engine does for the target.
+copied, as the engine does for the target. Without one, a request's n choices (the same
+prompt) still read it once: a choice copies the prompt, to the token, from the sibling
+that read furthest, and waits a call where a sibling reads its chunk.
 
 With a common head (`Decoder.add_common_head`, `"draft_vocab_size"`) a sequence's
 guesses score only the common token ids while its recent text keeps to them
@@ -33,7 +35,7 @@ import torch
 from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Decoder, Segment
 from specserve.model.kv_cache import KVCache
-from specserve.model.prefix_cache import ChunkReads, PrefixCache, release_into
+from specserve.model.prefix_cache import ChunkReads, PrefixCache, copy_prefix, release_into
 from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.proposer import Draft, SequenceView
 
@@ -67,6 +69,7 @@ class DraftModelProposer:
         self.caches: dict[int, KVCache] = {}
         self.prefix_cache: PrefixCache | None = None  # the draft's own, if any (see above)
         self._token_ids: dict[int, list[int]] = {}  # each cache's sequence's tokens (the live list), to store it
+        self._prompt_lengths: dict[int, int] = {}  # each cache's sequence's prompt length, to find its siblings
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
         self._in_c = draft.model_in_c() is not None
 
@@ -78,14 +81,34 @@ class DraftModelProposer:
         if seq.seq_id not in self.caches:
             self.caches[seq.seq_id] = self.draft.new_cache()
             self._token_ids[seq.seq_id] = seq.token_ids
+            self._prompt_lengths[seq.seq_id] = seq.num_prompt_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.count_query(len(seq.token_ids))
-                self._load_prefix(seq)
+            self._load_prefix(seq)
         return self.caches[seq.seq_id]
 
     def _load_prefix(self, seq: SequenceView) -> None:
-        # All but the newest token: a draft starts from its logits.
-        self.prefix_cache.load(seq.token_ids, self.caches[seq.seq_id], len(seq.token_ids) - 1, self._live(seq))
+        """Extend seq's draft cache with what others read: from the prefix cache (in whole
+        blocks) and, to the token, from the sibling that read the most of its prompt."""
+        cache = self.caches[seq.seq_id]
+        limit = len(seq.token_ids) - 1  # all but the newest token: a draft starts from its logits
+        if self.prefix_cache is not None:
+            self.prefix_cache.load(seq.token_ids, cache, limit, self._live(seq))
+        sibling = max(self._siblings(seq), key=lambda i: self.caches[i].length, default=None)
+        if sibling is not None:
+            source = self.caches[sibling]
+            copy_prefix(source, cache, min(limit, source.length, seq.num_prompt_tokens))
+
+    def _siblings(self, seq: SequenceView) -> list[int]:
+        """The ids of the other sequences with seq's prompt (its request's other choices)
+        that the draft has a cache for."""
+        n = seq.num_prompt_tokens
+        prompt = seq.token_ids[:n]
+        return [
+            i
+            for i, length in self._prompt_lengths.items()
+            if i != seq.seq_id and length == n and self._token_ids[i][:n] == prompt
+        ]
 
     def _live(self, seq: SequenceView) -> list[tuple[list[int], KVCache]]:
         """The other sequences' draft caches, as prefix cache sources (none without a prefix cache)."""
@@ -97,11 +120,12 @@ class DraftModelProposer:
         cache = self.caches.get(seq.seq_id)
         if cache is not None:
             return len(seq.token_ids) - cache.length
-        cached = (
-            0
-            if self.prefix_cache is None
-            else self.prefix_cache.cached_length(seq.token_ids, len(seq.token_ids) - 1, self._live(seq))
-        )
+        limit = len(seq.token_ids) - 1
+        if self.prefix_cache is not None:
+            cached = self.prefix_cache.cached_length(seq.token_ids, limit, self._live(seq))
+        else:
+            lengths = [self.caches[i].length for i in self._siblings(seq)]
+            cached = min(max(lengths, default=0), limit, seq.num_prompt_tokens)
         return len(seq.token_ids) - cached
 
     def unseen(self, seq: SequenceView) -> list[int]:
@@ -113,34 +137,53 @@ class DraftModelProposer:
         sequence new to the draft has its whole prompt unseen), read one chunk of them
         and draft nothing for it this step: returns num_tokens with those set to 0. So the
         batch never waits for a long draft prefill (a sequence may copy from, or wait for,
-        other sequences' caches: see above).
+        other sequences' caches: see above). A choice whose sibling reads their prompt in
+        this call, in a chunk or as it drafts, waits a call to copy it, however short.
 
         Every proposing call starts here, so this also starts the call's count of tokens
         read (last_catch_up, last_tokens_read), which the drafting after it adds to."""
         long: dict[int, list[int]] = {}  # the chunk each sequence catching up reads now
         waiting: set[int] = set()  # catching up, but its chunk is read by another one now
         reads = ChunkReads()
+        prompt_ends: dict[int, int] = {}  # where each sequence reading its prompt now will be
         for i, seq in enumerate(seqs):
             if num_tokens[i] == 0:
                 continue
             new = seq.seq_id not in self.caches  # a new cache looks for its prefix as it is made
-            if len(self.unseen(seq)) <= self.catch_up_chunk_size:
+            if not (self._catching_up(seq) or self._reads_prompt(seq)):
                 continue
-            if self.prefix_cache is not None and not new:
+            if not new:
                 self._load_prefix(seq)  # what another sequence read since this one started reading
-                if len(self.unseen(seq)) <= self.catch_up_chunk_size:
+                if not (self._catching_up(seq) or self._reads_prompt(seq)):
                     continue
             start = self._cache(seq).length
-            end = start + self.catch_up_chunk_size
-            if not reads.claim(seq.token_ids, start, end, self.prefix_cache is not None):
+            end = min(start + self.catch_up_chunk_size, len(seq.token_ids))
+            # It waits a call where it can copy then what another reads now: its prompt
+            # from a sibling (to the token), or from the prefix cache's sources.
+            sibling_ends = [prompt_ends[j] for j in self._siblings(seq) if j in prompt_ends]
+            copies_later = max(sibling_ends, default=0) > start
+            if copies_later or not reads.claim(seq.token_ids, start, end, self.prefix_cache is not None):
                 waiting.add(i)
                 continue
-            long[i] = seq.token_ids[start:end]
+            if self._reads_prompt(seq):
+                prompt_ends[seq.seq_id] = end
+            if self._catching_up(seq):
+                long[i] = seq.token_ids[start:end]
+            # else it reads its few unseen tokens as it drafts
         if long:
             self._catch_up(long, seqs)
         self.last_catch_up = self.last_tokens_read = 0
         self._count_read([len(chunk) for chunk in long.values()])
         return [0 if i in long or i in waiting else k for i, k in enumerate(num_tokens)]
+
+    def _catching_up(self, seq: SequenceView) -> bool:
+        """Whether seq has more unseen tokens than a call drafts after (a chunk)."""
+        return len(self.unseen(seq)) > self.catch_up_chunk_size
+
+    def _reads_prompt(self, seq: SequenceView) -> bool:
+        """Whether seq has yet to read some of its prompt (which its siblings, its
+        request's other choices, may copy)."""
+        return self._cache(seq).length < seq.num_prompt_tokens
 
     def _count_read(self, lengths: list[int]) -> None:
         """Add the tokens each sequence read before drafting to this call's count."""
@@ -215,5 +258,6 @@ class DraftModelProposer:
     def free(self, seq_id: int) -> None:
         cache = self.caches.pop(seq_id, None)
         token_ids = self._token_ids.pop(seq_id, None)
+        self._prompt_lengths.pop(seq_id, None)
         if cache is not None:
             release_into(self.prefix_cache, token_ids, cache)

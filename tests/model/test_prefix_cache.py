@@ -295,6 +295,41 @@ def test_a_requests_choices_read_their_prompt_once_without_a_prefix_cache(target
     assert all(s.num_cached_tokens == 0 for s in choices)  # no prefix cache to count
 
 
+def prompt_positions_read(decoder, prompt_length: int) -> list[int]:
+    """Wraps decoder.forward: a list that gains, per call, the positions below
+    prompt_length its segments read."""
+    read: list[int] = []
+    forward = decoder.forward
+
+    def counted(tokens, segments, *args, **kwargs):
+        read.append(sum(max(0, min(s.cache.length + s.num_tokens, prompt_length) - s.cache.length) for s in segments))
+        return forward(tokens, segments, *args, **kwargs)
+
+    decoder.forward = counted
+    return read
+
+
+@pytest.mark.parametrize("with_prefix_cache", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("chunk_blocks", [16, 2], ids=["read-as-it-drafts", "read-in-chunks"])
+def test_a_requests_choices_draft_from_one_reading_of_their_prompt(target, chunk_blocks, with_prefix_cache):
+    """n choices of one prompt through a speculative engine: the draft reads the prompt
+    once (a short one as it drafts, a long one in catch-up chunks), the other choices
+    waiting a call and copying it, to the token; each answers as it would alone."""
+    prompt = [(7 * i) % 89 for i in range(6 * BLOCK + 5)]
+    draft = perturbed(target, 0.3, seed=2)
+    read = prompt_positions_read(draft, len(prompt))
+    proposer = DraftModelProposer(draft, catch_up_chunk_size=chunk_blocks * BLOCK)
+    proposer.prefix_cache = PrefixCache(10_000) if with_prefix_cache else None
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    params = [GREEDY, *(SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(3))]
+    choices = [engine.add_request(prompt, p) for p in params]
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(read) == len(prompt), read
+    alone = Engine(target, eos_token_ids=[EOS])
+    assert [s.output_ids for s in choices] == [alone.generate(prompt, p).output_ids for p in params]
+
+
 def test_a_chunk_waits_only_when_most_of_it_is_read_elsewhere():
     first = list(range(4 * BLOCK))
     second = first[: 3 * BLOCK] + [-1] * (7 * BLOCK)  # shares 3 blocks with first

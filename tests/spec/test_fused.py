@@ -51,6 +51,11 @@ class View:  # a SequenceView
     token_ids: list[int]
     params: SamplingParams = GREEDY
     generator: torch.Generator | None = None
+    num_prompt_tokens: int = -1  # the tokens it starts with
+
+    def __post_init__(self):
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
 
 
 @needs_kernel
