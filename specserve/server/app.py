@@ -56,6 +56,7 @@ from specserve.server.protocol import (
     validation_error,
 )
 from specserve.server.recording import PromptRecorder
+from specserve.server.responses import ResponseEvents, ResponseObject, ResponsesRequest, output_text_logprobs
 from specserve.server.tool_calls import ForcedToolCalls, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
@@ -387,9 +388,12 @@ def build_app(
         make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
         make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
         recorded: Callable[[], list[Instruction]],
+        events: Callable[[Fanout], AsyncIterator[bytes]] | None = None,
     ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
-        engine admits them, the prompts `recorded` makes go to the recorder."""
+        engine admits them, the prompts `recorded` makes go to the recorder. A stream
+        sends make_chunk's chunks, or where given, what `events` makes of the choices
+        (which it closes)."""
         requests = []
         guide = await structured_guide(body)
         bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words) if body.bad_words else ()
@@ -427,6 +431,8 @@ def build_app(
             starting.result()
         except Exception as e:
             raise _as_api_error(e) from None
+        if events is not None:
+            return StreamingResponse(events(choices), media_type="text/event-stream")
 
         async def stream() -> AsyncIterator[bytes]:
             last: dict[int, RequestOutput] = {}
@@ -607,7 +613,20 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request) -> Response:
         arrival = time.perf_counter()
-        body = await _parsed(http_request, ChatCompletionRequest)
+        return await chat(await _parsed(http_request, ChatCompletionRequest), http_request, arrival)
+
+    @app.post("/v1/responses")
+    async def responses(http_request: Request) -> Response:
+        arrival = time.perf_counter()
+        request = await _parsed(http_request, ResponsesRequest)
+        shape = ResponseObject(request, settings.served_model_name)
+        return await chat(request.chat_request(), http_request, arrival, shape)
+
+    async def chat(
+        body: ChatCompletionRequest, http_request: Request, arrival: float, shape: ResponseObject | None = None
+    ) -> Response:
+        """Answer a chat request: as a chat completion, or where `shape` is given, as the
+        Responses API's response."""
         body.refuse_unsupported()  # roles first: the template must not see unknown ones
         if body.parses_tool_calls and settings.tool_call_parser is None:
             raise APIError(
@@ -706,6 +725,38 @@ def build_app(
             except ValueError:  # no user or tool turn last: no instruction train-head answers
                 return []
 
-        return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded)
+        if shape is None:
+            return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded)
+
+        def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
+            (result,) = results
+            text = "".join(result.text)
+            content, calls = (text, []) if tool_calls is None else tool_calls.parse(text)
+            logprobs = output_text_logprobs(described(result.logprobs))
+            usage = _usage([result.last], 1)
+            return shape.whole(
+                content if content or not calls else None, calls, logprobs, usage, result.last.finish_reason
+            )
+
+        async def events(choices: Fanout) -> AsyncIterator[bytes]:
+            stream = ResponseEvents(shape)
+            try:
+                for event in stream.start():
+                    yield event
+                async for _, out in choices:
+                    content, entries = out.text, []
+                    if calling is not None:
+                        content, entries = calling[0].step(out.text, out.finished)
+                    for event in stream.step(content, output_text_logprobs(described(out.logprobs)), entries):
+                        yield event
+                    if out.finished:
+                        for event in stream.finish(_usage([out], 1), out.finish_reason):
+                            yield event
+            except Exception as e:  # the stream has started: report in-band
+                yield stream.error(_as_api_error(e).body())
+            finally:
+                await choices.aclose()  # client gone: abort what still runs
+
+        return await run(body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events)
 
     return app

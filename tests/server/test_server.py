@@ -151,6 +151,31 @@ def test_chat_streaming_with_usage_matches_the_whole_response(spec):
     assert whole.usage.completion_tokens <= 40
 
 
+def test_the_responses_api_answers_as_chat_through_the_openai_client(plain, spec):
+    """`client.responses.create` and its stream helper, with speculation and without:
+    the chat endpoint's greedy answer, as JSON where text.format asks for it."""
+    ask = {"input": PROMPTS[6], "instructions": "Answer briefly.", "temperature": 0, "max_output_tokens": 24}
+    messages = [{"role": "system", "content": ask["instructions"]}, {"role": "user", "content": ask["input"]}]
+    chat = client(plain).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    plainly = client(plain).responses.create(model=MODEL, **ask)
+    assert plainly.output_text == chat.choices[0].message.content
+    assert plainly.usage.input_tokens == chat.usage.prompt_tokens
+    with client(spec).responses.stream(model="smol", **ask) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == plainly.output_text
+    json_mode = client(spec).responses.create(
+        model="smol",
+        input="A JSON object of two colours:",
+        max_output_tokens=48,
+        text={"format": {"type": "json_object"}},
+    )
+    if json_mode.status == "completed":
+        assert isinstance(json.loads(json_mode.output_text), dict)
+    else:  # cut by max_output_tokens: an object's start
+        assert json_mode.incomplete_details.reason == "max_output_tokens" and json_mode.output_text.startswith("{")
+
+
 def test_a_chats_next_turn_starts_from_the_cache_with_the_same_answer(plain, spec):
     """The spec server keeps the first turn's keys and values; the second turn (the
     conversation so far and a new message) reads them instead of prefilling them, and

@@ -1,0 +1,456 @@
+"""OpenAI's Responses API (`POST /v1/responses`), served by the chat machinery.
+
+A request becomes a `ChatCompletionRequest` (`ResponsesRequest.chat_request`): its
+`instructions` a system turn, its `input` (a text, or items: messages, the model's
+`function_call`s and their `function_call_output`s) the turns after it, its flat
+function tools the chat form, `text.format` a `response_format`, `max_output_tokens`
+the completion's limit. So sampling, structured outputs, tool calls and speculation are
+the chat endpoint's own. The answer comes back as a `response` object: a `message` item
+holding the text (`output_text`) and a `function_call` item per call; a stream sends
+OpenAI's typed events (`ResponseEvents`), each with its `sequence_number`, and ends with
+`response.completed` (or `response.incomplete` where `max_output_tokens` cut it).
+
+The server keeps no responses: `previous_response_id` and `background` are refused
+(send the conversation in `input`), and every response says `"store": false`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any
+
+from pydantic import ValidationError
+
+from specserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    StopAtFirst,
+    Texts,
+    _Body,
+    validation_error,
+)
+from specserve.server.tool_calls import ToolCall
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# The sampling fields a response request passes to its chat request as they are (vLLM's
+# extensions among them).
+PASSED_ON = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "user",
+    "parallel_tool_calls",
+)
+INPUT_ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | Annotated[list[dict[str, Any]], StopAtFirst()]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: Annotated[list[dict[str, Any]], StopAtFirst()] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    include: Texts | None = None
+    truncation: str | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM's sampling extensions, as the chat endpoint takes them
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | Texts | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request this one asks for (APIError(400) naming the field it cannot serve)."""
+        if self.previous_response_id is not None:
+            raise APIError(
+                "this server keeps no responses, so previous_response_id cannot be served; send the "
+                "conversation so far in input (its messages, function_call and function_call_output items)",
+                param="previous_response_id",
+            )
+        if self.background:
+            raise APIError("background responses are not served (this server keeps no responses)", param="background")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise APIError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise APIError(f'truncation must be "disabled" or "auto", got {self.truncation!r}', param="truncation")
+        unknown = [item for item in self.include or () if item != LOGPROBS_INCLUDE]
+        if unknown:
+            raise APIError(f"include {unknown[0]!r} is not served; {LOGPROBS_INCLUDE!r} is", param="include")
+        fields = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
+        fields.update(
+            messages=self.messages(),
+            stream=self.stream,
+            max_completion_tokens=self.max_output_tokens,
+            tools=self.chat_tools(),
+            tool_choice=self.chat_tool_choice(),
+            response_format=self.response_format(),
+            logprobs=self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ()),
+            top_logprobs=self.top_logprobs,
+            truncate_prompt_tokens=-1 if self.truncation == "auto" else None,
+        )
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as error:
+            raise validation_error(error.errors(include_url=False)) from None
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat turns of instructions and input: function calls join the assistant
+        turn before them (or open one), each output is a tool turn."""
+        turns: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            turns.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*turns, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                turns.append(_message_turn(item, f"input[{i}]"))
+            elif kind == "function_call":
+                call = {
+                    "id": _text_field(item, "call_id", f"input[{i}]"),
+                    "type": "function",
+                    "function": {
+                        "name": _text_field(item, "name", f"input[{i}]"),
+                        "arguments": _text_field(item, "arguments", f"input[{i}]"),
+                    },
+                }
+                if not turns or turns[-1]["role"] != "assistant":
+                    turns.append({"role": "assistant", "content": None})
+                turns[-1].setdefault("tool_calls", []).append(call)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                content = _parts_text(output, f"input[{i}].output") if isinstance(output, list) else output
+                if not isinstance(content, str):
+                    raise APIError("a function_call_output needs its output: a text", param=f"input[{i}].output")
+                turns.append(
+                    {"role": "tool", "tool_call_id": _text_field(item, "call_id", f"input[{i}]"), "content": content}
+                )
+            else:
+                raise APIError(
+                    f"input items of type {kind!r} are not supported; send messages, function_call and "
+                    "function_call_output items",
+                    param=f"input[{i}].type",
+                )
+        return turns
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The function tools in the chat form ({"type", "function": {...}})."""
+        if self.tools is None:
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            if tool.get("type") != "function":
+                raise APIError(
+                    f'tools of type {tool.get("type")!r} are not supported; use "function"', param=f"tools[{i}].type"
+                )
+            function = {"name": _text_field(tool, "name", f"tools[{i}]")}
+            function.update({k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None})
+            tools.append({"type": "function", "function": function})
+        return tools
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
+                f"got {choice!r}",
+                param="tool_choice",
+            )
+        return {"type": "function", "function": {"name": name}}
+
+    def response_format(self) -> dict[str, Any] | None:
+        """text.format as the chat request's response_format."""
+        wanted = (self.text or {}).get("format")
+        if wanted is None:
+            return None
+        kind = wanted.get("type") if isinstance(wanted, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(
+                f'text.format type {kind!r} is not supported; use "text", "json_object" or "json_schema"',
+                param="text.format.type",
+            )
+        if kind != "json_schema":
+            return {"type": kind}
+        inner = {k: wanted[k] for k in ("name", "schema", "strict") if k in wanted}
+        return {"type": "json_schema", "json_schema": inner}
+
+    def echoed(self) -> dict[str, Any]:
+        """The request's settings as a response object repeats them."""
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": self.reasoning,
+            "store": False,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "text": {"format": (self.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": self.tool_choice or "auto",
+            "tools": self.tools or [],
+            "top_logprobs": self.top_logprobs,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "truncation": self.truncation or "disabled",
+            "user": self.user,
+        }
+
+
+def _text_field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(f"{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _parts_text(parts: list[Any], where: str) -> str:
+    """The text of a content list's parts; another kind of part (an image, a file) is refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise APIError(
+                f"content parts of type {kind!r} are not supported; send text parts "
+                '({"type": "input_text", "text": ...})',
+                param=f"{where}[{j}].type",
+            )
+        texts.append(_text_field(part, "text", f"{where}[{j}]"))
+    return "".join(texts)
+
+
+def _message_turn(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise APIError(f"unknown role {role!r}; use one of {list(INPUT_ROLES)}", param=f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = _parts_text(content, f"{where}.content")
+    if not isinstance(content, str):
+        raise APIError("a message needs its content: a text or a list of text parts", param=f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def output_text_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """An output_text part's logprobs from the chat form's (`logprob_fields.chat_logprobs`)."""
+    return [] if chat_logprobs is None else chat_logprobs["content"]
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """A response's usage from the chat form's."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def message_item(item_id: str, text: str, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+class ResponseObject:
+    """One response's fixed fields, and its object at a given state."""
+
+    def __init__(self, request: ResponsesRequest, model: str):
+        self.id, self.created_at = _new_id("resp"), int(time.time())
+        self.model, self.settings = model, request.echoed()
+
+    def object(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        chat_usage: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """The response: `status` "in_progress", or from the finish_reason once done
+        ("incomplete" where the length limit cut it, "cancelled" where the server's
+        shutdown did)."""
+        incomplete = None
+        if status != "in_progress" and finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif status != "in_progress" and finish_reason == "abort":
+            status = "cancelled"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": output,
+            "usage": None if chat_usage is None else usage(chat_usage),
+            **self.settings,
+        }
+
+    def whole(
+        self, text: str | None, calls: list[ToolCall], logprobs: list[dict[str, Any]], chat_usage, finish_reason
+    ) -> dict[str, Any]:
+        """The response of a whole answer: its text (None: calls alone) and calls."""
+        output = [] if text is None else [message_item(_new_id("msg"), text, logprobs, "completed")]
+        output += [call_item(_new_id("fc"), call) for call in calls]
+        return self.object("completed", output, chat_usage, finish_reason)
+
+
+class ResponseEvents:
+    """A streamed response's events, from each step's content and tool-call entries (the
+    chat stream's `delta.content` and `delta.tool_calls`): the message item opens at the
+    first text, a call's item at its first entry; both close at the end."""
+
+    def __init__(self, response: ResponseObject):
+        self.response = response
+        self.sequence_number = 0
+        self.output: list[dict[str, Any]] = []  # the items so far, as sent when done
+        self.message: dict[str, Any] | None = None  # the open message item
+        self.text, self.logprobs = "", []
+        self.calls: dict[int, dict[str, Any]] = {}  # open call items, by the chat entries' index
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+    def start(self) -> list[bytes]:
+        state = self.response.object("in_progress", [])
+        return [self.event("response.created", response=state), self.event("response.in_progress", response=state)]
+
+    def step(self, content: str, logprobs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[bytes]:
+        events = []
+        if content or logprobs:
+            if self.message is None:
+                events += self._open_message()
+            self.text += content
+            self.logprobs += logprobs
+            events.append(
+                self.event("response.output_text.delta", **self._at_message(), delta=content, logprobs=logprobs)
+            )
+        for entry in entries:
+            if entry["index"] not in self.calls:
+                events += self._close_message()
+                events += self._open_call(entry)
+            arguments = entry.get("function", {}).get("arguments") or ""
+            if arguments:
+                call = self.calls[entry["index"]]
+                call["arguments"] += arguments
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=call["id"],
+                        output_index=call["output_index"],
+                        delta=arguments,
+                    )
+                )
+        return events
+
+    def finish(self, chat_usage: dict[str, Any], finish_reason: str | None) -> list[bytes]:
+        events = self._close_message()
+        for index in sorted(self.calls):
+            call = self.calls.pop(index)
+            at = call.pop("output_index")
+            call["status"] = "completed"
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=call["id"],
+                    output_index=at,
+                    arguments=call["arguments"],
+                )
+            )
+            events.append(self.event("response.output_item.done", output_index=at, item=call))
+            self.output[at] = call
+        done = self.response.object("completed", self.output, chat_usage, finish_reason)
+        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        return [*events, self.event(kind, response=done)]
+
+    def _at_message(self) -> dict[str, Any]:
+        return {"item_id": self.message["id"], "output_index": self.message["output_index"], "content_index": 0}
+
+    def _open_message(self) -> list[bytes]:
+        self.message = {"id": _new_id("msg"), "output_index": len(self.output)}
+        self.output.append({})
+        item = message_item(self.message["id"], "", [], "in_progress")
+        item["content"] = []
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=self.message["output_index"], item=item),
+            self.event("response.content_part.added", **self._at_message(), part=part),
+        ]
+
+    def _close_message(self) -> list[bytes]:
+        if self.message is None:
+            return []
+        item = message_item(self.message["id"], self.text, self.logprobs, "completed")
+        at = self._at_message()
+        events = [
+            self.event("response.output_text.done", **at, text=self.text, logprobs=self.logprobs),
+            self.event("response.content_part.done", **at, part=item["content"][0]),
+            self.event("response.output_item.done", output_index=at["output_index"], item=item),
+        ]
+        self.output[at["output_index"]] = item
+        self.message = None
+        return events
+
+    def _open_call(self, entry: dict[str, Any]) -> list[bytes]:
+        function = entry.get("function", {})
+        call = ToolCall(function.get("name", ""), "", entry.get("id") or _new_id("call"))
+        item = call_item(_new_id("fc"), call, "in_progress")
+        self.calls[entry["index"]] = {**item, "output_index": len(self.output)}
+        self.output.append({})
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """An error once the stream has started (an API error's body)."""
+        error = body.get("error", {})
+        return self.event("error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))

@@ -1,0 +1,246 @@
+"""OpenAI's Responses API (`POST /v1/responses`, server/responses.py) through the whole
+app, in process, on the scripted target of test_server_tools.py: a response holds the
+answer the chat endpoint gives the same conversation, whole and as OpenAI's typed events,
+each checked against the `openai` package's own models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from specserve.engine.engine import Engine
+from specserve.server.app import ApiSettings, build_app
+from specserve.server.async_engine import AsyncEngine
+from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import APIError
+from specserve.server.responses import ResponsesRequest
+from tests.server.test_server_tools import SCRIPTS, TARGET, scripted_tokenizer
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+async def post(requests: list[tuple[str, dict]], parser: str | None = "hermes") -> list[httpx.Response]:
+    """Each (path, body) sent in turn to one server whose target answers the hermes script."""
+    tokenizer = scripted_tokenizer(SCRIPTS["hermes"])
+    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
+    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser=parser))
+    engine.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return [await client.post(path, json=body) for path, body in requests]
+    finally:
+        engine.stop()
+
+
+def events(response: httpx.Response) -> list:
+    """A stream's events, each read by the openai package's model of its type."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    read = []
+    for block in response.text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}"
+        read.append(EVENT.validate_python(payload))
+    assert [e.sequence_number for e in read] == list(range(len(read)))
+    return read
+
+
+def test_a_response_holds_the_chat_answer_whole_and_streamed():
+    ask = {"temperature": 0, "max_output_tokens": 20, "top_logprobs": 1}
+    chat, whole, stream = asyncio.run(
+        post(
+            [
+                (
+                    "/v1/chat/completions",
+                    {
+                        "messages": [{"role": "user", "content": "weather"}],
+                        "temperature": 0,
+                        "max_tokens": 20,
+                        "logprobs": True,
+                        "top_logprobs": 1,
+                    },
+                ),
+                ("/v1/responses", {"input": "weather", **ask}),
+                (
+                    "/v1/responses",
+                    {
+                        "input": [{"role": "user", "content": [{"type": "input_text", "text": "weather"}]}],
+                        "stream": True,
+                        **ask,
+                    },
+                ),
+            ],
+        )
+    )
+    answer = chat.json()["choices"][0]
+    response = Response.model_validate(whole.json())
+    assert response.status == "completed" and response.output_text == answer["message"]["content"]
+    assert [lp.token for lp in response.output[0].content[0].logprobs] == [
+        lp["token"] for lp in answer["logprobs"]["content"]
+    ]
+    assert response.usage.input_tokens == chat.json()["usage"]["prompt_tokens"]
+    assert response.usage.output_tokens == chat.json()["usage"]["completion_tokens"]
+
+    sent = events(stream)
+    assert [e.type for e in sent[:4]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert sent[0].response.status == "in_progress"
+    deltas = [e for e in sent if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == response.output_text
+    assert sum(len(e.logprobs) for e in deltas) == len(answer["logprobs"]["content"])
+    assert [e.type for e in sent[-4:]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert sent[-4].text == response.output_text and sent[-1].response.output_text == response.output_text
+    assert sent[-1].response.usage == response.usage
+
+
+def test_a_call_comes_back_as_a_function_call_item_whole_and_streamed():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20, "tools": TOOLS}
+    whole, stream = asyncio.run(post([("/v1/responses", ask), ("/v1/responses", {**ask, "stream": True})]))
+    (call,) = Response.model_validate(whole.json()).output
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == (
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
+        "completed",
+    )
+    sent = events(stream)
+    assert [e.type for e in sent] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert sent[2].item.name == "get_weather" and sent[2].item.status == "in_progress"
+    assert json.loads(sent[4].arguments) == {"city": "Paris"}
+    (done,) = sent[-1].response.output
+    assert done.call_id == sent[2].item.call_id and done.arguments == sent[4].arguments
+
+
+def test_a_conversation_with_calls_and_their_outputs_reads_as_the_chat_one():
+    """instructions, a call the model made, and its output, against the same chat turns:
+    the same prompt (its token count) and the same answer."""
+    items = [
+        {"role": "user", "content": "weather"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    request = ResponsesRequest.model_validate({"input": items, "instructions": "be brief"})
+    assert request.messages() == messages
+    chat, response = asyncio.run(
+        post(
+            [
+                (
+                    "/v1/chat/completions",
+                    {"messages": messages, "tools": CHAT_TOOLS, "temperature": 0, "max_tokens": 5},
+                ),
+                (
+                    "/v1/responses",
+                    {
+                        "input": items,
+                        "instructions": "be brief",
+                        "tools": TOOLS,
+                        "temperature": 0,
+                        "max_output_tokens": 5,
+                    },
+                ),
+            ]
+        )
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert Response.model_validate(response.json()).output_text == chat.json()["choices"][0]["message"]["content"]
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 3}
+    whole, stream = asyncio.run(post([("/v1/responses", ask), ("/v1/responses", {**ask, "stream": True})]))
+    response = Response.model_validate(whole.json())
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+    last = events(stream)[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == response.output_text
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"role": "critic", "content": "hm"}]}, "input[0].role"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+        ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"truncation": "middle"}, "truncation"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ],
+)
+def test_what_cannot_be_served_is_refused_naming_its_field(fields, param):
+    (response,) = asyncio.run(post([("/v1/responses", {"input": "weather", **fields})]))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_text_format_and_tool_choice_become_the_chat_requests():
+    request = ResponsesRequest.model_validate(
+        {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}},
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "truncation": "auto",
+            "max_output_tokens": 7,
+        }
+    )
+    chat = request.chat_request()
+    assert chat.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True},
+    }
+    assert chat.forced_tool() == "get_weather" and chat.tools[0].function.name == "get_weather"
+    assert chat.truncate_prompt_tokens == -1 and chat.requested_max_tokens() == 7
+    with pytest.raises(APIError):
+        ResponsesRequest.model_validate({"input": "x", "previous_response_id": "r"}).chat_request()
