@@ -56,7 +56,13 @@ from specserve.server.protocol import (
     validation_error,
 )
 from specserve.server.recording import PromptRecorder
-from specserve.server.responses import ResponseEvents, ResponseObject, ResponsesRequest, output_text_logprobs
+from specserve.server.responses import (
+    ResponseEvents,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    output_text_logprobs,
+)
 from specserve.server.tool_calls import ForcedToolCalls, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
@@ -615,12 +621,25 @@ def build_app(
         arrival = time.perf_counter()
         return await chat(await _parsed(http_request, ChatCompletionRequest), http_request, arrival)
 
+    kept_responses = ResponseStore()
+
     @app.post("/v1/responses")
     async def responses(http_request: Request) -> Response:
         arrival = time.perf_counter()
         request = await _parsed(http_request, ResponsesRequest)
-        shape = ResponseObject(request, settings.served_model_name)
-        return await chat(request.chat_request(), http_request, arrival, shape)
+        previous = request.previous_response_id
+        history = [] if previous is None else kept_responses.conversation(previous)
+        shape = ResponseObject(request, settings.served_model_name, kept_responses)
+        return await chat(request.chat_request(history), http_request, arrival, shape)
+
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str) -> dict[str, Any]:
+        return kept_responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget_response(response_id: str) -> dict[str, Any]:
+        kept_responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     async def chat(
         body: ChatCompletionRequest, http_request: Request, arrival: float, shape: ResponseObject | None = None

@@ -10,8 +10,12 @@ holding the text (`output_text`) and a `function_call` item per call; a stream s
 OpenAI's typed events (`ResponseEvents`), each with its `sequence_number`, and ends with
 `response.completed` (or `response.incomplete` where `max_output_tokens` cut it).
 
-The server keeps no responses: `previous_response_id` and `background` are refused
-(send the conversation in `input`), and every response says `"store": false`.
+Responses are kept (`store`, true by default as in OpenAI's API) in a `ResponseStore`
+in the server's memory, the most recent RESPONSES_KEPT: `GET /v1/responses/{id}` returns
+one, `DELETE` forgets it, and a request's `previous_response_id` continues its
+conversation (the turns of every response up its chain, then the new input; the earlier
+responses' instructions are not carried over, as OpenAI's are not). They do not outlive
+the server. `background` is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import ValidationError
@@ -54,6 +61,10 @@ PASSED_ON = (
     "parallel_tool_calls",
 )
 INPUT_ROLES = ("user", "assistant", "system", "developer")
+# How many responses the store keeps, the least recently made or read forgotten first: a
+# conversation's turns are kept once, each response holding its own (its input and its
+# answer), so a chain costs what its text does.
+RESPONSES_KEPT = 1024
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -63,7 +74,7 @@ def _new_id(prefix: str) -> str:
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | Annotated[list[dict[str, Any]], StopAtFirst()]
+    input: str | Annotated[list[Any], StopAtFirst()]  # items are read by `input_turns`
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -74,6 +85,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    # Only LOGPROBS_INCLUDE adds to a response here; the others name items it never
+    # holds (reasoning, built-in tools' results), so asking for them changes nothing.
     include: Texts | None = None
     truncation: str | None = None
     store: bool | None = None
@@ -94,26 +107,21 @@ class ResponsesRequest(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat request this one asks for (APIError(400) naming the field it cannot serve)."""
-        if self.previous_response_id is not None:
-            raise APIError(
-                "this server keeps no responses, so previous_response_id cannot be served; send the "
-                "conversation so far in input (its messages, function_call and function_call_output items)",
-                param="previous_response_id",
-            )
+    def chat_request(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat request this one asks for, after the turns of `history` (those of
+        the previous responses); APIError(400) naming the field it cannot serve."""
         if self.background:
-            raise APIError("background responses are not served (this server keeps no responses)", param="background")
+            raise APIError(
+                "background responses are not served; ask with stream: true to see the answer as it comes",
+                param="background",
+            )
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
         if self.truncation not in (None, "disabled", "auto"):
             raise APIError(f'truncation must be "disabled" or "auto", got {self.truncation!r}', param="truncation")
-        unknown = [item for item in self.include or () if item != LOGPROBS_INCLUDE]
-        if unknown:
-            raise APIError(f"include {unknown[0]!r} is not served; {LOGPROBS_INCLUDE!r} is", param="include")
         fields = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
         fields.update(
-            messages=self.messages(),
+            messages=self.instruction_turns() + list(history) + self.input_turns(),
             stream=self.stream,
             max_completion_tokens=self.max_output_tokens,
             tools=self.chat_tools(),
@@ -128,15 +136,22 @@ class ResponsesRequest(_Body):
         except ValidationError as error:
             raise validation_error(error.errors(include_url=False)) from None
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat turns of instructions and input: function calls join the assistant
-        turn before them (or open one), each output is a tool turn."""
-        turns: list[dict[str, Any]] = []
-        if self.instructions is not None:
-            turns.append({"role": "system", "content": self.instructions})
+    def instruction_turns(self) -> list[dict[str, Any]]:
+        return [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+
+    def input_turns(self) -> list[dict[str, Any]]:
+        """The chat turns of the input: function calls join the assistant turn before
+        them (or open one), each output is a tool turn."""
         if isinstance(self.input, str):
-            return [*turns, {"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise APIError("input holds no items; send a text or at least one message", param="input")
+        turns: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
+            if not isinstance(item, dict):
+                raise APIError(
+                    "each input item must be an object: a message, or a function call's", param=f"input[{i}]"
+                )
             kind = item.get("type", "message")
             if kind == "message":
                 turns.append(_message_turn(item, f"input[{i}]"))
@@ -219,9 +234,9 @@ class ResponsesRequest(_Body):
             "max_output_tokens": self.max_output_tokens,
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": self.previous_response_id,
             "reasoning": self.reasoning,
-            "store": False,
+            "store": self.store is not False,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "text": {"format": (self.text or {}).get("format") or {"type": "text"}},
             "tool_choice": self.tool_choice or "auto",
@@ -301,11 +316,13 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[s
 
 
 class ResponseObject:
-    """One response's fixed fields, and its object at a given state."""
+    """One response's fixed fields, and its object at a given state; once finished, kept
+    in `store` where the request asks for it."""
 
-    def __init__(self, request: ResponsesRequest, model: str):
+    def __init__(self, request: ResponsesRequest, model: str, store: ResponseStore):
         self.id, self.created_at = _new_id("resp"), int(time.time())
         self.model, self.settings = model, request.echoed()
+        self.request, self.store = request, store
 
     def object(
         self,
@@ -341,7 +358,77 @@ class ResponseObject:
         """The response of a whole answer: its text (None: calls alone) and calls."""
         output = [] if text is None else [message_item(_new_id("msg"), text, logprobs, "completed")]
         output += [call_item(_new_id("fc"), call) for call in calls]
-        return self.object("completed", output, chat_usage, finish_reason)
+        return self.finished(output, chat_usage, finish_reason)
+
+    def finished(self, output: list[dict[str, Any]], chat_usage, finish_reason: str | None) -> dict[str, Any]:
+        """The finished response, kept where the request asks for it."""
+        done = self.object("completed", output, chat_usage, finish_reason)
+        if self.request.store is not False:
+            turns = self.request.input_turns() + [assistant_turn(output)]
+            self.store.put(StoredResponse(self.request.previous_response_id, turns, done))
+        return done
+
+
+def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the chat turn that answered."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    previous_id: str | None  # the response it continued
+    turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer
+    body: dict[str, Any]  # the response object
+
+
+class ResponseStore:
+    """The responses kept, by id, the RESPONSES_KEPT most recently made or read (the
+    server's event loop alone reads and writes it)."""
+
+    def __init__(self, size: int = RESPONSES_KEPT):
+        self.size = size
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        self._kept[stored.body["id"]] = stored
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        """The response object (APIError(404) where it is not kept)."""
+        return self._stored(response_id, "response_id", status=404).body
+
+    def delete(self, response_id: str) -> None:
+        self._stored(response_id, "response_id", status=404)
+        del self._kept[response_id]
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The chat turns of response_id's conversation, its own last (APIError(400)
+        where it, or a response up its chain, is not kept)."""
+        chain: list[StoredResponse] = []
+        while response_id is not None:
+            chain.append(self._stored(response_id, "previous_response_id", status=400))
+            response_id = chain[-1].previous_id
+        return [turn for stored in reversed(chain) for turn in stored.turns]
+
+    def _stored(self, response_id: str, param: str, status: int) -> StoredResponse:
+        stored = self._kept.get(response_id)
+        if stored is None:
+            raise APIError(
+                f"no response {response_id!r} is kept here: this server keeps the last {self.size} responses made "
+                "with store, in memory; send the conversation in input",
+                status=status,
+                param=param,
+                type="invalid_request_error" if status == 400 else "not_found_error",
+            )
+        self._kept.move_to_end(response_id)
+        return stored
 
 
 class ResponseEvents:
@@ -410,7 +497,7 @@ class ResponseEvents:
             )
             events.append(self.event("response.output_item.done", output_index=at, item=call))
             self.output[at] = call
-        done = self.response.object("completed", self.output, chat_usage, finish_reason)
+        done = self.response.finished(self.output, chat_usage, finish_reason)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=done)]
 

@@ -53,7 +53,7 @@ def events(response: httpx.Response) -> list:
 
 
 def test_a_response_holds_the_chat_answer_whole_and_streamed():
-    ask = {"temperature": 0, "max_output_tokens": 20, "top_logprobs": 1}
+    ask = {"temperature": 0, "max_output_tokens": 20, "top_logprobs": 1, "include": ["reasoning.encrypted_content"]}
     chat, whole, stream = asyncio.run(
         post(
             [
@@ -160,7 +160,7 @@ def test_a_conversation_with_calls_and_their_outputs_reads_as_the_chat_one():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     request = ResponsesRequest.model_validate({"input": items, "instructions": "be brief"})
-    assert request.messages() == messages
+    assert request.instruction_turns() + request.input_turns() == messages
     chat, response = asyncio.run(
         post(
             [
@@ -199,8 +199,15 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete():
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"background": True}, "background"),
+        ({"input": []}, "input"),
+        ({"input": ["weather"]}, "input[0]"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
+            "input[0].arguments",
+        ),
+        ({"metadata": {"a": 1}}, "metadata.a"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -211,7 +218,6 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete():
         ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
         ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"include": ["file_search_call.results"]}, "include"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"truncation": "middle"}, "truncation"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
@@ -243,4 +249,115 @@ def test_text_format_and_tool_choice_become_the_chat_requests():
     assert chat.forced_tool() == "get_weather" and chat.tools[0].function.name == "get_weather"
     assert chat.truncate_prompt_tokens == -1 and chat.requested_max_tokens() == 7
     with pytest.raises(APIError):
-        ResponsesRequest.model_validate({"input": "x", "previous_response_id": "r"}).chat_request()
+        ResponsesRequest.model_validate({"input": "x", "background": True}).chat_request()
+
+
+async def conversation(steps: list) -> list[httpx.Response]:
+    """Each step a (method, path, body) or a function of the responses so far giving one,
+    sent in turn to one server (the hermes script's target and parser)."""
+    tokenizer = scripted_tokenizer(SCRIPTS["hermes"])
+    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
+    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser="hermes"))
+    engine.start()
+    sent: list[httpx.Response] = []
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            for step in steps:
+                method, path, body = step(sent) if callable(step) else step
+                sent.append(await client.request(method, path, json=body))
+        return sent
+    finally:
+        engine.stop()
+
+
+def test_previous_response_id_continues_the_conversation_kept_on_the_server():
+    """Three responses chained by previous_response_id (a call, its output, a question)
+    read the prompt of the whole conversation as a chat: each earlier turn, the earlier
+    instructions left out; GET returns a kept response, DELETE forgets it."""
+    ask = {"temperature": 0, "max_output_tokens": 20, "tools": TOOLS}
+    first = ("POST", "/v1/responses", {"input": "weather", "instructions": "be brief", **ask})
+
+    def second(sent):
+        call = sent[0].json()["output"][0]
+        output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+        return "POST", "/v1/responses", {"input": [output], "previous_response_id": sent[0].json()["id"], **ask}
+
+    def third(sent):
+        return "POST", "/v1/responses", {"input": "thanks", "previous_response_id": sent[1].json()["id"], **ask}
+
+    def chat(sent):
+        call = sent[0].json()["output"][0]
+        messages = [
+            {"role": "user", "content": "weather"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["call_id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": sent[1].json()["output"][0]["call_id"],
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "user", "content": "thanks"},
+        ]
+        return (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": messages, "tools": CHAT_TOOLS, "temperature": 0, "max_tokens": 20},
+        )
+
+    def get_first(sent):
+        return "GET", f"/v1/responses/{sent[0].json()['id']}", None
+
+    def delete_first(sent):
+        return "DELETE", f"/v1/responses/{sent[0].json()['id']}", None
+
+    def after_delete(sent):
+        return "POST", "/v1/responses", {"input": "again", "previous_response_id": sent[2].json()["id"], **ask}
+
+    sent = asyncio.run(conversation([first, second, third, chat, get_first, delete_first, get_first, after_delete]))
+    assert [r.status_code for r in sent] == [200, 200, 200, 200, 200, 200, 404, 400], [r.text for r in sent]
+    responses = [Response.model_validate(r.json()) for r in sent[:3]]
+    assert responses[2].previous_response_id == responses[1].id and responses[0].store
+    assert responses[2].usage.input_tokens == sent[3].json()["usage"]["prompt_tokens"]
+    assert sent[4].json() == sent[0].json()
+    assert sent[5].json() == {"id": responses[0].id, "object": "response", "deleted": True}
+    assert sent[6].json()["error"]["type"] == "not_found_error"
+    assert sent[7].json()["error"]["param"] == "previous_response_id"  # its chain lost a link
+
+
+def test_a_streamed_response_is_kept_and_store_false_is_not():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
+
+    def completed_id(response: httpx.Response) -> str:
+        return events(response)[-1].response.id
+
+    sent = asyncio.run(
+        conversation(
+            [
+                ("POST", "/v1/responses", {**ask, "stream": True}),
+                ("POST", "/v1/responses", {**ask, "store": False}),
+                lambda sent: ("GET", f"/v1/responses/{completed_id(sent[0])}", None),
+                lambda sent: ("GET", f"/v1/responses/{sent[1].json()['id']}", None),
+            ]
+        )
+    )
+    assert sent[1].json()["store"] is False
+    last = json.loads(sent[0].text.strip().split("\n\n")[-1].split("\ndata: ")[1])
+    assert last["type"] == "response.completed" and sent[2].json() == last["response"]
+    assert Response.model_validate(sent[2].json()).output_text == Response.model_validate(sent[1].json()).output_text
+    assert sent[3].status_code == 404

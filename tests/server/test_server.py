@@ -164,6 +164,14 @@ def test_the_responses_api_answers_as_chat_through_the_openai_client(plain, spec
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == plainly.output_text
+    follow_up = client(plain).responses.create(
+        model=MODEL, input="And 3 + 3?", previous_response_id=plainly.id, temperature=0, max_output_tokens=8
+    )
+    assert follow_up.usage.input_tokens > plainly.usage.input_tokens + plainly.usage.output_tokens
+    assert client(plain).responses.retrieve(follow_up.id).output_text == follow_up.output_text
+    client(plain).responses.delete(follow_up.id)
+    with pytest.raises(openai.NotFoundError):
+        client(plain).responses.retrieve(follow_up.id)
     json_mode = client(spec).responses.create(
         model="smol",
         input="A JSON object of two colours:",
