@@ -30,14 +30,18 @@ from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
 
 from specserve.errors import ConfigError
-from specserve.structured.outputs import StructuredOutput, automaton
+from specserve.structured.nested import NestedGuide
+from specserve.structured.outputs import StructuredOutput, automaton, nested_levels
 from specserve.structured.regex import DFA, mask_classes
 from specserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 # What a guide keeps: each state's mask as bits (151,936 ids: 19 KB), and each
 # (state, token) step taken; past these it starts afresh.
@@ -228,19 +232,19 @@ class GuideCache:
     def vocabulary(self) -> GuideVocabulary:
         return GuideVocabulary.of(self.tokenizer, self.tokenizer.vocab_size)
 
-    def guide(self, wanted: StructuredOutput) -> Guide:
+    def guide(self, wanted: StructuredOutput) -> Guide | NestedGuide:
         """The compiled guide (ConfigError for a pattern or schema it cannot serve)."""
         with self._lock:
             if wanted in self._guides:
                 self._guides.move_to_end(wanted)
                 return self._guides[wanted]
         vocabulary = self.vocabulary()
-        reach = len(vocabulary.counts)
-        if self.isolated:
-            dfa, classes = _compile_in_worker(wanted, reach)
+        compiled = _compile_in_worker if self.isolated else _compile_here
+        if wanted.kind == "json_object":  # nested to any depth: a pushdown guide
+            guide = NestedGuide(compiled(nested_levels, wanted), vocabulary, wanted.describe())
         else:
-            dfa, classes = automaton(wanted, reach)
-        guide = Guide(dfa, vocabulary, wanted.describe(), classes)
+            dfa, classes = compiled(automaton, wanted, len(vocabulary.counts))
+            guide = Guide(dfa, vocabulary, wanted.describe(), classes)
         with self._lock:
             self._guides[wanted] = guide
             while len(self._guides) > self.size:
@@ -252,10 +256,14 @@ _worker: ProcessPoolExecutor | None = None
 _worker_lock = threading.Lock()
 
 
-def _compile_in_worker(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
-    """`automaton(wanted, reach)` in the compiling process (spawned: it imports numpy and
-    this package's torch-free modules, not the server's state); a worker that died is
-    replaced, and the compile tried once more."""
+def _compile_here(compile: Callable[..., T], *args: Any) -> T:
+    return compile(*args)
+
+
+def _compile_in_worker(compile: Callable[..., T], *args: Any) -> T:
+    """`compile(*args)` (outputs.py's `automaton` or `nested_levels`) in the compiling
+    process (spawned: it imports numpy and this package's torch-free modules, not the
+    server's state); a worker that died is replaced, and the compile tried once more."""
     global _worker
     for attempt in range(2):
         with _worker_lock:
@@ -265,7 +273,7 @@ def _compile_in_worker(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.nd
                 )
             worker = _worker
         try:
-            return worker.submit(automaton, wanted, reach).result()
+            return worker.submit(compile, *args).result()
         except BrokenProcessPool:
             with _worker_lock:
                 if _worker is worker:

@@ -118,6 +118,26 @@ def json_object_regex(whitespace: str = WHITESPACE, max_depth: int = 4) -> str:
     return _sized(compiler.any_object(compiler.generic(max(max_depth - 1, 0))))
 
 
+# What a nested object or array reads as at its parent's level (Unicode noncharacters,
+# which no string may hold): JSON mode's levels (`json_object_levels`, nested.py).
+CALL_OBJECT, CALL_ARRAY = "\ufdd0", "\ufdd1"
+
+
+def json_object_levels(whitespace: str = WHITESPACE) -> tuple[str, str, str]:
+    """The regexes of any JSON object's levels, nested to any depth (structured/nested.py):
+    the document (one object), an object and an array, each from its opening bracket
+    through its closing one, a nested value in them read as CALL_OBJECT or CALL_ARRAY."""
+    _check_options(whitespace, 0)
+    string_char = STRING_CHAR.replace("\\x00-\\x1f", f"\\x00-\\x1f{CALL_OBJECT}{CALL_ARRAY}")
+    string = f'"{string_char}*"'
+    value = f"(?:{string}|{NUMBER}|true|false|null|{CALL_OBJECT}|{CALL_ARRAY})"
+    sep = f"{whitespace},{whitespace}"
+    member = f"{string}{whitespace}:{whitespace}{value}"
+    obj = f"\\{{{whitespace}(?:{member}(?:{sep}{member})*{whitespace})?\\}}"
+    array = f"\\[{whitespace}(?:{value}(?:{sep}{value})*{whitespace})?\\]"
+    return CALL_OBJECT, obj, array
+
+
 def _check_options(whitespace: str, max_depth: int) -> None:
     if not isinstance(whitespace, str):
         raise ConfigError(f"whitespace must be a regex string, not {type(whitespace).__name__}")

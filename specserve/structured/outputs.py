@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from specserve.structured.json_schema import WHITESPACE, json_object_regex, schema_to_regex
+from specserve.structured.json_schema import WHITESPACE, json_object_levels, json_object_regex, schema_to_regex
 from specserve.structured.regex import DFA, compile_regex, mask_classes
 
 # Each kind of structure, as error messages name it.
@@ -45,3 +45,10 @@ def automaton(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
     characters (ConfigError for a pattern or schema it cannot serve)."""
     dfa = compile_regex(wanted.regex())
     return dfa, mask_classes(dfa, reach)
+
+
+def nested_levels(wanted: StructuredOutput) -> tuple[DFA, DFA, DFA]:
+    """The DFAs of a JSON object's levels (json_object_levels), for structured/nested.py."""
+    whitespace = WHITESPACE if wanted.whitespace is None else wanted.whitespace
+    top, obj, array = (compile_regex(level) for level in json_object_levels(whitespace))
+    return top, obj, array

@@ -1,0 +1,160 @@
+"""JSON mode's pushdown guide (structured/nested.py): any depth, brackets matched, each
+mask the tokens a one-token walk reads, the regex guide's masks where the depth allows
+both, and greedy decoding under it the masked target's with speculation."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.model.decoder import Decoder, Segment
+from specserve.sampling import SamplingParams
+from specserve.structured.guide import Guide, GuideCache, GuideVocabulary
+from specserve.structured.json_schema import json_object_regex
+from specserve.structured.nested import MAX_DEPTH, NestedGuide
+from specserve.structured.outputs import StructuredOutput, nested_levels
+from specserve.structured.regex import compile_regex
+from tests.engine.test_engine import EOS, PROMPTS
+from tests.server.test_server_structured import character_tokenizer
+from tests.structured.test_guided_engine import TEXTS, target  # noqa: F401 (a fixture)
+from tests.test_penalties import proposer_of_kind
+
+# Pieces of JSON, several brackets to a token among them, and text that is no JSON.
+PIECES = [
+    *'{}[]":, 0123456789-.\\aenx\n',
+    *['{"', '"}', "},", "],", "}}", "]]", "]}", "}]}", "[{", "[[", "{}", "[]", '"a"', '"{"', '"}', '\\"'],
+    *['{"k": [', '"},{"', "1]", "e5", ".5", "true", "null", "false", '"]}', "[1,", '],"', "é", "\ufdd0"],
+]
+
+NONCHARACTER = PIECES.index("\ufdd0")
+
+
+def guide_of(texts: list[str | None]) -> NestedGuide:
+    return NestedGuide(nested_levels(StructuredOutput("json_object")), GuideVocabulary.from_texts(texts), "JSON")
+
+
+def text_of(ids: list[int], texts: list[str | None] = PIECES) -> str:
+    return "".join(texts[i] or "" for i in ids)
+
+
+def random_walks(guide: NestedGuide, count: int, length: int, seed: int = 0):
+    """Outputs drawn token by token from each state's mask: (state, output) at each step."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        state, output = guide.start, []
+        for _ in range(length):
+            yield state, output
+            allowed = guide.allowed(state, []).nonzero().flatten().tolist()
+            if not allowed:
+                break
+            output = [*output, rng.choice(allowed)]
+            state = guide.step(state, output[-1])
+
+
+def test_each_mask_is_the_tokens_one_token_walks_read_and_finished_outputs_parse():
+    guide = guide_of(PIECES)
+    finished = deepest = 0
+    for state, output in random_walks(guide, 600, 40):
+        mask = guide.allowed(state, [])
+        assert mask.tolist() == [guide.step(state, t) != 0 for t in range(len(PIECES))], text_of(output)
+        deepest = max(deepest, len(guide._configs[state][1]))
+        if guide.accepts(state):
+            assert isinstance(json.loads(text_of(output)), dict)
+            finished += 1
+    assert finished > 100 and deepest >= 6
+    assert not guide.allowed(guide.start, [])[NONCHARACTER]  # no nested value
+    assert not guide.allowed(guide.state_after([PIECES.index('{"')]), [])[NONCHARACTER]  # nor a string's
+
+
+def test_where_both_reach_the_regex_guide_allows_the_same_tokens():
+    """Up to the regex's depth bound (4 levels), the two guides agree token by token (but
+    for a noncharacter in a string, which the regex allows)."""
+    nested = guide_of(PIECES)
+    regex = Guide(compile_regex(json_object_regex()), GuideVocabulary.from_texts(PIECES), "JSON")
+    for state, output in random_walks(nested, 300, 30, seed=1):
+        if max((len(nested._configs[nested.state_after(output[:i])][1]) for i in range(len(output) + 1))) >= 3:
+            continue  # a token opening two levels there may pass the regex's bound
+        ours, theirs = nested.allowed(state, []), regex.allowed(regex.state_after(output), [])
+        ours[NONCHARACTER] = theirs[NONCHARACTER] = False  # the regex's strings may hold one
+        assert ours.tolist() == theirs.tolist(), text_of(output)
+
+
+def depth_of(value) -> int:
+    """How deep a parsed JSON value's objects and arrays nest."""
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max(map(depth_of, children), default=0)
+
+
+def test_objects_nest_past_any_fixed_depth_and_close_in_order():
+    guide = guide_of(PIECES)
+    deep = [PIECES.index('{"k": [')] * 30 + [PIECES.index("1")] + [PIECES.index("]}")] * 30
+    assert guide.accepts(guide.state_after(deep)) and depth_of(json.loads(text_of(deep))) == 60
+    opened = guide.state_after([PIECES.index("{"), PIECES.index('"a"'), PIECES.index(":"), PIECES.index("[")])
+    allowed = guide.allowed(opened, [])
+    assert allowed[PIECES.index("]")] and not allowed[PIECES.index("}")]  # an array closes with ]
+    assert allowed[PIECES.index("]}")] and not allowed[PIECES.index("}]}")]  # pops two, not three
+    assert not guide.allowed(guide.state_after(deep), []).any()  # nothing after the object
+    in_string = guide.state_after([PIECES.index("{"), PIECES.index('"')])
+    assert guide.allowed(in_string, [])[PIECES.index("}}")]  # brackets in a string are text
+    braced_key = [PIECES.index('{"k": ['), PIECES.index('"{"'), PIECES.index("]}")]
+    assert guide.accepts(guide.state_after(braced_key)) and json.loads(text_of(braced_key)) == {"k": ["{"]}
+
+
+def test_no_level_opens_past_max_depth():
+    guide = guide_of(PIECES)
+    opens_two = PIECES.index('{"k": [')
+    at_the_bound = guide.state_after([opens_two] * (MAX_DEPTH // 2))  # MAX_DEPTH levels open
+    full = guide.allowed(at_the_bound, [])
+    assert [guide.step(at_the_bound, PIECES.index(t)) == 0 for t in ("{", "[{", "1")] == [True, True, False]
+    assert not full[PIECES.index("{")] and not full[PIECES.index("[{")] and not full[opens_two]
+    assert full[PIECES.index("1")] and full[PIECES.index("]")] and full[PIECES.index("]}")]
+    room_for_two = guide.allowed(guide.state_after([opens_two] * (MAX_DEPTH // 2 - 1)), [])
+    assert room_for_two[PIECES.index("[{")] and room_for_two[PIECES.index("[[")]
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])
+def test_json_mode_compiles_to_the_pushdown_guide(isolated):
+    guide = GuideCache(character_tokenizer(), isolated=isolated).guide(StructuredOutput("json_object"))
+    assert isinstance(guide, NestedGuide)
+    ids = character_tokenizer().encode('{"a":[[[[[{"b":null}]]]]]}')
+    assert guide.accepts(guide.state_after(ids))
+
+
+def guided_greedy_by_hand(target: Decoder, prompt: list[int], guide: NestedGuide, max_tokens: int) -> list[int]:
+    """One full forward a token; the argmax among the ids a one-token walk reads (EOS
+    where the output is a whole object, or where nothing else can follow)."""
+    output: list[int] = []
+    state = guide.start
+    while len(output) < max_tokens:
+        ids = prompt + output
+        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
+        allowed = [t for t in range(EOS) if guide.step(state, t)]
+        if guide.accepts(state) or not allowed:
+            allowed.append(EOS)
+        token = max(allowed, key=lambda t: float(logits[t]))
+        output.append(token)
+        if token == EOS:
+            break
+        state = guide.step(state, token)
+    return output
+
+
+@pytest.mark.parametrize("proposer_kind", ["none", "draft", "ngram"])
+def test_json_mode_greedy_decoding_is_the_masked_targets_with_every_proposer(target, proposer_kind):  # noqa: F811
+    guide = guide_of(TEXTS)
+    params = SamplingParams(max_tokens=40, temperature=0.0, guide=guide)
+    engine = Engine(
+        target, eos_token_ids=[EOS], proposer=proposer_of_kind(proposer_kind, target), num_speculative_tokens=4
+    )
+    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    for seq, prompt in zip(seqs, PROMPTS):
+        expected = guided_greedy_by_hand(target, prompt, guide, 40)
+        assert seq.output_ids == expected
+        if expected[-1] == EOS:
+            assert isinstance(json.loads(text_of(expected[:-1], TEXTS)), dict)
