@@ -95,7 +95,7 @@ Ids = Annotated[list[int], StopAtFirst()]
 Texts = Annotated[list[str], StopAtFirst()]
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @field_validator("*")
@@ -110,11 +110,11 @@ class _Body(BaseModel):
         return value
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """What completions and chat share."""
 
     model: str | None = None
@@ -445,7 +445,7 @@ class CompletionRequest(_Sampling):
         return batch
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     """One part of a message's content: text is served; another type (an image, audio)
     is refused by name (ChatCompletionRequest.refuse_unsupported)."""
 
@@ -453,12 +453,12 @@ class ContentPart(_Body):
     text: str | None = None
 
 
-class CalledFunction(_Body):
+class CalledFunction(RequestBody):
     name: str
     arguments: str  # JSON text, as the API gives it
 
 
-class MessageToolCall(_Body):
+class MessageToolCall(RequestBody):
     """A call an assistant turn made (server/tool_calls.py), given back in a later request."""
 
     id: str | None = None
@@ -471,7 +471,7 @@ class MessageToolCall(_Body):
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: str
     content: str | Annotated[list[ContentPart], StopAtFirst()] | None = None
     name: str | None = None
@@ -493,14 +493,14 @@ class ChatMessage(_Body):
         return turn
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     type: str
     function: FunctionDefinition
 
@@ -624,7 +624,7 @@ class ChatCompletionRequest(_Sampling):
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a text (`prompt`), or a conversation (`messages`) through the chat template."""
 
     model: str | None = None
@@ -641,7 +641,7 @@ class TokenizeRequest(_Body):
             check_messages(self.messages)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """vLLM's /detokenize: token ids back to their text."""
 
     model: str | None = None

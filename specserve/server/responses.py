@@ -33,9 +33,9 @@ from pydantic import ValidationError
 from specserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    RequestBody,
     StopAtFirst,
     Texts,
-    _Body,
     validation_error,
 )
 from specserve.server.tool_calls import ToolCall
@@ -61,10 +61,12 @@ PASSED_ON = (
     "parallel_tool_calls",
 )
 INPUT_ROLES = ("user", "assistant", "system", "developer")
-# How many responses the store keeps, the least recently made or read forgotten first: a
-# conversation's turns are kept once, each response holding its own (its input and its
-# answer), so a chain costs what its text does.
+# What the store keeps, the least recently made or read forgotten first: at most this
+# many responses, and this many characters of their turns' text. A conversation's turns
+# are kept once, each response holding its own (its input and its answer), so a chain
+# costs what its text does; a kept response leaves its logprobs out.
 RESPONSES_KEPT = 1024
+RESPONSES_KEPT_CHARS = 64 * 2**20
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -72,7 +74,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | Annotated[list[Any], StopAtFirst()]  # items are read by `input_turns`
     instructions: str | None = None
@@ -365,8 +367,15 @@ class ResponseObject:
         done = self.object("completed", output, chat_usage, finish_reason)
         if self.request.store is not False:
             turns = self.request.input_turns() + [assistant_turn(output)]
-            self.store.put(StoredResponse(self.request.previous_response_id, turns, done))
+            kept = {**done, "output": [_without_logprobs(item) for item in output]}
+            self.store.put(StoredResponse(self.request.previous_response_id, turns, kept))
         return done
+
+
+def _without_logprobs(item: dict[str, Any]) -> dict[str, Any]:
+    if item["type"] != "message":
+        return item
+    return {**item, "content": [{**part, "logprobs": []} for part in item["content"]]}
 
 
 def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -384,28 +393,42 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
 class StoredResponse:
     previous_id: str | None  # the response it continued
     turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer
-    body: dict[str, Any]  # the response object
+    body: dict[str, Any]  # the response object, its logprobs left out
+
+    @property
+    def chars(self) -> int:
+        """The characters of its turns' text (its answer's counted twice: the body holds it too)."""
+        texts = [turn.get("content") or "" for turn in self.turns] + [self.turns[-1].get("content") or ""]
+        calls = [call["function"]["arguments"] for turn in self.turns for call in turn.get("tool_calls", ())]
+        return sum(map(len, texts)) + 2 * sum(map(len, calls))
 
 
 class ResponseStore:
-    """The responses kept, by id, the RESPONSES_KEPT most recently made or read (the
-    server's event loop alone reads and writes it)."""
+    """The responses kept, by id: the most recently made or read, at most `size` of them
+    and `chars` characters of their text (the server's event loop alone reads and
+    writes it)."""
 
-    def __init__(self, size: int = RESPONSES_KEPT):
-        self.size = size
+    def __init__(self, size: int = RESPONSES_KEPT, chars: int = RESPONSES_KEPT_CHARS):
+        self.size, self.chars = size, chars
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._chars = 0
 
     def put(self, stored: StoredResponse) -> None:
+        """Keep `stored`, forgetting the least recent to make room (one larger than the
+        whole store is not kept)."""
+        if stored.chars > self.chars:
+            return
         self._kept[stored.body["id"]] = stored
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+        self._chars += stored.chars
+        while self._kept and (len(self._kept) > self.size or self._chars > self.chars):
+            self._chars -= self._kept.popitem(last=False)[1].chars
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The response object (APIError(404) where it is not kept)."""
         return self._stored(response_id, "response_id", status=404).body
 
     def delete(self, response_id: str) -> None:
-        self._stored(response_id, "response_id", status=404)
+        self._chars -= self._stored(response_id, "response_id", status=404).chars
         del self._kept[response_id]
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
@@ -422,7 +445,7 @@ class ResponseStore:
         if stored is None:
             raise APIError(
                 f"no response {response_id!r} is kept here: this server keeps the last {self.size} responses made "
-                "with store, in memory; send the conversation in input",
+                f"with store ({self.chars:,} characters of text at most), in memory; send the conversation in input",
                 status=status,
                 param=param,
                 type="invalid_request_error" if status == 400 else "not_found_error",

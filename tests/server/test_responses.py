@@ -18,7 +18,7 @@ from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import APIError
-from specserve.server.responses import ResponsesRequest
+from specserve.server.responses import ResponsesRequest, ResponseStore, StoredResponse
 from tests.server.test_server_tools import SCRIPTS, TARGET, scripted_tokenizer
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -361,3 +361,42 @@ def test_a_streamed_response_is_kept_and_store_false_is_not():
     assert last["type"] == "response.completed" and sent[2].json() == last["response"]
     assert Response.model_validate(sent[2].json()).output_text == Response.model_validate(sent[1].json()).output_text
     assert sent[3].status_code == 404
+
+
+def stored(response_id: str, previous: str | None, text: str) -> StoredResponse:
+    turns = [{"role": "user", "content": text}, {"role": "assistant", "content": text}]
+    return StoredResponse(previous, turns, {"id": response_id})
+
+
+def test_the_store_keeps_the_most_recent_within_its_count_and_characters():
+    store = ResponseStore(size=3, chars=100)
+    for i in range(4):
+        store.put(stored(f"r{i}", f"r{i - 1}" if i else None, "x" * 10))  # 30 characters each
+    with pytest.raises(APIError):
+        store.get("r0")  # the fourth pushed out the first
+    store.get("r1")  # read: now the most recent
+    store.put(stored("big", None, "x" * 20))  # 60: over 100 characters with the others
+    assert [store.get(i)["id"] for i in ("r1", "big")] and store._chars <= 100
+    with pytest.raises(APIError) as lost:
+        store.conversation("r3")  # r2, up its chain, went
+    assert lost.value.status == 400 and lost.value.param == "previous_response_id"
+    store.delete("big")
+    assert store._chars == 30
+    store.put(stored("huge", None, "x" * 60))  # more than the store holds: not kept, the rest kept
+    with pytest.raises(APIError):
+        store.get("huge")
+    assert store.get("r1") and store._chars == 30
+    store.delete("r1")
+    assert store._chars == 0 and not store._kept
+
+
+def test_a_kept_response_leaves_its_logprobs_out():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 5, "top_logprobs": 2}
+    sent = asyncio.run(
+        conversation(
+            [("POST", "/v1/responses", ask), lambda sent: ("GET", f"/v1/responses/{sent[0].json()['id']}", None)]
+        )
+    )
+    made, kept = (Response.model_validate(r.json()) for r in sent)
+    assert len(made.output[0].content[0].logprobs) == 5 and kept.output[0].content[0].logprobs == []
+    assert kept.output_text == made.output_text and kept.usage == made.usage
