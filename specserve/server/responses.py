@@ -505,7 +505,8 @@ class ResponseEvents:
         return events
 
     def finish(self, chat_usage: dict[str, Any], finish_reason: str | None) -> list[bytes]:
-        events = self._close_message()
+        events = self._open_message() if not self.output else []  # an empty answer: an empty message, as whole
+        events += self._close_message()
         for index in sorted(self.calls):
             call = self.calls.pop(index)
             at = call.pop("output_index")

@@ -400,3 +400,20 @@ def test_a_kept_response_leaves_its_logprobs_out():
     made, kept = (Response.model_validate(r.json()) for r in sent)
     assert len(made.output[0].content[0].logprobs) == 5 and kept.output[0].content[0].logprobs == []
     assert kept.output_text == made.output_text and kept.usage == made.usage
+
+
+def test_a_named_tool_choice_streams_its_arguments_and_an_empty_answer_is_one_empty_message():
+    named = {"input": "weather", "temperature": 0, "max_output_tokens": 30, "tools": TOOLS}
+    named["tool_choice"] = {"type": "function", "name": "get_weather"}
+    # The scripted words spell no "[": a required list of calls can only stop at once.
+    required = {**named, "tool_choice": "required"}
+    sent = asyncio.run(
+        post([("/v1/responses", body) for ask in (named, required) for body in (ask, {**ask, "stream": True})])
+    )
+    (call,) = Response.model_validate(sent[0].json()).output
+    streamed = events(sent[1])
+    deltas = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert call.type == "function_call" and call.name == "get_weather" and len(deltas) > 1
+    assert "".join(deltas) == streamed[-1].response.output[0].arguments == call.arguments
+    for response in (Response.model_validate(sent[2].json()), events(sent[3])[-1].response):
+        assert [(item.type, item.content[0].text) for item in response.output] == [("message", "")]
