@@ -37,7 +37,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.structured.nested import NestedGuide
-from specserve.structured.outputs import StructuredOutput, automaton, nested_levels
+from specserve.structured.outputs import StructuredOutput, compiled
 from specserve.structured.regex import DFA, mask_classes
 from specserve.tokenizer import Tokenizer
 
@@ -239,12 +239,12 @@ class GuideCache:
                 self._guides.move_to_end(wanted)
                 return self._guides[wanted]
         vocabulary = self.vocabulary()
-        compiled = _compile_in_worker if self.isolated else _compile_here
-        if wanted.kind == "json_object":  # nested to any depth: a pushdown guide
-            guide = NestedGuide(compiled(nested_levels, wanted), vocabulary, wanted.describe())
+        compile = _compile_in_worker if self.isolated else _compile_here
+        built = compile(compiled, wanted, len(vocabulary.counts))
+        if isinstance(built[0], list):  # nested to any depth: a pushdown guide
+            guide = NestedGuide(*built, vocabulary, wanted.describe())
         else:
-            dfa, classes = compiled(automaton, wanted, len(vocabulary.counts))
-            guide = Guide(dfa, vocabulary, wanted.describe(), classes)
+            guide = Guide(*built[:1], vocabulary, wanted.describe(), built[1])
         with self._lock:
             self._guides[wanted] = guide
             while len(self._guides) > self.size:
@@ -261,7 +261,7 @@ def _compile_here(compile: Callable[..., T], *args: Any) -> T:
 
 
 def _compile_in_worker(compile: Callable[..., T], *args: Any) -> T:
-    """`compile(*args)` (outputs.py's `automaton` or `nested_levels`) in the compiling
+    """`compile(*args)` (outputs.py's `compiled`) in the compiling
     process (spawned: it imports numpy and this package's torch-free modules, not the
     server's state); a worker that died is replaced, and the compile tried once more."""
     global _worker

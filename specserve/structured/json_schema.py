@@ -39,7 +39,9 @@ documented narrowings, each of which keeps the answer valid:
   into an `allOf` of exactly one schema (a keyword on both sides raises, but `type`,
   which is intersected).
 - `$ref` is a JSON pointer into the root schema (`#/$defs/NAME`, `#/definitions/NAME`,
-  `#`); a reference to a schema it is already inside raises (no recursive schemas).
+  `#`). `schema_to_regex` raises for a reference to a schema it is already inside;
+  `schema_levels` reads it as a call of that schema's own level (structured/nested.py),
+  where the schema is an object or an array and the reference stands alone.
 - Annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
   `$comment`, `deprecated`, `readOnly`, `writeOnly`, and OpenAPI's `discriminator`,
   which `oneOf`'s branches already pin) are ignored, as is `uniqueItems: false`.
@@ -119,8 +121,30 @@ def json_object_regex(whitespace: str = WHITESPACE, max_depth: int = 4) -> str:
 
 
 # What a nested object or array reads as at its parent's level (Unicode noncharacters,
-# which no string may hold): JSON mode's levels (`json_object_levels`, nested.py).
+# which no string may hold): JSON mode's levels (`json_object_levels`, nested.py). A
+# recursive schema's levels are called by the noncharacters after these.
 CALL_OBJECT, CALL_ARRAY = "\ufdd0", "\ufdd1"
+SCHEMA_CALLS = [chr(code) for code in range(0xFDD2, 0xFDF0)]
+
+
+def schema_levels(
+    schema: dict | bool, whitespace: str = WHITESPACE, max_depth: int = 4
+) -> tuple[list[str], dict[int, str]] | None:
+    """A recursive schema's levels (structured/nested.py): the regex of the schema and of
+    each schema a `$ref` inside itself points to, level 0 the whole schema's, each
+    such reference read as the call character of its schema's level; and the call
+    character of each level called. None where the schema does not recurse (its regex
+    is `schema_to_regex`'s)."""
+    _check_options(whitespace, max_depth)
+    compiler = _Compiler(schema, whitespace, calls={})
+    regexes = {"#": _sized(compiler.compile(schema, "#", max_depth, ("#",)))}
+    while pending := [pointer for pointer in compiler.calls if pointer not in regexes]:
+        _, target = compiler._resolve(pending[0], pending[0])  # a level's own references to itself: calls
+        regexes[pending[0]] = _sized(compiler.compile(target, pending[0], max_depth, (pending[0],)))
+    if not compiler.calls:
+        return None
+    order = list(regexes)  # "#" first
+    return [regexes[p] for p in order], {order.index(p): char for p, char in compiler.calls.items()}
 
 
 def json_object_levels(whitespace: str = WHITESPACE) -> tuple[str, str, str]:
@@ -269,6 +293,9 @@ def _string_list(schema: dict, keyword: str, where: str) -> list[str]:
 class _Compiler:
     root: Any  # what `$ref`s point into
     ws: str
+    # Where recursion is read as calls (`schema_levels`): each pointer called, with its
+    # level's call character; None: a recursive reference raises.
+    calls: dict[str, str] | None = None
     _generic: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -301,11 +328,9 @@ class _Compiler:
     def _ref(self, schema: dict, where: str, depth: int, refs: tuple[str, ...]) -> str:
         ref = schema["$ref"]
         pointer, target = self._resolve(ref, where)
-        if pointer in refs:
-            raise ConfigError(
-                f"recursive schemas are not supported: '$ref' {ref!r} at {where} refers to a schema it is inside"
-            )
         rest = {k: v for k, v in schema.items() if k != "$ref"}
+        if pointer in refs:
+            return self._call(pointer, ref, where, rest)
         refs = (*refs, pointer)
         if target is True and rest:
             return self.compile(rest, where, depth, refs)
@@ -313,6 +338,22 @@ class _Compiler:
             return self.compile(target, pointer, depth, refs)  # raises for false and for a non-schema
         _check_keywords(target, pointer)
         return self.compile(self._merged(target, rest, where, "$ref"), pointer, depth, refs)
+
+    def _call(self, pointer: str, ref: str, where: str, rest: dict) -> str:
+        """The call character of the recursive reference to `pointer` (see `calls`)."""
+        if self.calls is None:
+            raise ConfigError(
+                f"recursive schemas are not supported here: '$ref' {ref!r} at {where} refers to a schema it is inside"
+            )
+        if rest:
+            raise ConfigError(
+                f"a recursive '$ref' must stand alone, but {ref!r} at {where} has {sorted(rest)} beside it"
+            )
+        if pointer not in self.calls:
+            if len(self.calls) == len(SCHEMA_CALLS):
+                raise ConfigError(f"the schema recurses through more than {len(SCHEMA_CALLS)} schemas")
+            self.calls[pointer] = SCHEMA_CALLS[len(self.calls)]
+        return self.calls[pointer]
 
     def _resolve(self, ref: Any, where: str) -> tuple[str, Any]:
         if not isinstance(ref, str) or not ref.startswith("#"):

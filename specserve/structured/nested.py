@@ -1,15 +1,20 @@
-"""JSON mode with no bound on nesting: a pushdown guide over one automaton a level.
+"""Structures that nest to any depth: a pushdown guide over one automaton a level.
 
-JSON's text is regular only up to a fixed depth (json_schema.py bounds a schema's open
-values), so JSON mode (`response_format: json_object`) reads it here as a pushdown
-automaton. Each level is a regex DFA (json_schema.json_object_levels): the document
-(`top`: one object), an object from its `{` through its `}`, an array from its `[`
-through its `]`; in each, a nested object or array reads as one character, CALL_OBJECT
-or CALL_ARRAY (Unicode noncharacters, kept out of strings). A state is a configuration: the current level's
-state, and the stack of states to return to (each a parent's state after the nested
-value). Reading `{` or `[` where the level reads a nested value pushes that return
-state and enters the inner level after its opener; reaching a container level's end
-(its closing bracket read) pops back. States are numbered as they are met.
+JSON's text is regular only up to a fixed depth, so what may nest without a bound is read
+here as a pushdown automaton: JSON mode (`response_format: json_object`) and a schema
+that refers to itself (`json_schema.schema_levels`). Each level is a regex DFA: level 0
+the document; for JSON mode an object and an array (`json_object_levels`), for a
+schema each schema a `$ref` inside itself points to. In a level, a nested value that
+enters another reads as that level's call character (a Unicode noncharacter, which no
+token may then spell). A called level is an object or an array: it starts with an
+opening bracket and ends with a closing one, after which it reads nothing.
+
+A state is a configuration: the current level's state, and the stack of states to
+return to (each a caller's state after the nested value). Reading `{` or `[` where the
+current level cannot read it but can read a call whose level starts with it pushes the
+return state and enters that level after the bracket; reaching a called level's end
+pops back (with nothing open, that end is the document's). States are numbered as they
+are met.
 
 A token may open and close several levels, so a state's mask comes in two parts: the
 tokens with no bracket, which stay in the current level, walked for every token at once
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specserve.structured.json_schema import CALL_ARRAY, CALL_OBJECT
+from specserve.errors import ConfigError
 from specserve.structured.regex import DFA
 
 if TYPE_CHECKING:
@@ -46,50 +51,100 @@ MAX_CACHED_MASKS = 1024
 MAX_CACHED_STEPS = 100_000
 MAX_UNPACKED_MASKS = 16
 
-TOP, OBJECT, ARRAY = 0, 1, 2  # the levels, in json_object_levels' order
+
+def _single(dfa: DFA, char_class: int) -> str | None:
+    """The one character of a DFA's class, or None where it holds several."""
+    first = int(dfa.boundaries[char_class])
+    last = int(dfa.boundaries[char_class + 1]) - 1 if char_class + 1 < len(dfa.boundaries) else None
+    return chr(first) if last == first else None
+
+
+# Characters no JSON value starts with: where a level reads a call character as it reads
+# these, it is a string's character there, not a call.
+PLAIN = "aZ~#\u00e9"
+
+
+def _calls(dfa: DFA, char: str, size: int) -> np.ndarray:
+    """[size] each state's state after a call `char` (dfa.dead where none is made there)."""
+    back = dfa.transitions[:size, dfa.char_classes(np.array([ord(char)]))[0]]
+    for plain in dfa.char_classes(np.array([ord(c) for c in PLAIN])):
+        back = np.where(dfa.transitions[:size, plain] == back, dfa.dead, back)
+    return back
+
+
+def _entries(dfa: DFA) -> dict[int, int]:
+    """A called level's state after each opener it starts with ({kind: state}); ConfigError
+    where it may start otherwise (it is no object or array)."""
+    starts = [_single(dfa, int(c)) for c in np.flatnonzero(dfa.transitions[0] != dfa.dead)]
+    if not starts or any(char not in OPENERS for char in starts):
+        raise ConfigError("a schema that refers to itself must be an object or an array (with no other type)")
+    return {OPENERS[char]: int(dfa.transitions[0, dfa.char_classes(np.array([ord(char)]))[0]]) for char in starts}
+
+
+def _ends(dfa: DFA) -> np.ndarray:
+    """[states] bool: a called level's final states, each reached by a closing bracket and
+    followed by nothing; ConfigError where it may end otherwise."""
+    live = dfa.transitions[:-1] != dfa.dead  # [n, classes]
+    final = dfa.accepting[:-1] & ~live.any(axis=1)
+    into_final = np.isin(dfa.transitions[:-1], np.flatnonzero(final)) & live
+    closers = {_single(dfa, int(c)) for c in np.flatnonzero(into_final.any(axis=0))}
+    if (dfa.accepting[:-1] & ~final).any() or not closers <= {"}", "]"}:
+        raise ConfigError("a schema that refers to itself must be an object or an array (with no other type)")
+    return final
 
 
 class NestedGuide:
     """A pushdown guide over one vocabulary (see the module's docstring): built on any
     thread, then stepped and masked by the engine's thread alone."""
 
-    def __init__(self, levels: Sequence[DFA], vocabulary: GuideVocabulary, description: str):
-        """levels: the DFAs of `json_object_levels`' regexes (`outputs.nested_levels`)."""
+    def __init__(self, levels: Sequence[DFA], calls: dict[int, str], vocabulary: GuideVocabulary, description: str):
+        """levels: the DFAs of the levels' regexes, level 0 the document's; calls: the call
+        character of each level a nested value enters (`outputs.nested_levels`).
+        ConfigError where a called level is not an object or an array, or where two
+        calls could start at one place with the same bracket."""
         self.vocabulary, self.description = vocabulary, description
         sizes = [len(dfa.accepting) - 1 for dfa in levels]  # live states, each level's dead left out
         self.base = np.cumsum([0, *sizes])[:-1]
         self.dead = int(sum(sizes))  # the combined dead state
-        self.level_of = np.repeat(np.arange(3), sizes)
         # Joint character classes: code points that every level reads alike.
         alphabet = vocabulary.alphabet
-        per_level = np.stack([dfa.char_classes(alphabet) for dfa in levels], axis=1)  # [A, 3]
-        reps, joint = np.unique(per_level, axis=0, return_inverse=True)  # [J, 3], [A]
+        per_level = np.stack([dfa.char_classes(alphabet) for dfa in levels], axis=1)  # [A, levels]
+        reps, joint = np.unique(per_level, axis=0, return_inverse=True)  # [J, levels], [A]
         joint = joint.reshape(-1)
         self._joint = {chr(int(cp)): int(j) for cp, j in zip(alphabet, joint)}
-        # transitions[state, joint class] over the combined states; a call character
-        # in a token's text is no nested value: dead.
+        # transitions[state, joint class] over the combined states.
         self.transitions = np.full((self.dead + 1, len(reps)), self.dead, dtype=np.int32)
-        self.calls = np.full((self.dead + 1, 3), self.dead, dtype=np.int32)  # [state, kind]: the return state
         self.accepting = np.zeros(self.dead + 1, dtype=bool)
-        self.closes = np.zeros(self.dead + 1, dtype=bool)  # a container's end: pop
+        self.closes = np.zeros(self.dead + 1, dtype=bool)  # a called level's end: pop
+        # [state, opener kind]: where an opener enters a called level there, and the state it returns to.
+        self.entries = np.full((self.dead + 1, 3), self.dead, dtype=np.int32)
+        self.returns = np.full((self.dead + 1, 3), self.dead, dtype=np.int32)
         for level, dfa in enumerate(levels):
             rows = slice(self.base[level], self.base[level] + sizes[level])
             table = dfa.transitions[: sizes[level]][:, reps[:, level]]  # [n, J]
             self.transitions[rows] = np.where(table == dfa.dead, self.dead, table + self.base[level])
-            for kind, char in ((OBJECT, CALL_OBJECT), (ARRAY, CALL_ARRAY)):
-                target = dfa.transitions[: sizes[level], dfa.char_classes(np.array([ord(char)]))[0]]
-                self.calls[rows, kind] = np.where(target == dfa.dead, self.dead, target + self.base[level])
             self.accepting[rows] = dfa.accepting[: sizes[level]]
-            if level != TOP:
-                self.closes[rows] = dfa.accepting[: sizes[level]] & (table == dfa.dead).all(axis=1)
-        for char in (CALL_OBJECT, CALL_ARRAY):
+            for called, char in calls.items():
+                back = _calls(dfa, char, sizes[level])
+                for kind, entry in _entries(levels[called]).items():
+                    here = back != dfa.dead
+                    opener = dfa.transitions[
+                        : sizes[level], dfa.char_classes(np.array([ord(BRACKETS[2 * kind - 2])]))[0]
+                    ]
+                    if (here & ((self.returns[rows, kind] != self.dead) | (opener != dfa.dead))).any():
+                        raise ConfigError(
+                            f"a schema that refers to itself and another value may both start with "
+                            f"{BRACKETS[2 * kind - 2]!r} at one place; structured outputs cannot tell which is written"
+                        )
+                    back = np.where(here, back + self.base[level], self.dead)
+                    self.returns[rows, kind] = np.where(here, back, self.returns[rows, kind])
+                    self.entries[rows, kind] = np.where(here, entry + self.base[called], self.entries[rows, kind])
+        for called in calls:
+            dfa, rows = levels[called], slice(self.base[called], self.base[called] + sizes[called])
+            self.closes[rows] = _ends(dfa)
+        for char in calls.values():  # a call character in a token's text is no nested value
             if char in self._joint:
                 self.transitions[:, self._joint[char]] = self.dead
-        self.entries = np.full(3, self.dead, dtype=np.int32)  # [kind]: an inner level's state after its opener
-        for kind, opener in ((OBJECT, "{"), (ARRAY, "[")):
-            dfa = levels[kind]
-            after = dfa.walk(0, opener)
-            self.entries[kind] = self.dead if after == dfa.dead else after + self.base[kind]
         self._plain_columns = tuple(joint[column] for column in vocabulary.columns)
         self._lay_out_brackets(joint)
         self._configs: list[tuple[int, tuple[int, ...]]] = []
@@ -120,7 +175,7 @@ class NestedGuide:
         self._ids.clear()
         self._steps.clear()
         self._intern(self.dead, ())  # 0: dead
-        self._intern(int(self.base[TOP]), ())  # 1: the start
+        self._intern(0, ())  # 1: the start (level 0's state 0)
 
     def _intern(self, at: int, stack: tuple[int, ...]) -> int:
         key = (at, stack)
@@ -170,15 +225,13 @@ class NestedGuide:
             following = int(self.transitions[at, self._joint[char]])
             kind = OPENERS.get(char, 0)
             if following == self.dead and kind:
-                back = int(self.calls[at, kind])
+                back = int(self.returns[at, kind])
                 if back == self.dead or len(stack) >= MAX_DEPTH:
                     return None
-                stack, following = (*stack, back), int(self.entries[kind])
+                stack, following = (*stack, back), int(self.entries[at, kind])
             if following == self.dead:
                 return None
-            if self.closes[following]:
-                if not stack:
-                    return None
+            if self.closes[following] and stack:  # with none open, the document's own end
                 stack, following = stack[:-1], stack[-1]
             at = following
         return at, stack
@@ -255,21 +308,20 @@ class NestedGuide:
             opening = (following == self.dead) & (kind > 0)
             if opening.any():
                 opens = rows[opening]
-                back = self.calls[state[opening], kind[opening]]
+                back = self.returns[state[opening], kind[opening]]
                 room = (back != self.dead) & (stack_length - popped[opens] + depth[opens] < MAX_DEPTH)
                 pushed[opens[room], depth[opens[room]]] = back[room]
                 depth[opens[room]] += 1
-                following[np.flatnonzero(opening)[room]] = self.entries[kind[opening][room]]
+                following[np.flatnonzero(opening)[room]] = self.entries[state[opening][room], kind[opening][room]]
             closing = self.closes[following]
             if closing.any():
                 own = closing & (depth[rows] > 0)
                 mine = rows[own]
                 depth[mine] -= 1
                 following[own] = pushed[mine, depth[mine]]
-                theirs = closing & ~own
+                theirs = closing & ~own & (stack_length - popped[rows] > 0)  # with none open, the document's end
                 taken = rows[theirs]
-                index = len(tail) - popped[taken]
-                following[theirs] = below[np.maximum(index, 0)]
+                following[theirs] = below[np.maximum(len(tail) - popped[taken], 0)]
                 popped[taken] += 1
             current[rows] = following
         return current != self.dead

@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from specserve.structured.json_schema import WHITESPACE, json_object_levels, json_object_regex, schema_to_regex
+from specserve.structured.json_schema import (
+    CALL_ARRAY,
+    CALL_OBJECT,
+    WHITESPACE,
+    json_object_levels,
+    json_object_regex,
+    schema_levels,
+    schema_to_regex,
+)
 from specserve.structured.regex import DFA, compile_regex, mask_classes
 
 # Each kind of structure, as error messages name it.
@@ -47,8 +55,23 @@ def automaton(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
     return dfa, mask_classes(dfa, reach)
 
 
-def nested_levels(wanted: StructuredOutput) -> tuple[DFA, DFA, DFA]:
-    """The DFAs of a JSON object's levels (json_object_levels), for structured/nested.py."""
+def nested_levels(wanted: StructuredOutput) -> tuple[list[DFA], dict[int, str]] | None:
+    """The DFAs of the levels of what may nest without a bound (structured/nested.py), and
+    each called level's call character: JSON mode's, a recursive schema's; None for
+    what is one regex (`automaton`)."""
     whitespace = WHITESPACE if wanted.whitespace is None else wanted.whitespace
-    top, obj, array = (compile_regex(level) for level in json_object_levels(whitespace))
-    return top, obj, array
+    if wanted.kind == "json_object":
+        levels, calls = json_object_levels(whitespace), {1: CALL_OBJECT, 2: CALL_ARRAY}
+    elif wanted.kind == "json":
+        recursive = schema_levels(json.loads(wanted.spec), whitespace)
+        if recursive is None:
+            return None
+        levels, calls = recursive
+    else:
+        return None
+    return [compile_regex(level) for level in levels], calls
+
+
+def compiled(wanted: StructuredOutput, reach: int) -> tuple[list[DFA], dict[int, str]] | tuple[DFA, np.ndarray]:
+    """What a guide is built from: `nested_levels`, or else `automaton`."""
+    return nested_levels(wanted) or automaton(wanted, reach)

@@ -303,3 +303,32 @@ def test_a_whitespace_pattern_decides_what_goes_between_jsons_tokens():
     for response in responses[:2]:
         assert re.fullmatch(r'\{-{1,2}"ok"-{1,2}:-{1,2}(true|false)-{1,2}\}', text_of(response))
     assert responses[2].status_code == 400 and responses[2].json()["error"]["param"] == "guided_json"
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft"])
+def test_a_schema_that_refers_to_itself_holds_the_answer_at_every_depth(draft):
+    """A tree whose children are trees (`$ref: "#"`), as OpenAI's json_schema and vLLM's
+    guided_json: a finished answer is such a tree, one cut by max_tokens a prefix of one."""
+    tree = {
+        "type": "object",
+        "properties": {"n": {"type": "string", "maxLength": 2}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["n", "kids"],
+    }
+
+    def is_tree(value) -> bool:
+        return set(value) == {"n", "kids"} and isinstance(value["n"], str) and all(map(is_tree, value["kids"]))
+
+    format = {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    responses = asyncio.run(
+        served([chat(response_format=format, max_tokens=240, seed=seed, temperature=1.0) for seed in range(4)], draft)
+    )
+    contents = []
+    for response in responses:
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        contents.append(choice["message"]["content"])
+        if choice["finish_reason"] == "stop":
+            assert is_tree(json.loads(contents[-1])), contents[-1]
+        else:
+            assert contents[-1].startswith('{"n":"'), contents[-1]
+    assert max(content.count('"kids":[{') for content in contents) >= 5  # deeper than a regex's bound

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from specserve.engine.engine import Engine
+from specserve.errors import ConfigError
 from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
 from specserve.structured.guide import Guide, GuideCache, GuideVocabulary
-from specserve.structured.json_schema import json_object_regex
+from specserve.structured.json_schema import json_object_regex, schema_to_regex
 from specserve.structured.nested import MAX_DEPTH, NestedGuide
 from specserve.structured.outputs import StructuredOutput, nested_levels
 from specserve.structured.regex import compile_regex
@@ -34,7 +35,7 @@ NONCHARACTER = PIECES.index("\ufdd0")
 
 
 def guide_of(texts: list[str | None]) -> NestedGuide:
-    return NestedGuide(nested_levels(StructuredOutput("json_object")), GuideVocabulary.from_texts(texts), "JSON")
+    return NestedGuide(*nested_levels(StructuredOutput("json_object")), GuideVocabulary.from_texts(texts), "JSON")
 
 
 def text_of(ids: list[int], texts: list[str | None] = PIECES) -> str:
@@ -158,3 +159,101 @@ def test_json_mode_greedy_decoding_is_the_masked_targets_with_every_proposer(tar
         assert seq.output_ids == expected
         if expected[-1] == EOS:
             assert isinstance(json.loads(text_of(expected[:-1], TEXTS)), dict)
+
+
+# ----- schemas that refer to themselves
+
+TREE = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["name", "children"],
+}
+LINKED = {
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+            "required": ["v", "next"],
+        }
+    },
+    "type": "object",
+    "properties": {"head": {"$ref": "#/$defs/Node"}},
+    "required": ["head"],
+}
+TREE_PIECES = [
+    *'{}[]":, ab1\n',
+    *['{"name": "', '", "children": [', '"name"', '"children"', ": ", "]}", "}]", "]}]}", "}, ", "[]", "[]}"],
+    *['{"v": ', ', "next": ', "null", "null}", "}}", "2", '{"head": '],
+]
+
+
+def schema_guide(schema: dict, texts: list[str]) -> NestedGuide:
+    return NestedGuide(
+        *nested_levels(StructuredOutput("json", json.dumps(schema))), GuideVocabulary.from_texts(texts), "schema"
+    )
+
+
+def is_tree(value) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "children"}
+        and isinstance(value["name"], str)
+        and isinstance(value["children"], list)
+        and all(map(is_tree, value["children"]))
+    )
+
+
+def test_a_tree_schema_nests_to_any_depth_and_each_mask_is_what_one_token_walks_read():
+    guide = schema_guide(TREE, TREE_PIECES)
+    deepest = finished = 0
+    for state, output in random_walks(guide, 400, 60, seed=2):
+        assert guide.allowed(state, []).tolist() == [guide.step(state, t) != 0 for t in range(len(TREE_PIECES))]
+        deepest = max(deepest, len(guide._configs[state][1]))
+        if guide.accepts(state):
+            assert is_tree(json.loads(text_of(output, TREE_PIECES))), text_of(output, TREE_PIECES)
+            finished += 1
+    assert finished > 20 and deepest >= 3
+    start, opens = TREE_PIECES.index('{"name": "'), TREE_PIECES.index('", "children": [')
+    deep = [start, opens] * 21 + [TREE_PIECES.index("]}")] * 21  # 21 nodes, each the last one's only child
+    assert guide.accepts(guide.state_after(deep)) and is_tree(json.loads(text_of(deep, TREE_PIECES)))
+    childless = [start, opens, start, TREE_PIECES.index('"'), TREE_PIECES.index("}")]  # a child with no children
+    assert guide.state_after(childless) == 0
+
+
+def test_a_linked_list_through_defs_ends_with_null_at_any_length():
+    guide = schema_guide(LINKED, TREE_PIECES)
+    node, then = TREE_PIECES.index('{"v": '), TREE_PIECES.index(', "next": ')
+    assert guide.state_after([node]) == 0  # the document is {"head": ...}
+    links = [node, TREE_PIECES.index("1"), then] * 30 + [TREE_PIECES.index("null}")] + [TREE_PIECES.index("}}")] * 15
+    state = guide.state_after([TREE_PIECES.index('{"head": '), *links])
+    assert guide.accepts(state)
+    value, length = json.loads(text_of([TREE_PIECES.index('{"head": '), *links], TREE_PIECES))["head"], 0
+    while value is not None:
+        value, length = value["next"], length + 1
+    assert length == 30
+    assert not guide.accepts(guide.state_after([TREE_PIECES.index('{"head": '), *links[:-1]]))  # one still open
+
+
+@pytest.mark.parametrize(
+    "schema, refusal",
+    [
+        (
+            {
+                "$defs": {"N": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#/$defs/N"}}]}},
+                "$ref": "#/$defs/N",
+            },
+            "must be an object or an array",
+        ),
+        ({"type": "object", "properties": {"a": {"$ref": "#", "type": "object"}}}, "must stand alone"),
+        (
+            {"type": "object", "properties": {"c": {"anyOf": [{"$ref": "#"}, {"type": "object"}]}}},
+            "may both start with '{'",
+        ),
+    ],
+    ids=["not-an-object", "not-alone", "two-at-one-place"],
+)
+def test_a_recursion_that_cannot_be_read_as_levels_is_refused_by_name(schema, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        GuideCache(character_tokenizer()).guide(StructuredOutput("json", json.dumps(schema)))
+    with pytest.raises(ConfigError, match="recursive schemas are not supported"):
+        schema_to_regex(TREE)
