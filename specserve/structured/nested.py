@@ -43,7 +43,11 @@ if TYPE_CHECKING:
     from specserve.structured.guide import GuideVocabulary
 
 OPENERS = {"{": 1, "[": 2}  # the kind of level each opens: 1 object, 2 array
+OPENING = {kind: char for char, kind in OPENERS.items()}
 BRACKETS = "{}[]"
+# Characters no JSON value starts with: where a level reads a call character as it reads
+# these, it is a string's character there, not a call.
+PLAIN = "aZ~#\u00e9"
 # Deeper than this, no object or array opens (Python's json reads ~1,000 levels).
 MAX_DEPTH = 128
 # What a guide keeps, as Guide does (guide.py): masks as bits, steps taken, states met.
@@ -57,11 +61,6 @@ def _single(dfa: DFA, char_class: int) -> str | None:
     first = int(dfa.boundaries[char_class])
     last = int(dfa.boundaries[char_class + 1]) - 1 if char_class + 1 < len(dfa.boundaries) else None
     return chr(first) if last == first else None
-
-
-# Characters no JSON value starts with: where a level reads a call character as it reads
-# these, it is a string's character there, not a call.
-PLAIN = "aZ~#\u00e9"
 
 
 def _calls(dfa: DFA, char: str, size: int) -> np.ndarray:
@@ -125,19 +124,17 @@ class NestedGuide:
             self.transitions[rows] = np.where(table == dfa.dead, self.dead, table + self.base[level])
             self.accepting[rows] = dfa.accepting[: sizes[level]]
             for called, char in calls.items():
-                back = _calls(dfa, char, sizes[level])
+                back = _calls(dfa, char, sizes[level])  # [n]: the state after the call, dfa.dead where none
+                here = back != dfa.dead
                 for kind, entry in _entries(levels[called]).items():
-                    here = back != dfa.dead
-                    opener = dfa.transitions[
-                        : sizes[level], dfa.char_classes(np.array([ord(BRACKETS[2 * kind - 2])]))[0]
-                    ]
-                    if (here & ((self.returns[rows, kind] != self.dead) | (opener != dfa.dead))).any():
+                    opener = OPENING[kind]
+                    reads_opener = dfa.transitions[: sizes[level], dfa.char_classes(np.array([ord(opener)]))[0]]
+                    if (here & ((self.returns[rows, kind] != self.dead) | (reads_opener != dfa.dead))).any():
                         raise ConfigError(
-                            f"a schema that refers to itself and another value may both start with "
-                            f"{BRACKETS[2 * kind - 2]!r} at one place; structured outputs cannot tell which is written"
+                            f"a schema that refers to itself and another value may both start with {opener!r} at "
+                            "one place; structured outputs cannot tell which is written"
                         )
-                    back = np.where(here, back + self.base[level], self.dead)
-                    self.returns[rows, kind] = np.where(here, back, self.returns[rows, kind])
+                    self.returns[rows, kind] = np.where(here, back + self.base[level], self.returns[rows, kind])
                     self.entries[rows, kind] = np.where(here, entry + self.base[called], self.entries[rows, kind])
         for called in calls:
             dfa, rows = levels[called], slice(self.base[called], self.base[called] + sizes[called])

@@ -257,3 +257,24 @@ def test_a_recursion_that_cannot_be_read_as_levels_is_refused_by_name(schema, re
         GuideCache(character_tokenizer()).guide(StructuredOutput("json", json.dumps(schema)))
     with pytest.raises(ConfigError, match="recursive schemas are not supported"):
         schema_to_regex(TREE)
+
+
+def test_a_schema_that_is_an_object_or_an_array_of_itself_enters_by_either_bracket():
+    either = {
+        "$defs": {
+            "V": {
+                "anyOf": [
+                    {"type": "array", "items": {"$ref": "#/$defs/V"}},
+                    {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "required": ["v"]},
+                ]
+            }
+        },
+        "$ref": "#/$defs/V",
+    }
+    guide = schema_guide(either, TREE_PIECES)
+    pieces = ["[", "[", '{"v": ', "[", "]", "}", "]", "]"]
+    ids = [TREE_PIECES.index(p) for p in pieces]
+    assert guide.accepts(guide.state_after(ids)) and json.loads("".join(pieces)) == [[{"v": []}]]
+    assert guide.state_after([TREE_PIECES.index('{"v": '), TREE_PIECES.index("1")]) == 0  # only arrays and objects
+    for state, output in random_walks(guide, 200, 30, seed=3):
+        assert guide.allowed(state, []).tolist() == [guide.step(state, t) != 0 for t in range(len(TREE_PIECES))]
