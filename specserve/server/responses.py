@@ -21,6 +21,7 @@ the server. `background` is refused.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -405,39 +406,44 @@ class StoredResponse:
 
 class ResponseStore:
     """The responses kept, by id: the most recently made or read, at most `size` of them
-    and `chars` characters of their text (the server's event loop alone reads and
-    writes it)."""
+    and `chars` characters of their text. Thread-safe: a whole response is built, and
+    kept, on a worker thread."""
 
     def __init__(self, size: int = RESPONSES_KEPT, chars: int = RESPONSES_KEPT_CHARS):
         self.size, self.chars = size, chars
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self._chars = 0
+        self._lock = threading.Lock()
 
     def put(self, stored: StoredResponse) -> None:
         """Keep `stored`, forgetting the least recent to make room (one larger than the
         whole store is not kept)."""
         if stored.chars > self.chars:
             return
-        self._kept[stored.body["id"]] = stored
-        self._chars += stored.chars
-        while self._kept and (len(self._kept) > self.size or self._chars > self.chars):
-            self._chars -= self._kept.popitem(last=False)[1].chars
+        with self._lock:
+            self._kept[stored.body["id"]] = stored
+            self._chars += stored.chars
+            while self._kept and (len(self._kept) > self.size or self._chars > self.chars):
+                self._chars -= self._kept.popitem(last=False)[1].chars
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The response object (APIError(404) where it is not kept)."""
-        return self._stored(response_id, "response_id", status=404).body
+        with self._lock:
+            return self._stored(response_id, "response_id", status=404).body
 
     def delete(self, response_id: str) -> None:
-        self._chars -= self._stored(response_id, "response_id", status=404).chars
-        del self._kept[response_id]
+        with self._lock:
+            self._chars -= self._stored(response_id, "response_id", status=404).chars
+            del self._kept[response_id]
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
         """The chat turns of response_id's conversation, its own last (APIError(400)
         where it, or a response up its chain, is not kept)."""
         chain: list[StoredResponse] = []
-        while response_id is not None:
-            chain.append(self._stored(response_id, "previous_response_id", status=400))
-            response_id = chain[-1].previous_id
+        with self._lock:
+            while response_id is not None:
+                chain.append(self._stored(response_id, "previous_response_id", status=400))
+                response_id = chain[-1].previous_id
         return [turn for stored in reversed(chain) for turn in stored.turns]
 
     def _stored(self, response_id: str, param: str, status: int) -> StoredResponse:
