@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -62,19 +63,22 @@ def text_of(ids: list[int]) -> str:
     return "".join(TEXTS[i] or "" for i in ids)
 
 
-def guided_greedy_by_hand(target: Decoder, prompt: list[int], guide: Guide, max_tokens: int) -> list[int]:
+def guided_greedy_by_hand(
+    target: Decoder, prompt: list[int], guide, max_tokens: int, reads: Callable[[int, int], bool] | None = None
+) -> list[int]:
     """One full forward a token; the argmax among the ids whose text keeps a match in
-    reach (EOS where the text already matches), until EOS."""
+    reach (`reads(state, id)`; by default walked through a Guide's DFA), and EOS where
+    the text already matches or nothing else can follow, until EOS."""
+    if reads is None:
+        reads = lambda state, t: bool(TEXTS[t]) and guide.dfa.live()[guide.dfa.walk(state, TEXTS[t])]  # noqa: E731
     output: list[int] = []
     state = guide.start
     while len(output) < max_tokens:
         ids = prompt + output
         logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
-        allowed = [
-            t
-            for t in range(len(TEXTS))
-            if (t == EOS and guide.accepts(state)) or (TEXTS[t] and guide.dfa.live()[guide.dfa.walk(state, TEXTS[t])])
-        ]
+        allowed = [t for t in range(EOS) if reads(state, t)]
+        if guide.accepts(state) or not allowed:
+            allowed.append(EOS)
         token = max(allowed, key=lambda t: float(logits[t]))
         output.append(token)
         if token == EOS:

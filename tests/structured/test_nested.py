@@ -8,11 +8,9 @@ import json
 import random
 
 import pytest
-import torch
 
 from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
-from specserve.model.decoder import Decoder, Segment
 from specserve.sampling import SamplingParams
 from specserve.structured.guide import Guide, GuideCache, GuideVocabulary
 from specserve.structured.json_schema import json_object_regex, schema_to_regex
@@ -21,7 +19,7 @@ from specserve.structured.outputs import StructuredOutput, nested_levels
 from specserve.structured.regex import compile_regex
 from tests.engine.test_engine import EOS, PROMPTS
 from tests.server.test_server_structured import character_tokenizer
-from tests.structured.test_guided_engine import TEXTS, target  # noqa: F401 (a fixture)
+from tests.structured.test_guided_engine import TEXTS, guided_greedy_by_hand, target  # noqa: F401 (a fixture)
 from tests.test_penalties import proposer_of_kind
 
 # Pieces of JSON, several brackets to a token among them, and text that is no JSON.
@@ -125,25 +123,6 @@ def test_json_mode_compiles_to_the_pushdown_guide(isolated):
     assert guide.accepts(guide.state_after(ids))
 
 
-def guided_greedy_by_hand(target: Decoder, prompt: list[int], guide: NestedGuide, max_tokens: int) -> list[int]:
-    """One full forward a token; the argmax among the ids a one-token walk reads (EOS
-    where the output is a whole object, or where nothing else can follow)."""
-    output: list[int] = []
-    state = guide.start
-    while len(output) < max_tokens:
-        ids = prompt + output
-        logits = target(torch.tensor(ids), [Segment(target.new_cache(), len(ids))])[-1]
-        allowed = [t for t in range(EOS) if guide.step(state, t)]
-        if guide.accepts(state) or not allowed:
-            allowed.append(EOS)
-        token = max(allowed, key=lambda t: float(logits[t]))
-        output.append(token)
-        if token == EOS:
-            break
-        state = guide.step(state, token)
-    return output
-
-
 @pytest.mark.parametrize("proposer_kind", ["none", "draft", "ngram"])
 def test_json_mode_greedy_decoding_is_the_masked_targets_with_every_proposer(target, proposer_kind):  # noqa: F811
     guide = guide_of(TEXTS)
@@ -155,7 +134,7 @@ def test_json_mode_greedy_decoding_is_the_masked_targets_with_every_proposer(tar
     while not all(s.finished for s in seqs):
         engine.step()
     for seq, prompt in zip(seqs, PROMPTS):
-        expected = guided_greedy_by_hand(target, prompt, guide, 40)
+        expected = guided_greedy_by_hand(target, prompt, guide, 40, reads=lambda state, t: guide.step(state, t) != 0)
         assert seq.output_ids == expected
         if expected[-1] == EOS:
             assert isinstance(json.loads(text_of(expected[:-1], TEXTS)), dict)
