@@ -37,7 +37,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.structured.nested import NestedGuide
-from specserve.structured.outputs import StructuredOutput, compiled
+from specserve.structured.outputs import Nested, StructuredOutput, compiled
 from specserve.structured.regex import DFA, mask_classes
 from specserve.tokenizer import Tokenizer
 
@@ -241,10 +241,11 @@ class GuideCache:
         vocabulary = self.vocabulary()
         compile = _compile_in_worker if self.isolated else _compile_here
         built = compile(compiled, wanted, len(vocabulary.counts))
-        if isinstance(built[0], list):  # nested to any depth: a pushdown guide
+        if isinstance(built, Nested):  # nested to any depth: a pushdown guide
             guide = NestedGuide(*built, vocabulary, wanted.describe())
         else:
-            guide = Guide(*built[:1], vocabulary, wanted.describe(), built[1])
+            dfa, classes = built
+            guide = Guide(dfa, vocabulary, wanted.describe(), classes)
         with self._lock:
             self._guides[wanted] = guide
             while len(self._guides) > self.size:

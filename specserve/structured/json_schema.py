@@ -129,20 +129,18 @@ SCHEMA_CALLS = [chr(code) for code in range(0xFDD2, 0xFDF0)]
 
 def schema_levels(
     schema: dict | bool, whitespace: str = WHITESPACE, max_depth: int = 4
-) -> tuple[list[str], dict[int, str]] | None:
-    """A recursive schema's levels (structured/nested.py): the regex of the schema and of
-    each schema a `$ref` inside itself points to, level 0 the whole schema's, each
-    such reference read as the call character of its schema's level; and the call
-    character of each level called. None where the schema does not recurse (its regex
-    is `schema_to_regex`'s)."""
+) -> tuple[list[str], dict[int, str]]:
+    """A schema's levels (structured/nested.py): the regex of the schema and of each
+    schema a `$ref` inside itself points to, level 0 the whole schema's, each such
+    reference read as the call character of its schema's level; and the call character
+    of each level called. A schema that does not recurse is one level, its regex
+    `schema_to_regex`'s, with no calls."""
     _check_options(whitespace, max_depth)
     compiler = _Compiler(schema, whitespace, calls={})
     regexes = {"#": _sized(compiler.compile(schema, "#", max_depth, ("#",)))}
     while pending := [pointer for pointer in compiler.calls if pointer not in regexes]:
         _, target = compiler._resolve(pending[0], pending[0])  # a level's own references to itself: calls
         regexes[pending[0]] = _sized(compiler.compile(target, pending[0], max_depth, (pending[0],)))
-    if not compiler.calls:
-        return None
     order = list(regexes)  # "#" first
     return [regexes[p] for p in order], {order.index(p): char for p, char in compiler.calls.items()}
 

@@ -98,7 +98,7 @@ class NestedGuide:
 
     def __init__(self, levels: Sequence[DFA], calls: dict[int, str], vocabulary: GuideVocabulary, description: str):
         """levels: the DFAs of the levels' regexes, level 0 the document's; calls: the call
-        character of each level a nested value enters (`outputs.nested_levels`).
+        character of each level a nested value enters (`outputs.Nested`).
         ConfigError where a called level is not an object or an array, or where two
         calls could start at one place with the same bracket."""
         self.vocabulary, self.description = vocabulary, description

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -15,9 +15,7 @@ from specserve.structured.json_schema import (
     CALL_OBJECT,
     WHITESPACE,
     json_object_levels,
-    json_object_regex,
     schema_levels,
-    schema_to_regex,
 )
 from specserve.structured.regex import DFA, compile_regex, mask_classes
 
@@ -34,44 +32,36 @@ class StructuredOutput:
     spec: Any = None
     whitespace: str | None = None  # JSON's: a regex of what may go between its tokens; None: WHITESPACE
 
-    def regex(self) -> str:
+    def levels(self) -> tuple[list[str], dict[int, str]]:
+        """The regexes of its levels and the call character of each level called
+        (structured/nested.py): JSON mode's, a schema's that refers to itself; for what
+        nests with a bound, its one regex and no calls."""
         whitespace = WHITESPACE if self.whitespace is None else self.whitespace
         if self.kind == "json":
-            return schema_to_regex(json.loads(self.spec), whitespace)
+            return schema_levels(json.loads(self.spec), whitespace)
         if self.kind == "json_object":
-            return json_object_regex(whitespace)
+            return list(json_object_levels(whitespace)), {1: CALL_OBJECT, 2: CALL_ARRAY}
         if self.kind == "choice":
-            return "|".join(f"(?:{re.escape(choice)})" for choice in self.spec)
-        return self.spec
+            return ["|".join(f"(?:{re.escape(choice)})" for choice in self.spec)], {}
+        return [self.spec], {}
 
     def describe(self) -> str:
         return KINDS[self.kind]
 
 
-def automaton(wanted: StructuredOutput, reach: int) -> tuple[DFA, np.ndarray]:
-    """`wanted`'s DFA and its states' mask classes for tokens of at most `reach`
-    characters (ConfigError for a pattern or schema it cannot serve)."""
-    dfa = compile_regex(wanted.regex())
+class Nested(NamedTuple):
+    """What a pushdown guide is built from (structured/nested.py)."""
+
+    levels: list[DFA]
+    calls: dict[int, str]  # each called level's call character
+
+
+def compiled(wanted: StructuredOutput, reach: int) -> Nested | tuple[DFA, np.ndarray]:
+    """What `wanted`'s guide is built from (ConfigError for a pattern or schema it cannot
+    serve): its levels where it nests without a bound, else its DFA and the states' mask
+    classes for tokens of at most `reach` characters."""
+    regexes, calls = wanted.levels()
+    if calls:
+        return Nested([compile_regex(regex) for regex in regexes], calls)
+    dfa = compile_regex(regexes[0])
     return dfa, mask_classes(dfa, reach)
-
-
-def nested_levels(wanted: StructuredOutput) -> tuple[list[DFA], dict[int, str]] | None:
-    """The DFAs of the levels of what may nest without a bound (structured/nested.py), and
-    each called level's call character: JSON mode's, a recursive schema's; None for
-    what is one regex (`automaton`)."""
-    whitespace = WHITESPACE if wanted.whitespace is None else wanted.whitespace
-    if wanted.kind == "json_object":
-        levels, calls = json_object_levels(whitespace), {1: CALL_OBJECT, 2: CALL_ARRAY}
-    elif wanted.kind == "json":
-        recursive = schema_levels(json.loads(wanted.spec), whitespace)
-        if recursive is None:
-            return None
-        levels, calls = recursive
-    else:
-        return None
-    return [compile_regex(level) for level in levels], calls
-
-
-def compiled(wanted: StructuredOutput, reach: int) -> tuple[list[DFA], dict[int, str]] | tuple[DFA, np.ndarray]:
-    """What a guide is built from: `nested_levels`, or else `automaton`."""
-    return nested_levels(wanted) or automaton(wanted, reach)

@@ -15,7 +15,7 @@ from specserve.sampling import SamplingParams
 from specserve.structured.guide import Guide, GuideCache, GuideVocabulary
 from specserve.structured.json_schema import json_object_regex, schema_to_regex
 from specserve.structured.nested import MAX_DEPTH, NestedGuide
-from specserve.structured.outputs import StructuredOutput, nested_levels
+from specserve.structured.outputs import StructuredOutput, compiled
 from specserve.structured.regex import compile_regex
 from tests.engine.test_engine import EOS, PROMPTS
 from tests.server.test_server_structured import character_tokenizer
@@ -33,7 +33,7 @@ NONCHARACTER = PIECES.index("\ufdd0")
 
 
 def guide_of(texts: list[str | None]) -> NestedGuide:
-    return NestedGuide(*nested_levels(StructuredOutput("json_object")), GuideVocabulary.from_texts(texts), "JSON")
+    return NestedGuide(*compiled(StructuredOutput("json_object"), 0), GuideVocabulary.from_texts(texts), "JSON")
 
 
 def text_of(ids: list[int], texts: list[str | None] = PIECES) -> str:
@@ -168,7 +168,7 @@ TREE_PIECES = [
 
 def schema_guide(schema: dict, texts: list[str]) -> NestedGuide:
     return NestedGuide(
-        *nested_levels(StructuredOutput("json", json.dumps(schema))), GuideVocabulary.from_texts(texts), "schema"
+        *compiled(StructuredOutput("json", json.dumps(schema)), 0), GuideVocabulary.from_texts(texts), "schema"
     )
 
 
