@@ -20,6 +20,7 @@ the server. `background` is refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -124,7 +125,7 @@ class ResponsesRequest(RequestBody):
             raise APIError(f'truncation must be "disabled" or "auto", got {self.truncation!r}', param="truncation")
         fields = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
         fields.update(
-            messages=self.instruction_turns() + list(history) + self.input_turns(),
+            messages=self.instruction_turns() + list(history) + self.input_turns,
             stream=self.stream,
             max_completion_tokens=self.max_output_tokens,
             tools=self.chat_tools(),
@@ -142,9 +143,11 @@ class ResponsesRequest(RequestBody):
     def instruction_turns(self) -> list[dict[str, Any]]:
         return [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
 
+    @functools.cached_property
     def input_turns(self) -> list[dict[str, Any]]:
         """The chat turns of the input: function calls join the assistant turn before
-        them (or open one), each output is a tool turn."""
+        them (or open one), each output is a tool turn. Read once: the chat request and
+        the kept response both take them."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         if not self.input:
@@ -367,7 +370,7 @@ class ResponseObject:
         """The finished response, kept where the request asks for it."""
         done = self.object("completed", output, chat_usage, finish_reason)
         if self.request.store is not False:
-            turns = self.request.input_turns() + [assistant_turn(output)]
+            turns = self.request.input_turns + [assistant_turn(output)]
             kept = {**done, "output": [_without_logprobs(item) for item in output]}
             self.store.put(StoredResponse(self.request.previous_response_id, turns, kept))
         return done
@@ -396,7 +399,7 @@ class StoredResponse:
     turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer
     body: dict[str, Any]  # the response object, its logprobs left out
 
-    @property
+    @functools.cached_property
     def chars(self) -> int:
         """The characters of its turns' text (its answer's counted twice: the body holds it too)."""
         texts = [turn.get("content") or "" for turn in self.turns] + [self.turns[-1].get("content") or ""]

@@ -160,7 +160,7 @@ def test_a_conversation_with_calls_and_their_outputs_reads_as_the_chat_one():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     request = ResponsesRequest.model_validate({"input": items, "instructions": "be brief"})
-    assert request.instruction_turns() + request.input_turns() == messages
+    assert request.instruction_turns() + request.input_turns == messages
     chat, response = asyncio.run(
         post(
             [
