@@ -1,6 +1,7 @@
-"""JSON mode's pushdown guide (structured/nested.py): any depth, brackets matched, each
-mask the tokens a one-token walk reads, the regex guide's masks where the depth allows
-both, and greedy decoding under it the masked target's with speculation."""
+"""The pushdown guide (structured/nested.py), for JSON mode and for schemas that refer to
+themselves: any depth, brackets matched, each mask the tokens a one-token walk reads,
+the regex guide's masks where the depth allows both, the recursions it refuses, and
+greedy decoding under it the masked target's with speculation."""
 
 from __future__ import annotations
 
