@@ -49,7 +49,7 @@ def add_prefix_caching_flags(parser: argparse.ArgumentParser, note: str = "") ->
         type=float,
         default=4.0,
         metavar="GIB",
-        help="memory for --enable-prefix-caching, the target's and a draft's together (default 4)",
+        help="memory for --enable-prefix-caching, the target's and a draft's or head's together (default 4)",
     )
 
 

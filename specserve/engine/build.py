@@ -61,7 +61,7 @@ def build_engine(
     (`--enforce-eager`), None takes them on a CUDA GPU where the caches fit (vLLM's default).
     compile likewise: None compiles on a CUDA GPU with graphs, where inductor works.
     prefix_cache_space: GiB of keys and values kept for prefix caching
-    (model/prefix_cache.py), the target's and a draft model's together; None: off.
+    (model/prefix_cache.py), the target's and a draft model's or EAGLE head's together; None: off.
     kv_cache_space: GiB that the running sequences' keys and values (target, draft and
     head together) may take where caches grow (not a CUDA graph pool, which is fixed),
     requests waiting or preempted beyond it (see Engine); "auto": see `kv_positions`;
@@ -93,14 +93,14 @@ def build_engine(
         use_cuda_graphs(decoders + head, slots, positions, asked=bool(cuda_graphs))
     prefix_cache = None
     if prefix_cache_space is not None:
-        max_tokens = int(prefix_cache_space * 2**30) // sum(bytes_per_position(d.config, d.dtype) for d in decoders)
+        max_tokens = int(prefix_cache_space * 2**30) // kv_bytes_per_position(target.decoder, proposer)
         if max_tokens < BLOCK:
             raise ConfigError(
                 f"--prefix-cache-space {prefix_cache_space} GiB holds {max_tokens} tokens of "
                 f"{model!r}; give room for at least {BLOCK}"
             )
         prefix_cache = PrefixCache(max_tokens)
-        if isinstance(proposer, DraftModelProposer):
+        if isinstance(proposer, (DraftModelProposer, EagleProposer)):
             proposer.prefix_cache = PrefixCache(max_tokens)
     adaptive = None
     if spec is not None and spec.adaptive:

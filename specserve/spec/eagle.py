@@ -24,10 +24,17 @@ guess right, so after a drafting step a head catches up 1-2, as a draft model do
 after plain steps every token decoded since. A long backlog (a new sequence's prompt) is
 read a chunk per call, with no draft for that sequence until it is read.
 
-Prefix caching: a prompt prefix loaded from the target's prefix cache has no features;
-the sequence's run starts at the first position the target computed, and the head reads
-from there, counting its positions from 0 (RoPE is relative, so that is the same head).
-It misses the prefix's context: fewer accepted guesses, never a wrong output. With CUDA
+Context the target did not compute: a prompt prefix the target loaded from its prefix
+cache, or copied from a sibling choice (the same prompt), has no features, so the run
+starts at the first position the target computed (its `origin`). The head then takes its
+own cache of the positions before it from what read them: another sequence whose head
+read the same tokens there (to the token), or the head's own `prefix_cache` of finished
+sequences (the same blocks as the target's, keyed by pairs: a pair at p depends on the
+tokens up to p + 1, `pair_keys`), and reads on as if it had read them itself. Where a
+sequence that reads them drafts in this call, it waits a call for them. Where neither
+holds them, it reads from the origin, counting its positions from 0 (RoPE is relative,
+so that is the same head), without the context: fewer accepted guesses, never a wrong
+output. Only a cache whose positions are the sequence's (origin 0) is a source. With CUDA
 graphs, the target's steps capture the features inside the graph (model/graphs.py), and
 the head's own steps (catch-ups of up to MAX_READ_ROWS pairs) run as graphs of their own
 (`EagleHead.use_cuda_graphs`), each head cache a slot of the head's pool.
@@ -35,6 +42,7 @@ the head's own steps (catch-ups of up to MAX_READ_ROWS pairs) run as graphs of t
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -43,10 +51,13 @@ from specserve.config import DEFAULT_PREFILL_CHUNK_SIZE
 from specserve.model.decoder import Segment
 from specserve.model.footprint import weight_bytes_per_token
 from specserve.model.kv_cache import KVCache
-from specserve.spec.features import TargetFeatures
+from specserve.model.prefix_cache import BLOCK, PrefixCache, copy_prefix, release_into
+from specserve.spec.features import FeatureRun, TargetFeatures
 from specserve.spec.guesses import DraftChains, Guesser
 from specserve.spec.heads.eagle import EagleHead
 from specserve.spec.proposer import Draft, SequenceView
+
+log = logging.getLogger("specserve")
 
 
 class EagleProposer:
@@ -57,6 +68,8 @@ class EagleProposer:
         self.catch_up_chunk_size = catch_up_chunk_size
         self.features = TargetFeatures(head.config.feature_layers)  # EAGLE-1: the final hidden state
         self.caches: dict[int, KVCache] = {}
+        self.prefix_cache: PrefixCache | None = None  # the head's own, where the target has one (see above)
+        self._token_ids: dict[int, list[int]] = {}  # each cache's sequence's tokens (the live list)
         self.last_guesses: dict[int, int] = {}  # guesses of a sequence's draft in this step (see `observe`)
         self.regained: dict[int, int] = {}  # unread positions whose accepted guess the head made (catch-up)
         self.last_catch_up = self.last_tokens_read = 0  # see Proposer
@@ -78,8 +91,11 @@ class EagleProposer:
     ) -> list[Draft]:
         wanted = list(num_tokens)
         reads: dict[int, int] = {}  # sequence index -> pairs its catch-up reads
+        waiting = self._take_context(seqs, num_tokens)
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
-            if k > 0:
+            if i in waiting:
+                wanted[i] = 0
+            elif k > 0:
                 unread = len(self.features.runs[seq.seq_id])
                 reads[i] = min(unread, self.catch_up_chunk_size)
                 if unread > self.catch_up_chunk_size:
@@ -88,7 +104,8 @@ class EagleProposer:
         self.last_catch_up, self.last_tokens_read = max(catch_ups, default=0), sum(reads.values())
         if not reads:
             return [Draft.empty()] * len(seqs)
-        last_hidden, last_logits = self._catch_up(seqs, reads)  # a row per sequence of `reads`
+        # a row per sequence of `reads`
+        last_hidden, last_logits = self._catch_up([(seqs[i].seq_id, seqs[i].token_ids, n) for i, n in reads.items()])
         read_ends = {i: self.caches[seqs[i].seq_id].length for i in reads}
 
         chains = DraftChains(seqs, wanted, self.guesser, least_chances)
@@ -124,26 +141,74 @@ class EagleProposer:
         self.last_guesses = {seqs[i].seq_id: n for i, n in guessed.items() if n}
         return drafts
 
-    def _catch_up(self, seqs: Sequence[SequenceView], reads: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read each sequence's next reads[i] pairs into its head cache, in one head forward;
-        returns each one's last output [len(reads), H] and its draft logits
-        [len(reads), draft_vocab], in the order of `reads`."""
-        segments, tokens, rows = [], [], []
-        for i, n in reads.items():
-            seq = seqs[i]
+    def _take_context(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int]) -> set[int]:
+        """Give each drafting sequence new to the head whose run starts past position 0
+        the head's cache of the positions before it, where another sequence's head cache
+        or the prefix cache holds them (see above); returns the indices of those that
+        wait a call for a sequence that reads them in it."""
+        waiting = set()
+        for i, seq in enumerate(seqs):
             run = self.features.runs[seq.seq_id]
-            if seq.seq_id not in self.caches:
-                self.caches[seq.seq_id] = self.head.new_cache()
-            cache = self.caches[seq.seq_id]
+            if not num_tokens[i] or seq.seq_id in self.caches or run.origin == 0:
+                continue
+            context = seq.token_ids[: run.origin + 1]  # what the pairs of positions [0, origin) read
+            if self._load_context(seq, context):
+                run.origin = 0  # its cache holds positions [0, start), as if it had read them
+            elif any(
+                num_tokens[j] and other is not seq and self._reads(other.seq_id, other.token_ids, context)
+                for j, other in enumerate(seqs)
+            ):
+                waiting.add(i)
+        return waiting
+
+    def _reads(self, seq_id: int, token_ids: list[int], context: list[int]) -> bool:
+        """Whether seq_id's head reads, or has read, the pairs that `context` makes, at their positions."""
+        run = self.features.runs[seq_id]
+        return run.origin == 0 and run.end >= len(context) - 1 and token_ids[: len(context)] == context
+
+    def _load_context(self, seq: SequenceView, context: list[int]) -> bool:
+        """Give seq a head cache of the len(context) - 1 pairs that `context` makes, from
+        another sequence's cache or the prefix cache, where one holds them all."""
+        length = len(context) - 1
+        sources = [
+            self.caches[i]
+            for i, token_ids in self._token_ids.items()
+            if self.caches[i].length >= length and self._reads(i, token_ids, context)
+        ]
+        pairs = [] if self.prefix_cache is None else pair_keys(context, self.head.config.layer.vocab_size)
+        if not sources and (self.prefix_cache is None or self.prefix_cache.cached_length(pairs, length) < length):
+            return False
+        cache = self.caches[seq.seq_id] = self.head.new_cache()
+        self._token_ids[seq.seq_id] = seq.token_ids
+        if sources:
+            copy_prefix(sources[0], cache, length)
+        else:
+            self.prefix_cache.load(pairs, cache, length)
+        return True
+
+    def _catch_up(
+        self, reads: list[tuple[int, list[int], int]], logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Read each (seq_id, token_ids, n)'s next n pairs into its head cache, in one head
+        forward; returns each one's last output [len(reads), H] and, where `logits`, its
+        draft logits [len(reads), draft_vocab], in the order of `reads`."""
+        segments, tokens, rows = [], [], []
+        for seq_id, token_ids, n in reads:
+            run = self.features.runs[seq_id]
+            if seq_id not in self.caches:
+                self.caches[seq_id] = self.head.new_cache()
+                self._token_ids[seq_id] = token_ids
+            cache = self.caches[seq_id]
             cache.truncate(run.start - run.origin)  # 0 where the run started anew (features.py)
             start = run.start
             rows.append(run.take(n))  # [n, F]: positions [start, start + n)
-            tokens.extend(seq.token_ids[start + 1 : start + 1 + n])
+            tokens.extend(token_ids[start + 1 : start + 1 + n])
             segments.append(Segment(cache, n))
         features = self.head.project_target_features(torch.cat(rows))  # [T, H]
-        last_rows = torch.tensor(list(reads.values()), device=self.head.device).cumsum(0) - 1
-        out, logits = self.head.step(torch.tensor(tokens, device=self.head.device), features, segments, last_rows)
-        return out[last_rows], logits
+        last_rows = torch.tensor([n for *_, n in reads], device=self.head.device).cumsum(0) - 1
+        wanted = last_rows if logits else None
+        out, draft_logits = self.head.step(torch.tensor(tokens, device=self.head.device), features, segments, wanted)
+        return out[last_rows], draft_logits
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         for seq, accepted in zip(seqs, num_accepted):
@@ -154,9 +219,34 @@ class EagleProposer:
         self.last_guesses.clear()  # a sequence that failed or left: nothing to count
 
     def free(self, seq_id: int) -> None:
+        run = self.features.runs.get(seq_id)
+        # Stored where its positions are the sequence's; released (a pool slot) in any case.
+        storing = self.prefix_cache is not None and seq_id in self.caches and run is not None and run.origin == 0
+        try:
+            if storing:
+                self._read_to_a_block_end(seq_id, run)
+        except Exception:
+            log.exception("reading the rest of sequence %d's features failed; its head cache is kept as it is", seq_id)
         self.features.free(seq_id)
-        cache = self.caches.pop(seq_id, None)
+        cache, token_ids = self.caches.pop(seq_id, None), self._token_ids.pop(seq_id, None)
         if cache is not None:
-            cache.release()  # a pool slot, with CUDA graphs
+            keys = pair_keys(token_ids, self.head.config.layer.vocab_size) if storing else []
+            release_into(self.prefix_cache if storing else None, keys, cache)
         self.regained.pop(seq_id, None)
         self.last_guesses.pop(seq_id, None)
+
+    def _read_to_a_block_end(self, seq_id: int, run: FeatureRun) -> None:
+        """Read a leaving sequence's unread pairs up to the last whole block of the prefix
+        cache (a chunk at most), which its last steps verified and no draft has read:
+        the prefix cache then holds the positions the target's holds."""
+        token_ids = self._token_ids[seq_id]
+        run.truncate(min(run.end, len(token_ids) - 1))  # rows of a failed step's drafts
+        n = min(run.end, run.start + self.catch_up_chunk_size) // BLOCK * BLOCK - run.start
+        if n > 0:
+            self._catch_up([(seq_id, token_ids, n)], logits=False)
+
+
+def pair_keys(token_ids: list[int], vocab_size: int) -> list[int]:
+    """The head's pairs as the keys of its prefix cache: position p's pair reads the
+    target's feature there (of tokens up to p) and token p + 1, so it is keyed by both."""
+    return [a * vocab_size + b for a, b in zip(token_ids, token_ids[1:])]

@@ -8,6 +8,7 @@ distribution on float and int4 targets alike (a quantized target's head quantize
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -439,6 +440,99 @@ def test_a_prefix_from_the_prefix_cache_is_not_read_and_the_output_stays_the_tar
     assert first.output_ids == plain_tokens(target, shared + [3])
     assert second.output_ids == plain_tokens(target, shared + [4, 5])
     assert second.spec.num_accepted_tokens > 0
+
+
+def drafts_by_sequence(proposer: EagleProposer) -> dict[int, dict[int, list[int]]]:
+    """Each sequence's drafts by the length of the text they follow, as `proposer` makes
+    them from now on."""
+    drafts: dict[int, dict[int, list[int]]] = {}
+    propose = proposer.propose
+
+    def recording(seqs, num_tokens, least_chances=None):
+        made = propose(seqs, num_tokens, least_chances)
+        for seq, draft in zip(seqs, made):
+            drafts.setdefault(seq.seq_id, {})[len(seq.token_ids)] = draft.tokens.tolist()
+        return made
+
+    proposer.propose = recording
+    return drafts
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_choice_takes_its_siblings_head_cache_of_their_prompt_and_drafts_as_it(method):
+    """A request's second choice copies its prompt from the first (the target computes
+    its last position alone): its head takes the first's cache of the positions before,
+    waiting the call in which the first reads them, and then drafts what the first does."""
+    torch.manual_seed(5)
+    target = Decoder(target_config()).eval()
+    proposer = proposer_of(random_head(method, target.config, seed=6), target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
+    drafts = drafts_by_sequence(proposer)
+    prompt = PROMPTS[3]
+    first, second = (engine.add_request(prompt, GREEDY) for _ in range(2))
+    while second.seq_id not in proposer.caches:
+        engine.step()
+    assert second.num_cached_tokens == 0  # no prefix cache: its prompt came from its sibling
+    # It waited the call in which the first read the prompt, and drafted in the next.
+    (waited, mine), (read, _) = drafts[second.seq_id].items(), drafts[first.seq_id].items()
+    assert waited[1] == [] and len(read[1]) == 3 and len(mine[1]) == 3
+    context = len(prompt) - 1  # the positions it copied: the target computed its last
+    assert proposer.features.runs[second.seq_id].origin == 0
+    mine, theirs = proposer.caches[second.seq_id], proposer.caches[first.seq_id]
+    assert torch.equal(mine.keys[:, :, :context], theirs.keys[:, :, :context])
+    assert torch.equal(mine.values[:, :, :context], theirs.values[:, :, :context])
+    while engine.has_unfinished():
+        engine.step()
+    theirs = drafts[first.seq_id]
+    both = [length for length in drafts[second.seq_id] if length in theirs and length != waited[0]]
+    assert len(both) > 3 and all(drafts[second.seq_id][n] == theirs[n] for n in both)
+    assert first.output_ids == second.output_ids == plain_tokens(target, prompt)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_head_takes_its_cache_of_a_cached_prefix_from_its_prefix_cache(method):
+    """A prompt whose prefix the target loads from its prefix cache: the head loads its
+    own cache of the prefix, stored by the sequence that read it (keyed by pairs, so the
+    token after the prefix counts), and drafts what a head that read it all drafts."""
+    torch.manual_seed(5)
+    target = Decoder(target_config()).eval()
+    head = random_head(method, target.config, seed=6)
+    shared, first_prompt, second_prompt = list(range(10, 60)), list(range(10, 60)) + [3], list(range(10, 60)) + [4, 5]
+
+    def engine_with(prefix_cache: bool) -> tuple[Engine, EagleProposer]:
+        proposer = proposer_of(copy.deepcopy(head), target)
+        engine = Engine(
+            target,
+            eos_token_ids=[EOS],
+            proposer=proposer,
+            num_speculative_tokens=3,
+            prefix_cache=PrefixCache(4096) if prefix_cache else None,
+        )
+        proposer.prefix_cache = PrefixCache(4096) if prefix_cache else None
+        return engine, proposer
+
+    cached, proposer = engine_with(prefix_cache=True)
+    first = cached.generate(first_prompt, dataclasses.replace(GREEDY, max_tokens=14))
+    assert len(first.token_ids) - 1 == 64  # the target stores 4 blocks; its last step's pairs end the 4th
+    assert len(proposer.prefix_cache) == len(cached.prefix_cache) == 4  # read as it left
+    drafts = drafts_by_sequence(proposer)
+    second = cached.generate(second_prompt, GREEDY)
+    assert second.num_cached_tokens == len(shared) // 16 * 16
+    alone, reference = engine_with(prefix_cache=False)
+    reference_drafts = drafts_by_sequence(reference)
+    reference_second = alone.generate(second_prompt, GREEDY)
+    assert second.output_ids == reference_second.output_ids == plain_tokens(target, second_prompt)
+    assert drafts[second.seq_id] == reference_drafts[reference_second.seq_id]  # keyed by the text's length
+
+    # A prefix that differs from the stored one in the token after it: not the same pairs.
+    third = cached.add_request(list(range(10, 58)) + [7, 8], GREEDY)
+    cached.step()
+    assert third.num_cached_tokens == 48
+    cached.step()
+    assert proposer.features.runs[third.seq_id].origin == 48  # read without the context
+    while cached.has_unfinished():
+        cached.step()
+    assert third.output_ids == plain_tokens(target, list(range(10, 58)) + [7, 8])
 
 
 def test_eagle_counts_what_the_chain_guessed_right_as_read_already(noisy):
