@@ -744,15 +744,20 @@ def run_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         if args.names:
             raise ConfigError("`specserve models` lists everything; give names to install or prepare")
-        print(f"{'name':<22}{'params':>7}  {'installed':<10}{'prepared':<9}description")
+        rows = []  # (name, params, installed, prepared, description)
         for entry in catalogue.CATALOGUE.values():
             installed = "no" if entry.missing_packages() else "yes"
             prepared = "yes" if catalogue.is_prepared(catalogue.prepared_dir(entry.name)) else "no"
-            print(f"{entry.name:<22}{entry.params:>7}  {installed:<10}{prepared:<9}{entry.description}")
+            rows.append((entry.name, entry.params, installed, prepared, entry.description))
         for head in catalogue.HEADS.values():
             installed = "no" if catalogue.catalogue_entry(head.target).missing_packages() else "yes"
             prepared = "yes" if catalogue.is_head(catalogue.heads_root() / head.name) else "no"
-            print(f"{head.name:<22}{'head':>7}  {installed:<10}{prepared:<9}{head.description}")
+            rows.append((head.name, "head", installed, prepared, head.description))
+        width = max(len(row[0]) for row in rows) + 2
+        for name, params, installed, prepared, description in [
+            ("name", "params", "installed", "prepared", "description")
+        ] + rows:
+            print(f"{name:<{width}}{params:>7}  {installed:<10}{prepared:<9}{description}")
         print(f"\nartifacts cache: {catalogue.cache_root()}  (set SPECSERVE_CACHE to move it)")
         return 0
     if not args.names:

@@ -160,8 +160,10 @@ def test_models_lists_the_catalogue(prepared_cache, capsys):
     os.environ["SPECSERVE_CACHE"] = prepared_cache
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-eagle3"):
         assert name in out
+    table = out.split("\n\n")[0].splitlines()
+    assert len({line.index("installed" if i == 0 else line.split()[2]) for i, line in enumerate(table)}) == 1  # columns
     assert main(["models", "prepare", "no-such-model"]) == 2
 
 
