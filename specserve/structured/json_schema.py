@@ -17,7 +17,8 @@ documented narrowings, each of which keeps the answer valid:
   `additionalProperties`' schema (any value if absent or true; `{}` if false).
 - A schema with no constraint (`{}`, `true`, a missing `items`) is any JSON value
   nested at most `max_depth` deep (0: no arrays or objects); each level of a schema's
-  own arrays and objects takes one from that depth.
+  own arrays and objects takes one from that depth. In `schema_levels` it nests to any
+  depth, unless it is inside one of several alternatives (`anyOf`, `oneOf`).
 - Numeric bounds (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`,
   `multipleOf`) are not enforced (vLLM's outlines backend does not enforce them
   either); the type (integer or number) is. Integers are written without a fraction
@@ -125,6 +126,7 @@ def json_object_regex(whitespace: str = WHITESPACE, max_depth: int = 4) -> str:
 # recursive schema's levels are called by the noncharacters after these.
 CALL_OBJECT, CALL_ARRAY = "\ufdd0", "\ufdd1"
 SCHEMA_CALLS = [chr(code) for code in range(0xFDD2, 0xFDF0)]
+OPEN_VALUE = f"(?:{PRIMITIVE}|{CALL_OBJECT}|{CALL_ARRAY})"  # any value, in levels: JSON mode's calls
 
 
 def schema_levels(
@@ -132,9 +134,11 @@ def schema_levels(
 ) -> tuple[list[str], dict[int, str]]:
     """A schema's levels (structured/nested.py): the regex of the schema and of each
     schema a `$ref` inside itself points to, level 0 the whole schema's, each such
-    reference read as the call character of its schema's level; and the call character
-    of each level called. A schema that does not recurse is one level, its regex
-    `schema_to_regex`'s, with no calls."""
+    reference read as the call character of its schema's level, and where an open value
+    (`{}`, `true`, `additionalProperties` left open) is inside no alternatives, JSON
+    mode's object and array levels (`OPEN_VALUE`); and the call character of each level
+    called. A schema with neither is one level, its regex `schema_to_regex`'s, with no
+    calls."""
     _check_options(whitespace, max_depth)
     compiler = _Compiler(schema, whitespace, calls={})
     regexes = {"#": _sized(compiler.compile(schema, "#", max_depth, ("#",)))}
@@ -142,7 +146,13 @@ def schema_levels(
         _, target = compiler._resolve(pending[0], pending[0])  # a level's own references to itself: calls
         regexes[pending[0]] = _sized(compiler.compile(target, pending[0], max_depth, (pending[0],)))
     order = list(regexes)  # "#" first
-    return [regexes[p] for p in order], {order.index(p): char for p, char in compiler.calls.items()}
+    levels = [regexes[p] for p in order]
+    calls = {order.index(p): char for p, char in compiler.calls.items()}
+    if compiler.opens_values:  # JSON mode's object and array levels after the schema's
+        _, obj, array = json_object_levels(whitespace)
+        calls |= {len(levels): CALL_OBJECT, len(levels) + 1: CALL_ARRAY}
+        levels += [obj, array]
+    return levels, calls
 
 
 def json_object_levels(whitespace: str = WHITESPACE) -> tuple[str, str, str]:
@@ -294,7 +304,10 @@ class _Compiler:
     # Where recursion is read as calls (`schema_levels`): each pointer called, with its
     # level's call character; None: a recursive reference raises.
     calls: dict[str, str] | None = None
+    # Where an open value is read as JSON mode's levels (`schema_levels`): whether one was.
+    opens_values: bool = False
     _generic: dict[int, str] = field(default_factory=dict)
+    _beside: bool = False  # compiling inside one of several alternatives (see `generic`)
 
     @property
     def sep(self) -> str:
@@ -429,6 +442,7 @@ class _Compiler:
             raise ConfigError(f"JSON schema keyword '{keyword}' at {where} must be a non-empty list of schemas")
         rest = {k: v for k, v in schema.items() if k != keyword}
         alternatives = []
+        beside, self._beside = self._beside, self._beside or len(subschemas) > 1
         for i, inner in enumerate(subschemas):
             inner_where = f"{where}/{keyword}/{i}"
             if inner is False:
@@ -439,6 +453,7 @@ class _Compiler:
                 if inner is None:  # an alternative of another type than the siblings allow
                     continue
             alternatives.append(self.compile(rest if inner is True else inner, inner_where, depth, refs))
+        self._beside = beside
         if not alternatives:
             raise ConfigError(f"no alternative of '{keyword}' at {where} can be satisfied")
         return _alternation(alternatives)
@@ -612,7 +627,14 @@ class _Compiler:
     # any value
 
     def generic(self, depth: int) -> str:
-        """Any JSON value, arrays and objects nested at most `depth` deep."""
+        """Any JSON value, arrays and objects nested at most `depth` deep; in levels
+        (`calls` set), nested to any depth as JSON mode's levels are, by their calls,
+        unless it is inside one of several alternatives: after a bracket both may have
+        written, a pushdown guide could not tell an object of a call's from one of
+        another alternative's."""
+        if self.calls is not None and not self._beside:
+            self.opens_values = True
+            return OPEN_VALUE
         if depth not in self._generic:
             if depth == 0:
                 self._generic[depth] = PRIMITIVE

@@ -34,8 +34,9 @@ class StructuredOutput:
 
     def levels(self) -> tuple[list[str], dict[int, str]]:
         """The regexes of its levels and the call character of each level called
-        (structured/nested.py): JSON mode's, a schema's that refers to itself; for what
-        nests with a bound, its one regex and no calls."""
+        (structured/nested.py): JSON mode's, a schema's that refers to itself or holds an
+        open value (`json_schema.schema_levels`); for what nests with a bound, its one
+        regex and no calls."""
         whitespace = WHITESPACE if self.whitespace is None else self.whitespace
         if self.kind == "json":
             return schema_levels(json.loads(self.spec), whitespace)

@@ -258,3 +258,52 @@ def test_a_schema_that_is_an_object_or_an_array_of_itself_enters_by_either_brack
     assert guide.state_after([TREE_PIECES.index('{"v": '), TREE_PIECES.index("1")]) == 0  # only arrays and objects
     for state, output in random_walks(guide, 200, 30, seed=3):
         assert guide.allowed(state, []).tolist() == [guide.step(state, t) != 0 for t in range(len(TREE_PIECES))]
+
+
+def test_a_schemas_open_values_nest_to_any_depth_as_json_modes_do():
+    """`{}` and an object's open values read JSON mode's levels: past the 4 levels the
+    one-regex form holds, every mask what one-token walks read, finished outputs parse."""
+    schema = {"type": "object", "properties": {"data": {}, "meta": {"type": "object"}}, "required": ["data"]}
+    levels, calls = StructuredOutput("json", json.dumps(schema)).levels()
+    assert len(levels) == 3 and set(calls.values()) == {"\ufdd0", "\ufdd1"}
+    texts = [*PIECES, '{"data": ', ', "meta": ']
+    guide = schema_guide(schema, texts)
+    pieces = [
+        '{"data": ',
+        *['{"k": ['] * 12,
+        "1",
+        *["]}"] * 12,
+        ', "meta": ',
+        *['{"k": ['] * 6,
+        "null",
+        *["]}"] * 6,
+        "}",
+    ]
+    deep = "".join(pieces)
+    assert guide.accepts(guide.state_after([texts.index(p) for p in pieces])) and depth_of(json.loads(deep)) == 25
+    assert not compile_regex(schema_to_regex(schema)).matches(deep)  # the one regex: 4 levels
+    finished = 0
+    for state, output in random_walks(guide, 300, 40, seed=4):
+        assert guide.allowed(state, []).tolist() == [guide.step(state, t) != 0 for t in range(len(texts))]
+        if guide.accepts(state):
+            value = json.loads(text_of(output, texts))
+            assert "data" in value and set(value) <= {"data", "meta"} and isinstance(value.get("meta", {}), dict)
+            finished += 1
+    assert finished > 10
+
+
+@pytest.mark.parametrize(
+    "schema, num_levels",
+    [
+        ({"anyOf": [{}, {"type": "object", "properties": {"a": {"type": "integer"}}}]}, 1),
+        ({"type": "object", "properties": {"v": {"oneOf": [{"type": "array", "items": {}}, True]}}}, 1),
+    ],
+    ids=["any-or-object", "array-of-any-or-any"],
+)
+def test_an_open_value_beside_other_alternatives_keeps_its_bound(schema, num_levels):
+    """Inside one of several alternatives, an object or array may be either's, which a
+    pushdown guide cannot tell apart: open values there keep their bound, and the guide
+    builds."""
+    levels, _ = StructuredOutput("json", json.dumps(schema)).levels()
+    assert len(levels) == num_levels
+    GuideCache(character_tokenizer()).guide(StructuredOutput("json", json.dumps(schema)))
