@@ -458,14 +458,19 @@ def drafts_by_sequence(proposer: EagleProposer) -> dict[int, dict[int, list[int]
     return drafts
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "static-head"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_a_choice_takes_its_siblings_head_cache_of_their_prompt_and_drafts_as_it(method):
+def test_a_choice_takes_its_siblings_head_cache_of_their_prompt_and_drafts_as_it(method, graphed):
     """A request's second choice copies its prompt from the first (the target computes
     its last position alone): its head takes the first's cache of the positions before,
-    waiting the call in which the first reads them, and then drafts what the first does."""
+    waiting the call in which the first reads them, and then drafts what the first does
+    (with static head steps, in a pool slot of its own, every slot back at the end)."""
     torch.manual_seed(5)
     target = Decoder(target_config()).eval()
-    proposer = proposer_of(random_head(method, target.config, seed=6), target)
+    head = random_head(method, target.config, seed=6)
+    if graphed:
+        head.use_cuda_graphs(num_slots=4, capacity=128)
+    proposer = proposer_of(head, target)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3)
     drafts = drafts_by_sequence(proposer)
     prompt = PROMPTS[3]
@@ -486,6 +491,7 @@ def test_a_choice_takes_its_siblings_head_cache_of_their_prompt_and_drafts_as_it
     theirs = drafts[first.seq_id]
     both = [length for length in drafts[second.seq_id] if length in theirs and length != waited[0]]
     assert len(both) > 3 and all(drafts[second.seq_id][n] == theirs[n] for n in both)
+    assert not proposer.caches and (head.static is None or head.static.pool.num_free == 4)
     assert first.output_ids == second.output_ids == plain_tokens(target, prompt)
 
 
