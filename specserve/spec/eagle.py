@@ -30,7 +30,9 @@ starts at the first position the target computed (its `origin`). The head then t
 own cache of the positions before it from what read them: another sequence whose head
 read the same tokens there (to the token), or the head's own `prefix_cache` of finished
 sequences (the same blocks as the target's, keyed by pairs: a pair at p depends on the
-tokens up to p + 1, `pair_keys`), and reads on as if it had read them itself. Where a
+tokens up to p + 1, `pair_keys`; a leaving sequence's head first reads the pairs its
+last steps verified, READ_AS_IT_LEAVES at most, so that its blocks end where the
+target's do), and reads on as if it had read them itself. Where a
 sequence that reads them drafts in this call, it waits a call for them. Where neither
 holds them, it reads from the origin, counting its positions from 0 (RoPE is relative,
 so that is the same head), without the context: fewer accepted guesses, never a wrong
@@ -58,6 +60,9 @@ from specserve.spec.heads.eagle import EagleHead
 from specserve.spec.proposer import Draft, SequenceView
 
 log = logging.getLogger("specserve")
+
+# The most pairs a leaving sequence's head reads to store its last block (see free).
+READ_AS_IT_LEAVES = 2 * BLOCK
 
 
 class EagleProposer:
@@ -237,12 +242,14 @@ class EagleProposer:
 
     def _read_to_a_block_end(self, seq_id: int, run: FeatureRun) -> None:
         """Read a leaving sequence's unread pairs up to the last whole block of the prefix
-        cache (a chunk at most), which its last steps verified and no draft has read:
-        the prefix cache then holds the positions the target's holds."""
+        cache, which its last steps verified and no draft has read, so that the prefix
+        cache holds the positions the target's holds: where they are at most
+        READ_AS_IT_LEAVES (a drafting sequence's), never a long backlog of plain steps,
+        which would hold up its batch's step."""
         token_ids = self._token_ids[seq_id]
         run.truncate(min(run.end, len(token_ids) - 1))  # rows of a failed step's drafts
-        n = min(run.end, run.start + self.catch_up_chunk_size) // BLOCK * BLOCK - run.start
-        if n > 0:
+        n = run.end // BLOCK * BLOCK - run.start
+        if 0 < n <= READ_AS_IT_LEAVES:
             self._catch_up([(seq_id, token_ids, n)], logits=False)
 
 
