@@ -540,6 +540,21 @@ def test_a_head_takes_its_cache_of_a_cached_prefix_from_its_prefix_cache(method)
         cached.step()
     assert third.output_ids == plain_tokens(target, list(range(10, 58)) + [7, 8])
 
+    # Two prompts with a new start, arriving together: the target reads it once, and the
+    # head of the one that copied it takes the other's cache of it as it runs.
+    start = list(range(60, 90)) * 2
+    together = [cached.add_request(start + [9, i], GREEDY) for i in (1, 2)]
+    while cached.has_unfinished():
+        cached.step()
+    for seq in together:
+        reference_seq = alone.generate(seq.token_ids[: seq.num_prompt_tokens], GREEDY)
+        assert seq.output_ids == reference_seq.output_ids
+        made = {length: draft for length, draft in drafts[seq.seq_id].items() if draft}  # k = 0 beside the other
+        alone_made = reference_drafts[reference_seq.seq_id]
+        assert all(alone_made.get(length) == draft for length, draft in made.items())
+        assert len(made) >= len(alone_made) - 1  # the one that copied waited a call
+    assert together[1].num_cached_tokens == 48
+
 
 def test_eagle_counts_what_the_chain_guessed_right_as_read_already(noisy):
     """After a drafting step a head catches up 1 token (a rejection) or 2 (all accepted),
