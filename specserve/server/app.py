@@ -636,6 +636,12 @@ def build_app(
     async def kept_response(response_id: str) -> dict[str, Any]:
         return kept_responses.get(response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def kept_input_items(
+        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        return kept_responses.input_items(response_id, limit, order, after)
+
     @app.delete("/v1/responses/{response_id}")
     async def forget_response(response_id: str) -> dict[str, Any]:
         kept_responses.delete(response_id)

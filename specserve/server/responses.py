@@ -12,7 +12,8 @@ OpenAI's typed events (`ResponseEvents`), each with its `sequence_number`, and e
 
 Responses are kept (`store`, true by default as in OpenAI's API) in a `ResponseStore`
 in the server's memory, the most recent RESPONSES_KEPT: `GET /v1/responses/{id}` returns
-one, `DELETE` forgets it, and a request's `previous_response_id` continues its
+one, `GET /v1/responses/{id}/input_items` lists its input as items (each with an id, in
+pages), `DELETE` forgets it, and a request's `previous_response_id` continues its
 conversation (the turns of every response up its chain, then the new input; the earlier
 responses' instructions are not carried over, as OpenAI's are not). They do not outlive
 the server. `background` is refused.
@@ -188,6 +189,35 @@ class ResponsesRequest(RequestBody):
                     param=f"input[{i}].type",
                 )
         return turns
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as OpenAI lists a response's input items, in order, each with an id
+        (its own where it came with one); read once `input_turns` has checked it."""
+        given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        items = []
+        for item in given:
+            kind = item.get("type", "message")
+            if kind != "message":
+                prefix = "fc" if kind == "function_call" else "fco"
+                items.append(
+                    {**item, "id": item.get("id") or _new_id(prefix), "status": item.get("status", "completed")}
+                )
+                continue
+            content = item["content"]
+            text = content if isinstance(content, str) else "".join(part["text"] for part in content)
+            part = {"type": "input_text", "text": text}
+            if item["role"] == "assistant":
+                part = {"type": "output_text", "text": text, "annotations": []}
+            items.append(
+                {
+                    "id": item.get("id") or _new_id("msg"),
+                    "type": "message",
+                    "role": item["role"],
+                    "content": [part],
+                    "status": "completed",
+                }
+            )
+        return items
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The function tools in the chat form ({"type", "function": {...}})."""
@@ -372,7 +402,7 @@ class ResponseObject:
         if self.request.store is not False:
             turns = self.request.input_turns + [assistant_turn(output)]
             kept = {**done, "output": [_without_logprobs(item) for item in output]}
-            self.store.put(StoredResponse(self.request.previous_response_id, turns, kept))
+            self.store.put(StoredResponse(self.request.previous_response_id, turns, kept, self.request.input_items()))
         return done
 
 
@@ -398,13 +428,25 @@ class StoredResponse:
     previous_id: str | None  # the response it continued
     turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer
     body: dict[str, Any]  # the response object, its logprobs left out
+    input_items: list[dict[str, Any]]  # its input, as `input_items` lists it
 
     @functools.cached_property
     def chars(self) -> int:
-        """The characters of its turns' text (its answer's counted twice: the body holds it too)."""
+        """The characters of its turns' text and its input items' (its answer's counted
+        twice: the body holds it too)."""
         texts = [turn.get("content") or "" for turn in self.turns] + [self.turns[-1].get("content") or ""]
         calls = [call["function"]["arguments"] for turn in self.turns for call in turn.get("tool_calls", ())]
-        return sum(map(len, texts)) + 2 * sum(map(len, calls))
+        return sum(map(len, texts)) + 2 * sum(map(len, calls)) + sum(map(_item_chars, self.input_items))
+
+
+def _item_chars(item: dict[str, Any]) -> int:
+    """The characters of an input item's text: a message's, a call's arguments, an output."""
+    if item["type"] == "message":
+        return sum(len(part["text"]) for part in item["content"])
+    if item["type"] == "function_call":
+        return len(item["arguments"])
+    output = item["output"]
+    return len(output) if isinstance(output, str) else sum(len(part.get("text", "")) for part in output)
 
 
 class ResponseStore:
@@ -433,6 +475,33 @@ class ResponseStore:
         """The response object (APIError(404) where it is not kept)."""
         with self._lock:
             return self._stored(response_id, "response_id", status=404).body
+
+    def input_items(
+        self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        """A page of response_id's input items as OpenAI lists them: `limit` (1-100) of
+        them in `order` ("asc" or "desc", the newest first), after the item `after`
+        where given (APIError(404) where the response is not kept, 400 for the rest)."""
+        if not 1 <= limit <= 100:
+            raise APIError(f"limit must be between 1 and 100, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        with self._lock:
+            items = self._stored(response_id, "response_id", status=404).input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(f"response {response_id!r} has no input item {after!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     def delete(self, response_id: str) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import TypeAdapter
 
 from specserve.engine.engine import Engine
@@ -340,6 +341,40 @@ def test_previous_response_id_continues_the_conversation_kept_on_the_server():
     assert sent[7].json()["error"]["param"] == "previous_response_id"  # its chain lost a link
 
 
+def test_a_kept_responses_input_items_are_listed_in_pages():
+    """GET /v1/responses/{id}/input_items: the input as items with ids (a message's text
+    one part, given ids kept), the newest first or in order, `limit` a page, `after` the
+    next; an unknown response is a 404, a bad limit, order or cursor a 400 naming it."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "wea"}, {"type": "input_text", "text": "ther"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": "fco_given"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    ask = {"input": items, "instructions": "be brief", "temperature": 0, "max_output_tokens": 5}
+
+    def listing(query):
+        return lambda sent: ("GET", f"/v1/responses/{sent[0].json()['id']}/input_items{query}", None)
+
+    def after_second(sent):
+        return listing(f"?order=asc&limit=2&after={sent[2].json()['data'][1]['id']}")(sent)
+
+    queries = ["", "?order=asc&limit=2", "?limit=0", "?order=up", "?after=nothing"]
+    steps = [("POST", "/v1/responses", ask), *map(listing, queries), after_second]
+    steps.append(("GET", "/v1/responses/resp_unknown/input_items", None))
+    sent = asyncio.run(conversation(steps))
+    assert [r.status_code for r in sent] == [200, 200, 200, 400, 400, 400, 200, 404], [r.text for r in sent]
+    newest_first, first_two, next_two = (ResponseItemList.model_validate(sent[i].json()) for i in (1, 2, 6))
+    listed = [*first_two.data, *next_two.data]
+    assert [item.id for item in listed] == [item.id for item in reversed(newest_first.data)]
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output", "message"]
+    assert listed[0].content[0].text == "weather" and listed[0].role == "user" and listed[2].id == "fco_given"
+    assert listed[1].arguments == '{"city": "Paris"}' and listed[3].content[0].text == "It is sunny."
+    assert first_two.has_more and not next_two.has_more and not newest_first.has_more
+    assert (first_two.first_id, first_two.last_id) == (listed[0].id, listed[1].id)
+    assert [sent[i].json()["error"]["param"] for i in (3, 4, 5)] == ["limit", "order", "after"]
+
+
 def test_a_streamed_response_is_kept_and_store_false_is_not():
     ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
 
@@ -365,7 +400,7 @@ def test_a_streamed_response_is_kept_and_store_false_is_not():
 
 def stored(response_id: str, previous: str | None, text: str) -> StoredResponse:
     turns = [{"role": "user", "content": text}, {"role": "assistant", "content": text}]
-    return StoredResponse(previous, turns, {"id": response_id})
+    return StoredResponse(previous, turns, {"id": response_id}, input_items=[])
 
 
 def test_the_store_keeps_the_most_recent_within_its_count_and_characters():

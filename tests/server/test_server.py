@@ -169,6 +169,8 @@ def test_the_responses_api_answers_as_chat_through_the_openai_client(plain, spec
     )
     assert follow_up.usage.input_tokens > plainly.usage.input_tokens + plainly.usage.output_tokens
     assert client(plain).responses.retrieve(follow_up.id).output_text == follow_up.output_text
+    (asked,) = client(plain).responses.input_items.list(plainly.id)  # the instructions are no item
+    assert asked.type == "message" and asked.role == "user" and asked.content[0].text == PROMPTS[6]
     client(plain).responses.delete(follow_up.id)
     with pytest.raises(openai.NotFoundError):
         client(plain).responses.retrieve(follow_up.id)
