@@ -36,19 +36,12 @@ import numpy as np
 import torch
 
 from specserve.errors import ConfigError
-from specserve.structured.nested import NestedGuide
+from specserve.structured.nested import MAX_CACHED_MASKS, MAX_CACHED_STEPS, MAX_UNPACKED_MASKS, NestedGuide
 from specserve.structured.outputs import Nested, StructuredOutput, compiled
 from specserve.structured.regex import DFA, mask_classes
 from specserve.tokenizer import Tokenizer
 
 T = TypeVar("T")
-
-# What a guide keeps: each state's mask as bits (151,936 ids: 19 KB), and each
-# (state, token) step taken; past these it starts afresh.
-MAX_CACHED_STATES = 1024
-MAX_CACHED_STEPS = 100_000
-# And the masks it gave last, whole (152 KB each): a step's rows read them.
-MAX_UNPACKED_MASKS = 16
 
 
 @dataclass(frozen=True)
@@ -181,7 +174,7 @@ class Guide:
         bits = self._masks.get(mask_class)
         if bits is None:
             bits = np.packbits(self._walk_every_token(state))
-            if len(self._masks) >= MAX_CACHED_STATES:
+            if len(self._masks) >= MAX_CACHED_MASKS:
                 self._masks.clear()
             self._masks[mask_class] = bits
         return torch.from_numpy(np.unpackbits(bits, count=self.vocabulary.width).view(np.bool_))
