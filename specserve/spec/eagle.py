@@ -32,14 +32,16 @@ read the same tokens there (to the token), or the head's own `prefix_cache` of f
 sequences (the same blocks as the target's, keyed by pairs: a pair at p depends on the
 tokens up to p + 1, `pair_keys`; a leaving sequence's head first reads the pairs its
 last steps verified, READ_AS_IT_LEAVES at most, so that its blocks end where the
-target's do), and reads on as if it had read them itself. Where a
-sequence that reads them drafts in this call, it waits a call for them. Where neither
-holds them, it reads from the origin, counting its positions from 0 (RoPE is relative,
-so that is the same head), without the context: fewer accepted guesses, never a wrong
-output. Only a cache whose positions are the sequence's (origin 0) is a source. With CUDA
-graphs, the target's steps capture the features inside the graph (model/graphs.py), and
-the head's own steps (catch-ups of up to MAX_READ_ROWS pairs) run as graphs of their own
-(`EagleHead.use_cuda_graphs`), each head cache a slot of the head's pool.
+target's do), and reads on as if it had read them itself. Where a sequence that reads
+them drafts in this call, it waits a call for them. Where neither holds them, it reads
+from the origin, counting its positions from 0 (RoPE is relative, so that is the same
+head), without the context: fewer accepted guesses, never a wrong output. Only a cache
+whose positions are the sequence's (origin 0) is a source.
+
+With CUDA graphs, the target's steps capture the features inside the graph
+(model/graphs.py), and the head's own steps (catch-ups of up to MAX_READ_ROWS pairs) run
+as graphs of their own (`EagleHead.use_cuda_graphs`), each head cache a slot of the
+head's pool.
 """
 
 from __future__ import annotations
