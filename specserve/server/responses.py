@@ -144,16 +144,29 @@ class ResponsesRequest(RequestBody):
     def instruction_turns(self) -> list[dict[str, Any]]:
         return [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
 
-    @functools.cached_property
+    @property
     def input_turns(self) -> list[dict[str, Any]]:
-        """The chat turns of the input: function calls join the assistant turn before
-        them (or open one), each output is a tool turn. Read once: the chat request and
-        the kept response both take them."""
+        """The chat turns of the input (`read_input`)."""
+        return self.read_input[0]
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as OpenAI lists a response's input items (`read_input`)."""
+        return self.read_input[1]
+
+    @functools.cached_property
+    def read_input(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The input as chat turns (function calls join the assistant turn before them, or
+        open one; each output is a tool turn) and as input items, in order, each with an
+        id (its own where it came with one), a message's text one part. Read once: the
+        chat request takes the turns, the kept response both."""
         if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
+            turn = {"role": "user", "content": self.input}
+            return [turn], [_message_item(turn)]
         if not self.input:
             raise APIError("input holds no items; send a text or at least one message", param="input")
         turns: list[dict[str, Any]] = []
+        items: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             if not isinstance(item, dict):
                 raise APIError(
@@ -162,7 +175,9 @@ class ResponsesRequest(RequestBody):
             kind = item.get("type", "message")
             if kind == "message":
                 turns.append(_message_turn(item, f"input[{i}]"))
-            elif kind == "function_call":
+                items.append(_message_item(turns[-1], item.get("id")))
+                continue
+            if kind == "function_call":
                 call = {
                     "id": _text_field(item, "call_id", f"input[{i}]"),
                     "type": "function",
@@ -188,36 +203,9 @@ class ResponsesRequest(RequestBody):
                     "function_call_output items",
                     param=f"input[{i}].type",
                 )
-        return turns
-
-    def input_items(self) -> list[dict[str, Any]]:
-        """The input as OpenAI lists a response's input items, in order, each with an id
-        (its own where it came with one); read once `input_turns` has checked it."""
-        given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        items = []
-        for item in given:
-            kind = item.get("type", "message")
-            if kind != "message":
-                prefix = "fc" if kind == "function_call" else "fco"
-                items.append(
-                    {**item, "id": item.get("id") or _new_id(prefix), "status": item.get("status", "completed")}
-                )
-                continue
-            content = item["content"]
-            text = content if isinstance(content, str) else "".join(part["text"] for part in content)
-            part = {"type": "input_text", "text": text}
-            if item["role"] == "assistant":
-                part = {"type": "output_text", "text": text, "annotations": []}
-            items.append(
-                {
-                    "id": item.get("id") or _new_id("msg"),
-                    "type": "message",
-                    "role": item["role"],
-                    "content": [part],
-                    "status": "completed",
-                }
-            )
-        return items
+            prefix = "fc" if kind == "function_call" else "fco"
+            items.append({**item, "id": item.get("id") or _new_id(prefix), "status": item.get("status", "completed")})
+        return turns, items
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The function tools in the chat form ({"type", "function": {...}})."""
@@ -304,6 +292,20 @@ def _parts_text(parts: list[Any], where: str) -> str:
             )
         texts.append(_text_field(part, "text", f"{where}[{j}]"))
     return "".join(texts)
+
+
+def _message_item(turn: dict[str, Any], item_id: str | None = None) -> dict[str, Any]:
+    """A message turn as an input item: its text one part (the assistant's output_text)."""
+    part = {"type": "input_text", "text": turn["content"]}
+    if turn["role"] == "assistant":
+        part = {"type": "output_text", "text": turn["content"], "annotations": []}
+    return {
+        "id": item_id or _new_id("msg"),
+        "type": "message",
+        "role": turn["role"],
+        "content": [part],
+        "status": "completed",
+    }
 
 
 def _message_turn(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -402,7 +404,7 @@ class ResponseObject:
         if self.request.store is not False:
             turns = self.request.input_turns + [assistant_turn(output)]
             kept = {**done, "output": [_without_logprobs(item) for item in output]}
-            self.store.put(StoredResponse(self.request.previous_response_id, turns, kept, self.request.input_items()))
+            self.store.put(StoredResponse(self.request.previous_response_id, turns, kept, self.request.input_items))
         return done
 
 
