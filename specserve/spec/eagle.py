@@ -177,21 +177,29 @@ class EagleProposer:
         """Give seq a head cache of the len(context) - 1 pairs that `context` makes, from
         another sequence's cache or the prefix cache, where one holds them all."""
         length = len(context) - 1
-        sources = [
-            self.caches[i]
-            for i, token_ids in self._token_ids.items()
-            if self.caches[i].length >= length and self._reads(i, token_ids, context)
-        ]
-        pairs = [] if self.prefix_cache is None else pair_keys(context, self.head.config.layer.vocab_size)
-        if not sources and (self.prefix_cache is None or self.prefix_cache.cached_length(pairs, length) < length):
+        source = next(
+            (
+                self.caches[i]
+                for i, token_ids in self._token_ids.items()
+                if self.caches[i].length >= length and self._reads(i, token_ids, context)
+            ),
+            None,
+        )
+        if source is not None:
+            copy_prefix(source, self._new_cache(seq.seq_id, seq.token_ids), length)
+            return True
+        if self.prefix_cache is None:
             return False
-        cache = self.caches[seq.seq_id] = self.head.new_cache()
-        self._token_ids[seq.seq_id] = seq.token_ids
-        if sources:
-            copy_prefix(sources[0], cache, length)
-        else:
-            self.prefix_cache.load(pairs, cache, length)
+        pairs = pair_keys(context, self.head.config.layer.vocab_size)
+        if self.prefix_cache.cached_length(pairs, length) < length:
+            return False
+        self.prefix_cache.load(pairs, self._new_cache(seq.seq_id, seq.token_ids), length)
         return True
+
+    def _new_cache(self, seq_id: int, token_ids: list[int]) -> KVCache:
+        cache = self.caches[seq_id] = self.head.new_cache()
+        self._token_ids[seq_id] = token_ids
+        return cache
 
     def _catch_up(
         self, reads: list[tuple[int, list[int], int]], logits: bool = True
@@ -202,10 +210,7 @@ class EagleProposer:
         segments, tokens, rows = [], [], []
         for seq_id, token_ids, n in reads:
             run = self.features.runs[seq_id]
-            if seq_id not in self.caches:
-                self.caches[seq_id] = self.head.new_cache()
-                self._token_ids[seq_id] = token_ids
-            cache = self.caches[seq_id]
+            cache = self.caches[seq_id] if seq_id in self.caches else self._new_cache(seq_id, token_ids)
             cache.truncate(run.start - run.origin)  # 0 where the run started anew (features.py)
             start = run.start
             rows.append(run.take(n))  # [n, F]: positions [start, start + n)
