@@ -160,14 +160,8 @@ def json_object_levels(whitespace: str = WHITESPACE) -> tuple[str, str, str]:
     the document (one object), an object and an array, each from its opening bracket
     through its closing one, a nested value in them read as CALL_OBJECT or CALL_ARRAY."""
     _check_options(whitespace, 0)
-    string_char = STRING_CHAR.replace("\\x00-\\x1f", f"\\x00-\\x1f{CALL_OBJECT}{CALL_ARRAY}")
-    string = f'"{string_char}*"'
-    value = f"(?:{string}|{NUMBER}|true|false|null|{CALL_OBJECT}|{CALL_ARRAY})"
-    sep = f"{whitespace},{whitespace}"
-    member = f"{string}{whitespace}:{whitespace}{value}"
-    obj = f"\\{{{whitespace}(?:{member}(?:{sep}{member})*{whitespace})?\\}}"
-    array = f"\\[{whitespace}(?:{value}(?:{sep}{value})*{whitespace})?\\]"
-    return CALL_OBJECT, obj, array
+    compiler = _Compiler({}, whitespace)
+    return CALL_OBJECT, compiler.any_object(OPEN_VALUE), compiler.any_array(OPEN_VALUE)
 
 
 def _check_options(whitespace: str, max_depth: int) -> None:

@@ -121,6 +121,7 @@ class NestedGuide:
         # [state, opener kind]: where an opener enters a called level there, and the state it returns to.
         self.entries = np.full((self.dead + 1, 3), self.dead, dtype=np.int32)
         self.returns = np.full((self.dead + 1, 3), self.dead, dtype=np.int32)
+        entries = {called: _entries(levels[called]) for called in calls}  # {kind: state} each
         for level, dfa in enumerate(levels):
             rows = slice(self.base[level], self.base[level] + sizes[level])
             table = dfa.transitions[: sizes[level]][:, reps[:, level]]  # [n, J]
@@ -129,7 +130,7 @@ class NestedGuide:
             for called, char in calls.items():
                 back = _calls(dfa, char, sizes[level])  # [n]: the state after the call, dfa.dead where none
                 here = back != dfa.dead
-                for kind, entry in _entries(levels[called]).items():
+                for kind, entry in entries[called].items():
                     opener = OPENING[kind]
                     reads_opener = dfa.transitions[: sizes[level], dfa.char_classes(np.array([ord(opener)]))[0]]
                     if (here & ((self.returns[rows, kind] != self.dead) | (reads_opener != dfa.dead))).any():
