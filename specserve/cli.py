@@ -26,6 +26,7 @@ from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
 from specserve.model.quant import QUANTIZATIONS
+from specserve.server.reasoning import REASONING_PARSERS
 from specserve.server.tool_calls import TOOL_CALL_PARSERS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
 from specserve.structured.guide import GuideCache
@@ -287,6 +288,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="how the model writes a tool call: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Hermes)",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="read a thinking model's <think> block apart from its answer, into the message's reasoning: "
+        "qwen3 or deepseek_r1",
+    )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="the chat template to serve in place of the model's: a Jinja file, or the template itself",
     )
     srv.add_argument(
         "--enable-tokenizer-info-endpoint",
@@ -719,11 +733,26 @@ def run_serve(args: argparse.Namespace) -> int:
             send_timeout_s=args.send_timeout,
             record_prompts=args.record_prompts,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            reasoning_parser=args.reasoning_parser,
+            chat_template=chat_template_of(args.chat_template),
             tokenizer_info=args.enable_tokenizer_info_endpoint,
             log_level=args.uvicorn_log_level,
         )
     )
     return 0
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """--chat-template's template: a file's text, or the value itself where it is one (as vLLM reads it)."""
+    if value is None or "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template; give a template's path")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read the chat template {value!r}: {error}") from None
 
 
 def stats_line(result: dict[str, Any]) -> str:

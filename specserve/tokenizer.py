@@ -71,6 +71,8 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 
 # The roles a conversation may give its turns, as OpenAI's API names them.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# What a chat template is given by name; a request's own template variables may not be these.
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def template_role(role: str) -> str:
@@ -272,12 +274,18 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text for a conversation (and the tools it may call, in OpenAI's
-        form), rendered the way transformers renders it."""
+        form), rendered the way transformers renders it. `template_kwargs` are more
+        variables for the template (Qwen3's `enable_thinking`, say); none may be one of
+        TEMPLATE_VARIABLES. With `continue_final_message`, the text ends where the last
+        message's content ends, so that the model goes on writing it."""
         template = self._compiled_chat_template()
         try:
-            return template.render(
+            text = template.render(
+                **(template_kwargs or {}),
                 messages=[dict(message) for message in messages],
                 tools=tools,
                 documents=None,
@@ -287,6 +295,13 @@ class Tokenizer:
             )
         except Exception as error:  # the template is the model's code: any failure is a bad request
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error
+        if not continue_final_message:
+            return text
+        final = str(messages[-1].get("content") or "").strip()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ConfigError("the chat template does not write the final message's content, so it cannot be continued")
+        return text[: end + len(final)]
 
     def encode_chat(
         self,
@@ -294,14 +309,21 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         at_most: int | None = None,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Ids of the templated conversation; BOS is added only if the template did not
-        write it. at_most: as `encode`'s."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        """Ids of the templated conversation (`apply_chat_template`'s text); BOS is added
+        only if the template did not write it. at_most: as `encode`'s."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, continue_final_message)
         ids = self.encode(text, add_special_tokens=False, at_most=at_most)
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def use_chat_template(self, source: str) -> None:
+        """Render conversations with `source` from now on (ConfigError where it does not compile)."""
+        self.chat_template = source
+        self._compiled_chat_template()
 
     def _compiled_chat_template(self) -> jinja2.Template:
         if not self.chat_template:

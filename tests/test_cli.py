@@ -195,10 +195,21 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--kv-cache-space", "0"], "--kv-cache-space must be auto or a number of GiB > 0, got '0'"),
         (["--kv-cache-space", "lots"], "--kv-cache-space must be auto or a number of GiB > 0"),
         (["--kv-cache-space", "0.001"], "raise --kv-cache-space or lower --max-model-len"),
+        (["--chat-template", "no/such/template.jinja"], "is neither a file nor a Jinja template"),
+        (["--chat-template", "{% if %}"], "chat template does not compile"),
     ],
 )
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
     assert_refused(prepared_cache, capsys, ["serve", "smollm2-135m", "--port", "1", *args], words)
+
+
+def test_a_chat_template_is_read_from_its_file_or_taken_as_written(tmp_path):
+    from specserve.cli import chat_template_of
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template, encoding="utf-8")
+    assert chat_template_of(str(tmp_path / "chat.jinja")) == template == chat_template_of(template)
+    assert chat_template_of(None) is None
 
 
 def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp_path):

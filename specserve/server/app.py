@@ -55,6 +55,7 @@ from specserve.server.protocol import (
     TokenizeRequest,
     validation_error,
 )
+from specserve.server.reasoning import ReasoningParser, prompt_opens_thinking, reasoning_fields
 from specserve.server.recording import PromptRecorder
 from specserve.server.responses import (
     ResponseEvents,
@@ -63,7 +64,7 @@ from specserve.server.responses import (
     ResponseStore,
     output_text_logprobs,
 )
-from specserve.server.tool_calls import ForcedToolCalls, ToolCallParser
+from specserve.server.tool_calls import ForcedToolCalls, ToolCall, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.structured.guide import Guide, GuideCache
@@ -96,6 +97,9 @@ class ApiSettings:
     # How chat answers' tool calls are read (server/tool_calls.py); None: tool_choice
     # "auto" is refused (vLLM's --enable-auto-tool-choice with --tool-call-parser).
     tool_call_parser: str | None = None
+    # How chat answers' reasoning is read apart from their content (server/reasoning.py;
+    # vLLM's --reasoning-parser); None: an answer is all content.
+    reasoning_parser: str | None = None
     # GET /tokenizer_info, which shows the chat template and special tokens (vLLM's
     # --enable-tokenizer-info-endpoint): off unless asked for.
     tokenizer_info: bool = False
@@ -103,6 +107,8 @@ class ApiSettings:
 
 # Routes outside /v1 that the API key guards too: they do the model's tokenizer's work.
 KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+# A prompt's last ids, read for whether its template opened a think block (reasoning.py).
+PROMPT_TAIL_IDS = 8
 
 
 def _usage(outs: list[RequestOutput], n: int, completed: bool = True) -> dict[str, Any]:
@@ -331,7 +337,7 @@ def build_app(
                 encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
                 ids = await _off_the_loop(encode, body.prompt)
             else:
-                encode = functools.partial(tokenizer.encode_chat, add_generation_prompt=body.add_generation_prompt)
+                encode = functools.partial(tokenizer.encode_chat, **body.template_options())
                 ids = await _off_the_loop(encode, [m.for_template() for m in body.messages])
         except SpecserveError as e:  # the chat template's refusal
             raise APIError(str(e), param="messages") from None
@@ -660,7 +666,7 @@ def build_app(
             )
         check_request(body, 1)
         messages = body.template_messages()
-        encode = functools.partial(tokenizer.encode_chat, tools=body.template_tools())
+        encode = functools.partial(tokenizer.encode_chat, tools=body.template_tools(), **body.template_options())
         prompt_ids = await encoded(encode, messages, "messages", kept(body))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
@@ -681,18 +687,40 @@ def build_app(
             tool_calls = ForcedToolCalls(forced)
         # Each streamed choice's text, holding back what may be a tool call's.
         calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
+        # How the answers' reasoning is read apart (server/reasoning.py); None: not read.
+        # A guided answer is its structure from the first token on: it has no reasoning.
+        thinking: ReasoningParser | None = None
+        if settings.reasoning_parser is not None and body.structured_output() is None:
+            tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_IDS:], skip_special_tokens=False)
+            thinking = ReasoningParser(settings.reasoning_parser, prompt_opens_thinking(tail))
+        reading = None if thinking is None else [thinking.stream() for _ in range(body.n)]
+
+        def shown(reasoning: str | None) -> dict[str, Any]:
+            """A message's reasoning fields, where a parser reads them and the request wants them."""
+            return reasoning_fields(reasoning) if thinking is not None and body.include_reasoning else {}
+
+        def parsed(text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+            """A whole answer's reasoning, content and calls."""
+            reasoning, rest = (None, text) if thinking is None else thinking.split(text)
+            content, calls = (rest, []) if tool_calls is None or rest is None else tool_calls.parse(rest)
+            return reasoning, content, calls
 
         def ended(out: RequestOutput, calls_made: bool) -> dict[str, Any]:
             reason = tool_calls.finish_reason if calls_made else None
             return finish(out) | ({"finish_reason": reason} if reason else {})
 
+        def pieces(index: int, out: RequestOutput) -> tuple[str, str, list[dict[str, Any]]]:
+            """A streamed step's reasoning and content to send, and its delta's tool_calls entries."""
+            reasoning, text = ("", out.text) if reading is None else reading[index].step(out.text, out.finished)
+            content, entries = (text, []) if calling is None else calling[index].step(text, out.finished)
+            return (reasoning if body.include_reasoning else ""), content, entries
+
         def chunk(index: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-            content, entries = out.text, []  # entries: the delta's tool_calls
-            if calling is not None:
-                content, entries = calling[index].step(out.text, out.finished)
+            reasoning, content, entries = pieces(index, out)
             with_logprobs = body.logprobs and out.logprobs
             if (
                 not content
+                and not reasoning
                 and not entries
                 and not out.finished
                 and not first
@@ -701,7 +729,9 @@ def build_app(
             ):
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if content or first or with_logprobs:
+            if reasoning:
+                delta |= reasoning_fields(reasoning)
+            if content or (first and not reasoning) or with_logprobs:
                 delta["content"] = None if entries and not content else content
             if entries:
                 delta["tool_calls"] = entries
@@ -717,9 +747,8 @@ def build_app(
             return piece
 
         def whole_choice(index: int, result: ChoiceResult) -> dict[str, Any]:
-            text = "".join(result.text)
-            content, calls = (text, []) if tool_calls is None else tool_calls.parse(text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            reasoning, content, calls = parsed("".join(result.text))
+            message: dict[str, Any] = {"role": "assistant", "content": content, **shown(reasoning)}
             if calls:
                 message["tool_calls"] = [call.described() for call in calls]
             return {
@@ -755,13 +784,12 @@ def build_app(
 
         def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
             (result,) = results
-            text = "".join(result.text)
-            content, calls = (text, []) if tool_calls is None else tool_calls.parse(text)
+            reasoning, content, calls = parsed("".join(result.text))
             logprobs = output_text_logprobs(described(result.logprobs))
             usage = _usage([result.last], 1)
-            return shape.whole(
-                content if content or not calls else None, calls, logprobs, usage, result.last.finish_reason
-            )
+            text = content if content or not calls else None
+            reasoning = reasoning if body.include_reasoning else None
+            return shape.whole(reasoning, text, calls, logprobs, usage, result.last.finish_reason)
 
         async def events(choices: Fanout) -> AsyncIterator[bytes]:
             stream = ResponseEvents(shape)
@@ -769,13 +797,13 @@ def build_app(
                 for event in stream.start():
                     yield event
                 async for _, out in choices:
-                    content, entries = out.text, []
-                    if calling is not None:
-                        content, entries = calling[0].step(out.text, out.finished)
-                    for event in stream.step(content, output_text_logprobs(described(out.logprobs)), entries):
+                    reasoning, content, entries = pieces(0, out)
+                    logprobs = output_text_logprobs(described(out.logprobs))
+                    for event in stream.step(content, logprobs, entries, reasoning):
                         yield event
                     if out.finished:
-                        for event in stream.finish(_usage([out], 1), out.finish_reason):
+                        answered = reading is None or reading[0].answers
+                        for event in stream.finish(_usage([out], 1), out.finish_reason, answered):
                             yield event
             except Exception as e:  # the stream has started: report in-band
                 yield stream.error(_as_api_error(e).body())

@@ -21,7 +21,7 @@ from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
 from specserve.structured.guide import Guide
 from specserve.structured.outputs import KINDS, StructuredOutput
-from specserve.tokenizer import CHAT_ROLES, template_arguments, template_role
+from specserve.tokenizer import CHAT_ROLES, TEMPLATE_VARIABLES, template_arguments, template_role
 
 
 class APIError(SpecserveError):
@@ -535,7 +535,41 @@ def check_messages(messages: list[ChatMessage]) -> None:
                 raise APIError("a text part needs its text", param=f"messages[{i}].content[{j}].text")
 
 
-class ChatCompletionRequest(_Sampling):
+class _Templating(RequestBody):
+    """vLLM's fields for how a conversation goes through the chat template."""
+
+    add_generation_prompt: bool = True  # the assistant's turn opened after the messages
+    continue_final_message: bool = False  # the prompt ends inside the last message: the model goes on with it
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen3's enable_thinking)
+
+    def check_templating(self) -> None:
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in (self.model_fields_set)
+        ):
+            raise APIError(
+                "continue_final_message goes on with the last message, so it cannot also open a new turn: "
+                "set add_generation_prompt to false",
+                param="continue_final_message",
+            )
+        for name in self.chat_template_kwargs or ():
+            if name in TEMPLATE_VARIABLES:
+                raise APIError(
+                    f"{name!r} is the server's to give the chat template; set it through the request's own fields",
+                    param=f"chat_template_kwargs.{name}",
+                )
+
+    def template_options(self) -> dict[str, Any]:
+        """`Tokenizer.encode_chat`'s keyword arguments for these fields."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+            "continue_final_message": self.continue_final_message,
+        }
+
+
+class ChatCompletionRequest(_Sampling, _Templating):
     messages: Annotated[list[ChatMessage], StopAtFirst()] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -543,6 +577,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], StopAtFirst()] | None = None
     tool_choice: str | dict[str, Any] | None = None  # OpenAI's default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True  # every call the answer makes is returned
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, the message's reasoning is sent
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -555,6 +590,7 @@ class ChatCompletionRequest(_Sampling):
                 )
         self.forced_tool()  # a malformed or unknown forced choice is refused here
         check_messages(self.messages)
+        self.check_templating()
 
     logprobs_param: ClassVar[str] = "top_logprobs"
 
@@ -624,14 +660,14 @@ class ChatCompletionRequest(_Sampling):
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
-class TokenizeRequest(RequestBody):
-    """vLLM's /tokenize: a text (`prompt`), or a conversation (`messages`) through the chat template."""
+class TokenizeRequest(_Templating):
+    """vLLM's /tokenize: a text (`prompt`), or a conversation (`messages`) through the
+    chat template, as a chat request's fields would put it."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], StopAtFirst()] | None = None
     add_special_tokens: bool = True  # a text's: BOS where the model wants one
-    add_generation_prompt: bool = True  # a conversation's: the assistant's turn opened
     return_token_strs: bool = False
 
     def check(self) -> None:
@@ -639,6 +675,7 @@ class TokenizeRequest(RequestBody):
             raise APIError("give either prompt (a text) or messages (a conversation)", param="prompt")
         if self.messages is not None:
             check_messages(self.messages)
+            self.check_templating()
 
 
 class DetokenizeRequest(RequestBody):

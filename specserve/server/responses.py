@@ -177,6 +177,9 @@ class ResponsesRequest(RequestBody):
                 turns.append(_message_turn(item, f"input[{i}]"))
                 items.append(_message_item(turns[-1], item.get("id")))
                 continue
+            if kind == "reasoning":  # an earlier response's reasoning, given back: templates leave it out
+                items.append({**item, "id": item.get("id") or _new_id("rs")})
+                continue
             if kind == "function_call":
                 call = {
                     "id": _text_field(item, "call_id", f"input[{i}]"),
@@ -342,6 +345,12 @@ def message_item(item_id: str, text: str, logprobs: list[dict[str, Any]], status
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A thinking model's reasoning (server/reasoning.py) as OpenAI's reasoning item."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {
         "type": "function_call",
@@ -391,10 +400,18 @@ class ResponseObject:
         }
 
     def whole(
-        self, text: str | None, calls: list[ToolCall], logprobs: list[dict[str, Any]], chat_usage, finish_reason
+        self,
+        reasoning: str | None,
+        text: str | None,
+        calls: list[ToolCall],
+        logprobs: list[dict[str, Any]],
+        chat_usage,
+        finish_reason,
     ) -> dict[str, Any]:
-        """The response of a whole answer: its text (None: calls alone) and calls."""
-        output = [] if text is None else [message_item(_new_id("msg"), text, logprobs, "completed")]
+        """The response of a whole answer: its reasoning (None: none read), its text
+        (None: calls alone, or reasoning cut off) and calls."""
+        output = [] if reasoning is None else [reasoning_item(_new_id("rs"), reasoning, "completed")]
+        output += [] if text is None else [message_item(_new_id("msg"), text, logprobs, "completed")]
         output += [call_item(_new_id("fc"), call) for call in calls]
         return self.finished(output, chat_usage, finish_reason)
 
@@ -535,9 +552,11 @@ class ResponseStore:
 
 
 class ResponseEvents:
-    """A streamed response's events, from each step's content and tool-call entries (the
-    chat stream's `delta.content` and `delta.tool_calls`): the message item opens at the
-    first text, a call's item at its first entry; both close at the end."""
+    """A streamed response's events, from each step's reasoning, content and tool-call
+    entries (the chat stream's `delta.reasoning`, `delta.content` and
+    `delta.tool_calls`): the reasoning item opens at the first reasoning and closes at
+    what follows it, the message item opens at the first text, a call's item at its
+    first entry; the message and the calls close at the end."""
 
     def __init__(self, response: ResponseObject):
         self.response = response
@@ -546,6 +565,7 @@ class ResponseEvents:
         self.message: dict[str, Any] | None = None  # the open message item
         self.text, self.logprobs = "", []
         self.calls: dict[int, dict[str, Any]] = {}  # open call items, by the chat entries' index
+        self.reasoning: dict[str, Any] | None = None  # the open reasoning item, its text so far
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -556,8 +576,17 @@ class ResponseEvents:
         state = self.response.object("in_progress", [])
         return [self.event("response.created", response=state), self.event("response.in_progress", response=state)]
 
-    def step(self, content: str, logprobs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[bytes]:
+    def step(
+        self, content: str, logprobs: list[dict[str, Any]], entries: list[dict[str, Any]], reasoning: str = ""
+    ) -> list[bytes]:
         events = []
+        if reasoning:
+            if self.reasoning is None:
+                events += self._open_reasoning()
+            self.reasoning["text"] += reasoning
+            events.append(self.event("response.reasoning_text.delta", **self._at_reasoning(), delta=reasoning))
+        if content or entries:
+            events += self._close_reasoning()
         if content or logprobs:
             if self.message is None:
                 events += self._open_message()
@@ -584,8 +613,12 @@ class ResponseEvents:
                 )
         return events
 
-    def finish(self, chat_usage: dict[str, Any], finish_reason: str | None) -> list[bytes]:
-        events = self._open_message() if not self.output else []  # an empty answer: an empty message, as whole
+    def finish(self, chat_usage: dict[str, Any], finish_reason: str | None, answered: bool = True) -> list[bytes]:
+        """The closing events; `answered` False where the answer was cut off while it reasoned."""
+        events = self._close_reasoning()
+        made = self.message is not None or self.calls or any(i.get("type") != "reasoning" for i in self.output)
+        if answered and not made:
+            events += self._open_message()  # an empty answer: an empty message, as whole
         events += self._close_message()
         for index in sorted(self.calls):
             call = self.calls.pop(index)
@@ -604,6 +637,27 @@ class ResponseEvents:
         done = self.response.finished(self.output, chat_usage, finish_reason)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=done)]
+
+    def _at_reasoning(self) -> dict[str, Any]:
+        return {"item_id": self.reasoning["id"], "output_index": self.reasoning["output_index"], "content_index": 0}
+
+    def _open_reasoning(self) -> list[bytes]:
+        self.reasoning = {"id": _new_id("rs"), "output_index": len(self.output), "text": ""}
+        self.output.append({})
+        item = reasoning_item(self.reasoning["id"], "", "in_progress")
+        return [self.event("response.output_item.added", output_index=self.reasoning["output_index"], item=item)]
+
+    def _close_reasoning(self) -> list[bytes]:
+        if self.reasoning is None:
+            return []
+        at, text = self._at_reasoning(), self.reasoning["text"]
+        item = reasoning_item(self.reasoning["id"], text, "completed")
+        self.output[at["output_index"]] = item
+        self.reasoning = None
+        return [
+            self.event("response.reasoning_text.done", **at, text=text),
+            self.event("response.output_item.done", output_index=at["output_index"], item=item),
+        ]
 
     def _at_message(self) -> dict[str, Any]:
         return {"item_id": self.message["id"], "output_index": self.message["output_index"], "content_index": 0}

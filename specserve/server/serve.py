@@ -68,6 +68,8 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     record_prompts: str | None = None  # a file the admitted prompts are appended to (server/recording.py)
     tool_call_parser: str | None = None  # see ApiSettings.tool_call_parser
+    reasoning_parser: str | None = None  # see ApiSettings.reasoning_parser
+    chat_template: str | None = None  # served in place of the model's own (vLLM's --chat-template)
     tokenizer_info: bool = False  # see ApiSettings.tokenizer_info
     log_level: str = "info"
 
@@ -118,6 +120,8 @@ def serve(config: ServerConfig) -> None:
         prefill_chunk_size=config.prefill_chunk_size,
         num_scheduler_steps=config.num_scheduler_steps,
     )
+    if config.chat_template is not None:
+        tokenizer.use_chat_template(config.chat_template)
     async_engine = AsyncEngine(
         engine, tokenizer, ServerMetrics(name), config.max_queue_len, config.log_stats_interval_s
     )
@@ -133,6 +137,7 @@ def serve(config: ServerConfig) -> None:
         api_key=config.api_key,
         stream_mode=config.stream_mode,
         tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
         tokenizer_info=config.tokenizer_info,
     )
     app = build_app(

@@ -1,0 +1,126 @@
+"""A thinking model's reasoning, read apart from its answer (`--reasoning-parser P`).
+
+Qwen3 and DeepSeek-R1 think before they answer, in a `<think> ... </think>` block at
+the start of their text. With a parser, a chat answer's reasoning goes to the message's
+`reasoning` (and `reasoning_content`, its older name in vLLM and DeepSeek's API), and
+its content is the text after the block. The parsers, as vLLM's of those names:
+
+- `qwen3`: an answer that starts with `<think>` thinks; one that does not (Qwen3 with
+  `enable_thinking` false, whose template writes an empty block into the prompt) is all
+  content. A prompt that ends with `<think>` (a template that opens the block itself)
+  starts the answer in it.
+- `deepseek_r1`: every answer starts in the block (R1's template opens it), a leading
+  `<think>` dropped where the model writes it again.
+
+Invariants:
+- The reasoning is the block's text, stripped; the content is the text after
+  `</think>`, its leading blanks stripped. An answer cut off inside the block is all
+  reasoning (its content None).
+- A stream's pieces, joined, are the whole answer's reasoning and content: nothing is
+  sent that a later token could move from one to the other (a tail that may begin a
+  tag, and the reasoning's trailing blanks, wait for the next text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt whose text ends with `prompt_tail` leaves the answer inside a think block."""
+    return prompt_tail.rstrip().endswith(THINK_START)
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's or a delta's reasoning, under vLLM's name and its older one."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def _may_begin(text: str, tag: str) -> int:
+    """How many of text's last characters may begin `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """How one request's answers are read: `parser` (REASONING_PARSERS), and whether
+    the prompt left the answer inside a think block."""
+
+    parser: str
+    prompt_opened: bool = False
+
+    @property
+    def starts_thinking(self) -> bool:
+        """Whether every answer starts inside the block, tag or not."""
+        return self.prompt_opened or self.parser == "deepseek_r1"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """An answer's (reasoning, content): (None, text) where it does not think."""
+        streamed = self.stream()
+        reasoning, content = streamed.step(text, finished=True)
+        return (reasoning if streamed.thinks else None) or None, (content if streamed.answers else None)
+
+    def stream(self) -> StreamedReasoning:
+        return StreamedReasoning(self)
+
+
+@dataclass
+class StreamedReasoning:
+    """One answer's text as it comes, split into the reasoning and the content to send."""
+
+    parser: ReasoningParser
+    text: str = ""
+    thinks: bool = False  # decided: the answer has a block
+    answers: bool = False  # decided: content follows (the block closed, or there is none)
+    body: int = -1  # where the block's text starts; -1: not known yet
+    end: int = -1  # where the content starts; -1: not known yet
+    sent_reasoning: int = 0  # characters of the stripped reasoning sent
+    sent_content: int = 0  # characters of the content sent
+
+    def step(self, new_text: str, finished: bool) -> tuple[str, str]:
+        """Take a step's text; return (reasoning, content) to send for it."""
+        self.text += new_text
+        if self.body < 0 and not self.answers:
+            self._open(finished)
+        reasoning = ""
+        if self.thinks and self.end < 0:
+            reasoning = self._reasoning(finished)
+        content = ""
+        if self.answers:
+            content = self.text[self.end :]
+            if self.thinks:
+                content = content.lstrip()
+            content, self.sent_content = content[self.sent_content :], len(content)
+        return reasoning, content
+
+    def _open(self, finished: bool) -> None:
+        """Decide, once the text allows, whether the answer starts in a block."""
+        lead = self.text.lstrip()
+        if lead.startswith(THINK_START):
+            self.thinks, self.body = True, len(self.text) - len(lead) + len(THINK_START)
+        elif THINK_START.startswith(lead) and not finished:
+            return  # blank, or what may still become the tag
+        elif self.parser.starts_thinking:
+            self.thinks, self.body = True, 0
+        else:
+            self.answers, self.end = True, 0
+
+    def _reasoning(self, finished: bool) -> str:
+        """The block's text not sent yet; where `</think>` has come, the content starts after it."""
+        block = self.text[self.body :]
+        close = block.find(THINK_END)
+        if close >= 0:
+            self.answers, self.end = True, self.body + close + len(THINK_END)
+            known = block[:close].strip()
+        elif finished:
+            known = block.strip()
+        else:
+            known = block[: len(block) - _may_begin(block, THINK_END)].strip()
+        piece, self.sent_reasoning = known[self.sent_reasoning :], max(self.sent_reasoning, len(known))
+        return piece

@@ -1,0 +1,173 @@
+"""A thinking model's answers through the whole server, in process (`--reasoning-parser`,
+server/reasoning.py), and the chat template's request fields (`chat_template_kwargs`,
+`continue_final_message`), on the scripted target of test_server_tools.py: the target
+thinks in a `<think>` block, then answers or calls a tool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from openai.types.responses import Response
+
+from specserve.engine.engine import Engine
+from specserve.server.app import ApiSettings, build_app
+from specserve.server.async_engine import AsyncEngine
+from specserve.server.metrics import ServerMetrics
+from tests.server.test_responses import events
+from tests.server.test_server_tools import TARGET, TEMPLATE, TOOLS, body, scripted_tokenizer, streamed
+
+THOUGHT = ["<think>", "the", "user", "asks.", "</think>"]
+ANSWER = ["It", "is", "sunny."]
+CALL = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
+# Qwen3's switch, as its template reads it: thinking off writes an empty block into the prompt.
+THINKING_TEMPLATE = TEMPLATE + "{% if enable_thinking == false %} </think>{% endif %}"
+
+
+async def post(
+    requests: list[tuple[str, dict]],
+    script: list[str],
+    parser: str | None = "qwen3",
+    template: str = THINKING_TEMPLATE,
+    tool_call_parser: str | None = None,
+) -> list[httpx.Response]:
+    """Each (path, body) sent in turn to one server whose target answers `script`."""
+    tokenizer = scripted_tokenizer(script)
+    tokenizer.use_chat_template(template)
+    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
+    settings = ApiSettings("tiny", max_model_len=256, reasoning_parser=parser, tool_call_parser=tool_call_parser)
+    app = build_app(engine, tokenizer, settings)
+    engine.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return [await client.post(path, json=body) for path, body in requests]
+    finally:
+        engine.stop()
+
+
+def chats(*bodies: dict) -> list[tuple[str, dict]]:
+    return [("/v1/chat/completions", b) for b in bodies]
+
+
+def joined(chunks: list[dict], field: str) -> str:
+    return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_the_reasoning_comes_apart_from_the_answer_whole_and_streamed(parser):
+    whole, stream = asyncio.run(post(chats(body(), body(stream=True)), THOUGHT + ANSWER, parser))
+    choice = whole.json()["choices"][0]
+    message = choice["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "the user asks."
+    assert message["content"] == "It is sunny." and choice["finish_reason"] == "stop"
+    chunks = streamed(stream)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert joined(chunks, "reasoning") == joined(chunks, "reasoning_content") == "the user asks."
+    assert joined(chunks, "content") == "It is sunny."
+    assert "<think>" not in stream.text and "</think>" not in stream.text
+
+
+def test_a_call_after_the_reasoning_is_read_from_the_content():
+    whole, stream = asyncio.run(
+        post(chats(body(tools=TOOLS), body(tools=TOOLS, stream=True)), THOUGHT + CALL, tool_call_parser="hermes")
+    )
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning"] == "the user asks."
+    (call,) = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    chunks = streamed(stream)
+    assert joined(chunks, "reasoning") == "the user asks." and joined(chunks, "content") == ""
+    (streamed_call,) = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert streamed_call["function"] == call["function"]
+
+
+def test_an_answer_cut_off_while_it_thinks_is_all_reasoning():
+    whole, stream = asyncio.run(post(chats(body(max_tokens=3), body(max_tokens=3, stream=True)), THOUGHT + ANSWER))
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["reasoning"] == "the user" and choice["message"]["content"] is None
+    assert joined(streamed(stream), "reasoning") == "the user"
+
+
+def test_include_reasoning_false_leaves_it_out_and_no_parser_leaves_the_text_whole():
+    (left_out,) = asyncio.run(post(chats(body(include_reasoning=False)), THOUGHT + ANSWER))
+    (unread,) = asyncio.run(post(chats(body()), THOUGHT + ANSWER, parser=None))
+    message = left_out.json()["choices"][0]["message"]
+    assert message["content"] == "It is sunny." and "reasoning" not in message
+    message = unread.json()["choices"][0]["message"]
+    assert message["content"].strip() == "<think> the user asks. </think> It is sunny." and "reasoning" not in message
+
+
+def test_a_template_that_opens_the_block_starts_the_answer_in_it():
+    """The prompt ends with `<think>`: the target goes on from there, writing no tag of its own."""
+    (whole,) = asyncio.run(post(chats(body()), THOUGHT + ANSWER, template=TEMPLATE + " <think>"))
+    message = whole.json()["choices"][0]["message"]
+    assert message["reasoning"] == "the user asks." and message["content"] == "It is sunny."
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """enable_thinking false puts the empty block in the prompt: the target answers without thinking."""
+    (off,) = asyncio.run(post(chats(body(chat_template_kwargs={"enable_thinking": False})), THOUGHT + ANSWER))
+    choice = off.json()["choices"][0]
+    assert choice["message"]["content"].strip() == "It is sunny." and choice["message"]["reasoning"] is None
+
+
+def test_continue_final_message_goes_on_with_the_last_message():
+    turns = [{"role": "user", "content": "weather"}, {"role": "assistant", "content": "It is"}]
+    fields = {"messages": turns, "continue_final_message": True, "add_generation_prompt": False}
+    tokenize = {"messages": turns, "continue_final_message": True, "return_token_strs": True}
+    whole, tokens = asyncio.run(post([*chats(body(**fields)), ("/tokenize", tokenize)], ANSWER, parser=None))
+    assert whole.json()["choices"][0]["message"]["content"].strip() == "sunny."
+    assert tokens.json()["token_strs"][-2:] == ["It", "is"]  # no "go": no new turn opened
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"include_reasoning": "yes"}, "include_reasoning"),
+    ],
+)
+def test_what_the_template_cannot_take_is_refused_naming_its_field(fields, param):
+    refused, tokenize = asyncio.run(
+        post([*chats(body(**fields)), ("/tokenize", {"messages": body()["messages"], **fields})], ANSWER)
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    if param != "include_reasoning":
+        assert tokenize.status_code == 400 and tokenize.json()["error"]["param"] == param
+
+
+def test_a_response_holds_the_reasoning_as_an_item_whole_and_streamed():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
+    whole, stream, cut, cut_stream = asyncio.run(
+        post(
+            [
+                ("/v1/responses", ask),
+                ("/v1/responses", {**ask, "stream": True}),
+                ("/v1/responses", {**ask, "max_output_tokens": 3}),
+                ("/v1/responses", {**ask, "max_output_tokens": 3, "stream": True}),
+            ],
+            THOUGHT + ANSWER,
+        )
+    )
+    response = Response.model_validate(whole.json())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == ["the user asks."]
+    assert message.type == "message" and response.output_text == "It is sunny."
+    sent = events(stream)
+    assert "".join(e.delta for e in sent if e.type == "response.reasoning_text.delta") == "the user asks."
+    assert "".join(e.delta for e in sent if e.type == "response.output_text.delta") == "It is sunny."
+    (done,) = [e for e in sent if e.type == "response.reasoning_text.done"]
+    assert done.text == "the user asks." and done.output_index == 0
+    final = sent[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content == reasoning.content and final.output_text == "It is sunny."
+    cut_off = Response.model_validate(cut.json())
+    assert cut_off.status == "incomplete" and [item.type for item in cut_off.output] == ["reasoning"]
+    assert [item.type for item in events(cut_stream)[-1].response.output] == ["reasoning"]
