@@ -68,6 +68,7 @@ from specserve.server.tool_calls import ForcedToolCalls, ToolCall, ToolCallParse
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
 from specserve.spec.stats import SpecStats
 from specserve.structured.guide import Guide, GuideCache
+from specserve.structured.thinking import BlockMasks, ThinkingFirst
 from specserve.tokenizer import Tokenizer
 from specserve.train.instructions import Instruction, from_messages
 
@@ -401,13 +402,17 @@ def build_app(
         make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
         recorded: Callable[[], list[Instruction]],
         events: Callable[[Fanout], AsyncIterator[bytes]] | None = None,
+        thinking: ReasoningParser | None = None,
     ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
         engine admits them, the prompts `recorded` makes go to the recorder. A stream
         sends make_chunk's chunks, or where given, what `events` makes of the choices
-        (which it closes)."""
+        (which it closes). Where `thinking` reads the answers' reasoning, a structure
+        holds from the reasoning's end on."""
         requests = []
         guide = await structured_guide(body)
+        if guide is not None and thinking is not None:
+            guide = ThinkingFirst(guide, await _off_the_loop(block_masks), thinking.starts_thinking)
         bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words) if body.bad_words else ()
         for prompt_ids in prompts:
             max_tokens = max_tokens_for(body.requested_max_tokens(), len(prompt_ids))
@@ -474,6 +479,12 @@ def build_app(
 
     per_token = settings.stream_mode == "token"
     guides = GuideCache(tokenizer, isolated=True)  # schemas compile away from the engine's thread
+
+    @functools.cache
+    def block_masks() -> BlockMasks:
+        """What a think block allows (structured/thinking.py), for this vocabulary."""
+        return BlockMasks(guides.vocabulary())
+
     # The vocabulary as guides read it, made now (0.7 s of Python for 151,936 ids), not
     # while the first structured request's neighbours decode.
     threading.Thread(target=guides.vocabulary, name="guide-vocabulary", daemon=True).start()
@@ -688,11 +699,11 @@ def build_app(
         # Each streamed choice's text, holding back what may be a tool call's.
         calling = None if tool_calls is None else [tool_calls.stream() for _ in range(body.n)]
         # How the answers' reasoning is read apart (server/reasoning.py); None: not read.
-        # A guided answer is its structure from the first token on: it has no reasoning.
         thinking: ReasoningParser | None = None
-        if settings.reasoning_parser is not None and body.structured_output() is None:
+        if settings.reasoning_parser is not None:
             tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_IDS:], skip_special_tokens=False)
-            thinking = ReasoningParser(settings.reasoning_parser, prompt_opens_thinking(tail))
+            guided = body.structured_output() is not None
+            thinking = ReasoningParser(settings.reasoning_parser, prompt_opens_thinking(tail), guided)
         reading = None if thinking is None else [thinking.stream() for _ in range(body.n)]
 
         def shown(reasoning: str | None) -> dict[str, Any]:
@@ -780,7 +791,7 @@ def build_app(
                 return []
 
         if shape is None:
-            return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded)
+            return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded, None, thinking)
 
         def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
             (result,) = results
@@ -810,6 +821,8 @@ def build_app(
             finally:
                 await choices.aclose()  # client gone: abort what still runs
 
-        return await run(body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events)
+        return await run(
+            body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events, thinking
+        )
 
     return app

@@ -14,8 +14,9 @@ its content is the text after the block. The parsers, as vLLM's of those names:
 
 Invariants:
 - The reasoning is the block's text, stripped; the content is the text after
-  `</think>`, its leading blanks stripped. An answer cut off inside the block is all
-  reasoning (its content None).
+  `</think>`, its leading blanks stripped unless a structure holds there
+  (structured/thinking.py). An answer cut off inside the block is all reasoning (its
+  content None).
 - A stream's pieces, joined, are the whole answer's reasoning and content: nothing is
   sent that a later token could move from one to the other (a tail that may begin a
   tag, and the reasoning's trailing blanks, wait for the next text).
@@ -54,6 +55,7 @@ class ReasoningParser:
 
     parser: str
     prompt_opened: bool = False
+    guided: bool = False  # a structure holds after the block: the content is its text to the letter
 
     @property
     def starts_thinking(self) -> bool:
@@ -94,7 +96,7 @@ class StreamedReasoning:
         content = ""
         if self.answers:
             content = self.text[self.end :]
-            if self.thinks:
+            if self.thinks and not self.parser.guided:
                 content = content.lstrip()
             content, self.sent_content = content[self.sent_content :], len(content)
         return reasoning, content

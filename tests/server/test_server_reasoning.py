@@ -21,6 +21,7 @@ from tests.server.test_server_tools import TARGET, TEMPLATE, TOOLS, body, script
 
 THOUGHT = ["<think>", "the", "user", "asks.", "</think>"]
 ANSWER = ["It", "is", "sunny."]
+JSON_ANSWER = ['{"city":', '"Paris"}']
 CALL = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
 # Qwen3's switch, as its template reads it: thinking off writes an empty block into the prompt.
 THINKING_TEMPLATE = TEMPLATE + "{% if enable_thinking == false %} </think>{% endif %}"
@@ -82,6 +83,25 @@ def test_a_call_after_the_reasoning_is_read_from_the_content():
     assert joined(chunks, "reasoning") == "the user asks." and joined(chunks, "content") == ""
     (streamed_call,) = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
     assert streamed_call["function"] == call["function"]
+
+
+def test_a_structure_holds_from_the_reasoning_s_end_on():
+    """JSON mode and a forced call: the block is free text, the JSON starts after `</think>`."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    json_mode = {"response_format": {"type": "json_object"}}
+    whole, stream, called = asyncio.run(
+        post(
+            chats(body(**json_mode), body(**json_mode, stream=True), body(tools=TOOLS, tool_choice=forced)),
+            THOUGHT + JSON_ANSWER,
+        )
+    )
+    message = whole.json()["choices"][0]["message"]
+    assert message["reasoning"] == "the user asks." and json.loads(message["content"]) == {"city": "Paris"}
+    chunks = streamed(stream)
+    assert joined(chunks, "reasoning") == "the user asks." and joined(chunks, "content") == message["content"]
+    message = called.json()["choices"][0]["message"]
+    (call,) = message["tool_calls"]
+    assert message["reasoning"] == "the user asks." and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
 def test_an_answer_cut_off_while_it_thinks_is_all_reasoning():
