@@ -1,7 +1,7 @@
 """One streamed request to an OpenAI-compatible server, timed: what came back and when.
 
-The client keeps raw facts only (when each content chunk arrived, the text, the
-server's `usage`); turning them into tokens and latencies is `summary`'s job, so no
+The client keeps raw facts only (when each chunk of text arrived, the text, a thinking
+model's reasoning apart from it, the server's `usage`); turning them into tokens and latencies is `summary`'s job, so no
 figure depends on how the server cut its stream into chunks. It never raises for the
 server's sake: an HTTP error status, an in-band error event, a broken connection or the
 run's deadline each end the request with `error_code` (the HTTP status, else None) and
@@ -25,9 +25,10 @@ STREAM_FIELDS = {"stream": True, "stream_options": {"include_usage": True}}
 @dataclass
 class StreamedResponse:
     started_at: float  # time.perf_counter() when the request was sent
-    chunk_times_s: list[float] = field(default_factory=list)  # each non-empty content chunk, s after start
+    chunk_times_s: list[float] = field(default_factory=list)  # each chunk of content or reasoning, s after start
     end_to_end_s: float = 0.0  # until the stream ended (or failed)
     text: str = ""
+    reasoning: str = ""  # a thinking model's, sent apart (`delta.reasoning`, --reasoning-parser)
     prompt_tokens: int | None = None  # the server's usage, when it sent one
     completion_tokens: int | None = None
     cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix caching)
@@ -63,9 +64,12 @@ class StreamedResponse:
             details = usage.get("prompt_tokens_details")
             self.cached_prompt_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
         for choice in event.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-            if piece:
-                self.text += piece
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") or choice.get("text") or ""
+            thought = delta.get("reasoning") or delta.get("reasoning_content") or ""
+            if piece or thought:
+                self.text += piece if isinstance(piece, str) else ""
+                self.reasoning += thought if isinstance(thought, str) else ""
                 self.chunk_times_s.append(at_s)
         return False
 

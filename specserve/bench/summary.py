@@ -2,13 +2,14 @@
 LLMPerf's flattened keys (`results_ttft_s_quantiles_p50`, `results_ttft_s_mean`, ...).
 
 Output tokens are the server's `usage.completion_tokens`, else the tokenizer's count
-of the generated text: never the number of SSE chunks, since a speculative server sends
-several tokens per chunk. Per request, TTFT runs to the first non-empty content chunk
-(the whole request when none came), inter-token latency is TPOT = (e2e - ttft) /
-(tokens - 1) (0 for a single token), and chunk gaps are the times between content
-chunks. Failed requests keep their error and `null` figures; distributions are over
-successful requests only (`chunk_gap_s` over all their gaps). Quantiles interpolate
-linearly and stddev is the sample stddev (0 for one value), as pandas gives LLMPerf.
+of the generated text (a thinking model's reasoning included): never the number of SSE
+chunks, since a speculative server sends several tokens per chunk. Per request, TTFT
+runs to the first non-empty chunk of content or reasoning (the whole request when none
+came), inter-token latency is TPOT = (e2e - ttft) / (tokens - 1) (0 for a single token),
+and chunk gaps are the times between such chunks. Failed requests keep their error and
+`null` figures; distributions are over successful requests only (`chunk_gap_s` over all
+their gaps). Quantiles interpolate linearly and stddev is the sample stddev (0 for one
+value), as pandas gives LLMPerf.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def output_tokens(response: StreamedResponse, count_tokens: CountTokens | None) 
             "the server sends no usage, so output tokens must be counted with a tokenizer; "
             "pass --tokenizer (a catalogue name or a folder with tokenizer.json)"
         )
-    return count_tokens(response.text)
+    return count_tokens(response.reasoning) + count_tokens(response.text)
 
 
 def usage_disagrees(response: StreamedResponse, count_tokens: CountTokens | None) -> bool:
-    """Both the server's usage and the tokenizer counted the output, and they differ."""
-    if not response.ok or response.completion_tokens is None or count_tokens is None:
+    """Both the server's usage and the tokenizer counted the output, and they differ (not
+    asked of an answer with reasoning, whose tags and the blanks around them are not sent)."""
+    if not response.ok or response.completion_tokens is None or count_tokens is None or response.reasoning:
         return False
     return abs(response.completion_tokens - count_tokens(response.text)) > TOKEN_COUNT_TOLERANCE
 

@@ -4,6 +4,7 @@ spec-decode figures from two /metrics texts, and the workload's reproducibility.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -15,7 +16,7 @@ from specserve.bench.benchmark import result_name
 from specserve.bench.client import StreamedResponse
 from specserve.bench.runner import arrival_offsets
 from specserve.bench.spec_metrics import parse_spec_counters, spec_figures
-from specserve.bench.summary import distribution, request_record, summarise, usage_disagrees
+from specserve.bench.summary import distribution, output_tokens, request_record, summarise, usage_disagrees
 from specserve.bench.workload import BenchRequest, Lengths, build_requests, builtin_workload, sample_length
 from specserve.errors import ConfigError
 from specserve.server.metrics import ServerMetrics
@@ -126,6 +127,12 @@ def test_streaming_events_fold_into_a_response():
         3,
         True,
     )
+    thinking = StreamedResponse(started_at=0.0)  # a reasoning parser's stream: both names, one text
+    assert not thinking.take_event('{"choices": [{"delta": {"reasoning": "hm", "reasoning_content": "hm"}}]}', 0.1)
+    assert not thinking.take_event('{"choices": [{"delta": {"content": "yes"}}]}', 0.3)
+    assert (thinking.reasoning, thinking.text, thinking.chunk_times_s) == ("hm", "yes", [0.1, 0.3])
+    assert output_tokens(thinking, words) == 2
+    assert not usage_disagrees(dataclasses.replace(thinking, completion_tokens=6), words)  # the tags are not sent
     bad = StreamedResponse(started_at=0.0)
     assert bad.take_event('{"error": {"message": "engine died", "code": 500}}', 0.1)
     assert (bad.error_code, bad.error_msg) == (500, "stream error: engine died")
