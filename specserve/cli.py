@@ -31,6 +31,7 @@ from specserve.server.tool_calls import TOOL_CALL_PARSERS
 from specserve.server.transport import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, SEND_TIMEOUT_S
 from specserve.structured.guide import GuideCache
 from specserve.structured.outputs import StructuredOutput
+from specserve.tokenizer import TEMPLATE_VARIABLES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -301,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE_OR_TEXT",
         help="the chat template to serve in place of the model's: a Jinja file, or the template itself",
+    )
+    srv.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="chat template variables for every conversation whose request does not set them, e.g. "
+        "'{\"enable_thinking\": false}'",
     )
     srv.add_argument(
         "--enable-tokenizer-info-endpoint",
@@ -735,6 +743,7 @@ def run_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             reasoning_parser=args.reasoning_parser,
             chat_template=chat_template_of(args.chat_template),
+            default_chat_template_kwargs=template_kwargs_of(args.default_chat_template_kwargs),
             tokenizer_info=args.enable_tokenizer_info_endpoint,
             log_level=args.uvicorn_log_level,
         )
@@ -753,6 +762,22 @@ def chat_template_of(value: str | None) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read the chat template {value!r}: {error}") from None
+
+
+def template_kwargs_of(value: str | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object of template variables not the server's own."""
+    if value is None:
+        return {}
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--default-chat-template-kwargs is not valid JSON: {error}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("--default-chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    taken = sorted(set(kwargs) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise ConfigError(f"--default-chat-template-kwargs may not set {taken}: the server gives the template those")
+    return kwargs
 
 
 def stats_line(result: dict[str, Any]) -> str:

@@ -197,6 +197,9 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--kv-cache-space", "0.001"], "raise --kv-cache-space or lower --max-model-len"),
         (["--chat-template", "no/such/template.jinja"], "is neither a file nor a Jinja template"),
         (["--chat-template", "{% if %}"], "chat template does not compile"),
+        (["--default-chat-template-kwargs", "{enable"], "--default-chat-template-kwargs is not valid JSON"),
+        (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object"),
+        (["--default-chat-template-kwargs", '{"tools": []}'], "may not set ['tools']"),
     ],
 )
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -101,6 +101,9 @@ class ApiSettings:
     # How chat answers' reasoning is read apart from their content (server/reasoning.py;
     # vLLM's --reasoning-parser); None: an answer is all content.
     reasoning_parser: str | None = None
+    # Chat template variables every conversation gets unless its request sets them
+    # (vLLM's --default-chat-template-kwargs; Qwen3's {"enable_thinking": false}, say).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # GET /tokenizer_info, which shows the chat template and special tokens (vLLM's
     # --enable-tokenizer-info-endpoint): off unless asked for.
     tokenizer_info: bool = False
@@ -338,7 +341,8 @@ def build_app(
                 encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
                 ids = await _off_the_loop(encode, body.prompt)
             else:
-                encode = functools.partial(tokenizer.encode_chat, **body.template_options())
+                options = body.template_options(settings.default_chat_template_kwargs)
+                encode = functools.partial(tokenizer.encode_chat, **options)
                 ids = await _off_the_loop(encode, [m.for_template() for m in body.messages])
         except SpecserveError as e:  # the chat template's refusal
             raise APIError(str(e), param="messages") from None
@@ -677,7 +681,8 @@ def build_app(
             )
         check_request(body, 1)
         messages = body.template_messages()
-        encode = functools.partial(tokenizer.encode_chat, tools=body.template_tools(), **body.template_options())
+        options = body.template_options(settings.default_chat_template_kwargs)
+        encode = functools.partial(tokenizer.encode_chat, tools=body.template_tools(), **options)
         prompt_ids = await encoded(encode, messages, "messages", kept(body))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {

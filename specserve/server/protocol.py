@@ -560,11 +560,12 @@ class _Templating(RequestBody):
                     param=f"chat_template_kwargs.{name}",
                 )
 
-    def template_options(self) -> dict[str, Any]:
-        """`Tokenizer.encode_chat`'s keyword arguments for these fields."""
+    def template_options(self, default_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`Tokenizer.encode_chat`'s keyword arguments for these fields, the request's
+        template variables over the server's `default_kwargs`."""
         return {
             "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
-            "template_kwargs": self.chat_template_kwargs,
+            "template_kwargs": {**(default_kwargs or {}), **(self.chat_template_kwargs or {})},
             "continue_final_message": self.continue_final_message,
         }
 

@@ -14,7 +14,8 @@ import signal
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import uvicorn
@@ -70,6 +71,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # see ApiSettings.tool_call_parser
     reasoning_parser: str | None = None  # see ApiSettings.reasoning_parser
     chat_template: str | None = None  # served in place of the model's own (vLLM's --chat-template)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # see ApiSettings
     tokenizer_info: bool = False  # see ApiSettings.tokenizer_info
     log_level: str = "info"
 
@@ -138,6 +140,7 @@ def serve(config: ServerConfig) -> None:
         stream_mode=config.stream_mode,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        default_chat_template_kwargs=config.default_chat_template_kwargs,
         tokenizer_info=config.tokenizer_info,
     )
     app = build_app(

@@ -33,12 +33,19 @@ async def post(
     parser: str | None = "qwen3",
     template: str = THINKING_TEMPLATE,
     tool_call_parser: str | None = None,
+    default_kwargs: dict | None = None,
 ) -> list[httpx.Response]:
     """Each (path, body) sent in turn to one server whose target answers `script`."""
     tokenizer = scripted_tokenizer(script)
     tokenizer.use_chat_template(template)
     engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    settings = ApiSettings("tiny", max_model_len=256, reasoning_parser=parser, tool_call_parser=tool_call_parser)
+    settings = ApiSettings(
+        "tiny",
+        max_model_len=256,
+        reasoning_parser=parser,
+        tool_call_parser=tool_call_parser,
+        default_chat_template_kwargs=default_kwargs or {},
+    )
     app = build_app(engine, tokenizer, settings)
     engine.start()
     try:
@@ -133,6 +140,13 @@ def test_chat_template_kwargs_reach_the_template():
     (off,) = asyncio.run(post(chats(body(chat_template_kwargs={"enable_thinking": False})), THOUGHT + ANSWER))
     choice = off.json()["choices"][0]
     assert choice["message"]["content"].strip() == "It is sunny." and choice["message"]["reasoning"] is None
+
+
+def test_the_servers_default_template_kwargs_give_way_to_the_requests():
+    on = body(chat_template_kwargs={"enable_thinking": True})
+    off, thinks = asyncio.run(post(chats(body(), on), THOUGHT + ANSWER, default_kwargs={"enable_thinking": False}))
+    assert off.json()["choices"][0]["message"]["reasoning"] is None
+    assert thinks.json()["choices"][0]["message"]["reasoning"] == "the user asks."
 
 
 def test_continue_final_message_goes_on_with_the_last_message():
