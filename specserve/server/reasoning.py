@@ -74,7 +74,9 @@ class ReasoningParser:
 
 @dataclass
 class StreamedReasoning:
-    """One answer's text as it comes, split into the reasoning and the content to send."""
+    """One answer's text as it comes, split into the reasoning and the content to send.
+    Each step reads only the text not sent yet (and the tag's length before it), so a
+    long answer costs time in proportion to its length."""
 
     parser: ReasoningParser
     text: str = ""
@@ -82,23 +84,19 @@ class StreamedReasoning:
     answers: bool = False  # decided: content follows (the block closed, or there is none)
     body: int = -1  # where the block's text starts; -1: not known yet
     end: int = -1  # where the content starts; -1: not known yet
-    sent_reasoning: int = 0  # characters of the stripped reasoning sent
-    sent_content: int = 0  # characters of the content sent
+    scanned: int = 0  # the text searched for THINK_END so far
+    reasoning_at: int = 0  # the next character of the block to send
+    reasoned: bool = False  # some reasoning was sent (its leading blanks were not)
+    content_at: int = 0  # the next character of the content to send
+    content_begun: bool = False  # some content was sent (after a block, its leading blanks were not)
 
     def step(self, new_text: str, finished: bool) -> tuple[str, str]:
         """Take a step's text; return (reasoning, content) to send for it."""
         self.text += new_text
         if self.body < 0 and not self.answers:
             self._open(finished)
-        reasoning = ""
-        if self.thinks and self.end < 0:
-            reasoning = self._reasoning(finished)
-        content = ""
-        if self.answers:
-            content = self.text[self.end :]
-            if self.thinks and not self.parser.guided:
-                content = content.lstrip()
-            content, self.sent_content = content[self.sent_content :], len(content)
+        reasoning = self._reasoning(finished) if self.thinks and self.end < 0 else ""
+        content = self._content() if self.answers else ""
         return reasoning, content
 
     def _open(self, finished: bool) -> None:
@@ -112,17 +110,37 @@ class StreamedReasoning:
             self.thinks, self.body = True, 0
         else:
             self.answers, self.end = True, 0
+        self.reasoning_at = self.scanned = max(self.body, 0)
 
     def _reasoning(self, finished: bool) -> str:
-        """The block's text not sent yet; where `</think>` has come, the content starts after it."""
-        block = self.text[self.body :]
-        close = block.find(THINK_END)
+        """The block's text not sent yet, less the blanks that may end it; where
+        `</think>` has come, the content starts after it."""
+        text = self.text
+        close = text.find(THINK_END, max(self.body, self.scanned - len(THINK_END) + 1))
         if close >= 0:
-            self.answers, self.end = True, self.body + close + len(THINK_END)
-            known = block[:close].strip()
+            limit = close
+            self.answers, self.end = True, close + len(THINK_END)
+            self.content_at = self.end
         elif finished:
-            known = block.strip()
+            limit = len(text)
         else:
-            known = block[: len(block) - _may_begin(block, THINK_END)].strip()
-        piece, self.sent_reasoning = known[self.sent_reasoning :], max(self.sent_reasoning, len(known))
+            limit = len(text) - _may_begin(text[max(self.body, len(text) - len(THINK_END)) :], THINK_END)
+        self.scanned = len(text)
+        pending = text[self.reasoning_at : limit]
+        lead = 0 if self.reasoned else len(pending) - len(pending.lstrip())
+        piece = pending[lead:].rstrip()
+        if piece:
+            self.reasoning_at += lead + len(piece)
+            self.reasoned = True
         return piece
+
+    def _content(self) -> str:
+        """The content not sent yet; after a block (unguided), its leading blanks are no content."""
+        pending = self.text[self.content_at :]
+        if self.thinks and not self.parser.guided and not self.content_begun:
+            piece = pending.lstrip()
+            self.content_at += len(pending) - len(piece)
+            pending = piece
+        self.content_begun = self.content_begun or bool(pending)
+        self.content_at += len(pending)
+        return pending
