@@ -477,6 +477,10 @@ class ChatMessage(RequestBody):
     name: str | None = None
     tool_calls: Annotated[list[MessageToolCall], StopAtFirst()] | None = None  # an assistant turn's
     tool_call_id: str | None = None  # a tool turn's: the call it answers
+    # An assistant turn's reasoning, given back (server/reasoning.py): Qwen3's template
+    # keeps it in the turns of the question being answered.
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # its older name
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -490,6 +494,9 @@ class ChatMessage(RequestBody):
             turn["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role == "assistant":
+            turn["reasoning_content"] = reasoning
         return turn
 
 

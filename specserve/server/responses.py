@@ -167,18 +167,23 @@ class ResponsesRequest(RequestBody):
             raise APIError("input holds no items; send a text or at least one message", param="input")
         turns: list[dict[str, Any]] = []
         items: list[dict[str, Any]] = []
+        reasoning = None  # a reasoning item's text, for the assistant turn it came before
         for i, item in enumerate(self.input):
             if not isinstance(item, dict):
                 raise APIError(
                     "each input item must be an object: a message, or a function call's", param=f"input[{i}]"
                 )
             kind = item.get("type", "message")
+            if kind == "reasoning":  # an earlier response's, given back: its assistant turn's reasoning
+                reasoning = _reasoning_text(item, f"input[{i}]")
+                items.append({**item, "id": item.get("id") or _new_id("rs")})
+                continue
             if kind == "message":
                 turns.append(_message_turn(item, f"input[{i}]"))
                 items.append(_message_item(turns[-1], item.get("id")))
-                continue
-            if kind == "reasoning":  # an earlier response's reasoning, given back: templates leave it out
-                items.append({**item, "id": item.get("id") or _new_id("rs")})
+                if turns[-1]["role"] == "assistant" and reasoning is not None:
+                    turns[-1]["reasoning_content"] = reasoning
+                reasoning = None
                 continue
             if kind == "function_call":
                 call = {
@@ -191,6 +196,9 @@ class ResponsesRequest(RequestBody):
                 }
                 if not turns or turns[-1]["role"] != "assistant":
                     turns.append({"role": "assistant", "content": None})
+                if reasoning is not None:
+                    turns[-1]["reasoning_content"] = reasoning
+                    reasoning = None
                 turns[-1].setdefault("tool_calls", []).append(call)
             elif kind == "function_call_output":
                 output = item.get("output")
@@ -309,6 +317,17 @@ def _message_item(turn: dict[str, Any], item_id: str | None = None) -> dict[str,
         "content": [part],
         "status": "completed",
     }
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (its summary's where it has none)."""
+    for field in ("content", "summary"):
+        parts = item.get(field) or []
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise APIError(f"a reasoning item's {field} must be a list of parts with text", param=f"{where}.{field}")
+    return "".join(part["text"] for part in item.get("content") or item.get("summary") or [])
 
 
 def _message_turn(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -434,12 +453,14 @@ def _without_logprobs(item: dict[str, Any]) -> dict[str, Any]:
 def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
     """A response's output items as the chat turn that answered."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    thought = [part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]]
     calls = [
         {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
         for item in output
         if item["type"] == "function_call"
     ]
-    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+    turn = {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+    return {**turn, "reasoning_content": "".join(thought)} if thought else turn
 
 
 @dataclass(frozen=True)
@@ -451,17 +472,20 @@ class StoredResponse:
 
     @functools.cached_property
     def chars(self) -> int:
-        """The characters of its turns' text and its input items' (its answer's counted
-        twice: the body holds it too)."""
-        texts = [turn.get("content") or "" for turn in self.turns] + [self.turns[-1].get("content") or ""]
+        """The characters of its turns' text and reasoning, and its input items' (its
+        answer's counted twice: the body holds it too)."""
+        fields = ("content", "reasoning_content")
+        texts = [turn.get(f) or "" for turn in [*self.turns, self.turns[-1]] for f in fields]
         calls = [call["function"]["arguments"] for turn in self.turns for call in turn.get("tool_calls", ())]
         return sum(map(len, texts)) + 2 * sum(map(len, calls)) + sum(map(_item_chars, self.input_items))
 
 
 def _item_chars(item: dict[str, Any]) -> int:
-    """The characters of an input item's text: a message's, a call's arguments, an output."""
+    """The characters of an input item's text: a message's, reasoning's, a call's arguments, an output."""
     if item["type"] == "message":
         return sum(len(part["text"]) for part in item["content"])
+    if item["type"] == "reasoning":
+        return sum(len(part["text"]) for part in (item.get("content") or []) + (item.get("summary") or []))
     if item["type"] == "function_call":
         return len(item["arguments"])
     output = item["output"]

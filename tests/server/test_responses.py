@@ -216,6 +216,8 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete():
         ),
         ({"input": [{"role": "critic", "content": "hm"}]}, "input[0].role"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+        ({"input": [{"type": "reasoning", "summary": "hm"}, "weather"]}, "input[0].summary"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text"}]}]}, "input[0].content"),
         ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
         ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),

@@ -25,6 +25,11 @@ JSON_ANSWER = ['{"city":', '"Paris"}']
 CALL = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
 # Qwen3's switch, as its template reads it: thinking off writes an empty block into the prompt.
 THINKING_TEMPLATE = TEMPLATE + "{% if enable_thinking == false %} </think>{% endif %}"
+# A template that writes each turn's reasoning given back, as Qwen3's does for the question being answered.
+GIVEN_BACK_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+    "{% if m['reasoning_content'] is defined %}{{ m['reasoning_content'] }} {% endif %}{% endfor %}go"
+)
 
 
 async def post(
@@ -35,7 +40,8 @@ async def post(
     tool_call_parser: str | None = None,
     default_kwargs: dict | None = None,
 ) -> list[httpx.Response]:
-    """Each (path, body) sent in turn to one server whose target answers `script`."""
+    """Each (path, body) sent in turn to one server whose target answers `script`; a
+    body may be a function of the responses before it."""
     tokenizer = scripted_tokenizer(script)
     tokenizer.use_chat_template(template)
     engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
@@ -50,7 +56,10 @@ async def post(
     engine.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return [await client.post(path, json=body) for path, body in requests]
+            sent: list[httpx.Response] = []
+            for path, body in requests:
+                sent.append(await client.post(path, json=body(sent) if callable(body) else body))
+            return sent
     finally:
         engine.stop()
 
@@ -205,3 +214,55 @@ def test_a_response_holds_the_reasoning_as_an_item_whole_and_streamed():
     cut_off = Response.model_validate(cut.json())
     assert cut_off.status == "incomplete" and [item.type for item in cut_off.output] == ["reasoning"]
     assert [item.type for item in events(cut_stream)[-1].response.output] == ["reasoning"]
+
+
+def test_reasoning_given_back_reaches_the_template():
+    """An assistant turn's `reasoning` or `reasoning_content` (chat), a reasoning item
+    before its calls (Responses), and a kept response's reasoning (previous_response_id)."""
+    turns = [{"role": "user", "content": "weather"}, {"role": "assistant", "content": "sunny"}]
+    with_reasoning = [turns[0], {**turns[1], "reasoning": "one two three"}, {"role": "user", "content": "and?"}]
+    older_name = [turns[0], {**turns[1], "reasoning_content": "one two three"}, {"role": "user", "content": "and?"}]
+    plain = [*turns, {"role": "user", "content": "and?"}]
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "one two three"}]}
+    sent = asyncio.run(
+        post(
+            [
+                *[("/tokenize", {"messages": m}) for m in (plain, with_reasoning, older_name)],
+                (
+                    "/v1/responses",
+                    {"input": [{"role": "user", "content": "weather"}, call, output], "max_output_tokens": 1},
+                ),
+                (
+                    "/v1/responses",
+                    {"input": [{"role": "user", "content": "weather"}, thought, call, output], "max_output_tokens": 1},
+                ),
+            ],
+            ANSWER,
+            parser=None,
+            template=GIVEN_BACK_TEMPLATE,
+        )
+    )
+    counts = [r.json()["count"] for r in sent[:3]] + [r.json()["usage"]["input_tokens"] for r in sent[3:]]
+    assert counts[1] == counts[2] == counts[0] + 3 and counts[4] == counts[3] + 3
+
+    def next_turn(sent):
+        return {"input": "and?", "previous_response_id": sent[-1].json()["id"], "max_output_tokens": 1}
+
+    def unthought_turn(sent):
+        return {
+            "input": [
+                {"role": "user", "content": "weather"},
+                {"role": "assistant", "content": "It is sunny."},
+                {"role": "user", "content": "and?"},
+            ],
+            "max_output_tokens": 1,
+        }
+
+    kept = {"input": "weather", "max_output_tokens": 20, "temperature": 0}
+    steps = [("/v1/responses", kept), ("/v1/responses", next_turn), ("/v1/responses", unthought_turn)]
+    first, second, unthought = asyncio.run(post(steps, THOUGHT + ANSWER, template=GIVEN_BACK_TEMPLATE))
+    assert [item["type"] for item in first.json()["output"]] == ["reasoning", "message"]
+    # "the user asks." came back with the kept turn: 3 words more than the same turns without it.
+    assert second.json()["usage"]["input_tokens"] == unthought.json()["usage"]["input_tokens"] + 3
