@@ -113,6 +113,27 @@ class ApiSettings:
 KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 # A prompt's last ids, read for whether its template opened a think block (reasoning.py).
 PROMPT_TAIL_IDS = 8
+# A stream that has sent nothing for this long (its text held back: a tool call being
+# written) sends an SSE comment, which clients skip, so that a proxy's read timeout
+# (nginx's: 60 s) does not cut it.
+KEEP_ALIVE_S = 15.0
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
+class _Quiet:
+    """When a stream last sent something: `due` once it has been quiet for KEEP_ALIVE_S."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+
+    def sent(self) -> None:
+        self.since = time.monotonic()
+
+    def due(self) -> bool:
+        if time.monotonic() - self.since < KEEP_ALIVE_S:
+            return False
+        self.sent()
+        return True
 
 
 def _usage(outs: list[RequestOutput], n: int, completed: bool = True) -> dict[str, Any]:
@@ -457,6 +478,7 @@ def build_app(
 
         async def stream() -> AsyncIterator[bytes]:
             last: dict[int, RequestOutput] = {}
+            quiet = _Quiet()
             try:
                 async for choice, out in choices:
                     first = choice not in last
@@ -466,7 +488,10 @@ def build_app(
                     else:
                         event = _sse_or_none(make_chunk(choice, out, first))
                     if event is not None:
+                        quiet.sent()
                         yield event
+                    elif quiet.due():
+                        yield KEEP_ALIVE
                 if body.include_usage:
                     usage = _usage([last[i] for i in sorted(last)], body.n, completed=not body.echo_only)
                     yield _sse({**head, "choices": [], "usage": usage})
@@ -809,14 +834,20 @@ def build_app(
 
         async def events(choices: Fanout) -> AsyncIterator[bytes]:
             stream = ResponseEvents(shape)
+            quiet = _Quiet()
             try:
                 for event in stream.start():
                     yield event
                 async for _, out in choices:
                     reasoning, content, entries = pieces(0, out)
                     logprobs = output_text_logprobs(described(out.logprobs))
-                    for event in stream.step(content, logprobs, entries, reasoning):
+                    sent = stream.step(content, logprobs, entries, reasoning)
+                    for event in sent:
                         yield event
+                    if sent:
+                        quiet.sent()
+                    elif quiet.due():
+                        yield KEEP_ALIVE
                     if out.finished:
                         answered = reading is None or reading[0].answers
                         for event in stream.finish(_usage([out], 1), out.finish_reason, answered):

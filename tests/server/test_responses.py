@@ -454,3 +454,12 @@ def test_a_named_tool_choice_streams_its_arguments_and_an_empty_answer_is_one_em
     assert "".join(deltas) == streamed[-1].response.output[0].arguments == call.arguments
     for response in (Response.model_validate(sent[2].json()), events(sent[3])[-1].response):
         assert [(item.type, item.content[0].text) for item in response.output] == [("message", "")]
+
+
+def test_a_response_holding_a_call_back_keeps_its_connection_alive(monkeypatch):
+    monkeypatch.setattr("specserve.server.app.KEEP_ALIVE_S", 0.0)
+    (stream,) = asyncio.run(post([("/v1/responses", {"input": "weather", "tools": TOOLS, "stream": True})]))
+    blocks = stream.text.strip().split("\n\n")
+    assert blocks.count(": keep-alive") >= 3
+    kept_alive = httpx.Response(200, headers=stream.headers, text="\n\n".join(b for b in blocks if b[0] != ":"))
+    assert [e.type for e in events(kept_alive)][-1] == "response.completed"

@@ -116,3 +116,14 @@ def test_the_call_and_its_result_are_given_back_in_the_next_turn():
     assert first.status_code == second.status_code == 200
     # "user weather assistant  tool sunny tools go": 3 more words than the first turn's prompt.
     assert second.json()["usage"]["prompt_tokens"] == first.json()["usage"]["prompt_tokens"] + 3
+
+
+def test_a_stream_holding_a_call_back_keeps_its_connection_alive(monkeypatch):
+    """Past KEEP_ALIVE_S without an event (here at once), an SSE comment goes out, which
+    clients skip: the call still arrives whole, as without them."""
+    monkeypatch.setattr("specserve.server.app.KEEP_ALIVE_S", 0.0)
+    (stream,) = asyncio.run(chat("hermes", [body(tools=TOOLS, stream=True)]))
+    blocks = stream.text.strip().split("\n\n")
+    assert blocks.count(": keep-alive") >= 3 and all(b.startswith(("data: ", ": ")) for b in blocks)
+    (call,) = [c for chunk in streamed(stream) for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
