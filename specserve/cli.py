@@ -21,7 +21,7 @@ from specserve import catalogue
 from specserve.bench.options import add_bench_flags, options_from_args
 from specserve.bench.suites import SUITES
 from specserve.config import CPU_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_CHUNK_SIZE, SpecConfig
-from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS
+from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SCHEDULER_STEPS, SCHEDULING_POLICIES
 from specserve.errors import ConfigError, SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.model.device import default_dtype, resolve_device
@@ -289,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="how the model writes a tool call: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Hermes)",
+    )
+    srv.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="the order waiting requests join in: fcfs, or by each request's priority field (lower first), "
+        "then arrival; under priority, KV space runs short on the lowest priority first",
     )
     srv.add_argument(
         "--reasoning-parser",
@@ -742,6 +749,7 @@ def run_serve(args: argparse.Namespace) -> int:
             record_prompts=args.record_prompts,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             reasoning_parser=args.reasoning_parser,
+            scheduling_policy=args.scheduling_policy,
             chat_template=chat_template_of(args.chat_template),
             default_chat_template_kwargs=template_kwargs_of(args.default_chat_template_kwargs),
             tokenizer_info=args.enable_tokenizer_info_endpoint,

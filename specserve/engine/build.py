@@ -50,10 +50,10 @@ def build_engine(
     cuda_graphs: bool | None = None,
     prefix_cache_space: float | None = None,
     kv_cache_space: float | str | None = None,
-    **engine_options: int,
+    **engine_options: int | str,
 ) -> tuple[Engine, Tokenizer]:
     """The target (and the draft) loaded; engine_options: max_num_seqs, prefill_chunk_size
-    (None or absent: the device's, `prefill_chunk_size_for`).
+    (None or absent: the device's, `prefill_chunk_size_for`), scheduling_policy.
     batch_invariant applies to the target (a draft's numbers need not be exact), compile
     to both and to an unquantized EAGLE head (`Decoder.use_torch_compile`), device and cuda_graphs to all
     (`Decoder.use_cuda_graphs`: a pool of max_num_seqs caches of max_model_len).

@@ -2,7 +2,8 @@
 sequence by one verified step.
 
 - Requests join in FIFO order between steps while fewer than `max_num_seqs` run, and
-  leave at the end of the step that finished them.
+  leave at the end of the step that finished them. Under the "priority" scheduling
+  policy (vLLM's), they join by priority, lower first, then by arrival.
 - A step runs ONE target forward over the batch (each sequence's unseen tokens, then its
   drafts, ragged k), keeps 1..k+1 tokens a sequence and rolls the target cache back past
   rejected drafts; greedy sequences of a verifying `FusedDraftProposer` do so in one C call.
@@ -18,8 +19,10 @@ sequence by one verified step.
 - With `kv_cache_positions`, the running sequences' target caches hold at most that
   many positions of storage (`KVCache.capacity_for`, each with room for its next step):
   a request joins only where its tokens fit, and where the running ones outgrow the
-  budget the latest admitted is preempted (vLLM's recompute): its caches are dropped
-  (kept in the prefix cache where there is one), it waits at the head of the queue, and
+  budget the latest admitted (under "priority": the lowest priority, then the latest
+  arrived) is preempted (vLLM's recompute): its caches are dropped
+  (kept in the prefix cache where there is one), it waits at the head of the queue (under
+  "priority": ahead of those after it in priority and arrival), and
   it joins again by reading all but its newest token as a prompt, unscored, so that its
   next step is the one it would have taken. Greedy and seeded output is unchanged, up
   to the rounding of a read against a step's (as with prefix caching).
@@ -68,6 +71,15 @@ DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for
 DEFAULT_NUM_SCHEDULER_STEPS = 8
 
 log = logging.getLogger("specserve")
+
+# How waiting requests are ordered (vLLM's --scheduling-policy): first come first served,
+# or by each request's priority (lower first), then its arrival.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _rank(seq: Sequence) -> tuple[int, float, int]:
+    """A sequence's place under the "priority" policy: lower is admitted first, preempted last."""
+    return seq.priority, seq.arrival_time, seq.seq_id
 
 
 @dataclass
@@ -121,13 +133,14 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
         kv_cache_positions: int | None = None,
+        scheduling_policy: str = "fcfs",
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py);
         without, every step drafts num_speculative_tokens. lookup_first
         (see `_look_up`), prefix_cache (the target's), num_scheduler_steps (1: off) and
-        kv_cache_positions (None: no bound; it must hold one sequence of max_model_len):
-        see the module's docstring. prefill_chunk_size None: the target's device's
-        default (`prefill_chunk_size_for`)."""
+        kv_cache_positions (None: no bound; it must hold one sequence of max_model_len)
+        and scheduling_policy (SCHEDULING_POLICIES): see the module's docstring.
+        prefill_chunk_size None: the target's device's default (`prefill_chunk_size_for`)."""
         prefill_chunk_size = prefill_chunk_size or prefill_chunk_size_for(target.device)
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -136,6 +149,9 @@ class Engine:
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+        self.scheduling_policy = scheduling_policy
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
@@ -208,8 +224,13 @@ class Engine:
         if bad:
             raise ConfigError(f"token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
-        """Validate a request and queue it; it joins the batch at a later step."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None, priority: int = 0
+    ) -> Sequence:
+        """Validate a request and queue it; it joins the batch at a later step. A
+        priority other than 0 needs the "priority" scheduling policy."""
+        if priority and self.scheduling_policy != "priority":
+            raise ConfigError(f'a request priority ({priority}) needs the "priority" scheduling policy')
         self.check_request(prompt_ids, params)
         seq = Sequence(
             seq_id=next(self._next_id),
@@ -220,9 +241,20 @@ class Engine:
             cache=self.target.new_cache(),
             stop_token_ids=self.stop_ids(params),
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            priority=priority,
         )
-        self.waiting.append(seq)
+        self._enqueue(seq)
         return seq
+
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Queue a sequence: last (a preempted one first), or by `_rank` under "priority"."""
+        if self.scheduling_policy == "priority":
+            later = next((i for i, s in enumerate(self.waiting) if _rank(s) > _rank(seq)), len(self.waiting))
+            self.waiting.insert(later, seq)
+        elif preempted:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -447,14 +479,18 @@ class Engine:
         return self.kv_positions_needed() + extra > self.kv_cache_positions
 
     def _preempt_to_fit(self) -> None:
-        """Preempt the latest admitted sequences until the rest fit the KV budget (one
-        sequence alone always fits: see __init__)."""
+        """Preempt the latest admitted sequences (under "priority", the last by `_rank`)
+        until the rest fit the KV budget (one sequence alone always fits: see __init__)."""
         while len(self.running) > 1 and self._over_budget():
-            seq = self.running.pop(next(reversed(self.running)))
+            if self.scheduling_policy == "priority":
+                victim = max(self.running.values(), key=_rank).seq_id
+            else:
+                victim = next(reversed(self.running))
+            seq = self.running.pop(victim)
             self._free_caches(seq)  # its prefix stored: its rejoining may load it instead of recomputing
             seq.cache = self.target.new_cache()  # the old storage goes with its last reference
             seq.num_preemptions += 1
-            self.waiting.appendleft(seq)
+            self._enqueue(seq, True)
             self.num_preemptions += 1
             log.info("preempted request %d: the KV cache space is full; it rejoins when there is room", seq.seq_id)
 

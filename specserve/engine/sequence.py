@@ -45,6 +45,7 @@ class Sequence:
     # One per prompt token from the second, in order, as the prompt is read, if params.prompt_logprobs is set.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
+    priority: int = 0  # lower runs first, under the engine's "priority" scheduling policy
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -447,7 +447,7 @@ def build_app(
             except SpecserveError as e:  # a seed + j past 64 bits
                 raise APIError(str(e), param="seed") from None
         try:
-            choices = Fanout(engine, requests, body.stop_strings(), arrival, per_token=body.stream and per_token)
+            choices = Fanout(engine, requests, body.stop_strings(), arrival, body.stream and per_token, body.priority)
         except Exception as e:  # refused before any choice started
             raise _as_api_error(e) from None
         if recorder is not None:
@@ -533,6 +533,11 @@ def build_app(
         """What can be refused before any prompt is read: the model's name, the count,
         the logit bias's and the allowed ids."""
         check_model(body.model)
+        if body.priority and engine.engine.scheduling_policy != "priority":
+            raise APIError(
+                f"priority {body.priority} needs the server started with --scheduling-policy priority",
+                param="priority",
+            )
         if num_prompts * body.n > engine.max_unfinished:
             raise APIError(
                 f"{num_prompts} prompts x n={body.n} is {num_prompts * body.n} completions, more than "

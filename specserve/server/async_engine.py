@@ -95,6 +95,7 @@ class _Request:
     arrival_time: float
     outputs: asyncio.Queue  # of RequestOutput or Exception
     loop: asyncio.AbstractEventLoop
+    priority: int = 0  # see Engine.add_request
     per_token: bool = False  # one RequestOutput per token (see AsyncEngine.generate)
     seq: EngineSequence | None = None
     text: TextOutput | None = None
@@ -185,6 +186,7 @@ class AsyncEngine:
         stop: Sequence[str] = (),
         arrival_time: float | None = None,
         per_token: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yield its outputs until the finished one: one per engine step
         (its several tokens under speculation), or with `per_token` one per token, in
@@ -198,6 +200,7 @@ class AsyncEngine:
             stop=tuple(stop),
             per_token=per_token,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            priority=priority,
             outputs=asyncio.Queue(),
             loop=asyncio.get_running_loop(),
         )
@@ -300,7 +303,7 @@ class AsyncEngine:
 
     def _add(self, request: _Request) -> None:
         try:
-            seq = self.engine.add_request(request.prompt_ids, request.params, request.arrival_time)
+            seq = self.engine.add_request(request.prompt_ids, request.params, request.arrival_time, request.priority)
         except Exception as e:  # refused (SpecserveError) or a bug: either way only this request fails
             if not isinstance(e, SpecserveError):
                 log.exception("adding a request failed")

@@ -57,6 +57,7 @@ class Fanout:
         stop: Sequence[str],
         arrival: float,
         per_token: bool = False,
+        priority: int = 0,
     ):
         """Raise ShuttingDownError, ConfigError or QueueFullError (nothing started) where
         a choice would be refused, or the choices together do not fit the queue."""
@@ -67,7 +68,7 @@ class Fanout:
         self._unfinished = len(requests)
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._tasks = [
-            asyncio.create_task(self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token)))
+            asyncio.create_task(self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token, priority)))
             for i, (prompt_ids, params) in enumerate(requests)
         ]
 

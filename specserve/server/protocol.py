@@ -141,6 +141,7 @@ class _Sampling(RequestBody):
     allowed_token_ids: Ids | None = None  # vLLM's extension: the only ids the answer may hold
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and n alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
+    priority: int = 0  # vLLM's extension: lower is served first, under --scheduling-policy priority
     # vLLM's extensions we do not implement, taken only at the values that ask for nothing
     # (`VLLM_UNSUPPORTED`): a vLLM client's request that sets one is refused, not answered
     # as if it had not.

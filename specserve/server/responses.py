@@ -62,6 +62,7 @@ PASSED_ON = (
     "ignore_eos",
     "user",
     "parallel_tool_calls",
+    "priority",
 )
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 # What the store keeps, the least recently made or read forgotten first: at most this
@@ -111,6 +112,7 @@ class ResponsesRequest(RequestBody):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    priority: int | None = None  # vLLM's: lower is served first, under --scheduling-policy priority
 
     def chat_request(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The chat request this one asks for, after the turns of `history` (those of

@@ -70,6 +70,7 @@ class ServerConfig:
     record_prompts: str | None = None  # a file the admitted prompts are appended to (server/recording.py)
     tool_call_parser: str | None = None  # see ApiSettings.tool_call_parser
     reasoning_parser: str | None = None  # see ApiSettings.reasoning_parser
+    scheduling_policy: str = "fcfs"  # see Engine
     chat_template: str | None = None  # served in place of the model's own (vLLM's --chat-template)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # see ApiSettings
     tokenizer_info: bool = False  # see ApiSettings.tokenizer_info
@@ -121,6 +122,7 @@ def serve(config: ServerConfig) -> None:
         max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size,
         num_scheduler_steps=config.num_scheduler_steps,
+        scheduling_policy=config.scheduling_policy,
     )
     if config.chat_template is not None:
         tokenizer.use_chat_template(config.chat_template)

@@ -207,3 +207,59 @@ def test_available_memory_heeds_a_containers_limit(monkeypatch, tmp_path):
     assert build.available_memory() == 2_000_000_000  # the container's room is the closer limit
     limit.write_text("max\n")
     assert build.available_memory() == 8_000_000 * 1024
+
+
+# ----- the "priority" scheduling policy
+
+
+def test_under_priority_requests_join_by_priority_then_arrival():
+    """One slot: the requests finish in the order they join. FCFS takes them as they
+    came; "priority" the lowest priority first, ties by arrival."""
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    priorities = [0, 5, -1, 5, 0]
+
+    def finish_order(policy: str) -> list[int]:
+        engine = Engine(TARGET, eos_token_ids=[EOS], max_num_seqs=1, scheduling_policy=policy)
+        given = priorities if policy == "priority" else [0] * len(priorities)
+        seqs = [engine.add_request(PROMPTS[i % 4], short, priority=p) for i, p in enumerate(given)]
+        order = []
+        while engine.has_unfinished():
+            order += [seqs.index(s) for s in engine.step() if s.finished]
+        return order
+
+    assert finish_order("fcfs") == [0, 1, 2, 3, 4]
+    assert finish_order("priority") == [2, 0, 4, 1, 3]
+
+
+def test_under_priority_the_lowest_priority_is_preempted_and_outputs_do_not_change():
+    """Three that outgrow the budget: under FCFS the latest admitted gives its room up
+    first; under "priority" the lowest priority (the highest number), here the first
+    admitted, and never the highest. Every output is still its unbounded one."""
+    batch = requests(LONG_GREEDY)[:3]
+    unbounded = run_all(engine_with("none", None), batch, None)
+    for policy, first_preempted in (("fcfs", 2), ("priority", 0)):
+        engine = engine_with("none", BUDGET)
+        engine.scheduling_policy = policy
+        given = [9, 0, 1] if policy == "priority" else [0, 0, 0]
+        seqs = [engine.add_request(prompt, params, priority=p) for (prompt, params), p in zip(batch, given)]
+        preempted: list[int] = []
+        enqueue = engine._enqueue
+
+        def recording(seq, preempted_now: bool = False, enqueue=enqueue, preempted=preempted, seqs=seqs) -> None:
+            if preempted_now:
+                preempted.append(seqs.index(seq))
+            enqueue(seq, preempted_now)
+
+        engine._enqueue = recording
+        while engine.has_unfinished():
+            engine.step()
+        assert preempted[0] == first_preempted
+        assert policy == "fcfs" or 1 not in preempted
+        assert [s.output_ids for s in seqs] == unbounded
+
+
+def test_a_priority_needs_the_priority_policy():
+    with pytest.raises(ConfigError, match='needs the "priority" scheduling policy'):
+        engine_with("none", None).add_request(PROMPTS[0], LONG_GREEDY, priority=1)
+    with pytest.raises(ConfigError, match="scheduling_policy must be one of"):
+        Engine(TARGET, eos_token_ids=[EOS], scheduling_policy="lottery")

@@ -29,7 +29,7 @@ class StandInEngine:
     def check_room(self, count: int) -> None:
         pass
 
-    async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False):
+    async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False, priority=0):
         if prompt_ids == [self.refused]:
             raise QueueFullError("full", retry_after_s=1)
         done = False

@@ -128,6 +128,7 @@ def test_extreme_sampling_values_are_served_and_harm_no_neighbour(server):
         ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
         ({"prompt": "hi", "temperature": 1, "top_k": 10**400}, "top_k"),  # past what a chain's tensor holds
         ({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # more digits than int() reads
+        ({"prompt": "hi", "priority": 1}, "priority"),  # the server schedules first come first served
     ],
 )
 def test_bad_ids_and_stop_conditions_get_400(server, body, param):
