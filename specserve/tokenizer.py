@@ -71,6 +71,13 @@ _DETOKENIZE_CONTEXT_TOKENS = 5
 
 # The roles a conversation may give its turns, as OpenAI's API names them.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Fill-in-the-middle tokens as the code models that have them spell them: the prefix's,
+# the suffix's and the middle's, read in that order (PSM).
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
 # What a chat template is given by name; a request's own template variables may not be these.
 TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -319,6 +326,31 @@ class Tokenizer:
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The ids of the vocabulary's fill-in-the-middle tokens (FIM_TOKENS: prefix,
+        suffix, middle); None where it has none."""
+        for names in FIM_TOKENS:
+            ids = [self._backend.token_to_id(name) for name in names]
+            if None not in ids:
+                return ids[0], ids[1], ids[2]
+        return None
+
+    def encode_infill(self, prefix: str | list[int], suffix: str, at_most: int | None = None) -> list[int]:
+        """A fill-in-the-middle prompt: the text (or ids) before the gap and the text
+        after it, which the model answers with the middle. ConfigError where the
+        vocabulary has no FIM tokens; at_most: as `encode`'s, for each text."""
+        if self.fim_ids is None:
+            raise ConfigError(
+                "this model has no fill-in-the-middle tokens, so it cannot fill a gap before a suffix; "
+                "send the prompt alone, or serve a code model that has them (qwen2.5-coder-1.5b)"
+            )
+        begin, hole, end = self.fim_ids
+        before = prefix if isinstance(prefix, list) else self.encode(prefix, add_special_tokens=False, at_most=at_most)
+        after = self.encode(suffix, add_special_tokens=False, at_most=at_most)
+        bos = [self.bos_token_id] if self.add_bos else []
+        return [*bos, begin, *before, hole, *after, end]
 
     def use_chat_template(self, source: str) -> None:
         """Render conversations with `source` from now on (ConfigError where it does not compile)."""

@@ -19,7 +19,7 @@ import pytest
 
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.gguf_vocab import read_gguf_tokenizer_fields
-from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from specserve.tokenizer import FIM_TOKENS, IncrementalDetokenizer, Tokenizer
 
 QWEN05_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
@@ -561,3 +561,15 @@ def test_encode_at_most_refuses_a_long_text_from_its_first_part_only(smollm2):
     )
     with pytest.raises(ConfigError, match="maximum model length"):
         smollm2.encode_chat([{"role": "user", "content": prose}], at_most=100)
+
+
+def test_a_fill_in_the_middle_prompt_reads_prefix_suffix_middle(qwen05, smollm2):
+    assert qwen05.fim_ids == tuple(qwen05._backend.token_to_id(t) for t in FIM_TOKENS[0])
+    begin, hole, end = qwen05.fim_ids
+    prefix, suffix = "def area(r):\n    ", "\n    return a\n"
+    ids = qwen05.encode_infill(prefix, suffix)
+    assert ids == [begin, *qwen05.encode(prefix), hole, *qwen05.encode(suffix), end]
+    assert qwen05.encode_infill([7, 8], suffix)[:4] == [begin, 7, 8, hole]
+    assert smollm2.fim_ids is None
+    with pytest.raises(ConfigError, match="no fill-in-the-middle tokens"):
+        smollm2.encode_infill(prefix, suffix)

@@ -564,6 +564,17 @@ def build_app(
             raise APIError(str(e), param=param) from None
         return check_length(kept_ids(ids, keep), param)  # a text's ids are the vocabulary's
 
+    async def infilled(prefix: str | list[int], suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt's ids (`Tokenizer.encode_infill`), read on a worker
+        thread, refused past the model's length."""
+        given = check_ids(list(prefix), "prompt") if isinstance(prefix, list) else prefix
+        encode = functools.partial(tokenizer.encode_infill, suffix=suffix, at_most=settings.max_model_len)
+        try:
+            ids = await _off_the_loop(encode, given)
+        except SpecserveError as e:  # no FIM tokens (the suffix's fault), or a text past the model's length
+            raise APIError(str(e), param="prompt" if tokenizer.fim_ids else "suffix") from None
+        return check_length(ids, "prompt")
+
     def kept(body: CompletionRequest | ChatCompletionRequest) -> int | None:
         """How many of a prompt's last ids the request keeps; None: all."""
         return settings.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
@@ -596,12 +607,15 @@ def build_app(
         given = body.prompt_list()
         check_request(body, len(given))
         keep = kept(body)
-        prompts = [
-            await encoded(tokenizer.encode, p, "prompt", keep)
-            if isinstance(p, str)
-            else check_ids(kept_ids(list(p), keep), "prompt")
-            for p in given
-        ]
+        if body.suffix is not None:  # fill in the middle: each prompt is the text before the gap
+            prompts = [await infilled(p, body.suffix) for p in given]
+        else:
+            prompts = [
+                await encoded(tokenizer.encode, p, "prompt", keep)
+                if isinstance(p, str)
+                else check_ids(kept_ids(list(p), keep), "prompt")
+                for p in given
+            ]
         prompt_texts = [  # echo: the prompt as read (its ids' text where they were given or cut)
             p if (isinstance(p, str) and keep is None) or not body.echo else await _off_the_loop(tokenizer.decode, ids)
             for p, ids in zip(given, prompts)
@@ -662,7 +676,14 @@ def build_app(
             }
 
         def recorded() -> list[Instruction]:
-            texts = [p if isinstance(p, str) else tokenizer.decode(without_bos(ids)) for p, ids in zip(given, prompts)]
+            texts = [
+                tokenizer.decode(without_bos(ids), skip_special_tokens=False)  # FIM's tokens kept
+                if body.suffix is not None
+                else p
+                if isinstance(p, str)
+                else tokenizer.decode(without_bos(ids))
+                for p, ids in zip(given, prompts)
+            ]
             return [Instruction("completion", text, templated=False) for text in texts if text.strip()]
 
         return await run(body, http_request, prompts, arrival, head, chunk, response, recorded)

@@ -408,8 +408,13 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.suffix is not None:
-            raise APIError("suffix is not supported", param="suffix")
+        if self.suffix is not None and self.echo:
+            raise APIError("echo gives the prompt back, which a suffix splits in two; send one of them", param="echo")
+        if self.suffix is not None and self.truncate_prompt_tokens is not None:
+            raise APIError(
+                "truncate_prompt_tokens would cut the start of the text around the gap; shorten the prompt instead",
+                param="truncate_prompt_tokens",
+            )
         if self.best_of not in (None, self.n):
             raise APIError("best_of is not supported (only best_of = n, which returns every choice)", param="best_of")
 

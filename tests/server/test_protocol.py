@@ -122,7 +122,7 @@ def test_error_body_is_openai_shaped():
         (completion, {"n": 0}, "n"),
         (chat, {"n": -1}, "n"),
         (completion, {"n": 2, "best_of": 3}, "best_of"),
-        (completion, {"suffix": "!"}, "suffix"),
+        (completion, {"suffix": "!", "echo": True}, "echo"),
         (completion, {"best_of": 2}, "best_of"),
         (completion, {"logit_bias": {"fifty": 1.0}}, "logit_bias"),
         (chat, {"logit_bias": {"2.5": 1.0}}, "logit_bias"),

@@ -32,18 +32,22 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-def scripted_tokenizer(script: list[str]) -> Tokenizer:
-    """Words for every id, the script's along the target's chain from ASK's id, then EOS."""
+def scripted_tokenizer(script: list[str], ask: str = ASK, others: tuple[str, ...] = ()) -> Tokenizer:
+    """Words for every id, the script's along the target's chain from `ask`'s id, then
+    EOS; `others` off the chain."""
     vocab = len(PERM)
     words = {i: f"w{i}" for i in range(vocab)}
     start = 3
-    words[start] = ASK
+    words[start] = ask
     token = start
     for word in script:
         token = int(PERM[token])
         words[token] = word
     eos = int(PERM[token])
     words[eos] = "<eos>"
+    free = (i for i in range(1, vocab) if words[i].startswith("w"))  # w0 stays: the unknown word
+    for word, i in zip(others, free):
+        words[i] = word
     assert len(set(words.values())) == vocab, "the script's chain came round to a word twice"
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in words.items()}, unk_token="w0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
