@@ -87,7 +87,8 @@ def add_bench_flags(parser: argparse.ArgumentParser, own_servers: bool = False) 
         "--prompts-file",
         default=None,
         metavar="JSONL",
-        help='one {"prompt": ...} or {"messages": [...]} per line, optional "max_tokens" and "name"',
+        help='one {"prompt": ...} or {"messages": [...]} per line, optional "max_tokens" and "name"; '
+        '"suffix" beside "prompt" fills in the middle (--api completions)',
     )
     parser.add_argument("--mean-input-tokens", type=int, default=550, help="sonnet prompt length")
     parser.add_argument("--stddev-input-tokens", type=int, default=150)

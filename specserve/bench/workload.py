@@ -35,6 +35,7 @@ class Prompt:
     text: str | None = None  # a raw prompt, or under the chat API the one user message
     messages: tuple[dict[str, str], ...] | None = None
     max_tokens: int | None = None  # overrides the sampled output length
+    suffix: str | None = None  # the completions API's: the text after the gap the answer fills
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,9 @@ def builtin_workload(name: str) -> Workload:
 
 
 def load_prompts_file(path: str | Path, api: str) -> Workload:
-    """A JSONL file of {"prompt": str} or {"messages": [...]}, with optional "max_tokens"
-    and "name"; the test case is named after the file."""
+    """A JSONL file of {"prompt": str} (and "suffix", the completions API's fill in the
+    middle) or {"messages": [...]}, with optional "max_tokens" and "name"; the test case
+    is named after the file."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -102,10 +104,15 @@ def _prompt_of_line(line: str, path: Path, number: int, api: str) -> Prompt:
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
     name = str(entry.get("name", number))
+    suffix = entry.get("suffix")
+    if suffix is not None and not (isinstance(suffix, str) and "prompt" in entry):
+        raise ConfigError(f'{where}: "suffix" must be a text beside "prompt" (the code after the gap)')
+    if suffix is not None and api != "completions":
+        raise ConfigError(f"{where} has a suffix, which only the completions API sends; pass --api completions")
     if "prompt" in entry:
         if not isinstance(entry["prompt"], str):
             raise ConfigError(f"{where}: {fix}")
-        return Prompt(name, text=entry["prompt"], max_tokens=max_tokens)
+        return Prompt(name, text=entry["prompt"], max_tokens=max_tokens, suffix=suffix)
     messages = entry["messages"]
     if not (
         isinstance(messages, list)
@@ -209,7 +216,7 @@ def shared_prefix(num_tokens: int, tokenizer: Tokenizer | None, seed: int) -> st
 def _prompt_fields(prompt: Prompt, api: str, prefix: str = "") -> dict[str, Any]:
     """The request's prompt (or messages), the shared prefix put before the first text."""
     if api == "completions":
-        return {"prompt": prefix + prompt.text}
+        return {"prompt": prefix + prompt.text, **({"suffix": prompt.suffix} if prompt.suffix is not None else {})}
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
     messages[0] = {**messages[0], "content": prefix + messages[0]["content"]}
     return {"messages": messages}
@@ -217,6 +224,8 @@ def _prompt_fields(prompt: Prompt, api: str, prefix: str = "") -> dict[str, Any]
 
 def count_prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> int:
     """The prompt's tokens as the server sees them: the chat template applied where there is one."""
+    if "suffix" in body and tokenizer.fim_ids is not None:
+        return len(tokenizer.encode_infill(body["prompt"], body["suffix"]))
     if "prompt" in body:
         return len(tokenizer.encode(body["prompt"]))
     if tokenizer.chat_template:

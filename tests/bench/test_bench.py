@@ -688,6 +688,28 @@ def test_bad_prompts_files_name_the_line(tmp_path, capsys):
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert bench("--prompts-file", str(prompts), "--api", "completions") == 2
     assert "drop --api completions" in capsys.readouterr().err
+    prompts.write_text('{"prompt": "def f(", "suffix": "    return y"}\n')
+    assert bench("--prompts-file", str(prompts)) == 2
+    assert "only the completions API sends; pass --api completions" in capsys.readouterr().err
+    prompts.write_text('{"prompt": "def f(", "suffix": 3}\n')
+    assert bench("--prompts-file", str(prompts), "--api", "completions") == 2
+    assert '"suffix" must be a text beside "prompt"' in capsys.readouterr().err
+
+
+def test_a_prompts_files_suffix_is_sent_and_counted_as_the_fim_prompt(tmp_path):
+    from specserve.bench.workload import load_prompts_file
+    from specserve.tokenizer import FIM_TOKENS
+    from tests.server.test_server_tools import scripted_tokenizer
+
+    prompts = tmp_path / "infill.jsonl"
+    prompts.write_text('{"prompt": "def f ( x ):", "suffix": "return y", "name": "f"}\n')
+    workload = load_prompts_file(prompts, "completions")
+    tokenizer = scripted_tokenizer([], others=FIM_TOKENS[0])
+    (request,) = build_requests(
+        workload, 1, Lengths(1, 0, 8, 0), api="completions", model="m", sampling_params={}, tokenizer=tokenizer, seed=0
+    )
+    assert (request.body["prompt"], request.body["suffix"]) == ("def f ( x ):", "return y")
+    assert request.num_input_tokens == 3 + 5 + 2  # the three FIM tokens around the two texts
 
 
 def test_an_unreachable_server_is_named(capsys):
