@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text to continue")
     source.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    gen.add_argument(
+        "--suffix", default=None, help="the text after a gap: --prompt is the text before it, the answer fills it"
+    )
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -657,6 +660,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from specserve.sampling import SamplingParams
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
+    if args.suffix is not None and args.chat is not None:
+        raise ConfigError("--suffix fills the gap after a --prompt; a --chat message has none")
     wanted = structured_output_of(args)
     require_positive(args, "num_scheduler_steps")
     params = SamplingParams(
@@ -687,7 +692,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if wanted is not None:
         params = dataclasses.replace(params, guide=GuideCache(tokenizer).guide(wanted))
-    prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat)
+    prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat, suffix=args.suffix)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)
     if args.json:

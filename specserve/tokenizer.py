@@ -344,7 +344,7 @@ class Tokenizer:
         if self.fim_ids is None:
             raise ConfigError(
                 "this model has no fill-in-the-middle tokens, so it cannot fill a gap before a suffix; "
-                "send the prompt alone, or serve a code model that has them (qwen2.5-coder-1.5b)"
+                "send the prompt alone, or use a code model that has them (qwen2.5-coder-1.5b)"
             )
         begin, hole, end = self.fim_ids
         before = prefix if isinstance(prefix, list) else self.encode(prefix, add_special_tokens=False, at_most=at_most)

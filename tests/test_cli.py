@@ -139,10 +139,16 @@ def test_a_structured_answer_from_the_cli(prepared_cache, capsys, flags, answer)
         (["--guided-json", "@/no/such/schema.json"], "--guided-json @/no/such/schema.json"),
         (["--guided-json", '{"type": "object", "not": {}}'], "keyword 'not' at # is not supported"),
         (["--guided-regex", "(a"], "is not closed"),
+        (["--suffix", "return x"], "--suffix fills the gap after a --prompt; a --chat message has none"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(prepared_cache, capsys, args, words):
     assert_refused(prepared_cache, capsys, ["generate", *CHAT, *args], words)
+
+
+def test_a_suffix_needs_a_model_with_fill_in_the_middle_tokens(prepared_cache, capsys):
+    argv = ["generate", "--model", "smollm2-135m", "--prompt", "def f():", "--suffix", "    return x"]
+    assert_refused(prepared_cache, capsys, argv, "this model has no fill-in-the-middle tokens")
 
 
 def assert_refused(cache: str, capsys, argv: list[str], words: str) -> None:

@@ -213,13 +213,18 @@ def use_cuda_graphs(models: list[Decoder | EagleHead], slots: int, positions: in
         model.use_cuda_graphs(slots, positions, captured_bytes)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None) -> list[int]:
-    """Token ids of raw text, or of one user message wrapped in the chat template."""
+def encode_prompt(
+    tokenizer: Tokenizer, prompt: str | None = None, chat: str | None = None, suffix: str | None = None
+) -> list[int]:
+    """Token ids of raw text (with a suffix: the text before a gap to fill,
+    `Tokenizer.encode_infill`), or of one user message wrapped in the chat template."""
     if chat is not None:
+        if suffix is not None:
+            raise ConfigError("--suffix fills the gap after a --prompt; a --chat message has none")
         return tokenizer.encode_chat([{"role": "user", "content": chat}])
     if not prompt:
         raise ConfigError("the prompt is empty: pass some text with --prompt or --chat")
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt) if suffix is None else tokenizer.encode_infill(prompt, suffix)
 
 
 def run_one(
