@@ -476,6 +476,13 @@ def build_app(
         if events is not None:
             return StreamingResponse(events(choices), media_type="text/event-stream")
 
+        def chunk_of(choice: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
+            """make_chunk's chunk, with its choice's usage so far where the request asks for it."""
+            piece = make_chunk(choice, out, first)
+            if piece is not None and body.continuous_usage:
+                piece["usage"] = _usage([out], 1, completed=not body.echo_only)
+            return piece
+
         async def stream() -> AsyncIterator[bytes]:
             last: dict[int, RequestOutput] = {}
             quiet = _Quiet()
@@ -484,9 +491,9 @@ def build_app(
                     first = choice not in last
                     last[choice] = out
                     if out.prompt_logprobs:  # a whole prompt's logprobs: built and encoded off the loop
-                        event = await asyncio.to_thread(lambda: _sse_or_none(make_chunk(choice, out, first)))
+                        event = await asyncio.to_thread(lambda: _sse_or_none(chunk_of(choice, out, first)))
                     else:
-                        event = _sse_or_none(make_chunk(choice, out, first))
+                        event = _sse_or_none(chunk_of(choice, out, first))
                     if event is not None:
                         quiet.sent()
                         yield event

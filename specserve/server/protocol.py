@@ -112,6 +112,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class _Sampling(RequestBody):
@@ -334,6 +335,11 @@ class _Sampling(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries usage (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _json_schema(schema: Any, param: str) -> StructuredOutput:
