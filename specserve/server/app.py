@@ -641,6 +641,11 @@ def build_app(
         def echoed(index: int) -> str:
             return prompt_texts[index // body.n] if body.echo else ""
 
+        def ids_of(index: int, token_ids: Sequence[int], first: bool) -> dict[str, Any]:
+            """vLLM's return_token_ids: a choice's new ids, and its prompt's with its first."""
+            prompt = {"prompt_token_ids": prompts[index // body.n]} if first else {}
+            return {**prompt, "token_ids": list(token_ids)}
+
         def echoed_logprobs(index: int, prompt_logprobs: Sequence[TokenLogprob] | None) -> list[TokenLogprob | int]:
             """The prompt's tokens leading the choice's logprobs, under echo with logprobs."""
             if body.echoed_logprobs is None:
@@ -655,10 +660,14 @@ def build_app(
                 and not out.finished
                 and not (body.logprobs is not None and generated_logprobs)
                 and not (per_token and out.num_new_tokens and not body.echo_only)
+                and not (body.return_token_ids and out.token_ids and not body.echo_only)
             ):
                 return None
             logprobs = (echoed_logprobs(index, out.prompt_logprobs) if first else []) + generated_logprobs
-            piece = {**head, "choices": [choice(index, text, out, logprobs)]}
+            described = choice(index, text, out, logprobs)
+            if body.return_token_ids:
+                described |= ids_of(index, () if body.echo_only else out.token_ids, first)
+            piece = {**head, "choices": [described]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
@@ -667,6 +676,8 @@ def build_app(
             generated, generated_logprobs = ("", []) if body.echo_only else ("".join(result.text), result.logprobs)
             logprobs = echoed_logprobs(index, result.prompt_logprobs) + generated_logprobs
             described = choice(index, echoed(index) + generated, result.last, logprobs)
+            if body.return_token_ids:
+                described |= ids_of(index, () if body.echo_only else result.token_ids, True)
             if body.prompt_logprobs is not None:
                 described["prompt_logprobs"] = prompt_logprobs_field(
                     result.prompt_logprobs or (), tokenizer, body.prompt_logprobs
@@ -800,6 +811,7 @@ def build_app(
                 and not first
                 and not with_logprobs
                 and not (per_token and out.num_new_tokens)
+                and not (body.return_token_ids and out.token_ids)
             ):
                 return None
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -810,12 +822,11 @@ def build_app(
             if entries:
                 delta["tool_calls"] = entries
             calls_made = out.finished and calling is not None and calling[index].calls_made
-            piece = {
-                **head,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended(out, calls_made)}
-                ],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": described(out.logprobs), **ended(out, calls_made)}
+            if body.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            prompt = {"prompt_token_ids": prompt_ids} if body.return_token_ids and first else {}
+            piece = {**head, **prompt, "choices": [choice]}
             if out.finished:
                 piece["spec_decode"] = _spec_decode([out])
             return piece
@@ -825,11 +836,13 @@ def build_app(
             message: dict[str, Any] = {"role": "assistant", "content": content, **shown(reasoning)}
             if calls:
                 message["tool_calls"] = [call.described() for call in calls]
+            ids = {"token_ids": result.token_ids} if body.return_token_ids else {}
             return {
                 "index": index,
                 "message": message,
                 "logprobs": described(result.logprobs),
                 **ended(result.last, bool(calls)),
+                **ids,
             }
 
         def response(results: list[ChoiceResult]) -> dict[str, Any]:
@@ -838,9 +851,11 @@ def build_app(
             if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response
                 entries = results[0].prompt_logprobs or ()
                 prompt_logprobs["prompt_logprobs"] = prompt_logprobs_field(entries, tokenizer, body.prompt_logprobs)
+            prompt_ids_field = {"prompt_token_ids": prompt_ids} if body.return_token_ids else {}
             return {
                 **head,
                 **prompt_logprobs,
+                **prompt_ids_field,
                 "object": "chat.completion",
                 "choices": [whole_choice(i, r) for i, r in enumerate(results)],
                 "usage": _usage(lasts, body.n),

@@ -75,6 +75,7 @@ class RequestOutput:
     text: str  # new text since the previous output
     num_new_tokens: int
     finished: bool
+    token_ids: tuple[int, ...] = ()  # the new tokens' ids
     finish_reason: str | None = None  # "stop" or "length" (or "abort" at shutdown)
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     num_prompt_tokens: int = 0
@@ -396,6 +397,7 @@ class AsyncEngine:
                 RequestOutput(
                     text=text,
                     num_new_tokens=piece.stop - piece.start,
+                    token_ids=tuple(new_ids[piece]),
                     finished=seq.finished and last,
                     finish_reason=seq.finish_reason if last else None,
                     stop_reason=request.text.stop_reason if last else None,

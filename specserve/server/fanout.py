@@ -35,12 +35,14 @@ class ChoiceResult:
     """A whole choice, for a response that is not streamed."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # where the request asked for them
     last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

@@ -143,6 +143,7 @@ class _Sampling(RequestBody):
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and n alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's extension: the prompt's last k ids alone; -1: the context's
     priority: int = 0  # vLLM's extension: lower is served first, under --scheduling-policy priority
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids beside the text
     # vLLM's extensions we do not implement, taken only at the values that ask for nothing
     # (`VLLM_UNSUPPORTED`): a vLLM client's request that sets one is refused, not answered
     # as if it had not.

@@ -54,15 +54,17 @@ def scripted_tokenizer(script: list[str], ask: str = ASK, others: tuple[str, ...
     return Tokenizer(backend, bos_token_id=None, declared_eos_ids=[eos], add_bos=False, chat_template=TEMPLATE)
 
 
-async def chat(parser: str | None, bodies: list[dict]) -> list[httpx.Response]:
-    """Each body sent to a fresh server whose target answers parser's script."""
+async def chat(parser: str | None, bodies: list[dict], completions: list[dict] = ()) -> list[httpx.Response]:
+    """Each chat body, then each completions body, sent to a fresh server whose target
+    answers parser's script."""
     tokenizer = scripted_tokenizer(SCRIPTS[parser or "hermes"])
     engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
     app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser=parser))
     engine.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return [await client.post("/v1/chat/completions", json=body) for body in bodies]
+            sent = [await client.post("/v1/chat/completions", json=body) for body in bodies]
+            return sent + [await client.post("/v1/completions", json=body) for body in completions]
     finally:
         engine.stop()
 
