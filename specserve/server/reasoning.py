@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.structured.thinking import THINK_END, THINK_START
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
-THINK_START, THINK_END = "<think>", "</think>"
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:

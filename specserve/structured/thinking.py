@@ -29,7 +29,7 @@ import torch
 from specserve.structured.guide import GuideVocabulary
 from specserve.structured.nested import MAX_CACHED_STEPS
 
-THINK_START, THINK_END = "<think>", "</think>"
+THINK_START, THINK_END = "<think>", "</think>"  # a thinking model's block (server/reasoning.py)
 BEFORE, INSIDE = -1, -2
 _CLOSED, _PAST = len(THINK_END), len(THINK_END) + 1  # the tag just completed; text after it
 
@@ -38,7 +38,7 @@ class InnerGuide(Protocol):
     @property
     def start(self) -> int: ...
     def step(self, state: int, token_id: int) -> int: ...
-    def state_after(self, token_ids: Sequence[int]) -> int: ...
+    def state_after(self, token_ids: Sequence[int], state: int = ...) -> int: ...  # from the start by default
     def accepts(self, state: int) -> bool: ...
     def allowed(self, state: int, stop_ids: Collection[int]) -> torch.Tensor: ...
 

@@ -87,6 +87,18 @@ def guided_greedy_by_hand(
     return output
 
 
+def guided_through_engine(target: Decoder, guide, proposer_kind: str, max_tokens: int = 40) -> list[list[int]]:
+    """Each of PROMPTS decoded greedily under `guide` by one engine, with a proposer of
+    `proposer_kind` (test_penalties.py) drafting 4 tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=guide)
+    proposer = proposer_of_kind(proposer_kind, target)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=4)
+    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    return [seq.output_ids for seq in seqs]
+
+
 def test_masks_are_the_ids_whose_text_keeps_a_match_in_reach():
     """Every state's mask, against walking each id's text through the DFA alone."""
     for pattern in PATTERNS.values():

@@ -10,9 +10,7 @@ import random
 
 import pytest
 
-from specserve.engine.engine import Engine
 from specserve.errors import ConfigError
-from specserve.sampling import SamplingParams
 from specserve.structured.guide import Guide, GuideCache, GuideVocabulary
 from specserve.structured.json_schema import json_object_regex, schema_to_regex
 from specserve.structured.nested import MAX_DEPTH, NestedGuide
@@ -20,8 +18,12 @@ from specserve.structured.outputs import StructuredOutput, compiled
 from specserve.structured.regex import compile_regex
 from tests.engine.test_engine import EOS, PROMPTS
 from tests.server.test_server_structured import character_tokenizer
-from tests.structured.test_guided_engine import TEXTS, guided_greedy_by_hand, target  # noqa: F401 (a fixture)
-from tests.test_penalties import proposer_of_kind
+from tests.structured.test_guided_engine import (  # noqa: F401 (target: a fixture)
+    TEXTS,
+    guided_greedy_by_hand,
+    guided_through_engine,
+    target,
+)
 
 # Pieces of JSON, several brackets to a token among them, and text that is no JSON.
 PIECES = [
@@ -127,16 +129,9 @@ def test_json_mode_compiles_to_the_pushdown_guide(isolated):
 @pytest.mark.parametrize("proposer_kind", ["none", "draft", "ngram"])
 def test_json_mode_greedy_decoding_is_the_masked_targets_with_every_proposer(target, proposer_kind):  # noqa: F811
     guide = guide_of(TEXTS)
-    params = SamplingParams(max_tokens=40, temperature=0.0, guide=guide)
-    engine = Engine(
-        target, eos_token_ids=[EOS], proposer=proposer_of_kind(proposer_kind, target), num_speculative_tokens=4
-    )
-    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS]
-    while not all(s.finished for s in seqs):
-        engine.step()
-    for seq, prompt in zip(seqs, PROMPTS):
+    for output_ids, prompt in zip(guided_through_engine(target, guide, proposer_kind), PROMPTS):
         expected = guided_greedy_by_hand(target, prompt, guide, 40, reads=lambda state, t: guide.step(state, t) != 0)
-        assert seq.output_ids == expected
+        assert output_ids == expected
         if expected[-1] == EOS:
             assert isinstance(json.loads(text_of(expected[:-1], TEXTS)), dict)
 

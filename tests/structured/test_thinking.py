@@ -12,8 +12,6 @@ import re
 
 import pytest
 
-from specserve.engine.engine import Engine
-from specserve.sampling import SamplingParams
 from specserve.server.reasoning import ReasoningParser
 from specserve.structured.guide import Guide, GuideVocabulary
 from specserve.structured.nested import NestedGuide
@@ -21,8 +19,12 @@ from specserve.structured.outputs import StructuredOutput, compiled
 from specserve.structured.regex import compile_regex
 from specserve.structured.thinking import BEFORE, INSIDE, BlockMasks, ThinkingFirst
 from tests.engine.test_engine import EOS, PROMPTS
-from tests.structured.test_guided_engine import TEXTS, guided_greedy_by_hand, target  # noqa: F401 (a fixture)
-from tests.test_penalties import proposer_of_kind
+from tests.structured.test_guided_engine import (  # noqa: F401 (target: a fixture)
+    TEXTS,
+    guided_greedy_by_hand,
+    guided_through_engine,
+    target,
+)
 
 PIECES = [
     *["<think>", "</think>", "</", "think", ">", ">\n", "</think>\n", "<", "/", "<th", "ink>", "t", "k"],
@@ -125,19 +127,12 @@ def test_guided_greedy_decoding_after_a_block_is_the_masked_targets(target, prop
     closed = 0
     for opened in (False, True):
         guide = ThinkingFirst(inner, BlockMasks(vocabulary_of(THINK_TEXTS)), opened)
-        params = SamplingParams(max_tokens=40, temperature=0.0, guide=guide)
-        engine = Engine(
-            target, eos_token_ids=[EOS], proposer=proposer_of_kind(proposer_kind, target), num_speculative_tokens=4
-        )
-        seqs = [engine.add_request(prompt, params) for prompt in PROMPTS]
-        while not all(s.finished for s in seqs):
-            engine.step()
-        for seq, prompt in zip(seqs, PROMPTS):
+        for output_ids, prompt in zip(guided_through_engine(target, guide, proposer_kind), PROMPTS):
             reads = lambda state, t: guide.step(state, t) != guide.dead  # noqa: E731
-            assert seq.output_ids == guided_greedy_by_hand(target, prompt, guide, 40, reads=reads)
-            text = text_of(seq.output_ids[:-1], THINK_TEXTS)
+            assert output_ids == guided_greedy_by_hand(target, prompt, guide, 40, reads=reads)
+            text = text_of(output_ids[:-1], THINK_TEXTS)
             closed += "</think>" in text
-            if seq.output_ids[-1] == EOS:
+            if output_ids[-1] == EOS:
                 reasoning, content = ReasoningParser("qwen3", opened, guided=True).split(text)
                 assert re.fullmatch(r'\{"name": "[a-z]{1,8}"\}', content)
     assert closed >= 4
