@@ -305,7 +305,11 @@ class Tokenizer:
         if not continue_final_message:
             return text
         final = str(messages[-1].get("content") or "").strip()
-        end = text.rfind(final) if final else -1
+        if not final:
+            raise ConfigError(
+                "the final message is empty, so there is nothing to continue; drop continue_final_message"
+            )
+        end = text.rfind(final)
         if end < 0:
             raise ConfigError("the chat template does not write the final message's content, so it cannot be continued")
         return text[: end + len(final)]

@@ -175,6 +175,14 @@ def test_continue_final_message_goes_on_with_the_last_message():
         ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
         ({"include_reasoning": "yes"}, "include_reasoning"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            },
+            "messages",
+        ),
     ],
 )
 def test_what_the_template_cannot_take_is_refused_naming_its_field(fields, param):
