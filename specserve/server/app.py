@@ -428,12 +428,14 @@ def build_app(
         recorded: Callable[[], list[Instruction]],
         events: Callable[[Fanout], AsyncIterator[bytes]] | None = None,
         thinking: ReasoningParser | None = None,
+        detached: Callable[[Fanout], Response] | None = None,
     ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
         engine admits them, the prompts `recorded` makes go to the recorder. A stream
         sends make_chunk's chunks, or where given, what `events` makes of the choices
         (which it closes). Where `thinking` reads the answers' reasoning, a structure
-        holds from the reasoning's end on."""
+        holds from the reasoning's end on. `detached` answers at once, the choices once
+        admitted running on without the client (a background response)."""
         requests = []
         guide = await structured_guide(body)
         if guide is not None and thinking is not None:
@@ -452,6 +454,8 @@ def build_app(
             raise _as_api_error(e) from None
         if recorder is not None:
             recorder.record(recorded)
+        if detached is not None:
+            return detached(choices)
         if not body.stream:
             collecting = asyncio.ensure_future(choices.collect())
             try:
@@ -712,6 +716,33 @@ def build_app(
         return await chat(await _parsed(http_request, ChatCompletionRequest), http_request, arrival)
 
     kept_responses = ResponseStore()
+    background_runs: dict[str, asyncio.Task] = {}  # background responses still running, by id
+
+    def run_in_background(shape: ResponseObject, make_response: Callable, choices: Fanout) -> Response:
+        """Answer with the response in progress (kept, for GET to read) and finish it on
+        its own: completed, cancelled (POST .../cancel, or the server's shutdown) or failed."""
+
+        async def finish() -> None:
+            try:
+                results = await choices.collect()
+                await asyncio.to_thread(make_response, results)  # kept as it completes
+            except asyncio.CancelledError:
+                shape.keep_unfinished("cancelled")
+            except Exception as e:
+                shape.keep_unfinished("failed", _as_api_error(e).body()["error"])
+            finally:
+                background_runs.pop(shape.id, None)
+
+        in_progress = shape.keep_unfinished("in_progress")
+        background_runs[shape.id] = asyncio.create_task(finish())
+        return JSONResponse(in_progress)
+
+    async def cancel_run(response_id: str) -> None:
+        """Cancel a background response still running (its choices are aborted) and wait for it to be kept."""
+        task = background_runs.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     @app.post("/v1/responses")
     async def responses(http_request: Request) -> Response:
@@ -732,8 +763,20 @@ def build_app(
     ) -> dict[str, Any]:
         return kept_responses.input_items(response_id, limit, order, after)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        """OpenAI's: a background response cancelled (one already ended comes back as it is)."""
+        if not kept_responses.get(response_id)["background"]:
+            raise APIError(
+                f"response {response_id!r} was not made in the background; only background responses can be cancelled",
+                param="response_id",
+            )
+        await cancel_run(response_id)
+        return kept_responses.get(response_id)
+
     @app.delete("/v1/responses/{response_id}")
     async def forget_response(response_id: str) -> dict[str, Any]:
+        await cancel_run(response_id)
         kept_responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -905,8 +948,11 @@ def build_app(
             finally:
                 await choices.aclose()  # client gone: abort what still runs
 
+        detached = None
+        if shape.request.background:
+            detached = functools.partial(run_in_background, shape, whole_response)
         return await run(
-            body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events, thinking
+            body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events, thinking, detached
         )
 
     return app

@@ -117,11 +117,14 @@ class ResponsesRequest(RequestBody):
     def chat_request(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The chat request this one asks for, after the turns of `history` (those of
         the previous responses); APIError(400) naming the field it cannot serve."""
-        if self.background:
+        if self.background and self.stream:
             raise APIError(
-                "background responses are not served; ask with stream: true to see the answer as it comes",
+                "a background response is not streamed here; poll GET /v1/responses/{id} for it, "
+                "or stream it in the foreground",
                 param="background",
             )
+        if self.background and self.store is False:
+            raise APIError("a background response is kept to be read later, so it needs store", param="background")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
         if self.truncation not in (None, "disabled", "auto"):
@@ -272,6 +275,7 @@ class ResponsesRequest(RequestBody):
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": self.previous_response_id,
+            "background": bool(self.background),
             "reasoning": self.reasoning,
             "store": self.store is not False,
             "temperature": 1.0 if self.temperature is None else self.temperature,
@@ -436,6 +440,13 @@ class ResponseObject:
         output += [call_item(_new_id("fc"), call) for call in calls]
         return self.finished(output, chat_usage, finish_reason)
 
+    def keep_unfinished(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A background response's object while it runs ("in_progress") or where it
+        ended without an answer ("cancelled", "failed" with the error), kept."""
+        unfinished = {**self.object(status, []), "error": error}
+        self.store.put(StoredResponse(self.request.previous_response_id, [], unfinished, self.request.input_items))
+        return unfinished
+
     def finished(self, output: list[dict[str, Any]], chat_usage, finish_reason: str | None) -> dict[str, Any]:
         """The finished response, kept where the request asks for it."""
         done = self.object("completed", output, chat_usage, finish_reason)
@@ -468,7 +479,7 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class StoredResponse:
     previous_id: str | None  # the response it continued
-    turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer
+    turns: list[dict[str, Any]]  # the chat turns it added: its input's, then its answer (none while unanswered)
     body: dict[str, Any]  # the response object, its logprobs left out
     input_items: list[dict[str, Any]]  # its input, as `input_items` lists it
 
@@ -477,7 +488,7 @@ class StoredResponse:
         """The characters of its turns' text and reasoning, and its input items' (its
         answer's counted twice: the body holds it too)."""
         fields = ("content", "reasoning_content")
-        texts = [turn.get(f) or "" for turn in [*self.turns, self.turns[-1]] for f in fields]
+        texts = [turn.get(f) or "" for turn in [*self.turns, *self.turns[-1:]] for f in fields]
         calls = [call["function"]["arguments"] for turn in self.turns for call in turn.get("tool_calls", ())]
         return sum(map(len, texts)) + 2 * sum(map(len, calls)) + sum(map(_item_chars, self.input_items))
 
@@ -511,6 +522,8 @@ class ResponseStore:
         if stored.chars > self.chars:
             return
         with self._lock:
+            replaced = self._kept.pop(stored.body["id"], None)  # a background response's earlier state
+            self._chars -= 0 if replaced is None else replaced.chars
             self._kept[stored.body["id"]] = stored
             self._chars += stored.chars
             while self._kept and (len(self._kept) > self.size or self._chars > self.chars):
@@ -560,6 +573,11 @@ class ResponseStore:
         with self._lock:
             while response_id is not None:
                 chain.append(self._stored(response_id, "previous_response_id", status=400))
+                if not chain[-1].turns:  # a background response running, cancelled or failed
+                    raise APIError(
+                        f"response {response_id!r} is {chain[-1].body['status']}: it has no answer to go on from",
+                        param="previous_response_id",
+                    )
                 response_id = chain[-1].previous_id
         return [turn for stored in reversed(chain) for turn in stored.turns]
 

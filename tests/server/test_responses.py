@@ -6,7 +6,9 @@ each checked against the `openai` package's own models."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -201,7 +203,7 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete():
     "fields, param",
     [
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"input": []}, "input"),
         ({"input": ["weather"]}, "input[0]"),
         (
@@ -252,25 +254,32 @@ def test_text_format_and_tool_choice_become_the_chat_requests():
     assert chat.forced_tool() == "get_weather" and chat.tools[0].function.name == "get_weather"
     assert chat.truncate_prompt_tokens == -1 and chat.requested_max_tokens() == 7
     with pytest.raises(APIError):
-        ResponsesRequest.model_validate({"input": "x", "background": True}).chat_request()
+        ResponsesRequest.model_validate({"input": "x", "background": True, "stream": True}).chat_request()
 
 
-async def conversation(steps: list) -> list[httpx.Response]:
-    """Each step a (method, path, body) or a function of the responses so far giving one,
-    sent in turn to one server (the hermes script's target and parser)."""
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of one server in process (the hermes script's target and parser)."""
     tokenizer = scripted_tokenizer(SCRIPTS["hermes"])
     engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
     app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser="hermes"))
     engine.start()
-    sent: list[httpx.Response] = []
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            for step in steps:
-                method, path, body = step(sent) if callable(step) else step
-                sent.append(await client.request(method, path, json=body))
-        return sent
+            yield client
     finally:
         engine.stop()
+
+
+async def conversation(steps: list) -> list[httpx.Response]:
+    """Each step a (method, path, body) or a function of the responses so far giving one,
+    sent in turn to one server (`serving`)."""
+    sent: list[httpx.Response] = []
+    async with serving() as client:
+        for step in steps:
+            method, path, body = step(sent) if callable(step) else step
+            sent.append(await client.request(method, path, json=body))
+    return sent
 
 
 def test_previous_response_id_continues_the_conversation_kept_on_the_server():
@@ -463,3 +472,47 @@ def test_a_response_holding_a_call_back_keeps_its_connection_alive(monkeypatch):
     assert blocks.count(": keep-alive") >= 3
     kept_alive = httpx.Response(200, headers=stream.headers, text="\n\n".join(b for b in blocks if b[0] != ":"))
     assert [e.type for e in events(kept_alive)][-1] == "response.completed"
+
+
+def test_a_background_response_runs_on_its_own_and_is_read_or_cancelled():
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
+
+    async def scenario() -> dict[str, dict]:
+        async with serving() as client:
+
+            async def ended(response_id: str) -> dict:
+                while (kept := (await client.get(f"/v1/responses/{response_id}")).json())["status"] == "in_progress":
+                    await asyncio.sleep(0.01)
+                return kept
+
+            seen = {"foreground": (await client.post("/v1/responses", json=ask)).json()}
+            started = (await client.post("/v1/responses", json={**ask, "background": True})).json()
+            seen["started"], seen["done"] = started, await ended(started["id"])
+            long = {**ask, "max_output_tokens": 200, "ignore_eos": True, "background": True}
+            running = (await client.post("/v1/responses", json=long)).json()
+            seen["cancelled"] = (await client.post(f"/v1/responses/{running['id']}/cancel")).json()
+            seen["after"] = (
+                await client.post("/v1/responses", json={**ask, "previous_response_id": running["id"]})
+            ).json()
+            foreground_id = seen["foreground"]["id"]
+            seen["not background"] = (await client.post(f"/v1/responses/{foreground_id}/cancel")).json()
+            seen["again"] = (await client.post(f"/v1/responses/{started['id']}/cancel")).json()
+            return seen
+
+    seen = asyncio.run(scenario())
+    assert seen["started"]["status"] == "in_progress" and seen["started"]["background"] is True
+    done = Response.model_validate(seen["done"])
+    assert done.status == "completed" and done.output_text == Response.model_validate(seen["foreground"]).output_text
+    assert seen["cancelled"]["status"] == "cancelled" and seen["cancelled"]["output"] == []
+    assert (
+        seen["after"]["error"]["param"] == "previous_response_id" and "cancelled" in seen["after"]["error"]["message"]
+    )
+    assert seen["not background"]["error"]["param"] == "response_id"
+    assert seen["again"]["status"] == "completed"  # one already ended comes back as it is
+
+
+@pytest.mark.parametrize("fields, words", [({"stream": True}, "not streamed here"), ({"store": False}, "needs store")])
+def test_a_background_response_that_cannot_be_kept_or_polled_is_refused(fields, words):
+    (refused,) = asyncio.run(post([("/v1/responses", {"input": "weather", "background": True, **fields})]))
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "background" and words in error["message"]
