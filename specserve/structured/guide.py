@@ -57,6 +57,17 @@ class GuideVocabulary:
     columns: tuple[np.ndarray, ...]  # L of [counts[j]] int32: the j-th character of each, as an index into `alphabet`
     alphabet: np.ndarray  # [A] int64: the distinct code points the vocabulary spells
 
+    def reads(self, transitions: np.ndarray, start: int, columns: Sequence[np.ndarray], dead: int) -> np.ndarray:
+        """[width] bool: the ids whose whole text an automaton reads from `start` to a
+        state other than `dead` (transitions[state, class]; columns: `columns` as the
+        automaton's classes). Every token at once, a character position at a time."""
+        current = np.full(len(self.order), start, dtype=np.int32)  # each token's state so far
+        for count, classes in zip(self.counts, columns):
+            current[:count] = transitions[current[:count], classes]
+        mask = np.zeros(self.width, dtype=bool)
+        mask[self.order] = current != dead
+        return mask
+
     @classmethod
     def of(cls, tokenizer: Tokenizer, width: int) -> GuideVocabulary:
         """The tokenizer's vocabulary over a model's `width` logits (ids past the tokenizer's are never allowed)."""
@@ -181,15 +192,9 @@ class Guide:
 
     def _walk_every_token(self, state: int) -> np.ndarray:
         """[width] bool: which ids' whole text the DFA reads from `state` to a live state."""
-        vocabulary, transitions, dead = self.vocabulary, self.dfa.transitions, self.dfa.dead
-        mask = np.zeros(vocabulary.width, dtype=bool)
-        if state == dead:
-            return mask
-        current = np.full(len(vocabulary.order), state, dtype=np.int32)  # each token's state so far
-        for count, classes in zip(vocabulary.counts, self._columns):
-            current[:count] = transitions[current[:count], classes]
-        mask[vocabulary.order] = current != dead
-        return mask
+        if state == self.dfa.dead:
+            return np.zeros(self.vocabulary.width, dtype=bool)
+        return self.vocabulary.reads(self.dfa.transitions, state, self._columns, self.dfa.dead)
 
 
 def guided_rows(

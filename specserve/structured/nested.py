@@ -281,13 +281,7 @@ class NestedGuide:
     def _walk_plain(self, at: int) -> np.ndarray:
         """[width] bool: the tokens whose text the current level reads from `at` (right
         for every token with no bracket)."""
-        vocabulary = self.vocabulary
-        current = np.full(len(vocabulary.order), at, dtype=np.int32)
-        for count, classes in zip(vocabulary.counts, self._plain_columns):
-            current[:count] = self.transitions[current[:count], classes]
-        mask = np.zeros(vocabulary.width, dtype=bool)
-        mask[vocabulary.order] = current != self.dead
-        return mask
+        return self.vocabulary.reads(self.transitions, at, self._plain_columns, self.dead)
 
     def _walk_brackets(self, at: int, tail: tuple[int, ...], stack_length: int) -> np.ndarray:
         """[B] bool: which bracket tokens can be read from `at`, each with a stack of its

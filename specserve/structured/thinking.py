@@ -62,7 +62,8 @@ class BlockMasks:
         self.opening_ids = frozenset(i for i, text in enumerate(vocabulary.texts) if text == THINK_START)
         # [alphabet] -> its class: a character of THINK_END by position, or len(THINK_END) for any other.
         tag = {char: n for n, char in enumerate(THINK_END)}
-        self._classes = np.array([tag.get(chr(int(cp)), len(THINK_END)) for cp in vocabulary.alphabet], dtype=np.int64)
+        classes = np.array([tag.get(chr(int(cp)), len(THINK_END)) for cp in vocabulary.alphabet], dtype=np.int8)
+        self._columns = tuple(classes[column] for column in vocabulary.columns)  # as GuideVocabulary.columns
         # [written 0.._PAST, class]: the table _tag_step makes.
         self._table = np.array(
             [
@@ -78,12 +79,7 @@ class BlockMasks:
         """[width] bool, not to be written to: the tokens allowed with `written` characters of the tag written."""
         mask = self._masks.get(written)
         if mask is None:
-            vocabulary = self.vocabulary
-            current = np.full(len(vocabulary.order), written, dtype=np.int64)  # each token's count so far
-            for count, column in zip(vocabulary.counts, vocabulary.columns):
-                current[:count] = self._table[current[:count], self._classes[column]]
-            allowed = np.zeros(vocabulary.width, dtype=bool)
-            allowed[vocabulary.order] = current != _PAST
+            allowed = self.vocabulary.reads(self._table, written, self._columns, _PAST)
             mask = self._masks[written] = torch.from_numpy(allowed)
         return mask
 
