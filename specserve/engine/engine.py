@@ -490,7 +490,7 @@ class Engine:
             self._free_caches(seq)  # its prefix stored: its rejoining may load it instead of recomputing
             seq.cache = self.target.new_cache()  # the old storage goes with its last reference
             seq.num_preemptions += 1
-            self._enqueue(seq, True)
+            self._enqueue(seq, preempted=True)
             self.num_preemptions += 1
             log.info("preempted request %d: the KV cache space is full; it rejoins when there is room", seq.seq_id)
 

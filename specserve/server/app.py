@@ -912,7 +912,9 @@ def build_app(
                 return []
 
         if shape is None:
-            return await run(body, http_request, [prompt_ids], arrival, head, chunk, response, recorded, None, thinking)
+            return await run(
+                body, http_request, [prompt_ids], arrival, head, chunk, response, recorded, thinking=thinking
+            )
 
         def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
             (result,) = results
@@ -952,7 +954,17 @@ def build_app(
         if shape.request.background:
             detached = functools.partial(run_in_background, shape, whole_response)
         return await run(
-            body, http_request, [prompt_ids], arrival, head, chunk, whole_response, recorded, events, thinking, detached
+            body,
+            http_request,
+            [prompt_ids],
+            arrival,
+            head,
+            chunk,
+            whole_response,
+            recorded,
+            events=events,
+            thinking=thinking,
+            detached=detached,
         )
 
     return app

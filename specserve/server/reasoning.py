@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.server.tool_calls import may_begin
 from specserve.structured.thinking import THINK_END, THINK_START
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -39,14 +40,6 @@ def prompt_opens_thinking(prompt_tail: str) -> bool:
 def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
     """A message's or a delta's reasoning, under vLLM's name and its older one."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
-
-
-def _may_begin(text: str, tag: str) -> int:
-    """How many of text's last characters may begin `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +118,7 @@ class StreamedReasoning:
         elif finished:
             limit = len(text)
         else:
-            limit = len(text) - _may_begin(text[max(self.body, len(text) - len(THINK_END)) :], THINK_END)
+            limit = len(text) - may_begin(text[max(self.body, len(text) - len(THINK_END)) :], THINK_END)
         self.scanned = len(text)
         pending = text[self.reasoning_at : limit]
         lead = 0 if self.reasoned else len(pending) - len(pending.lstrip())

@@ -139,10 +139,10 @@ class ForcedToolCalls:
         return None if self.tool != "required" else "tool_calls"
 
 
-def _held_back(text: str) -> int:
-    """How many of text's last characters may begin CALL_START."""
-    for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
-        if CALL_START.startswith(text[-n:]):
+def may_begin(text: str, tag: str) -> int:
+    """How many of text's last characters may begin `tag` (a stream holds them back)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -170,7 +170,7 @@ class StreamedToolCalls:
             if any(s.startswith(answer) for s in _WHOLE_STARTS):
                 return ""  # blank, or a start that may still become one: decided by the next text
         start = self.text.find(CALL_START, self.sent)
-        end = start if start >= 0 else len(self.text) - _held_back(self.text[self.sent :])
+        end = start if start >= 0 else len(self.text) - may_begin(self.text[self.sent :], CALL_START)
         self.in_call = start >= 0
         end = max(self.sent, len(self.text[:end].rstrip()))  # blanks wait: before a call, they are no content
         content, self.sent = self.text[self.sent : end], end

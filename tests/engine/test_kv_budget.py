@@ -242,19 +242,19 @@ def test_under_priority_the_lowest_priority_is_preempted_and_outputs_do_not_chan
         engine.scheduling_policy = policy
         given = [9, 0, 1] if policy == "priority" else [0, 0, 0]
         seqs = [engine.add_request(prompt, params, priority=p) for (prompt, params), p in zip(batch, given)]
-        preempted: list[int] = []
+        victims: list[int] = []
         enqueue = engine._enqueue
 
-        def recording(seq, preempted_now: bool = False, enqueue=enqueue, preempted=preempted, seqs=seqs) -> None:
-            if preempted_now:
-                preempted.append(seqs.index(seq))
-            enqueue(seq, preempted_now)
+        def recording(seq, preempted: bool = False, enqueue=enqueue, victims=victims, seqs=seqs) -> None:
+            if preempted:
+                victims.append(seqs.index(seq))
+            enqueue(seq, preempted=preempted)
 
         engine._enqueue = recording
         while engine.has_unfinished():
             engine.step()
-        assert preempted[0] == first_preempted
-        assert policy == "fcfs" or 1 not in preempted
+        assert victims[0] == first_preempted
+        assert policy == "fcfs" or 1 not in victims
         assert [s.output_ids for s in seqs] == unbounded
 
 
