@@ -148,7 +148,9 @@ def prefill_chunk_size_for(device: torch.device) -> int:
 # Weight formats of the linear layers (model/quant.py): --quantization, and a draft's own.
 QUANTIZATIONS = ("none", "int8", "int4")
 
-SPEC_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa")
+SPEC_METHODS = ("draft_model", "ngram", "suffix", "eagle", "eagle3", "medusa")
+# Proposers that read tokens alone: no "model".
+LOOKUP_METHODS = ("ngram", "suffix")
 # Heads that draft from the target's features (spec/heads/): "model" is the head's folder.
 HEAD_METHODS = ("eagle", "eagle3", "medusa")
 # A match this long was right 68-95% of the time on the suites' prompts (int4 target);
@@ -212,6 +214,15 @@ class SpecConfig:
     # None = always the proposer. parse() gives DEFAULT_PROMPT_LOOKUP_FIRST to all but
     # "ngram"; null turns it off.
     prompt_lookup_first: int | None = None
+    # vLLM's keys of "suffix" (spec/suffix.py): the longest match plus draft, in tokens
+    # (also num_speculative_tokens where that is unstated); how many finished answers
+    # are kept to draft from (0: each request drafts from its own text alone); the
+    # longest draft as a multiple of the match; the least estimated probability a
+    # drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def for_medusa_heads(self, num_heads: int) -> SpecConfig:
         """This config settled by a Medusa checkpoint of `num_heads` heads (head i guesses
@@ -260,17 +271,20 @@ class SpecConfig:
             raise ConfigError(f"speculative method {method!r} is not implemented yet; use one of {list(SPEC_METHODS)}")
         if method not in SPEC_METHODS:
             raise ConfigError(f"unknown speculative method {method!r}; use one of {list(SPEC_METHODS)}")
-        k = raw.get("num_speculative_tokens")
+        suffix = _suffix_settings(raw, method)
+        k = raw.get("num_speculative_tokens", suffix.get("suffix_decoding_max_tree_depth"))
         if k is not None or method != "medusa":
             check_int(k, f"--speculative-config needs num_speculative_tokens as an integer >= 1, got {k!r}")
         model = raw.get("model")
-        if method != "ngram" and not model:
+        if method not in LOOKUP_METHODS and not model:
             what = "a catalogue name or a path" if method == "draft_model" else "the folder of the head's checkpoint"
             raise ConfigError(f'method "{method}" needs "model": {what}')
-        if method == "ngram" and model:
-            raise ConfigError('method "ngram" takes no "model"; drop it or use "draft_model"')
-        if method == "ngram" and "draft_confidence_threshold" in raw:
-            raise ConfigError('draft_confidence_threshold applies to "draft_model" only')
+        if method in LOOKUP_METHODS and model:
+            raise ConfigError(f'method "{method}" takes no "model"; drop it or use "draft_model"')
+        if method in LOOKUP_METHODS and "draft_confidence_threshold" in raw:
+            raise ConfigError('draft_confidence_threshold applies to "draft_model" and the heads only')
+        if method == "suffix" and {"prompt_lookup_min", "prompt_lookup_max"} & set(raw):
+            raise ConfigError('prompt_lookup_min and prompt_lookup_max apply to "ngram"; "suffix" matches any length')
         # As in vLLM: one bound given alone stands for both.
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         if lo is None and hi is None:
@@ -313,10 +327,12 @@ class SpecConfig:
         draft_vocab_size = raw.get("draft_vocab_size", DEFAULT_DRAFT_VOCAB_SIZE if method == "draft_model" else None)
         if draft_vocab_size is not None:
             check_int(draft_vocab_size, f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
-        lookup_first = raw.get("prompt_lookup_first", DEFAULT_PROMPT_LOOKUP_FIRST if method != "ngram" else None)
+        lookup_first = raw.get(
+            "prompt_lookup_first", DEFAULT_PROMPT_LOOKUP_FIRST if method not in LOOKUP_METHODS else None
+        )
         if lookup_first is not None:
-            if method == "ngram":
-                raise ConfigError('prompt_lookup_first does not apply to "ngram", which always looks up')
+            if method in LOOKUP_METHODS:
+                raise ConfigError(f'prompt_lookup_first does not apply to "{method}", which always looks up')
             check_int(lookup_first, f"prompt_lookup_first must be an integer >= 1, got {lookup_first!r}")
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
@@ -333,4 +349,33 @@ class SpecConfig:
             fused=fused,
             draft_vocab_size=draft_vocab_size,
             prompt_lookup_first=lookup_first,
+            **suffix,
         )
+
+
+def _suffix_settings(raw: dict[str, Any], method: str) -> dict[str, Any]:
+    """The suffix_decoding_* keys of a "suffix" config, checked (none for other methods)."""
+    given = {key: raw[key] for key in raw if key.startswith("suffix_decoding_")}
+    if method != "suffix":
+        if given:
+            raise ConfigError(f'{", ".join(sorted(given))} apply to method "suffix" only')
+        return {}
+    settings = {f.name: f.default for f in fields(SpecConfig) if f.name.startswith("suffix_decoding_")} | given
+    check_int(
+        settings["suffix_decoding_max_tree_depth"],
+        f"suffix_decoding_max_tree_depth must be an integer >= 2, got {settings['suffix_decoding_max_tree_depth']!r}",
+        at_least=2,
+    )
+    check_int(
+        settings["suffix_decoding_max_cached_requests"],
+        "suffix_decoding_max_cached_requests must be an integer >= 0 (0 keeps no answers), got "
+        f"{settings['suffix_decoding_max_cached_requests']!r}",
+        at_least=0,
+    )
+    for key, low, high in (("suffix_decoding_max_spec_factor", 0, None), ("suffix_decoding_min_token_prob", 0, 1)):
+        value = settings[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high and value > high):
+            bounds = f"in [{low}, {high}]" if high else f">= {low}"
+            raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
+        settings[key] = float(value)
+    return settings

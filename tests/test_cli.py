@@ -48,6 +48,7 @@ def test_generate_json_has_the_figures(plain):
     "spec",
     [
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+        '{"method": "suffix", "adaptive": false}',
         # Fixed k: a draft as large as its target never pays, so adaptive k would not draft.
         '{"model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": false}',
     ],

@@ -44,6 +44,20 @@ def test_ngram_lookup_bounds():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 4)
 
 
+def test_suffix_decoding_takes_vllms_keys_and_defaults():
+    spec = SpecConfig.parse({"method": "suffix"})
+    assert spec.num_speculative_tokens == spec.suffix_decoding_max_tree_depth == 24  # as vLLM: k is the depth
+    assert (spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_max_spec_factor) == (10000, 1.0)
+    assert spec.suffix_decoding_min_token_prob == 0.1 and spec.prompt_lookup_first is None
+    spec = SpecConfig.parse(
+        '{"method": "suffix", "suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0, '
+        '"suffix_decoding_max_spec_factor": 2, "suffix_decoding_min_token_prob": 0, "adaptive": false}'
+    )
+    assert spec.num_speculative_tokens == 32 and spec.suffix_decoding_max_cached_requests == 0
+    assert spec.suffix_decoding_max_spec_factor == 2.0 and spec.suffix_decoding_min_token_prob == 0.0
+    assert SpecConfig.parse({"method": "suffix", "num_speculative_tokens": 8}).num_speculative_tokens == 8
+
+
 def test_empty_means_no_speculation():
     assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
 
@@ -76,7 +90,7 @@ def test_empty_means_no_speculation():
         ),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_tp": 2}', "unknown key"),
         ('{"model": "m", "num_speculative_tokens": 3, "draft_confidence_threshold": 1}', "in \\[0, 1\\)"),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', 'draft_model" only'),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.2}', "and the heads only"),
         ('{"model": "m", "num_speculative_tokens": 3, "quantization": "int3"}', "unknown draft quantization"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}', 'draft_model" only'),
         ('{"model": "m", "num_speculative_tokens": 3, "fused": "yes"}', "fused must be true or false"),
@@ -84,6 +98,14 @@ def test_empty_means_no_speculation():
         ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_first": 4}', "always looks up"),
         ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": 0}', "integer >= 1, got 0"),
         ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": true}', "integer >= 1, got True"),
+        ('{"method": "suffix", "model": "m"}', 'takes no "model"'),
+        ('{"method": "suffix", "prompt_lookup_max": 4}', 'apply to "ngram"'),
+        ('{"method": "suffix", "prompt_lookup_first": 4}', "always looks up"),
+        ('{"method": "suffix", "suffix_decoding_max_tree_depth": 1}', "max_tree_depth must be an integer >= 2"),
+        ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', "0 keeps no answers"),
+        ('{"method": "suffix", "suffix_decoding_max_spec_factor": "2"}', "max_spec_factor must be a number >= 0"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "min_token_prob must be a number in"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 8}', 'suffix" only'),
     ],
 )
 def test_bad_speculative_configs_say_what_is_wrong(raw, words):

@@ -269,6 +269,8 @@ class Engine:
                 return
             self.waiting.remove(seq)
         seq.finish(reason)
+        if self.proposer is not None:
+            self.proposer.finished(seq)
         self._free_caches(seq)
 
     def _free_caches(self, seq: Sequence) -> None:

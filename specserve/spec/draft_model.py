@@ -255,6 +255,9 @@ class DraftModelProposer:
                 # Positions past the accepted prefix hold rejected guesses.
                 cache.truncate(min(cache.length, len(seq.token_ids) - 1))
 
+    def finished(self, seq: SequenceView) -> None:
+        pass
+
     def free(self, seq_id: int) -> None:
         cache = self.caches.pop(seq_id, None)
         token_ids = self._token_ids.pop(seq_id, None)

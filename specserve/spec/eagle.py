@@ -230,6 +230,9 @@ class EagleProposer:
                 self.regained[seq.seq_id] = min(accepted, guesses - 1)
         self.last_guesses.clear()  # a sequence that failed or left: nothing to count
 
+    def finished(self, seq: SequenceView) -> None:
+        pass
+
     def free(self, seq_id: int) -> None:
         run = self.features.runs.get(seq_id)
         # Stored where its positions are the sequence's; released (a pool slot) in any case.

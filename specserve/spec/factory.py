@@ -25,6 +25,7 @@ from specserve.spec.heads.medusa import MedusaHeads
 from specserve.spec.medusa import MedusaProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer
+from specserve.spec.suffix import SuffixProposer
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -59,6 +60,14 @@ def make_proposer(
     checkpoint's head count bounds k)."""
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), spec
+    if spec.method == "suffix":
+        proposer = SuffixProposer(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+        )
+        return proposer, spec
     if spec.method in HEAD_METHODS:
         return head_proposer(spec, target.decoder, prefill_chunk_size, quantization)
     draft = load_model(

@@ -69,5 +69,8 @@ class MedusaProposer:
         for seq in seqs:  # only the newest verified row is read
             self.features.runs[seq.seq_id].keep_only(len(seq.token_ids) - 2)
 
+    def finished(self, seq: SequenceView) -> None:
+        pass
+
     def free(self, seq_id: int) -> None:
         self.features.free(seq_id)

@@ -81,5 +81,8 @@ class NgramProposer:
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         pass
 
+    def finished(self, seq: SequenceView) -> None:
+        pass
+
     def free(self, seq_id: int) -> None:
         self.indexes.pop(seq_id, None)

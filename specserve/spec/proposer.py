@@ -87,6 +87,10 @@ class Proposer(Protocol):
         """Learn how many drafted tokens were accepted (after seqs were updated)."""
         ...
 
+    def finished(self, seq: SequenceView) -> None:
+        """`seq` ended (not preempted), its tokens final; `free` follows."""
+        ...
+
     def free(self, seq_id: int) -> None:
-        """Forget a finished sequence."""
+        """Forget a sequence that ended or gave its caches up (preempted)."""
         ...

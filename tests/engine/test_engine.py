@@ -17,6 +17,7 @@ from specserve.sampling import TOP_K_MAX, InvalidSamplingValue, SamplingParams, 
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft
+from specserve.spec.suffix import SuffixProposer
 from specserve.spec.verify import Verdict
 from tests.conftest import DEVICES, tiny_config
 
@@ -77,13 +78,11 @@ def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "draft, lookup first"])
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "suffix", "draft, lookup first"])
 def test_greedy_equivalence(target, k, proposer_kind, device):
-    proposer = (
-        DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
-        if proposer_kind != "ngram"
-        else NgramProposer(1, 3)
-    )
+    proposer = {"ngram": lambda: NgramProposer(1, 3), "suffix": SuffixProposer}.get(
+        proposer_kind, lambda: DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
+    )()
     target = on(target, device)
     engine = Engine(
         target,
@@ -93,7 +92,7 @@ def test_greedy_equivalence(target, k, proposer_kind, device):
         lookup_first=2 if proposer_kind == "draft, lookup first" else None,
     )
     lookups = log_lookups(engine)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS + PROMPTS[:2]:  # asked again: suffix decoding drafts the earlier answers
         seq = engine.generate(prompt, GREEDY)
         assert seq.output_ids == plain_tokens(target, prompt)
     assert bool(lookups) == (proposer_kind == "draft, lookup first")
@@ -101,7 +100,7 @@ def test_greedy_equivalence(target, k, proposer_kind, device):
     assert stats.num_draft_tokens > 0
     # Some drafts must be rejected, or rollback is not being exercised.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert not engine.running and (proposer_kind == "ngram" or not proposer.caches)
+    assert not engine.running and (proposer_kind in ("ngram", "suffix") or not proposer.caches)
 
 
 def test_ragged_batch_gives_each_sequence_its_solo_output(target):
@@ -170,8 +169,8 @@ SEEDED = [
 @pytest.mark.parametrize("params", SEEDED, ids=["top-p", "top-k-penalised"])
 @pytest.mark.parametrize(
     "proposer_kind, k, adaptive",
-    [("draft", 3, False), ("draft", 7, True), ("ngram", 5, False), ("ngram", 5, True)],
-    ids=["draft-k3", "draft-adaptive", "ngram-k5", "ngram-adaptive"],
+    [("draft", 3, False), ("draft", 7, True), ("ngram", 5, False), ("ngram", 5, True), ("suffix", 24, True)],
+    ids=["draft-k3", "draft-adaptive", "ngram-k5", "ngram-adaptive", "suffix-adaptive"],
 )
 def test_a_seeded_request_gets_plain_samplings_tokens_whatever_drafts_it(target, params, proposer_kind, k, adaptive):
     """Keyed draws: a seeded request's tokens are those plain sampling gives it, at any k
@@ -180,7 +179,9 @@ def test_a_seeded_request_gets_plain_samplings_tokens_whatever_drafts_it(target,
     from specserve.spec.adaptive import AdaptiveSpecLength
 
     expected = plain_tokens(target, PROMPTS[1], params)
-    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2)) if proposer_kind == "draft" else NgramProposer(1, 3)
+    proposer = {"draft": lambda: DraftModelProposer(perturbed(target, 0.3, seed=2)), "suffix": SuffixProposer}.get(
+        proposer_kind, lambda: NgramProposer(1, 3)
+    )()
     engine = Engine(
         target,
         eos_token_ids=[EOS],
@@ -401,6 +402,28 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
     assert 0.2 < stats.acceptance_rate < 0.95  # a draft that is often wrong, not always
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # early stops happened (k would be 2)
     assert bool(lookups) == bool(lookup_first)
+    assert chi_square_p_value(samples, expected) > 1e-4
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["seeded", "unseeded"])
+def test_suffix_decoding_from_earlier_answers_samples_the_target_distribution(keyed):
+    """Sampling requests drafted by suffix decoding, from their own text and from the
+    answers of the requests before them (drafts that change with every answer kept),
+    give 4-token outputs distributed as the target's own sampling (chi-square over all
+    4^4), seeded ones by their keyed draws, unseeded ones by rejection sampling."""
+    from tests.chi_square import chi_square_p_value, seeded_outputs, target_continuation_probs
+
+    vocab, prompt = 4, [0, 1, 2]
+    torch.manual_seed(3)
+    target = Decoder(tiny_config("llama", vocab_size=vocab)).eval()
+    params = dict(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    expected = target_continuation_probs(target, prompt, SamplingParams(**params))
+    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=200, min_token_prob=0.2)
+    engine = Engine(target, eos_token_ids=[EOS % vocab], proposer=proposer, num_speculative_tokens=3)
+    samples = seeded_outputs(engine, prompt, params, batches=5, keyed=keyed)
+    stats = engine.spec_stats
+    assert len(proposer.shared.documents) == 200
+    assert 0.1 < stats.acceptance_rate < 0.95
     assert chi_square_p_value(samples, expected) > 1e-4
 
 
