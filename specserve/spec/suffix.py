@@ -146,10 +146,11 @@ def best_draft(
     max_depth: int,
     max_spec_factor: float,
     min_token_prob: float,
-) -> tuple[list[int], float]:
-    """The draft expected to have the most tokens accepted, and that expectation, over
-    the match lengths the candidates give (see the module's docstring)."""
-    best: tuple[list[int], float] = ([], 0.0)
+) -> tuple[list[int], list[float]]:
+    """The draft expected to have the most tokens accepted, over the match lengths the
+    candidates give (see the module's docstring), and each of its tokens' estimated
+    probability (their sum is that expectation)."""
+    best: tuple[list[int], list[float]] = ([], [])
     if not candidates:
         return best
     # Where a longer match allows no longer draft, its shorter cut allows more (depth bound).
@@ -160,7 +161,9 @@ def best_draft(
         if limit <= 0:
             continue
         alive = [(document, offset) for length, document, offset in candidates if length >= m]
-        draft, expected, chance = [], 0.0, 1.0
+        draft: list[int] = []
+        chances: list[float] = []
+        chance = 1.0
         for depth in range(limit):
             votes = Counter(doc[offset + depth] for doc, offset in alive if offset + depth < len(doc))
             if not votes:
@@ -170,10 +173,10 @@ def best_draft(
             if chance < min_token_prob:
                 break
             draft.append(token)
-            expected += chance
+            chances.append(chance)
             alive = [(doc, at) for doc, at in alive if at + depth < len(doc) and doc[at + depth] == token]
-        if expected > best[1]:
-            best = (draft, expected)
+        if sum(chances) > sum(best[1]):
+            best = (draft, chances)
     return best
 
 
@@ -202,11 +205,20 @@ class SuffixProposer:
     def propose(
         self, seqs: Sequence[SequenceView], num_tokens: Sequence[int], least_chances: Sequence[float] | None = None
     ) -> list[Draft]:
-        """A draft's chance is an estimate from counts, not a model's: least_chances does not apply."""
-        return [self.propose_for(seq, k) for seq, k in zip(seqs, num_tokens, strict=True)]
+        """A greedy sequence drafts nothing where its first token's estimated probability
+        is below least_chances asks, as a head's first guess is dropped (spec/guesses.py)."""
+        drafts = []
+        for i, (seq, k) in enumerate(zip(seqs, num_tokens, strict=True)):
+            draft = self.propose_for(seq, k)
+            least = least_chances[i] if least_chances is not None and seq.params.greedy else 0.0
+            if draft.num_tokens and draft.first_confidence < least:
+                draft = Draft.of([], dropped=1, first_confidence=draft.first_confidence)
+            drafts.append(draft)
+        return drafts
 
     def propose_for(self, seq: SequenceView, num_tokens: int) -> Draft:
-        """Up to num_tokens tokens after seq.token_ids, from its own text or earlier answers."""
+        """Up to num_tokens tokens after seq.token_ids, from its own text or earlier
+        answers, with the first one's estimated probability."""
         if num_tokens <= 0:
             return Draft.empty()
         own = self.own.get(seq.seq_id)
@@ -216,7 +228,7 @@ class SuffixProposer:
         else:
             own.extend(0)
         pattern = seq.token_ids[-self.max_tree_depth :]
-        best: tuple[list[int], float] = ([], 0.0)
+        best: tuple[list[int], list[float]] = ([], [])
         for index in (own, self.shared):
             draft = best_draft(
                 index.matches(pattern, self.max_tree_depth),
@@ -225,9 +237,10 @@ class SuffixProposer:
                 self.max_spec_factor,
                 self.min_token_prob,
             )
-            if draft[1] > best[1]:
+            if sum(draft[1]) > sum(best[1]):
                 best = draft
-        return Draft.of(best[0])
+        tokens, chances = best
+        return Draft.of(tokens, first_confidence=chances[0] if chances else None)
 
     def observe(self, seqs: Sequence[SequenceView], num_accepted: Sequence[int]) -> None:
         pass

@@ -23,7 +23,7 @@ class Seq:
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
-def draft_from(documents: list[list[int]], pattern: list[int], k: int = 10, **bounds) -> tuple[list[int], float]:
+def draft_from(documents: list[list[int]], pattern: list[int], k: int = 10, **bounds) -> tuple[list[int], list[float]]:
     index = SuffixIndex()
     for doc_id, tokens in enumerate(documents):
         index.add(doc_id, tokens)
@@ -33,9 +33,9 @@ def draft_from(documents: list[list[int]], pattern: list[int], k: int = 10, **bo
 
 def test_the_draft_follows_the_most_common_continuation_with_its_share():
     documents = [[1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 7]]
-    draft, expected = draft_from(documents, [9, 1, 2], k=2)
+    draft, chances = draft_from(documents, [9, 1, 2], k=2)
     assert draft == [3, 5]
-    assert expected == pytest.approx(0.75 + 0.75 * 2 / 3)
+    assert chances == pytest.approx([0.75, 0.75 * 2 / 3])
 
 
 def test_a_longer_match_is_read_where_its_votes_are_surer():
@@ -117,3 +117,17 @@ def test_the_kept_answers_are_bounded_in_tokens_too(monkeypatch):
     assert sorted(proposer.shared.documents) == [3, 4] and proposer.shared.num_tokens == 8
     proposer.finished(Seq([1, 2] + [7] * 11, num_prompt_tokens=2, seq_id=5))  # longer than the bound alone
     assert not proposer.shared.documents and not proposer.shared.latest and proposer.shared.num_tokens == 0
+
+
+def test_a_greedy_sequence_drops_a_first_token_less_likely_than_its_row_asks():
+    proposer = SuffixProposer()
+    for i, answer in enumerate([[10, 11], [10, 11], [12, 13]]):
+        proposer.finished(Seq([1, 2, *answer], num_prompt_tokens=2, seq_id=i))
+    greedy, sampled = (
+        Seq([1, 2], num_prompt_tokens=2, seq_id=9 + t, params=SamplingParams(temperature=t)) for t in (0, 1)
+    )
+    [kept] = proposer.propose([greedy], [2], least_chances=[0.6])
+    assert kept.tokens.tolist() == [10, 11] and kept.first_confidence == pytest.approx(2 / 3)
+    [dropped, drawn] = proposer.propose([greedy, sampled], [2, 2], least_chances=[0.7, 0.7])
+    assert dropped.num_tokens == 0 and dropped.dropped == 1 and dropped.first_confidence == pytest.approx(2 / 3)
+    assert drawn.tokens.tolist() == [10, 11]  # a sampled request's drafts are kept whatever their chance
