@@ -41,6 +41,10 @@ MODES = {
     "suffix": '{"method": "suffix"}',
     "suffix-own": '{"method": "suffix", "suffix_decoding_max_cached_requests": 0}',
     "draft": '{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}',
+    "draft-answers": '{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7, "lookup_answers": true}',
+    "eagle3": '{"method": "eagle3", "model": "qwen2.5-coder-1.5b-eagle3", "num_speculative_tokens": 3}',
+    "eagle3-answers": '{"method": "eagle3", "model": "qwen2.5-coder-1.5b-eagle3", "num_speculative_tokens": 3, '
+    '"lookup_answers": true}',
 }
 
 
@@ -72,6 +76,7 @@ def engine_for(target: LoadedModel, spec_json: str | None, quantization: str) ->
         spec.num_speculative_tokens,
         adaptive=adaptive,
         lookup_first=spec.prompt_lookup_first,
+        lookup_answers=spec.lookup_answers,
     )
 
 

@@ -214,6 +214,10 @@ class SpecConfig:
     # None = always the proposer. parse() gives DEFAULT_PROMPT_LOOKUP_FIRST to all but
     # "ngram"; null turns it off.
     prompt_lookup_first: int | None = None
+    # Our addition (with prompt_lookup_first): the lookup also reads the answers of
+    # earlier requests, as "suffix" does, each match of prompt_lookup_first tokens or
+    # more drafting what most of its occurrences went on with.
+    lookup_answers: bool = False
     # vLLM's keys of "suffix" (spec/suffix.py): the longest match plus draft, in tokens
     # (also num_speculative_tokens where that is unstated); how many finished answers
     # are kept to draft from (0: each request drafts from its own text alone); the
@@ -334,6 +338,13 @@ class SpecConfig:
             if method in LOOKUP_METHODS:
                 raise ConfigError(f'prompt_lookup_first does not apply to "{method}", which always looks up')
             check_int(lookup_first, f"prompt_lookup_first must be an integer >= 1, got {lookup_first!r}")
+        lookup_answers = raw.get("lookup_answers", False)
+        if not isinstance(lookup_answers, bool):
+            raise ConfigError(f"lookup_answers must be true or false, got {lookup_answers!r}")
+        if lookup_answers and method in LOOKUP_METHODS:
+            raise ConfigError(f'lookup_answers applies to "draft_model" and the heads; "{method}" looks up alone')
+        if lookup_answers and not lookup_first:
+            raise ConfigError("lookup_answers reads earlier answers in the lookup first: it needs prompt_lookup_first")
         if not adaptive and "max_speculative_tokens" in raw:
             raise ConfigError('max_speculative_tokens applies to "adaptive": true only')
         return cls(
@@ -349,6 +360,7 @@ class SpecConfig:
             fused=fused,
             draft_vocab_size=draft_vocab_size,
             prompt_lookup_first=lookup_first,
+            lookup_answers=lookup_answers,
             **suffix,
         )
 

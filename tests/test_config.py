@@ -58,6 +58,12 @@ def test_suffix_decoding_takes_vllms_keys_and_defaults():
     assert SpecConfig.parse({"method": "suffix", "num_speculative_tokens": 8}).num_speculative_tokens == 8
 
 
+def test_lookup_answers_is_off_unless_asked():
+    assert not SpecConfig.parse({"model": "m", "num_speculative_tokens": 7}).lookup_answers
+    spec = SpecConfig.parse({"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "lookup_answers": True})
+    assert spec.lookup_answers and spec.prompt_lookup_first == 4
+
+
 def test_empty_means_no_speculation():
     assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
 
@@ -99,6 +105,9 @@ def test_empty_means_no_speculation():
         ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": 0}', "integer >= 1, got 0"),
         ('{"model": "m", "num_speculative_tokens": 3, "prompt_lookup_first": true}', "integer >= 1, got True"),
         ('{"method": "suffix", "model": "m"}', 'takes no "model"'),
+        ('{"model": "m", "num_speculative_tokens": 3, "lookup_answers": 1}', "lookup_answers must be true or false"),
+        ('{"model": "m", "num_speculative_tokens": 3, "lookup_answers": true, "prompt_lookup_first": null}', "needs"),
+        ('{"method": "suffix", "lookup_answers": true}', "looks up alone"),
         ('{"method": "suffix", "prompt_lookup_max": 4}', 'apply to "ngram"'),
         ('{"method": "suffix", "prompt_lookup_first": 4}', "always looks up"),
         ('{"method": "suffix", "suffix_decoding_max_tree_depth": 1}', "max_tree_depth must be an integer >= 2"),

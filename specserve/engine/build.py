@@ -119,6 +119,7 @@ def build_engine(
         max_model_len=max_model_len,
         adaptive=adaptive,
         lookup_first=None if spec is None else spec.prompt_lookup_first,
+        lookup_answers=spec is not None and spec.lookup_answers,
         prefix_cache=prefix_cache,
         kv_cache_positions=kv_cache_positions,
         **engine_options,

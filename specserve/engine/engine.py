@@ -63,6 +63,7 @@ from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
+from specserve.spec.suffix import SuffixProposer
 from specserve.spec.verify import Verdict, common_prefix_length, verdict_from_argmax, verify, verify_keyed
 
 DEFAULT_MAX_NUM_SEQS = 8  # the running batch: small, as a few CPU cores pay for every row
@@ -130,6 +131,7 @@ class Engine:
         prefill_chunk_size: int | None = None,
         adaptive: AdaptiveSpecLength | None = None,
         lookup_first: int | None = None,
+        lookup_answers: bool = False,
         prefix_cache: PrefixCache | None = None,
         num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
         kv_cache_positions: int | None = None,
@@ -157,8 +159,14 @@ class Engine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.adaptive = adaptive if proposer is not None else None
-        # Exactly the last `lookup_first` tokens are looked up.
-        self.lookup = NgramProposer(lookup_first, lookup_first) if lookup_first and proposer is not None else None
+        # Exactly the last `lookup_first` tokens are looked up, in the sequence's own text
+        # (its latest occurrence), or with lookup_answers in it and the answers before
+        # (the continuation most of those occurrences had: spec/suffix.py).
+        self.lookup: NgramProposer | SuffixProposer | None = None
+        if lookup_first and proposer is not None:
+            self.lookup = (
+                SuffixProposer(min_match=lookup_first) if lookup_answers else NgramProposer(lookup_first, lookup_first)
+            )
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
@@ -269,8 +277,9 @@ class Engine:
                 return
             self.waiting.remove(seq)
         seq.finish(reason)
-        if self.proposer is not None:
-            self.proposer.finished(seq)
+        for proposer in (self.proposer, self.lookup):
+            if proposer is not None:
+                proposer.finished(seq)
         self._free_caches(seq)
 
     def _free_caches(self, seq: Sequence) -> None:

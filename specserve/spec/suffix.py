@@ -189,8 +189,10 @@ class SuffixProposer:
         max_cached_requests: int = 10000,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        min_match: int = 1,
     ) -> None:
         self.max_tree_depth = max_tree_depth
+        self.min_match = min_match  # shorter matches draft nothing (a lookup first's bar)
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -231,7 +233,7 @@ class SuffixProposer:
         best: tuple[list[int], list[float]] = ([], [])
         for index in (own, self.shared):
             draft = best_draft(
-                index.matches(pattern, self.max_tree_depth),
+                [match for match in index.matches(pattern, self.max_tree_depth) if match[0] >= self.min_match],
                 num_tokens,
                 self.max_tree_depth,
                 self.max_spec_factor,

@@ -78,7 +78,7 @@ def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "suffix", "draft, lookup first"])
+@pytest.mark.parametrize("proposer_kind", ["draft", "ngram", "suffix", "draft, lookup first", "draft, lookup answers"])
 def test_greedy_equivalence(target, k, proposer_kind, device):
     proposer = {"ngram": lambda: NgramProposer(1, 3), "suffix": SuffixProposer}.get(
         proposer_kind, lambda: DraftModelProposer(on(perturbed(target, 0.3, seed=2), device))
@@ -89,13 +89,14 @@ def test_greedy_equivalence(target, k, proposer_kind, device):
         eos_token_ids=[EOS],
         proposer=proposer,
         num_speculative_tokens=k,
-        lookup_first=2 if proposer_kind == "draft, lookup first" else None,
+        lookup_first=2 if proposer_kind.startswith("draft, lookup") else None,
+        lookup_answers=proposer_kind == "draft, lookup answers",
     )
     lookups = log_lookups(engine)
     for prompt in PROMPTS + PROMPTS[:2]:  # asked again: suffix decoding drafts the earlier answers
         seq = engine.generate(prompt, GREEDY)
         assert seq.output_ids == plain_tokens(target, prompt)
-    assert bool(lookups) == (proposer_kind == "draft, lookup first")
+    assert bool(lookups) == proposer_kind.startswith("draft, lookup")
     stats = engine.spec_stats
     assert stats.num_draft_tokens > 0
     # Some drafts must be rejected, or rollback is not being exercised.
@@ -346,14 +347,16 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "draft_head, lookup_first, cut_short, keyed",
+    "draft_head, lookup_first, cut_short, keyed, answers",
     [
-        (4, None, False, True),
-        (3, None, False, True),
-        (4, 1, False, True),
-        (4, 1, True, True),
-        (4, None, False, False),
-        (4, 1, False, False),
+        (4, None, False, True, False),
+        (3, None, False, True, False),
+        (4, 1, False, True, False),
+        (4, 1, True, True, False),
+        (4, None, False, False, False),
+        (4, 1, False, False, False),
+        (4, 1, False, True, True),
+        (4, 1, False, False, True),
     ],
     ids=[
         "whole-vocabulary",
@@ -362,15 +365,20 @@ def test_caches_hold_one_position_less_than_the_tokens(target):
         "lookups-cut-short",
         "whole-vocabulary-unseeded",
         "lookup-first-unseeded",
+        "lookup-first-and-answers",
+        "lookup-first-and-answers-unseeded",
     ],
 )
-def test_speculative_engine_samples_the_target_distribution(device, draft_head, lookup_first, cut_short, keyed):
+def test_speculative_engine_samples_the_target_distribution(
+    device, draft_head, lookup_first, cut_short, keyed, answers
+):
     """End to end at temperature > 0: a batch of requests through the draft proposer
     (early stops included), ragged verification and rollback gives 4-token outputs
     distributed exactly as the target's own sampling would (chi-square over all 4^4),
     also where the draft's common head scores only some token ids (Decoder.add_common_head:
     each sequence's guesses over those or every id, by its text),
-    where lookups draft in place of the model (one-hot drafts beside the model's), and
+    where lookups draft in place of the model (one-hot drafts beside the model's), from
+    the sequence's own text or from the answers before it too (`lookup_answers`), and
     where only the first token of each lookup is verified, as adaptive speculation cuts
     them under load (the rest still compared with what follows). Seeded requests are
     verified by their keyed draws, unseeded ones by rejection sampling."""
@@ -392,6 +400,7 @@ def test_speculative_engine_samples_the_target_distribution(device, draft_head, 
         proposer=proposer,
         num_speculative_tokens=3,
         lookup_first=lookup_first,
+        lookup_answers=answers,
     )
     if cut_short:
         look_up = engine._look_up
