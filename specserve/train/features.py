@@ -116,7 +116,7 @@ class AnswerRecorder:
         folder.mkdir(parents=True, exist_ok=True)
         self.features = TargetFeatures(spec.layers)
         self.last_catch_up = self.last_tokens_read = 0
-        self.finished: dict[int, FeatureRun] = {}  # runs of sequences the engine freed, until saved
+        self.freed: dict[int, FeatureRun] = {}  # runs of sequences the engine freed, until saved
 
     def backlog(self, seq: SequenceView) -> int:
         return 0
@@ -129,19 +129,22 @@ class AnswerRecorder:
     def observe(self, seqs: list[SequenceView], num_accepted: list[int]) -> None:
         pass
 
+    def finished(self, seq: SequenceView) -> None:
+        pass
+
     def free(self, seq_id: int) -> None:
         run = self.features.runs.pop(seq_id, None)
         if run is not None:
-            self.finished[seq_id] = run
+            self.freed[seq_id] = run
 
     def discard(self, seq_id: int) -> None:
         """Forget a finished sequence that is no sample (a written instruction)."""
-        self.finished.pop(seq_id, None)
+        self.freed.pop(seq_id, None)
 
     def save(self, seq: Sequence, key: str, held_out: bool) -> bool:
         """Write a finished answer's sample (as `sample_features` would) as `key`; False
         where its features do not cover every fed position (nothing written)."""
-        run = self.finished.pop(seq.seq_id, None)
+        run = self.freed.pop(seq.seq_id, None)
         fed = len(seq.token_ids) - 1  # the last token was never fed
         whole = run is not None and run.origin == run.start == 0 and run.end == fed
         if not whole or len(seq.logprobs) != seq.num_output_tokens:
