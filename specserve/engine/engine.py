@@ -159,9 +159,9 @@ class Engine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.adaptive = adaptive if proposer is not None else None
-        # Exactly the last `lookup_first` tokens are looked up, in the sequence's own text
-        # (its latest occurrence), or with lookup_answers in it and the answers before
-        # (the continuation most of those occurrences had: spec/suffix.py).
+        # The last `lookup_first` tokens are looked up in the sequence's own text (their
+        # latest occurrence); with lookup_answers, those tokens or more, in it and in the
+        # answers before (the continuation most of those occurrences had: spec/suffix.py).
         self.lookup: NgramProposer | SuffixProposer | None = None
         if lookup_first and proposer is not None:
             self.lookup = (
@@ -174,8 +174,9 @@ class Engine:
         self.num_scheduler_steps = num_scheduler_steps
         # Positions a step may add past a sequence's tokens: its drafts, or a multi-step
         # chain (never past max_model_len: drafts stop at max_tokens).
-        max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
-        self.step_headroom = max(max_k, num_scheduler_steps) + 1
+        # The most tokens a step drafts for a sequence, by the proposer or a lookup.
+        self.max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
+        self.step_headroom = max(self.max_k, num_scheduler_steps) + 1
         self.kv_cache_positions = None if target.static is not None else kv_cache_positions  # a pool bounds itself
         if self.kv_cache_positions is not None:
             longest = target.new_cache().capacity_for(self.max_model_len)
@@ -337,22 +338,24 @@ class Engine:
 
     def _look_up(self, decoding: list[Sequence]) -> dict[int, Draft]:
         """The lookup-first drafts, by index into decoding (none without lookup_first).
-        A lookup's k is up to num_speculative_tokens, and 1 + 2a after a lookup that had
-        a tokens accepted: where the text stops repeating, the next match is often wrong
-        (benchmarks/EXPERIMENTS.md, "Lookup first"). The proposer does not run for a
-        sequence a lookup drafts, and adaptive k learns nothing of the proposer from it."""
+        A lookup's k is up to num_speculative_tokens (under adaptive k, its bound
+        max_speculative_tokens: a lookup costs nothing to draft, and its rows are priced
+        by `lookup_ks`), and 1 + 2a after a lookup that had a tokens accepted: where the
+        text stops repeating, the next match is often wrong (benchmarks/EXPERIMENTS.md,
+        "Lookup first"). The proposer does not run for a sequence a lookup drafts, and
+        adaptive k learns nothing of the proposer from it."""
         if self.lookup is None:
             return {}
         found = {}
         for i, seq in enumerate(decoding):
-            k = min(self.num_speculative_tokens, seq.remaining_tokens - 1)
+            k = min(self.max_k, seq.remaining_tokens - 1)
             if seq.lookup_accepted is not None:
                 k = min(k, 1 + 2 * seq.lookup_accepted)
             draft = self.lookup.propose_for(seq, k)
             if draft.num_tokens:
-                found[i] = draft
                 if seq.lookup_pending is None:
                     seq.lookup_pending = (len(seq.token_ids), draft.tokens.tolist())
+                found[i] = draft
         # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks).
         if self.adaptive is not None and found:
             ks = self.adaptive.lookup_ks(

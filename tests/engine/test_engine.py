@@ -541,6 +541,27 @@ def test_a_lookup_after_a_rejected_one_drafts_less(target):
     assert all(n <= 1 + 2 * last for last, n in lookups if last is not None)
 
 
+def test_under_adaptive_k_a_lookup_drafts_up_to_its_bound_past_the_proposers_k(target):
+    """A lookup costs nothing to draft: under adaptive k it drafts up to
+    max_speculative_tokens, whatever k the proposer starts from."""
+    from specserve.spec.adaptive import AdaptiveSpecLength
+
+    adaptive = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.5)
+    adaptive.lookup_ks = lambda seq_ids, proposed, batch: list(proposed)
+    engine = Engine(
+        target,
+        eos_token_ids=[EOS],
+        proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
+        num_speculative_tokens=2,
+        adaptive=adaptive,
+        lookup_first=1,
+    )
+    lookups = log_lookups(engine)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
+    assert max(n for _, n in lookups) == 7
+
+
 def lookup_engine(target, verified) -> tuple[Engine, list, list]:
     """An adaptive engine whose policy verifies verified(n) tokens of each n-token lookup,
     with the lookups it proposed (their start and tokens) and what it learnt of each
