@@ -28,11 +28,9 @@ import torch
 
 from specserve.catalogue import LoadedModel, load_model
 from specserve.config import SpecConfig
-from specserve.engine.build import run_one
+from specserve.engine.build import engine_over, run_one
 from specserve.engine.engine import Engine
 from specserve.sampling import SamplingParams
-from specserve.spec.adaptive import AdaptiveSpecLength
-from specserve.spec.cost import prior_cost_ratio
 from specserve.spec.factory import make_proposer
 
 MODES = {
@@ -48,9 +46,20 @@ MODES = {
 }
 
 
+def split_modes(text: str) -> list[str]:
+    """text split at its commas outside JSON's braces and brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "{[") - (char in "}]")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
+
+
 def parse_modes(text: str) -> dict[str, str | None]:
     modes: dict[str, str | None] = {}
-    for item in text.split(","):
+    for item in split_modes(text):
         name, _, spec = item.partition("=")
         if not spec and name not in MODES:
             raise SystemExit(f"unknown mode {name!r}: give one of {sorted(MODES)} or NAME=JSON")
@@ -62,22 +71,11 @@ def parse_modes(text: str) -> dict[str, str | None]:
 
 def engine_for(target: LoadedModel, spec_json: str | None, quantization: str) -> Engine:
     """An engine over the loaded target as `specserve serve` builds one for the config."""
-    if spec_json is None:
-        return Engine(target.decoder, target.tokenizer.eos_token_ids)
     spec = SpecConfig.parse(spec_json)
-    proposer, spec = make_proposer(spec, target, target.decoder.dtype, quantization=quantization)
-    adaptive = None
-    if spec.adaptive:
-        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
-    return Engine(
-        target.decoder,
-        target.tokenizer.eos_token_ids,
-        proposer,
-        spec.num_speculative_tokens,
-        adaptive=adaptive,
-        lookup_first=spec.prompt_lookup_first,
-        lookup_answers=spec.lookup_answers,
-    )
+    proposer = None
+    if spec is not None:
+        proposer, spec = make_proposer(spec, target, target.decoder.dtype, quantization=quantization)
+    return engine_over(target.decoder, target.tokenizer.eos_token_ids, proposer, spec)
 
 
 def read_prompts(path: Path, target: LoadedModel, requests: int | None) -> list[tuple[str, list[int], int | None]]:

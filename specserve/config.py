@@ -170,6 +170,16 @@ def check_int(value: Any, message: str, at_least: int = 1) -> None:
         raise ConfigError(message)
 
 
+def check_number(value: Any, name: str, low: float, high: float | None = None, high_open: bool = False) -> float:
+    """`value` as a float; ConfigError naming `name` unless it is a number (not a bool)
+    in [low, high] ([low, high) with high_open; >= low without high)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < low or (high is not None and (value >= high if high_open else value > high)):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be a number {bounds}, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """vLLM's `--speculative-config`: which proposer drafts, and how many tokens."""
@@ -298,9 +308,13 @@ class SpecConfig:
             check_int(value, f"{name} must be an integer >= 1, got {value!r}")
         if lo > hi:
             raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
-        threshold = raw.get("draft_confidence_threshold", cls.draft_confidence_threshold)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
-            raise ConfigError(f"draft_confidence_threshold must be a number in [0, 1), got {threshold!r}")
+        threshold = check_number(
+            raw.get("draft_confidence_threshold", cls.draft_confidence_threshold),
+            "draft_confidence_threshold",
+            0,
+            1,
+            high_open=True,
+        )
         adaptive = raw.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
@@ -355,7 +369,7 @@ class SpecConfig:
             model=model,
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,
-            draft_confidence_threshold=float(threshold),
+            draft_confidence_threshold=threshold,
             quantization=quantization,
             fused=fused,
             draft_vocab_size=draft_vocab_size,
@@ -385,9 +399,5 @@ def _suffix_settings(raw: dict[str, Any], method: str) -> dict[str, Any]:
         at_least=0,
     )
     for key, low, high in (("suffix_decoding_max_spec_factor", 0, None), ("suffix_decoding_min_token_prob", 0, 1)):
-        value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high and value > high):
-            bounds = f"in [{low}, {high}]" if high else f">= {low}"
-            raise ConfigError(f"{key} must be a number {bounds}, got {value!r}")
-        settings[key] = float(value)
+        settings[key] = check_number(settings[key], key, low, high)
     return settings

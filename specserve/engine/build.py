@@ -102,29 +102,46 @@ def build_engine(
         prefix_cache = PrefixCache(max_tokens)
         if isinstance(proposer, (DraftModelProposer, EagleProposer)):
             proposer.prefix_cache = PrefixCache(max_tokens)
-    adaptive = None
-    if spec is not None and spec.adaptive:
-        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target.decoder))
     kv_cache_positions = None
     if kv_cache_space is not None and target.decoder.static is None:
         longest = max_model_len or target.config.max_position_embeddings
         per_position = kv_bytes_per_position(target.decoder, proposer)
         slots = engine_options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         kv_cache_positions = kv_positions(kv_cache_space, per_position, target.decoder.new_cache(), longest, slots)
-    engine = Engine(
+    engine = engine_over(
         target.decoder,
-        eos_token_ids=target.tokenizer.eos_token_ids,
-        proposer=proposer,
-        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        target.tokenizer.eos_token_ids,
+        proposer,
+        spec,
         max_model_len=max_model_len,
-        adaptive=adaptive,
-        lookup_first=None if spec is None else spec.prompt_lookup_first,
-        lookup_answers=spec is not None and spec.lookup_answers,
         prefix_cache=prefix_cache,
         kv_cache_positions=kv_cache_positions,
         **engine_options,
     )
     return engine, target.tokenizer
+
+
+def engine_over(
+    target: Decoder, eos_token_ids: list[int], proposer: object, spec: SpecConfig | None, **engine_options: Any
+) -> Engine:
+    """An engine over a loaded target and the proposer `make_proposer` made for spec
+    (settled by it), as `spec` asks: its k, adaptive k and lookups first; no speculation
+    where spec is None. engine_options: the rest of Engine's arguments."""
+    if spec is None:
+        return Engine(target, eos_token_ids=eos_token_ids, **engine_options)
+    adaptive = None
+    if spec.adaptive:
+        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target))
+    return Engine(
+        target,
+        eos_token_ids=eos_token_ids,
+        proposer=proposer,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        adaptive=adaptive,
+        lookup_first=spec.prompt_lookup_first,
+        lookup_answers=spec.lookup_answers,
+        **engine_options,
+    )
 
 
 def kv_bytes_per_position(target: Decoder, proposer: object) -> int:

@@ -47,6 +47,13 @@ OFFSET_BITS = 32
 TokenList = Union[list[int], "array[int]"]  # a running sequence's own list, or a kept answer
 
 
+def keys_for(min_match: int, lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """Those of `lengths` that find the matches of min_match tokens or more: the longest
+    at most min_match (the shortest of all if none is), and every longer one."""
+    shortest = max((n for n in lengths if n <= min_match), default=lengths[0])
+    return tuple(n for n in lengths if n >= shortest)
+
+
 class SuffixIndex:
     """Where each n-gram of `key_lengths` occurred in some token lists (documents), by
     the position of the token after it (position = document id << OFFSET_BITS | offset).
@@ -197,8 +204,9 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.last_catch_up = self.last_tokens_read = 0  # a lookup reads nothing ahead of time
+        self.own_keys = keys_for(min_match, OWN_KEY_LENGTHS)
         self.own: dict[int, SuffixIndex] = {}  # a running sequence's index of its own tokens
-        self.shared = SuffixIndex()  # finished sequences' answers
+        self.shared = SuffixIndex(keys_for(min_match, SHARED_KEY_LENGTHS))  # finished sequences' answers
         self.next_doc_id = 0
 
     def backlog(self, seq: SequenceView) -> int:
@@ -225,7 +233,7 @@ class SuffixProposer:
             return Draft.empty()
         own = self.own.get(seq.seq_id)
         if own is None or own.documents[0] is not seq.token_ids or own.indexed[0] > len(seq.token_ids):
-            own = self.own[seq.seq_id] = SuffixIndex(OWN_KEY_LENGTHS)
+            own = self.own[seq.seq_id] = SuffixIndex(self.own_keys)
             own.add(0, seq.token_ids)
         else:
             own.extend(0)

@@ -35,10 +35,12 @@ def prompts_file(tmp_path: Path) -> Path:
 
 
 def test_every_mode_gives_plain_tokens_and_suffix_drafts_the_answer_before(prepared_cache, prompts_file):
-    result = run(prompts_file, prepared_cache, "--modes", "plain,suffix,suffix-own", "--max-tokens", "24")
+    # A mode given as NAME=JSON keeps the commas inside its JSON.
+    own = 'own={"method": "suffix", "suffix_decoding_max_cached_requests": 0, "num_speculative_tokens": 8}'
+    result = run(prompts_file, prepared_cache, "--modes", f"plain,suffix,{own}", "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
     rows = {line.split(" | ")[0].strip("| "): line for line in result.stdout.splitlines() if line.startswith("| ")}
-    assert set(rows) >= {"plain", "suffix", "suffix-own"}
+    assert set(rows) >= {"plain", "suffix", "own"}
     assert "Every mode gave plain decoding's tokens." in result.stdout
     # The second request repeats the first: its answer drafts from the first's.
     assert float(rows["suffix"].split(" | ")[-1].strip(" |")) > 2

@@ -131,3 +131,17 @@ def test_a_greedy_sequence_drops_a_first_token_less_likely_than_its_row_asks():
     [dropped, drawn] = proposer.propose([greedy, sampled], [2, 2], least_chances=[0.7, 0.7])
     assert dropped.num_tokens == 0 and dropped.dropped == 1 and dropped.first_confidence == pytest.approx(2 / 3)
     assert drawn.tokens.tolist() == [10, 11]  # a sampled request's drafts are kept whatever their chance
+
+
+def test_a_lookup_first_indexes_only_the_keys_its_least_match_reads():
+    assert suffix.keys_for(1, (1, 2, 4, 8)) == (1, 2, 4, 8)
+    assert suffix.keys_for(3, (1, 2, 4, 8)) == (2, 4, 8)
+    assert suffix.keys_for(1, (2, 4, 8)) == (2, 4, 8)
+    lookup = SuffixProposer(min_match=4)
+    assert lookup.own_keys == (4, 8) and lookup.shared.key_lengths == (4, 8)
+    tokens = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 5]
+    seq = Seq(tokens, num_prompt_tokens=len(tokens))
+    [draft] = lookup.propose([seq], [3])
+    assert draft.tokens.tolist() == [6, 9, 2] and draft.first_confidence == 1.0
+    tokens[-4:] = [8, 3, 4, 5]  # a match of three tokens drafts nothing
+    assert lookup.propose([Seq(tokens, num_prompt_tokens=len(tokens), seq_id=1)], [3])[0].num_tokens == 0
