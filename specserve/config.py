@@ -180,6 +180,10 @@ def check_number(value: Any, name: str, low: float, high: float | None = None, h
     return float(value)
 
 
+# Adaptive k's bound where max_speculative_tokens is unstated (and num_speculative_tokens below it).
+DEFAULT_MAX_SPECULATIVE_TOKENS = 15
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """vLLM's `--speculative-config`: which proposer drafts, and how many tokens."""
@@ -201,7 +205,11 @@ class SpecConfig:
     # max_speculative_tokens. False drafts num_speculative_tokens every step, as vLLM.
     adaptive: bool = True
     # Adaptive only; parse() makes it >= num_speculative_tokens (None for "medusa": its heads).
-    max_speculative_tokens: int | None = 15
+    max_speculative_tokens: int | None = DEFAULT_MAX_SPECULATIVE_TOKENS
+    # Adaptive only: the most tokens a lookup first drafts (engine.py), which costs
+    # nothing to draft: max_speculative_tokens, or for "medusa", whose heads bound that
+    # unless it is given, DEFAULT_MAX_SPECULATIVE_TOKENS.
+    max_lookup_tokens: int | None = DEFAULT_MAX_SPECULATIVE_TOKENS
     # vLLM's key: the draft's weight format ("none", "int8", "int4"); None = the target's
     # --quantization. A draft need not match the target's numbers (its guesses are
     # verified), so an int4 draft in front of a float32 target costs a third as much.
@@ -319,14 +327,15 @@ class SpecConfig:
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
         # Unstated for "medusa": the heads bound it (`for_medusa_heads`), whatever k is.
-        unstated_max = None if k is None or method == "medusa" else max(15, k) if adaptive else k
-        max_k = raw.get("max_speculative_tokens", unstated_max)
+        unstated_max = max(DEFAULT_MAX_SPECULATIVE_TOKENS, k or 1) if adaptive else k
+        max_k = raw.get("max_speculative_tokens", None if k is None or method == "medusa" else unstated_max)
         if max_k is not None:
             check_int(
                 max_k,
                 f"max_speculative_tokens must be an integer >= num_speculative_tokens ({k or 1}), got {max_k!r}",
                 at_least=k or 1,
             )
+        max_lookup = (max_k or unstated_max) if adaptive else None
         quantization = raw.get("quantization")
         if quantization is not None:
             if method != "draft_model":
@@ -366,6 +375,7 @@ class SpecConfig:
             num_speculative_tokens=k,
             adaptive=adaptive,
             max_speculative_tokens=max_k,
+            max_lookup_tokens=max_lookup,
             model=model,
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,

@@ -131,7 +131,9 @@ def engine_over(
         return Engine(target, eos_token_ids=eos_token_ids, **engine_options)
     adaptive = None
     if spec.adaptive:
-        adaptive = AdaptiveSpecLength(spec.max_speculative_tokens, prior_cost_ratio(proposer, target))
+        adaptive = AdaptiveSpecLength(
+            spec.max_speculative_tokens, prior_cost_ratio(proposer, target), spec.max_lookup_tokens
+        )
     return Engine(
         target,
         eos_token_ids=eos_token_ids,

@@ -174,9 +174,11 @@ class Engine:
         self.num_scheduler_steps = num_scheduler_steps
         # Positions a step may add past a sequence's tokens: its drafts, or a multi-step
         # chain (never past max_model_len: drafts stop at max_tokens).
-        # The most tokens a step drafts for a sequence, by the proposer or a lookup.
-        self.max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
-        self.step_headroom = max(self.max_k, num_scheduler_steps) + 1
+        # The most tokens a step drafts for a sequence by a lookup first (the proposer's
+        # bound is adaptive.max_k, never more).
+        self.lookup_max_k = self.adaptive.lookup_max_k if self.adaptive is not None else self.num_speculative_tokens
+        max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
+        self.step_headroom = max(max_k, self.lookup_max_k, num_scheduler_steps) + 1
         self.kv_cache_positions = None if target.static is not None else kv_cache_positions  # a pool bounds itself
         if self.kv_cache_positions is not None:
             longest = target.new_cache().capacity_for(self.max_model_len)
@@ -338,17 +340,17 @@ class Engine:
 
     def _look_up(self, decoding: list[Sequence]) -> dict[int, Draft]:
         """The lookup-first drafts, by index into decoding (none without lookup_first).
-        A lookup's k is up to num_speculative_tokens (under adaptive k, its bound
-        max_speculative_tokens: a lookup costs nothing to draft, and its rows are priced
-        by `lookup_ks`), and 1 + 2a after a lookup that had a tokens accepted: where the
-        text stops repeating, the next match is often wrong (benchmarks/EXPERIMENTS.md,
-        "Lookup first"). The proposer does not run for a sequence a lookup drafts, and
-        adaptive k learns nothing of the proposer from it."""
+        A lookup's k is up to num_speculative_tokens (under adaptive k, lookup_max_k: a
+        lookup costs nothing to draft, and its rows are priced by `lookup_ks`), and
+        1 + 2a after a lookup that had a tokens accepted: where the text stops
+        repeating, the next match is often wrong (benchmarks/EXPERIMENTS.md, "Lookup
+        first"). The proposer does not run for a sequence a lookup drafts, and adaptive
+        k learns nothing of the proposer from it."""
         if self.lookup is None:
             return {}
         found = {}
         for i, seq in enumerate(decoding):
-            k = min(self.max_k, seq.remaining_tokens - 1)
+            k = min(self.lookup_max_k, seq.remaining_tokens - 1)
             if seq.lookup_accepted is not None:
                 k = min(k, 1 + 2 * seq.lookup_accepted)
             draft = self.lookup.propose_for(seq, k)

@@ -361,10 +361,13 @@ PRIOR_FIRST_GUESSES = FirstGuesses()  # never recorded: each bin at its middle p
 class AdaptiveSpecLength:
     """Chooses each decoding sequence's k before a step; learns from the step after it."""
 
-    def __init__(self, max_k: int, prior_draft_cost_ratio: float):
+    def __init__(self, max_k: int, prior_draft_cost_ratio: float, lookup_max_k: int | None = None):
+        """max_k bounds the proposer's k, lookup_max_k (max_k where None) a lookup first's."""
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
+        self.lookup_max_k = lookup_max_k or max_k
+        self.probe_tokens = min(PROBE_TOKENS, max_k)  # a probe's k
         # Prior, in units of a one-row target forward: PRIOR_ROW_SHARE more per verified
         # row (see ForwardCosts), a draft position the draft/target size ratio, and a
         # token read into the draft before drafting half a draft position (a fifth, nearer
@@ -575,7 +578,7 @@ class AdaptiveSpecLength:
             if state.probing:
                 hopeful = self._speedup_after_a_full_probe(batch) if hopeful is None else hopeful
                 state.probing = read <= self._affordable_read(state, hopeful, batch)
-            state.chosen = PROBE_TOKENS if state.probing else k
+            state.chosen = self.probe_tokens if state.probing else k
             ks.append(state.chosen)
         return ks
 
@@ -609,8 +612,8 @@ class AdaptiveSpecLength:
         restarts its estimate from that probe alone."""
         after = Acceptance(self.max_k)
         after.restart(PROBE_DOUBT)
-        after.chosen = PROBE_TOKENS
-        after.record(PROBE_TOKENS, PROBE_TOKENS)
+        after.chosen = self.probe_tokens
+        after.record(self.probe_tokens, self.probe_tokens)
         return self.best([after], others=batch - 1)[0]
 
     def _affordable_read(self, state: Acceptance, hopeful: float, batch: int) -> float:
@@ -622,7 +625,7 @@ class AdaptiveSpecLength:
         (benchmarks/EXPERIMENTS.md, "Probes valued by what follows a fully accepted
         one")."""
         tokens, _ = state.curves()
-        chance = tokens[PROBE_TOKENS] - tokens[PROBE_TOKENS - 1]  # all PROBE_TOKENS accepted
+        chance = tokens[self.probe_tokens] - tokens[self.probe_tokens - 1]  # the whole probe accepted
         return chance * (1 - 1 / hopeful) * self.plain_step(batch) / batch
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int, num_dropped: int = 0) -> None:
@@ -677,7 +680,7 @@ class AdaptiveSpecLength:
             broken = base - plain if rows == batch else 0.0  # a single step where a chain would run
             gains = [0.0] + [
                 tokens[k] - 1 - value * (self.target_seconds(rows + k) - base + broken)
-                for k in range(1, min(most, self.max_k) + 1)
+                for k in range(1, min(most, self.lookup_max_k) + 1)
             ]
             k = max(range(len(gains)), key=gains.__getitem__)  # k = 0 unless one gains
             ks.append(k)
@@ -715,7 +718,7 @@ class AdaptiveSpecLength:
         default), a new one if it has none."""
         states = self.sequences if states is None else states
         if seq_id not in states:
-            states[seq_id] = Acceptance(self.max_k)
+            states[seq_id] = Acceptance(self.lookup_max_k if states is self.lookups else self.max_k)
         return states[seq_id]
 
     def observe_target(self, rows: int, seconds: float) -> None:

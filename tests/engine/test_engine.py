@@ -541,25 +541,42 @@ def test_a_lookup_after_a_rejected_one_drafts_less(target):
     assert all(n <= 1 + 2 * last for last, n in lookups if last is not None)
 
 
-def test_under_adaptive_k_a_lookup_drafts_up_to_its_bound_past_the_proposers_k(target):
-    """A lookup costs nothing to draft: under adaptive k it drafts up to
-    max_speculative_tokens, whatever k the proposer starts from."""
+@pytest.mark.parametrize("max_k, lookup_max_k", [(7, None), (2, 9)])
+def test_under_adaptive_k_a_lookup_drafts_up_to_its_own_bound(target, max_k, lookup_max_k):
+    """A lookup costs nothing to draft: under adaptive k it drafts up to lookup_max_k
+    (max_speculative_tokens, or for Medusa 15), whatever k the proposer drafts."""
     from specserve.spec.adaptive import AdaptiveSpecLength
 
-    adaptive = AdaptiveSpecLength(7, prior_draft_cost_ratio=0.5)
+    adaptive = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5, lookup_max_k=lookup_max_k)
     adaptive.lookup_ks = lambda seq_ids, proposed, batch: list(proposed)
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    drafted, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, *rest: (drafted.extend(ks), propose(seqs, ks, *rest))[1]
     engine = Engine(
-        target,
-        eos_token_ids=[EOS],
-        proposer=DraftModelProposer(perturbed(target, 0.3, seed=2)),
-        num_speculative_tokens=2,
-        adaptive=adaptive,
-        lookup_first=1,
+        target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=2, adaptive=adaptive, lookup_first=1
     )
     lookups = log_lookups(engine)
     for prompt in PROMPTS:
         assert engine.generate(prompt, GREEDY).output_ids == plain_tokens(target, prompt)
-    assert max(n for _, n in lookups) == 7
+    assert max(n for _, n in lookups) == (lookup_max_k or max_k)
+    assert max(drafted) <= max_k
+
+
+@pytest.mark.parametrize("max_k", [1, 2])
+def test_adaptive_k_bounded_below_a_probes_length_probes_within_its_bound(target, max_k):
+    """max_speculative_tokens below PROBE_TOKENS (or a Medusa checkpoint of one or two
+    heads) bounds the probes too, and the output stays the target's."""
+    from specserve.spec.adaptive import AdaptiveSpecLength
+
+    proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
+    drafted, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, *rest: (drafted.extend(ks), propose(seqs, ks, *rest))[1]
+    adaptive = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5)
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=1, adaptive=adaptive)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, params).output_ids == plain_tokens(target, prompt, params)
+    assert drafted and max(drafted) == max_k
 
 
 def lookup_engine(target, verified) -> tuple[Engine, list, list]:

@@ -383,10 +383,15 @@ def test_in_a_batch_of_b_each_sequence_probes_b_times_less_often():
 
 def test_config_keys():
     spec = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7})
-    assert spec.adaptive and spec.max_speculative_tokens == 15
-    assert SpecConfig.parse({"model": "m", "num_speculative_tokens": 20}).max_speculative_tokens == 20
+    assert spec.adaptive and spec.max_speculative_tokens == spec.max_lookup_tokens == 15
+    wide = SpecConfig.parse({"model": "m", "num_speculative_tokens": 20})
+    assert wide.max_speculative_tokens == wide.max_lookup_tokens == 20
+    # Medusa's heads bound its k where max_speculative_tokens is unstated, not its lookups'.
+    assert SpecConfig.parse({"method": "medusa", "model": "h"}).max_lookup_tokens == 15
+    assert SpecConfig.parse({"method": "medusa", "model": "h", "max_speculative_tokens": 2}).max_lookup_tokens == 2
     fixed = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "adaptive": False})
     assert not fixed.adaptive and fixed.describe_k() == "k=7, looking up the last 4 tokens first"
+    assert fixed.max_lookup_tokens is None  # k bounds every draft
     no_lookup = SpecConfig.parse({"model": "m", "num_speculative_tokens": 7, "prompt_lookup_first": None})
     assert no_lookup.describe_k() == "adaptive k in 0..15"
     for bad, message in (
