@@ -172,12 +172,11 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.prefix_cache = prefix_cache
         self.num_scheduler_steps = num_scheduler_steps
+        # The most tokens a step drafts for a sequence: by the proposer, by a lookup first.
+        max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
+        self.lookup_max_k = self.adaptive.lookup_max_k if self.adaptive is not None else self.num_speculative_tokens
         # Positions a step may add past a sequence's tokens: its drafts, or a multi-step
         # chain (never past max_model_len: drafts stop at max_tokens).
-        # The most tokens a step drafts for a sequence by a lookup first (the proposer's
-        # bound is adaptive.max_k, never more).
-        self.lookup_max_k = self.adaptive.lookup_max_k if self.adaptive is not None else self.num_speculative_tokens
-        max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
         self.step_headroom = max(max_k, self.lookup_max_k, num_scheduler_steps) + 1
         self.kv_cache_positions = None if target.static is not None else kv_cache_positions  # a pool bounds itself
         if self.kv_cache_positions is not None:
@@ -355,9 +354,9 @@ class Engine:
                 k = min(k, 1 + 2 * seq.lookup_accepted)
             draft = self.lookup.propose_for(seq, k)
             if draft.num_tokens:
+                found[i] = draft
                 if seq.lookup_pending is None:
                     seq.lookup_pending = (len(seq.token_ids), draft.tokens.tolist())
-                found[i] = draft
         # As many of each draft as pay for their rows (see AdaptiveSpecLength.lookup_ks).
         if self.adaptive is not None and found:
             ks = self.adaptive.lookup_ks(
