@@ -121,10 +121,10 @@ class SuffixIndex:
             del self.earlier[:dead], self.position[:dead]
             self.slot_base = self.first_live
 
-    def matches(self, pattern: list[int], max_match: int) -> list[tuple[int, TokenList, int]]:
+    def matches(self, pattern: list[int], max_match: int, min_match: int = 1) -> list[tuple[int, TokenList, int]]:
         """(match length, document, position of the token after the match) of the latest
         CANDIDATES_PER_KEY places of each of the pattern's last n-grams, each match at
-        most max_match long."""
+        least min_match and at most max_match long."""
         found: dict[int, tuple[int, TokenList, int]] = {}
         for n in self.key_lengths:
             if len(pattern) < n:
@@ -142,7 +142,7 @@ class SuffixIndex:
                 length = 0
                 while length < max_match and length < offset and document[offset - 1 - length] == pattern[-1 - length]:
                     length += 1
-                if length >= self.key_lengths[0]:  # else a hash collision
+                if length >= max(min_match, self.key_lengths[0]):  # shorter: too short, or a hash collision
                     found[position] = (length, document, offset)
         return list(found.values())
 
@@ -241,7 +241,7 @@ class SuffixProposer:
         best: tuple[list[int], list[float]] = ([], [])
         for index in (own, self.shared):
             draft = best_draft(
-                [match for match in index.matches(pattern, self.max_tree_depth) if match[0] >= self.min_match],
+                index.matches(pattern, self.max_tree_depth, self.min_match),
                 num_tokens,
                 self.max_tree_depth,
                 self.max_spec_factor,

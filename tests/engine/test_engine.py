@@ -60,6 +60,13 @@ def plain_tokens(target: Decoder, prompt: list[int], params=GREEDY) -> list[int]
     return Engine(target, eos_token_ids=[EOS]).generate(prompt, params).output_ids
 
 
+def log_asked(proposer) -> list[int]:
+    """Wraps the proposer's propose: a list that gains every k it is asked for."""
+    asked, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, *rest: (asked.extend(ks), propose(seqs, ks, *rest))[1]
+    return asked
+
+
 def log_lookups(engine: Engine) -> list[tuple[int | None, int]]:
     """Wraps the engine's lookup-first step: a list that gains, for each lookup draft,
     what its sequence's previous lookup had accepted (None: no previous one) and its
@@ -550,8 +557,7 @@ def test_under_adaptive_k_a_lookup_drafts_up_to_its_own_bound(target, max_k, loo
     adaptive = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5, lookup_max_k=lookup_max_k)
     adaptive.lookup_ks = lambda seq_ids, proposed, batch: list(proposed)
     proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
-    drafted, propose = [], proposer.propose
-    proposer.propose = lambda seqs, ks, *rest: (drafted.extend(ks), propose(seqs, ks, *rest))[1]
+    drafted = log_asked(proposer)
     engine = Engine(
         target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=2, adaptive=adaptive, lookup_first=1
     )
@@ -569,8 +575,7 @@ def test_adaptive_k_bounded_below_a_probes_length_probes_within_its_bound(target
     from specserve.spec.adaptive import AdaptiveSpecLength
 
     proposer = DraftModelProposer(perturbed(target, 0.3, seed=2))
-    drafted, propose = [], proposer.propose
-    proposer.propose = lambda seqs, ks, *rest: (drafted.extend(ks), propose(seqs, ks, *rest))[1]
+    drafted = log_asked(proposer)
     adaptive = AdaptiveSpecLength(max_k, prior_draft_cost_ratio=0.5)
     engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=1, adaptive=adaptive)
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
