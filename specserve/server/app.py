@@ -55,7 +55,7 @@ from specserve.server.protocol import (
     TokenizeRequest,
     validation_error,
 )
-from specserve.server.reasoning import ReasoningParser, prompt_opens_thinking, reasoning_fields
+from specserve.server.reasoning import ReasoningParser, ReasoningTokens, prompt_opens_thinking, reasoning_fields
 from specserve.server.recording import PromptRecorder
 from specserve.server.responses import (
     ResponseEvents,
@@ -136,14 +136,17 @@ class _Quiet:
         return True
 
 
-def _usage(outs: list[RequestOutput], n: int, completed: bool = True) -> dict[str, Any]:
+def _usage(
+    outs: list[RequestOutput], n: int, completed: bool = True, reasoning: Sequence[int] | None = None
+) -> dict[str, Any]:
     """Usage of a response's choices (n per prompt): each prompt counted once, every
-    choice's tokens (none where the answer leaves them out: `completed` False)."""
+    choice's tokens (none where the answer leaves them out: `completed` False). Where a
+    reasoning parser reads the answers, `reasoning` holds each choice's reasoning tokens."""
     firsts = outs[::n]  # one choice of each prompt
     prompt_tokens = sum(out.num_prompt_tokens for out in firsts)
     completion_tokens = sum(out.num_output_tokens for out in outs) if completed else 0
     cached = [out.num_cached_tokens for out in firsts]
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -152,6 +155,9 @@ def _usage(outs: list[RequestOutput], n: int, completed: bool = True) -> dict[st
         # hit rate rather than a rate of 0 for a cache that is not there.
         "prompt_tokens_details": None if None in cached else {"cached_tokens": sum(cached)},
     }
+    if reasoning is not None:  # OpenAI's field, as vLLM fills it: only under a reasoning parser
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+    return usage
 
 
 def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any] | None:
@@ -429,13 +435,16 @@ def build_app(
         events: Callable[[Fanout], AsyncIterator[bytes]] | None = None,
         thinking: ReasoningParser | None = None,
         detached: Callable[[Fanout], Response] | None = None,
+        reasoning_so_far: Callable[[int], int] | None = None,
     ) -> Response:
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
         engine admits them, the prompts `recorded` makes go to the recorder. A stream
         sends make_chunk's chunks, or where given, what `events` makes of the choices
         (which it closes). Where `thinking` reads the answers' reasoning, a structure
-        holds from the reasoning's end on. `detached` answers at once, the choices once
-        admitted running on without the client (a background response)."""
+        holds from the reasoning's end on, and a stream's usage counts choice i's
+        reasoning tokens as `reasoning_so_far(i)` (after make_chunk has read its output).
+        `detached` answers at once, the choices once admitted running on without the
+        client (a background response)."""
         requests = []
         guide = await structured_guide(body)
         if guide is not None and thinking is not None:
@@ -484,8 +493,11 @@ def build_app(
             """make_chunk's chunk, with its choice's usage so far where the request asks for it."""
             piece = make_chunk(choice, out, first)
             if piece is not None and body.continuous_usage:
-                piece["usage"] = _usage([out], 1, completed=not body.echo_only)
+                piece["usage"] = _usage([out], 1, completed=not body.echo_only, reasoning=reasoning_of([choice]))
             return piece
+
+        def reasoning_of(choices: list[int]) -> list[int] | None:
+            return None if reasoning_so_far is None else [reasoning_so_far(choice) for choice in choices]
 
         async def stream() -> AsyncIterator[bytes]:
             last: dict[int, RequestOutput] = {}
@@ -504,7 +516,12 @@ def build_app(
                     elif quiet.due():
                         yield KEEP_ALIVE
                 if body.include_usage:
-                    usage = _usage([last[i] for i in sorted(last)], body.n, completed=not body.echo_only)
+                    usage = _usage(
+                        [last[i] for i in sorted(last)],
+                        body.n,
+                        completed=not body.echo_only,
+                        reasoning=reasoning_of(sorted(last)),
+                    )
                     yield _sse({**head, "choices": [], "usage": usage})
             except Exception as e:  # the stream has started: report in-band
                 yield _sse(_as_api_error(e).body())
@@ -822,6 +839,19 @@ def build_app(
             guided = body.structured_output() is not None
             thinking = ReasoningParser(settings.reasoning_parser, prompt_opens_thinking(tail), guided)
         reading = None if thinking is None else [thinking.stream() for _ in range(body.n)]
+        # The answers' text as their reasoning was read: to find where it ended among their ids.
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=body.skip_special_tokens)
+        # Each streamed choice's reasoning tokens so far.
+        counting = None if reading is None else [ReasoningTokens(reader, decode) for reader in reading]
+
+        def reasoning_tokens(results: list[ChoiceResult]) -> list[int] | None:
+            """Each whole choice's reasoning tokens, where a parser reads them."""
+            if thinking is None:
+                return None
+            return [thinking.reasoning_tokens("".join(r.text), r.token_ids, decode) for r in results]
+
+        def streamed_reasoning(index: int) -> int:
+            return counting[index].count()
 
         def shown(reasoning: str | None) -> dict[str, Any]:
             """A message's reasoning fields, where a parser reads them and the request wants them."""
@@ -840,6 +870,8 @@ def build_app(
         def pieces(index: int, out: RequestOutput) -> tuple[str, str, list[dict[str, Any]]]:
             """A streamed step's reasoning and content to send, and its delta's tool_calls entries."""
             reasoning, text = ("", out.text) if reading is None else reading[index].step(out.text, out.finished)
+            if counting is not None:
+                counting[index].add(out.token_ids)
             content, entries = (text, []) if calling is None else calling[index].step(text, out.finished)
             return (reasoning if body.include_reasoning else ""), content, entries
 
@@ -901,7 +933,7 @@ def build_app(
                 **prompt_ids_field,
                 "object": "chat.completion",
                 "choices": [whole_choice(i, r) for i, r in enumerate(results)],
-                "usage": _usage(lasts, body.n),
+                "usage": _usage(lasts, body.n, reasoning=reasoning_tokens(results)),
                 "spec_decode": _spec_decode(lasts),
             }
 
@@ -913,14 +945,23 @@ def build_app(
 
         if shape is None:
             return await run(
-                body, http_request, [prompt_ids], arrival, head, chunk, response, recorded, thinking=thinking
+                body,
+                http_request,
+                [prompt_ids],
+                arrival,
+                head,
+                chunk,
+                response,
+                recorded,
+                thinking=thinking,
+                reasoning_so_far=None if counting is None else streamed_reasoning,
             )
 
         def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
             (result,) = results
             reasoning, content, calls = parsed("".join(result.text))
             logprobs = output_text_logprobs(described(result.logprobs))
-            usage = _usage([result.last], 1)
+            usage = _usage([result.last], 1, reasoning=reasoning_tokens(results))
             text = content if content or not calls else None
             reasoning = reasoning if body.include_reasoning else None
             return shape.whole(reasoning, text, calls, logprobs, usage, result.last.finish_reason)
@@ -943,7 +984,8 @@ def build_app(
                         yield KEEP_ALIVE
                     if out.finished:
                         answered = reading is None or reading[0].answers
-                        for event in stream.finish(_usage([out], 1), out.finish_reason, answered):
+                        spent = None if counting is None else [streamed_reasoning(0)]
+                        for event in stream.finish(_usage([out], 1, reasoning=spent), out.finish_reason, answered):
                             yield event
             except Exception as e:  # the stream has started: report in-band
                 yield stream.error(_as_api_error(e).body())

@@ -20,11 +20,15 @@ Invariants:
 - A stream's pieces, joined, are the whole answer's reasoning and content: nothing is
   sent that a later token could move from one to the other (a tail that may begin a
   tag, and the reasoning's trailing blanks, wait for the next text).
+- An answer's reasoning tokens (usage's `reasoning_tokens`, `ReasoningTokens`) are its
+  tokens up to the one that completes `</think>`: all of them while the block is open,
+  none where the answer does not think.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from specserve.server.tool_calls import may_begin
 from specserve.structured.thinking import THINK_END, THINK_START
@@ -64,6 +68,14 @@ class ReasoningParser:
 
     def stream(self) -> StreamedReasoning:
         return StreamedReasoning(self)
+
+    def reasoning_tokens(self, text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+        """How many of a whole answer's tokens (`ids`, whose text is `text`) its reasoning took."""
+        reader = self.stream()
+        reader.step(text, finished=True)
+        counter = ReasoningTokens(reader, decode)
+        counter.add(ids)
+        return counter.count()
 
 
 @dataclass
@@ -138,3 +150,43 @@ class StreamedReasoning:
         self.content_begun = self.content_begun or bool(pending)
         self.content_at += len(pending)
         return pending
+
+
+@dataclass
+class ReasoningTokens:
+    """How many of one answer's tokens its reasoning took, as its `reader` has read the
+    answer's text so far (`add` the tokens of each step it reads). `decode` turns ids
+    into the text the reader was given. Once the block closes, the closing token is
+    found by bisection over the decoded prefixes, once: a stream's count costs O(1) a
+    step otherwise."""
+
+    reader: StreamedReasoning
+    decode: Callable[[Sequence[int]], str]
+    ids: list[int] = field(default_factory=list)
+    closed_at: int | None = None  # the tokens up to the one completing `</think>`
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        self.ids.extend(token_ids)
+
+    def count(self) -> int:
+        if not self.reader.thinks:
+            return 0
+        if not self.reader.answers:
+            return len(self.ids)
+        if self.closed_at is None:
+            self.closed_at = self._first_closing()
+        return self.closed_at
+
+    def _first_closing(self) -> int:
+        """The fewest leading ids whose text closes the block (its text is a prefix of
+        the whole's, so closing is monotone in the prefix's length)."""
+        low, high = 1, len(self.ids)  # the whole closes it: the reader saw it
+        while low < high:
+            middle = (low + high) // 2
+            prefix = self.reader.parser.stream()
+            prefix.step(self.decode(self.ids[:middle]), finished=False)
+            if prefix.answers and prefix.thinks:
+                high = middle
+            else:
+                low = middle + 1
+        return low

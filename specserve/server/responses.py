@@ -356,11 +356,12 @@ def output_text_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str,
 def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     """A response's usage from the chat form's."""
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": chat_usage["total_tokens"],
     }
 

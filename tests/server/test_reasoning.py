@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.server.reasoning import ReasoningParser, prompt_opens_thinking
+from specserve.server.reasoning import ReasoningParser, ReasoningTokens, prompt_opens_thinking
 
 QWEN3, OPENED, R1 = (
     ReasoningParser("qwen3"),
@@ -68,3 +68,36 @@ def test_a_prompt_that_ends_with_the_tag_opens_the_block():
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+# Each id's text: the tags split over several tokens, as a tokenizer without them as words writes them.
+PIECES = ["<", "think>", "Let", " me", " see.", "</", "think", ">", "It", " is", " 4."]
+
+
+def decode(ids):
+    return "".join(PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "parser, ids, expected",
+    [
+        (QWEN3, range(11), 8),  # up to the token that completes `</think>`
+        (QWEN3, range(6), 6),  # cut off inside the block (its closing tag half written): all reasoning
+        (QWEN3, range(8, 11), 0),  # no block
+        (R1, range(2, 11), 6),  # the block opened by the template
+    ],
+)
+def test_the_reasoning_tokens_run_to_the_one_that_closes_the_block(parser, ids, expected):
+    ids = list(ids)
+    assert parser.reasoning_tokens(decode(ids), ids, decode) == expected
+    rng = random.Random(0)
+    for _ in range(20):  # streamed in random steps, counted after each: the same count at the end
+        reader, counter, at = parser.stream(), None, 0
+        counter = ReasoningTokens(reader, decode)
+        while at < len(ids):
+            step = ids[at : at + rng.randint(1, 3)]
+            at += len(step)
+            reader.step(decode(step), finished=at == len(ids))
+            counter.add(step)
+            assert counter.count() <= at
+        assert counter.count() == expected

@@ -274,3 +274,43 @@ def test_reasoning_given_back_reaches_the_template():
     assert [item["type"] for item in first.json()["output"]] == ["reasoning", "message"]
     # "the user asks." came back with the kept turn: 3 words more than the same turns without it.
     assert second.json()["usage"]["input_tokens"] == unthought.json()["usage"]["input_tokens"] + 3
+
+
+def test_usage_counts_the_reasoning_tokens_whole_streamed_and_in_responses():
+    """OpenAI's `completion_tokens_details.reasoning_tokens`: the tokens up to `</think>`
+    (5 of THOUGHT's), all of an answer cut off inside the block, none without a block;
+    the Responses API's `output_tokens_details`; no field without a parser."""
+    usage_every_chunk = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
+    whole, stream, two, cut, off, response, response_stream = asyncio.run(
+        post(
+            [
+                *chats(
+                    body(),
+                    body(**usage_every_chunk),
+                    body(n=2, temperature=0),
+                    body(max_tokens=3),
+                    body(chat_template_kwargs={"enable_thinking": False}),
+                ),
+                ("/v1/responses", ask),
+                ("/v1/responses", {**ask, "stream": True}),
+            ],
+            THOUGHT + ANSWER,
+        )
+    )
+    usage = whole.json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 5} and usage["completion_tokens"] > 5
+    chunks = streamed(stream)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+    counts = [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(
+        c["usage"]["completion_tokens_details"]["reasoning_tokens"] <= c["usage"]["completion_tokens"] for c in chunks
+    )
+    assert two.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 10}
+    assert cut.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert off.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert Response.model_validate(response.json()).usage.output_tokens_details.reasoning_tokens == 5
+    assert events(response_stream)[-1].response.usage.output_tokens_details.reasoning_tokens == 5
+    (unread,) = asyncio.run(post(chats(body()), THOUGHT + ANSWER, parser=None))
+    assert "completion_tokens_details" not in unread.json()["usage"]
