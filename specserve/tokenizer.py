@@ -304,6 +304,8 @@ class Tokenizer:
             raise ConfigError(f"the model's chat template rejected these messages: {error}") from error
         if not continue_final_message:
             return text
+        if not messages:
+            raise ConfigError("there is no message to continue; drop continue_final_message")
         final = str(messages[-1].get("content") or "").strip()
         if not final:
             raise ConfigError(

@@ -174,6 +174,7 @@ def test_continue_final_message_goes_on_with_the_last_message():
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
         ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"messages": [], "continue_final_message": True, "add_generation_prompt": False}, "messages"),
         ({"include_reasoning": "yes"}, "include_reasoning"),
         (
             {
