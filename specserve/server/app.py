@@ -943,19 +943,9 @@ def build_app(
             except ValueError:  # no user or tool turn last: no instruction train-head answers
                 return []
 
+        answer = functools.partial(run, body, http_request, [prompt_ids], arrival, head, chunk, thinking=thinking)
         if shape is None:
-            return await run(
-                body,
-                http_request,
-                [prompt_ids],
-                arrival,
-                head,
-                chunk,
-                response,
-                recorded,
-                thinking=thinking,
-                reasoning_so_far=None if counting is None else streamed_reasoning,
-            )
+            return await answer(response, recorded, reasoning_so_far=None if counting is None else streamed_reasoning)
 
         def whole_response(results: list[ChoiceResult]) -> dict[str, Any]:
             (result,) = results
@@ -995,18 +985,6 @@ def build_app(
         detached = None
         if shape.request.background:
             detached = functools.partial(run_in_background, shape, whole_response)
-        return await run(
-            body,
-            http_request,
-            [prompt_ids],
-            arrival,
-            head,
-            chunk,
-            whole_response,
-            recorded,
-            events=events,
-            thinking=thinking,
-            detached=detached,
-        )
+        return await answer(whole_response, recorded, events=events, detached=detached)
 
     return app
