@@ -37,6 +37,61 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ["auto", *DTYPES]
 
 
+# `vllm serve` flags whose setting specserve gives another way: refused at start naming
+# that way, so a command or manifest written for vLLM fails with its fix.
+NO_DOWNLOADS = (
+    "specserve downloads nothing: serve a catalogue name (`specserve models prepare NAME`), "
+    "a .gguf file or a checkpoint folder"
+)
+VLLM_FLAGS_INSTEAD = {
+    "--gpu-memory-utilization": "specserve bounds the running requests' keys and values in GiB: use --kv-cache-space",
+    "--max-num-batched-tokens": "the most prompt tokens read in one step is --prefill-chunk-size",
+    "--seed": 'specserve seeds each request: send "seed" in its body',
+    "--swap-space": "a preempted request is recomputed, never swapped out: --kv-cache-space bounds the cache",
+    "--download-dir": NO_DOWNLOADS,
+    "--revision": NO_DOWNLOADS,
+    "--load-format": NO_DOWNLOADS,
+    "--tokenizer": "the tokenizer is the model's own, read from its .gguf file or checkpoint folder",
+}
+# `vllm serve` flags that ask for what specserve always does: taken, and change nothing.
+VLLM_FLAGS_ALREADY = {
+    "--trust-remote-code": "no code from a checkpoint is ever run",
+    "--disable-log-requests": "requests' contents are never logged",
+    "--enable-chunked-prefill": "long prompts are always read in chunks (--prefill-chunk-size)",
+}
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags that have no flag of the same meaning here (see VLLM_FLAGS_*)."""
+    for flag in VLLM_FLAGS_INSTEAD:
+        parser.add_argument(flag, dest=vllm_dest(flag), default=None, help=argparse.SUPPRESS)
+    for flag, why in VLLM_FLAGS_ALREADY.items():
+        parser.add_argument(flag, action="store_true", help=f"vLLM's; no effect here: {why}")
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        parser.add_argument(flag, short, type=int, default=1, help="vLLM's; specserve runs a model on one device: 1")
+    parser.add_argument(
+        "--disable-log-stats",
+        dest="log_stats_interval",
+        action="store_const",
+        const=0.0,
+        help="vLLM's: no throughput/acceptance log lines (--log-stats-interval 0)",
+    )
+
+
+def vllm_dest(flag: str) -> str:
+    return "vllm_" + flag.removeprefix("--").replace("-", "_")
+
+
+def refuse_vllm_flags(args: argparse.Namespace) -> None:
+    """Raise ConfigError naming specserve's way for the first vLLM-only flag given."""
+    for flag, instead in VLLM_FLAGS_INSTEAD.items():
+        if getattr(args, vllm_dest(flag)) is not None:
+            raise ConfigError(f"{flag} is vLLM's; {instead}")
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) != 1:
+            raise ConfigError(f"specserve runs a model on one device: {flag} must be 1")
+
+
 def add_prefix_caching_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
     parser.add_argument(
         "--enable-prefix-caching",
@@ -320,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat template variables for every conversation whose request does not set them, e.g. "
         "'{\"enable_thinking\": false}'",
     )
+    add_vllm_flags(srv)
     srv.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
@@ -706,6 +762,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from specserve.server.serve import ServerConfig, serve
 
+    refuse_vllm_flags(args)
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
     require_positive(args, "max_num_seqs", "prefill_chunk_size", "num_scheduler_steps")
     if not 1 <= args.port <= 65535:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cli import main
+from specserve.cli import build_parser, main, refuse_vllm_flags
 
 CHAT = ["--model", "smollm2-135m", "--chat", "Count from 1 to 10, separated by commas.", "--max-tokens", "24"]
 
@@ -207,6 +207,11 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--default-chat-template-kwargs", "{enable"], "--default-chat-template-kwargs is not valid JSON"),
         (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object"),
         (["--default-chat-template-kwargs", '{"tools": []}'], "may not set ['tools']"),
+        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's; specserve bounds"),
+        (["--max-num-batched-tokens", "8192"], "--prefill-chunk-size"),
+        (["--seed", "0"], 'send "seed" in its body'),
+        (["--download-dir", "/models"], "specserve downloads nothing"),
+        (["-tp", "2"], "--tensor-parallel-size must be 1"),
     ],
 )
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
@@ -243,3 +248,10 @@ def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp
         ["serve", "smollm2-135m", "--port", "1", "--speculative-config", spec],
         "does not share the vocabulary",
     )
+
+
+def test_vllm_flags_for_what_serve_does_anyway_are_taken():
+    flags = ["--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "-tp", "1", "-pp", "1"]
+    args = build_parser().parse_args(["serve", "smollm2-135m", *flags, "--disable-log-stats"])
+    refuse_vllm_flags(args)  # nothing refused
+    assert args.log_stats_interval == 0 and build_parser().parse_args(["serve"]).log_stats_interval == 10
