@@ -113,9 +113,9 @@ class ApiSettings:
 KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 # A prompt's last ids, read for whether its template opened a think block (reasoning.py).
 PROMPT_TAIL_IDS = 8
-# A stream that has sent nothing for this long (its text held back: a tool call being
-# written) sends an SSE comment, which clients skip, so that a proxy's read timeout
-# (nginx's: 60 s) does not cut it.
+# A stream that has sent nothing for this long (queued, reading a long prompt, or its
+# text held back: a tool call being written) sends an SSE comment, which clients skip,
+# so that a proxy's read timeout (nginx's: 60 s) does not cut it.
 KEEP_ALIVE_S = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"
 
@@ -257,9 +257,9 @@ def _validated(model: type[BodyModel], raw: bytes) -> BodyModel:
         raise validation_error(error.errors(include_url=False)) from None
 
 
-async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> bool:
-    """Wait for `work` unless the client disconnects first; then cancel it (its
-    `finally` aborts what runs in the engine) and return False."""
+async def _first_unless_disconnected(work: asyncio.Future, request: Request, timeout_s: float | None = None) -> bool:
+    """Wait for `work` (at most `timeout_s`) unless the client disconnects first; then
+    cancel it (its `finally` aborts what runs in the engine) and return False."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -267,14 +267,24 @@ async def _first_unless_disconnected(work: asyncio.Future, request: Request) -> 
 
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        left = watch.done() and not work.done()
     finally:
         watch.cancel()
-    if work.done():
+    if not left:
         return True
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     return False
+
+
+async def _kept_alive_until(work: asyncio.Future) -> AsyncIterator[bytes]:
+    """SSE comments every KEEP_ALIVE_S until `work` is done; then its error, if any, raised."""
+    while not work.done():
+        await asyncio.wait({work}, timeout=KEEP_ALIVE_S)
+        if not work.done():
+            yield KEEP_ALIVE
+    work.result()
 
 
 def build_app(
@@ -432,7 +442,7 @@ def build_app(
         make_chunk: Callable[[int, RequestOutput, bool], dict[str, Any] | None],
         make_response: Callable[[list[ChoiceResult]], dict[str, Any]],
         recorded: Callable[[], list[Instruction]],
-        events: Callable[[Fanout], AsyncIterator[bytes]] | None = None,
+        events: Callable[[Fanout, asyncio.Future], AsyncIterator[bytes]] | None = None,
         thinking: ReasoningParser | None = None,
         detached: Callable[[Fanout], Response] | None = None,
         reasoning_so_far: Callable[[int], int] | None = None,
@@ -440,11 +450,12 @@ def build_app(
         """Generate body.n choices for each prompt: choice i is prompt i // n. Once the
         engine admits them, the prompts `recorded` makes go to the recorder. A stream
         sends make_chunk's chunks, or where given, what `events` makes of the choices
-        (which it closes). Where `thinking` reads the answers' reasoning, a structure
-        holds from the reasoning's end on, and a stream's usage counts choice i's
-        reasoning tokens as `reasoning_so_far(i)` (after make_chunk has read its output).
-        `detached` answers at once, the choices once admitted running on without the
-        client (a background response)."""
+        (which it closes) from the end of their start, the future it is given. Where
+        `thinking` reads the answers' reasoning, a structure holds from the reasoning's
+        end on, and a stream's usage counts choice i's reasoning tokens as
+        `reasoning_so_far(i)` (after make_chunk has read its output). `detached` answers
+        at once, the choices once admitted running on without the client (a background
+        response)."""
         requests = []
         guide = await structured_guide(body)
         if guide is not None and thinking is not None:
@@ -477,17 +488,20 @@ def build_app(
                 raise _as_api_error(e) from None
 
         # Start the engine before answering, so a refusal (429, 503) is a status, not a
-        # stream; a client that leaves meanwhile (queued, say) has its choices aborted.
+        # stream; a client that leaves meanwhile has its choices aborted. A stream whose
+        # choices have not started within KEEP_ALIVE_S (queued, or reading a long prompt)
+        # answers then, keeping alive in-band, where any later refusal is reported too.
         starting = asyncio.ensure_future(choices.start())
         try:
-            if not await _first_unless_disconnected(starting, http_request):
+            if not await _first_unless_disconnected(starting, http_request, timeout_s=KEEP_ALIVE_S):
                 await choices.aclose()
                 return Response(status_code=499)
-            starting.result()
+            if starting.done():
+                starting.result()
         except Exception as e:
             raise _as_api_error(e) from None
         if events is not None:
-            return StreamingResponse(events(choices), media_type="text/event-stream")
+            return StreamingResponse(events(choices, starting), media_type="text/event-stream")
 
         def chunk_of(choice: int, out: RequestOutput, first: bool) -> dict[str, Any] | None:
             """make_chunk's chunk, with its choice's usage so far where the request asks for it."""
@@ -503,6 +517,8 @@ def build_app(
             last: dict[int, RequestOutput] = {}
             quiet = _Quiet()
             try:
+                async for comment in _kept_alive_until(starting):
+                    yield comment
                 async for choice, out in choices:
                     first = choice not in last
                     last[choice] = out
@@ -526,6 +542,7 @@ def build_app(
             except Exception as e:  # the stream has started: report in-band
                 yield _sse(_as_api_error(e).body())
             finally:
+                starting.cancel()  # where the client left before the choices started
                 await choices.aclose()  # client gone: abort what still runs
             yield _sse("[DONE]")
 
@@ -956,12 +973,14 @@ def build_app(
             reasoning = reasoning if body.include_reasoning else None
             return shape.whole(reasoning, text, calls, logprobs, usage, result.last.finish_reason)
 
-        async def events(choices: Fanout) -> AsyncIterator[bytes]:
+        async def events(choices: Fanout, starting: asyncio.Future) -> AsyncIterator[bytes]:
             stream = ResponseEvents(shape)
             quiet = _Quiet()
             try:
                 for event in stream.start():
                     yield event
+                async for comment in _kept_alive_until(starting):
+                    yield comment
                 async for _, out in choices:
                     reasoning, content, entries = pieces(0, out)
                     logprobs = output_text_logprobs(described(out.logprobs))
@@ -980,6 +999,7 @@ def build_app(
             except Exception as e:  # the stream has started: report in-band
                 yield stream.error(_as_api_error(e).body())
             finally:
+                starting.cancel()  # where the client left before the choices started
                 await choices.aclose()  # client gone: abort what still runs
 
         detached = None

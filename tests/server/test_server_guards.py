@@ -521,7 +521,7 @@ def test_draining_answers_503_while_requests_in_flight_finish(prepared_cache):
             refused = httpx.post(server.url + "/v1/completions", json=greedy("Hi", 2), timeout=30)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        assert rest[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+        assert rest[-1]["choices"][0]["finish_reason"] == "length", rest[-1]  # finished, not cut off
         assert server.process.wait(60) in (0, -15)
     finally:
         server.stop()

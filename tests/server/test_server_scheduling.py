@@ -12,7 +12,8 @@ from specserve.engine.engine import Engine
 from specserve.server.app import ApiSettings, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.metrics import ServerMetrics
-from tests.server.test_server_tools import SCRIPTS, TARGET, body, scripted_tokenizer
+from tests.server.test_responses import events
+from tests.server.test_server_tools import SCRIPTS, TARGET, body, scripted_tokenizer, streamed
 
 
 async def post_together(requests: list[tuple[str, dict]]) -> tuple[list[httpx.Response], list[int]]:
@@ -52,3 +53,35 @@ def test_each_api_carries_a_requests_priority_to_the_engine():
     )
     assert [r.status_code for r in replies] == [200, 200, 200]
     assert sorted(given) == [-2, 3, 7]
+
+
+def test_a_stream_waiting_in_the_queue_answers_and_keeps_its_connection_alive(monkeypatch):
+    """Past KEEP_ALIVE_S without starting (queued behind the one slot's request), a
+    stream answers, with SSE comments until its first event; what follows is what the
+    request gives whole."""
+    monkeypatch.setattr("specserve.server.app.KEEP_ALIVE_S", 0.001)
+    long = body(max_tokens=40, ignore_eos=True)
+    ask = {"input": "weather", "max_output_tokens": 40, "temperature": 0}
+    (whole, chat, whole_response, response), _ = asyncio.run(
+        post_together(
+            [
+                ("/v1/chat/completions", long),
+                ("/v1/chat/completions", {**long, "stream": True}),
+                ("/v1/responses", ask),
+                ("/v1/responses", {**ask, "stream": True}),
+            ]
+        )
+    )
+    blocks = chat.text.strip().split("\n\n")
+    assert blocks[0] == ": keep-alive" and blocks[-1] == "data: [DONE]"
+    chunks = streamed(chat)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == whole.json()["choices"][0]["message"]["content"]
+    blocks = response.text.strip().split("\n\n")
+    assert ": keep-alive" in blocks
+    kept = httpx.Response(200, headers=response.headers, text="\n\n".join(b for b in blocks if b[0] != ":"))
+    final = events(kept)[-1]
+    assert (
+        final.type == "response.completed"
+        and final.response.output_text == whole_response.json()["output"][0]["content"][0]["text"]
+    )
