@@ -78,8 +78,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def dest_of(flag: str) -> str:
+    """The attribute argparse stores a long flag's value under."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def vllm_dest(flag: str) -> str:
-    return "vllm_" + flag.removeprefix("--").replace("-", "_")
+    return "vllm_" + dest_of(flag)
 
 
 def refuse_vllm_flags(args: argparse.Namespace) -> None:
@@ -88,7 +93,7 @@ def refuse_vllm_flags(args: argparse.Namespace) -> None:
         if getattr(args, vllm_dest(flag)) is not None:
             raise ConfigError(f"{flag} is vLLM's; {instead}")
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        if getattr(args, flag.removeprefix("--").replace("-", "_")) != 1:
+        if getattr(args, dest_of(flag)) != 1:
             raise ConfigError(f"specserve runs a model on one device: {flag} must be 1")
 
 

@@ -92,7 +92,7 @@ def test_the_reasoning_tokens_run_to_the_one_that_closes_the_block(parser, ids, 
     assert parser.reasoning_tokens(decode(ids), ids, decode) == expected
     rng = random.Random(0)
     for _ in range(20):  # streamed in random steps, counted after each: the same count at the end
-        reader, counter, at = parser.stream(), None, 0
+        reader, at = parser.stream(), 0
         counter = ReasoningTokens(reader, decode)
         while at < len(ids):
             step = ids[at : at + rng.randint(1, 3)]
