@@ -114,7 +114,7 @@ KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 # A prompt's last ids, read for whether its template opened a think block (reasoning.py).
 PROMPT_TAIL_IDS = 8
 # A stream that has sent nothing for this long (queued, reading a long prompt, or its
-# text held back: a tool call being written) sends an SSE comment, which clients skip,
+# text held back: what may begin a tool call) sends an SSE comment, which clients skip,
 # so that a proxy's read timeout (nginx's: 60 s) does not cut it.
 KEEP_ALIVE_S = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -881,7 +881,9 @@ def build_app(
             return reasoning, content, calls
 
         def ended(out: RequestOutput, calls_made: bool) -> dict[str, Any]:
-            reason = tool_calls.finish_reason if calls_made else None
+            """The finish_reason: the parser's where the answer made calls, unless it was
+            cut short (a call's arguments may be cut too)."""
+            reason = tool_calls.finish_reason if calls_made and out.finish_reason != "length" else None
             return finish(out) | ({"finish_reason": reason} if reason else {})
 
         def pieces(index: int, out: RequestOutput) -> tuple[str, str, list[dict[str, Any]]]:

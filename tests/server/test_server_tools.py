@@ -90,8 +90,12 @@ def test_a_scripted_call_comes_back_as_tool_calls_whole_and_streamed(parser):
     chunks = streamed(stream)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == ""  # the call's text is never sent as content
-    (streamed_call,) = [call for d in deltas for call in d.get("tool_calls", [])]
-    assert streamed_call["index"] == 0 and streamed_call["function"] == call["function"]
+    # The name first, once written, then the arguments as the script's words come.
+    head, *pieces = [entry for d in deltas for entry in d.get("tool_calls", [])]
+    assert head["index"] == 0 and head["type"] == "function" and head["function"]["name"] == "get_weather"
+    assert len(pieces) >= 1 and all(p["index"] == 0 and set(p["function"]) == {"arguments"} for p in pieces)
+    arguments = head["function"]["arguments"] + "".join(p["function"]["arguments"] for p in pieces)
+    assert arguments == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -126,10 +130,10 @@ def test_the_call_and_its_result_are_given_back_in_the_next_turn():
 
 def test_a_stream_holding_a_call_back_keeps_its_connection_alive(monkeypatch):
     """Past KEEP_ALIVE_S without an event (here at once), an SSE comment goes out, which
-    clients skip: the call still arrives whole, as without them."""
+    clients skip: the call still arrives, as without them."""
     monkeypatch.setattr("specserve.server.app.KEEP_ALIVE_S", 0.0)
     (stream,) = asyncio.run(chat("hermes", [body(tools=TOOLS, stream=True)]))
     blocks = stream.text.strip().split("\n\n")
     assert blocks.count(": keep-alive") >= 3 and all(b.startswith(("data: ", ": ")) for b in blocks)
-    (call,) = [c for chunk in streamed(stream) for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    entries = [c for chunk in streamed(stream) for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert json.loads("".join(e["function"].get("arguments", "") for e in entries)) == {"city": "Paris"}
