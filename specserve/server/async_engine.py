@@ -11,8 +11,11 @@ Invariants:
 - Only the engine thread touches the engine, its sequences and the metrics' counters.
 - A request leaves the engine when it finishes, when its handler stops listening
   (client gone: the handler's `finally` aborts it at once), or at shutdown.
-- At most `max_num_seqs + max_queue_len` requests are unfinished; one more gets
-  `QueueFullError` (HTTP 429) at once, so waiting requests never pile up unbounded.
+- A request is admitted while fewer than `max_num_seqs + max_queue_len` are unfinished,
+  and one more gets `QueueFullError` (HTTP 429) at once, so waiting requests never pile
+  up unbounded. A request of n choices needs one free place, as a single one does, and
+  may take the count past the bound by n - 1 (at most the bound itself: the API refuses
+  larger ones), so that a steady stream of single requests cannot starve it.
 - A request whose own verification fails (Engine.step isolates it), or whose own
   output cannot be made (its text, its stop strings, its abort), fails alone with
   `EngineStepError`; a failing step as a whole fails the requests of that batch. Either
@@ -188,13 +191,16 @@ class AsyncEngine:
         arrival_time: float | None = None,
         per_token: bool = False,
         priority: int = 0,
+        admitted: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yield its outputs until the finished one: one per engine step
         (its several tokens under speculation), or with `per_token` one per token, in
         the same order and at the same moment. Stopping the iteration early (client
-        gone) aborts the request in the engine."""
+        gone) aborts the request in the engine. `admitted`: the caller's `check_room`
+        let it in (a choice of a request admitted whole), so it is not refused for room."""
         self.check_request(prompt_ids, params)
-        self.check_room(1)
+        if not admitted:
+            self.check_room()
         request = _Request(
             prompt_ids=list(prompt_ids),
             params=params,
@@ -227,9 +233,9 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down; retry against another replica")
         self.engine.check_request(prompt_ids, params)
 
-    def check_room(self, count: int) -> None:
-        """Raise QueueFullError unless `count` more requests fit beside the unfinished ones."""
-        if self.num_unfinished + count > self.max_unfinished:
+    def check_room(self) -> None:
+        """Raise QueueFullError unless a place is free for a request (of any number of choices)."""
+        if self.num_unfinished >= self.max_unfinished:
             retry_after_s = self.retry_after_s()
             raise QueueFullError(
                 f"the server is at capacity ({self.engine.max_num_seqs} running and "

@@ -62,15 +62,18 @@ class Fanout:
         priority: int = 0,
     ):
         """Raise ShuttingDownError, ConfigError or QueueFullError (nothing started) where
-        a choice would be refused, or the choices together do not fit the queue."""
+        a choice would be refused, or no place is free in the queue; admitted, every
+        choice goes in (AsyncEngine's invariants)."""
         for prompt_ids, params in requests:
             engine.check_request(prompt_ids, params)
-        engine.check_room(len(requests))
+        engine.check_room()
         self._queue: asyncio.Queue = asyncio.Queue()  # of (choice, RequestOutput or Exception)
         self._unfinished = len(requests)
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._tasks = [
-            asyncio.create_task(self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token, priority)))
+            asyncio.create_task(
+                self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token, priority, admitted=True))
+            )
             for i, (prompt_ids, params) in enumerate(requests)
         ]
 

@@ -26,10 +26,12 @@ class StandInEngine:
     def check_request(self, prompt_ids, params) -> None:
         pass
 
-    def check_room(self, count: int) -> None:
+    def check_room(self) -> None:
         pass
 
-    async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False, priority=0):
+    async def generate(
+        self, prompt_ids, params, stop=(), arrival_time=None, per_token=False, priority=0, admitted=False
+    ):
         if prompt_ids == [self.refused]:
             raise QueueFullError("full", retry_after_s=1)
         done = False
@@ -125,15 +127,27 @@ def test_a_choice_the_engine_refuses_refuses_the_request_before_any_choice_is_se
     assert sent_commands(async_engine) == [] and async_engine.num_unfinished == 0
 
 
-def test_choices_that_do_not_fit_the_queue_together_are_refused_before_any_is_sent():
-    """Room for one more request, and a request of two choices: 429 for the whole
-    request, and the one room left stays free for others meanwhile."""
+def test_a_request_of_choices_goes_in_whole_while_one_place_is_free():
+    """With no place left, 429 for a request of two choices, nothing sent; with one
+    left, both go in (the count passes the bound by one, as a single request's would not)."""
     async_engine = unstarted_engine()
-    async_engine.num_unfinished = async_engine.max_unfinished - 1
+    async_engine.num_unfinished = async_engine.max_unfinished
 
-    async def run() -> None:
+    async def start() -> None:
         await Fanout(async_engine, [(HEALTHY, GREEDY), (HEALTHY, GREEDY)], (), 0.0).start()
 
     with pytest.raises(QueueFullError):
-        asyncio.run(run())
-    assert sent_commands(async_engine) == [] and async_engine.num_unfinished == async_engine.max_unfinished - 1
+        asyncio.run(start())
+    assert sent_commands(async_engine) == [] and async_engine.num_unfinished == async_engine.max_unfinished
+
+    async_engine.num_unfinished = async_engine.max_unfinished - 1
+
+    async def admitted() -> int:
+        choices = Fanout(async_engine, [(HEALTHY, GREEDY), (HEALTHY, GREEDY)], (), 0.0)
+        await asyncio.sleep(0.01)  # each choice's request reaches the engine's commands
+        counted = async_engine.num_unfinished
+        await choices.aclose()
+        return counted
+
+    assert asyncio.run(admitted()) == async_engine.max_unfinished + 1
+    assert sent_commands(async_engine).count("add") == 2

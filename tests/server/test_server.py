@@ -760,28 +760,46 @@ def test_full_queue_gets_429_and_everyone_else_is_served(plain):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_choices_that_do_not_fit_are_refused_before_any_reaches_the_engine(plain, stream):
-    """2 running + 1 waiting fit: with one request running, n = 3 does not fit beside it,
-    so the whole request gets 429 before any of its choices reaches the engine (none
-    starts, so none is aborted), and the running one goes on to its end."""
+def test_a_request_of_n_choices_goes_in_while_a_place_is_free(plain, stream):
+    """2 running + 1 waiting fit: with one request running, n = 3 goes in whole (a
+    place is free, as a single request needs), taking the count to 4; while it is in,
+    a single request gets 429 before it reaches the engine (none is aborted); the three
+    choices and the running request all finish."""
     aborted = ("specserve:request_success_total", (("finished_reason", "abort"),))
     before = metrics(plain).get(aborted, 0)
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def in_engine() -> float:
+        now = metrics(plain)
+        return sum(now.get((f"specserve:num_requests_{gauge}", ()), 0) for gauge in ("running", "waiting"))
+
+    async def three_choices_then_one() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=plain.url, timeout=120, headers=headers) as http:
+            body = {"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 48, "ignore_eos": True, "stream": stream}
+            choices = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            while in_engine() < 4 and not choices.done():
+                await asyncio.sleep(0.05)
+            single = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+            return await choices, single
+
     with httpx.stream(
         "POST",
         plain.url + "/v1/completions",
         timeout=120,
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers=headers,
         json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True},
     ) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
-        refused = httpx.post(
-            plain.url + "/v1/completions",
-            headers={"Authorization": f"Bearer {KEY}"},
-            timeout=60,
-            json={"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": stream},
-        )
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        choices, single = asyncio.run(three_choices_then_one())
+        assert single.status_code == 429 and single.json()["error"]["code"] == "queue_full"
+        assert choices.status_code == 200, choices.text
+        if stream:
+            lines = [line.removeprefix("data: ") for line in choices.text.splitlines() if line.startswith("data: {")]
+            ended = [c for line in lines for c in json.loads(line)["choices"] if c["finish_reason"]]
+            assert sorted(c["index"] for c in ended) == [0, 1, 2]
+        else:
+            assert [c["finish_reason"] for c in choices.json()["choices"]] == ["length"] * 3
         assert any('"finish_reason": "length"' in line for line in lines)  # the running one goes on to its end
     assert metrics(plain).get(aborted, 0) == before
 
