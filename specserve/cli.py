@@ -52,7 +52,10 @@ VLLM_FLAGS_INSTEAD = {
     "--revision": NO_DOWNLOADS,
     "--load-format": NO_DOWNLOADS,
     "--tokenizer": "the tokenizer is the model's own, read from its .gguf file or checkpoint folder",
+    "--kv-cache-dtype": "keys and values are kept in the model's --dtype (auto)",
 }
+# Those of VLLM_FLAGS_INSTEAD taken with the one value that asks for what specserve does.
+VLLM_VALUES_ALREADY = {"--kv-cache-dtype": "auto"}
 # `vllm serve` flags that ask for what specserve always does: taken, and change nothing.
 VLLM_FLAGS_ALREADY = {
     "--trust-remote-code": "no code from a checkpoint is ever run",
@@ -78,6 +81,42 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# CORS, as vLLM takes it: each a JSON list, everything allowed by default.
+CORS_LISTS = ("--allowed-origins", "--allowed-methods", "--allowed-headers")
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """What a browser page or a proxy in front of the server needs (vLLM's flags)."""
+    for flag in CORS_LISTS:
+        what = flag.removeprefix("--allowed-")
+        parser.add_argument(
+            flag, default=None, metavar="JSON", help=f'{what} allowed to call from a web page (default: ["*"])'
+        )
+    parser.add_argument("--allow-credentials", action="store_true", help="let web pages send cookies and credentials")
+    parser.add_argument(
+        "--root-path", default="", help="the path prefix a proxy in front strips before forwarding (e.g. /llm)"
+    )
+
+
+def cors_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The CORS settings given (ApiSettings' fields), each list checked."""
+    settings: dict[str, Any] = {"allow_credentials": True} if args.allow_credentials else {}
+    for flag in CORS_LISTS:
+        value = getattr(args, dest_of(flag))
+        if value is None:
+            continue
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(
+                f"{flag} must be a JSON list of strings, e.g. '[\"https://chat.example.com\"]', got {value!r}"
+            )
+        settings[dest_of(flag)] = tuple(items)
+    return settings
+
+
 def dest_of(flag: str) -> str:
     """The attribute argparse stores a long flag's value under."""
     return flag.removeprefix("--").replace("-", "_")
@@ -90,7 +129,7 @@ def vllm_dest(flag: str) -> str:
 def refuse_vllm_flags(args: argparse.Namespace) -> None:
     """Raise ConfigError naming specserve's way for the first vLLM-only flag given."""
     for flag, instead in VLLM_FLAGS_INSTEAD.items():
-        if getattr(args, vllm_dest(flag)) is not None:
+        if getattr(args, vllm_dest(flag)) not in (None, VLLM_VALUES_ALREADY.get(flag)):
             raise ConfigError(f"{flag} is vLLM's; {instead}")
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
         if getattr(args, dest_of(flag)) != 1:
@@ -418,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and end its request (nginx's send_timeout)",
     )
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_http_flags(srv)
     srv.set_defaults(run=run_serve)
 
     add_train_head_parser(sub)
@@ -820,10 +860,19 @@ def run_serve(args: argparse.Namespace) -> int:
             chat_template=chat_template_of(args.chat_template),
             default_chat_template_kwargs=template_kwargs_of(args.default_chat_template_kwargs),
             tokenizer_info=args.enable_tokenizer_info_endpoint,
+            cors=cors_of(args),
+            root_path=root_path_of(args.root_path),
             log_level=args.uvicorn_log_level,
         )
     )
     return 0
+
+
+def root_path_of(value: str) -> str:
+    """--root-path: "" or a path prefix, without a trailing slash."""
+    if value and not value.startswith("/"):
+        raise ConfigError(f"--root-path must start with '/', e.g. /llm; got {value!r}")
+    return value.rstrip("/")
 
 
 def chat_template_of(value: str | None) -> str | None:

@@ -212,6 +212,10 @@ def test_models_prepare_makes_the_quantized_weights_once(prepared_cache, capsys)
         (["--seed", "0"], 'send "seed" in its body'),
         (["--download-dir", "/models"], "specserve downloads nothing"),
         (["-tp", "2"], "--tensor-parallel-size must be 1"),
+        (["--kv-cache-dtype", "fp8"], "kept in the model's --dtype"),
+        (["--allowed-origins", "https://chat.example.com"], "--allowed-origins must be a JSON list of strings"),
+        (["--allowed-headers", "[1]"], "--allowed-headers must be a JSON list of strings"),
+        (["--root-path", "llm"], "--root-path must start with '/'"),
     ],
 )
 def test_serve_refuses_a_bad_start_up_with_one_line(prepared_cache, capsys, args, words):
@@ -252,6 +256,18 @@ def test_serve_refuses_a_draft_of_another_vocabulary(prepared_cache, capsys, tmp
 
 def test_vllm_flags_for_what_serve_does_anyway_are_taken():
     flags = ["--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "-tp", "1", "-pp", "1"]
+    flags += ["--kv-cache-dtype", "auto"]
     args = build_parser().parse_args(["serve", "smollm2-135m", *flags, "--disable-log-stats"])
     refuse_vllm_flags(args)  # nothing refused
     assert args.log_stats_interval == 0 and build_parser().parse_args(["serve"]).log_stats_interval == 10
+
+
+def test_cors_and_root_path_flags_as_vllm_takes_them():
+    from specserve.cli import cors_of, root_path_of
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--allowed-origins", '["https://a.example"]', "--allow-credentials"]
+    )
+    assert cors_of(args) == {"allowed_origins": ("https://a.example",), "allow_credentials": True}
+    assert cors_of(build_parser().parse_args(["serve", "m"])) == {}  # ApiSettings' defaults: everything allowed
+    assert root_path_of("/llm/") == "/llm" and root_path_of("") == ""

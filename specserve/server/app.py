@@ -26,11 +26,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve import __version__
 from specserve.errors import SpecserveError
 from specserve.logprobs import TokenLogprob
 from specserve.server.async_engine import (
@@ -107,6 +109,12 @@ class ApiSettings:
     # GET /tokenizer_info, which shows the chat template and special tokens (vLLM's
     # --enable-tokenizer-info-endpoint): off unless asked for.
     tokenizer_info: bool = False
+    # Which web pages' scripts may call the API (CORS: vLLM's --allowed-origins,
+    # --allowed-methods, --allowed-headers, --allow-credentials, and their defaults).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 # Routes outside /v1 that the API key guards too: they do the model's tokenizer's work.
@@ -225,6 +233,15 @@ def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int
     return tuple(sequences)
 
 
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path the routes see: behind a proxy that strips a prefix (`--root-path`),
+    uvicorn puts the prefix back in front of the request's path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        return path[len(root) :]
+    return path
+
+
 async def _off_the_loop(function: Callable, *args: Any) -> Any:
     """Run tokenization on a worker thread: a long prompt takes seconds, and the Rust
     tokenizer lets the event loop (every other request, /health) run meanwhile."""
@@ -318,7 +335,8 @@ def build_app(
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if settings.api_key is not None and (request.url.path.startswith("/v1") or request.url.path in KEYED_ROUTES):
+        path = _route_path(request.scope)
+        if settings.api_key is not None and (path.startswith("/v1") or path in KEYED_ROUTES):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             # As bytes: compare_digest refuses str with non-ASCII characters.
             given, key = (
@@ -337,7 +355,18 @@ def build_app(
 
     app.add_middleware(
         WholeBody, max_bytes=max_body_bytes(settings.max_model_len), timeout_s=body_timeout_s
-    )  # outermost: before any handler reads
+    )  # before any handler reads
+    app.add_middleware(  # outermost: a browser's preflight carries no API key, and every answer its headers
+        CORSMiddleware,
+        allow_origins=settings.allowed_origins,
+        allow_methods=settings.allowed_methods,
+        allow_headers=settings.allowed_headers,
+        allow_credentials=settings.allow_credentials,
+    )
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:

@@ -74,6 +74,8 @@ class ServerConfig:
     chat_template: str | None = None  # served in place of the model's own (vLLM's --chat-template)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # see ApiSettings
     tokenizer_info: bool = False  # see ApiSettings.tokenizer_info
+    cors: dict[str, Any] = field(default_factory=dict)  # ApiSettings' allowed_* and allow_credentials where given
+    root_path: str = ""  # the prefix a proxy strips before forwarding (uvicorn's root_path; vLLM's --root-path)
     log_level: str = "info"
 
 
@@ -144,6 +146,7 @@ def serve(config: ServerConfig) -> None:
         reasoning_parser=config.reasoning_parser,
         default_chat_template_kwargs=config.default_chat_template_kwargs,
         tokenizer_info=config.tokenizer_info,
+        **config.cors,
     )
     app = build_app(
         async_engine, tokenizer, settings, lifespan=lifespan, body_timeout_s=config.body_timeout_s, recorder=recorder
@@ -173,6 +176,7 @@ def serve(config: ServerConfig) -> None:
         host=config.host,
         port=config.port,
         log_level=config.log_level,
+        root_path=config.root_path,
         http=TimedH11Protocol.with_timeouts(config.header_timeout_s, config.send_timeout_s),
         timeout_graceful_shutdown=config.shutdown_grace_s + 5,
     )
