@@ -777,8 +777,9 @@ def test_a_request_of_n_choices_goes_in_while_a_place_is_free(plain, stream):
         async with httpx.AsyncClient(base_url=plain.url, timeout=120, headers=headers) as http:
             body = {"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 48, "ignore_eos": True, "stream": stream}
             choices = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            while in_engine() < 4 and not choices.done():
+            while (seen := in_engine()) < 4 and not choices.done():
                 await asyncio.sleep(0.05)
+            assert seen == 4, f"{seen} requests in the engine, {choices.done() and choices.result().text[:300]}"
             single = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
             return await choices, single
 
@@ -787,7 +788,7 @@ def test_a_request_of_n_choices_goes_in_while_a_place_is_free(plain, stream):
         plain.url + "/v1/completions",
         timeout=120,
         headers=headers,
-        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True},
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True},
     ) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
@@ -795,8 +796,8 @@ def test_a_request_of_n_choices_goes_in_while_a_place_is_free(plain, stream):
         assert single.status_code == 429 and single.json()["error"]["code"] == "queue_full"
         assert choices.status_code == 200, choices.text
         if stream:
-            lines = [line.removeprefix("data: ") for line in choices.text.splitlines() if line.startswith("data: {")]
-            ended = [c for line in lines for c in json.loads(line)["choices"] if c["finish_reason"]]
+            events = [line.removeprefix("data: ") for line in choices.text.splitlines() if line.startswith("data: {")]
+            ended = [c for event in events for c in json.loads(event)["choices"] if c["finish_reason"]]
             assert sorted(c["index"] for c in ended) == [0, 1, 2]
         else:
             assert [c["finish_reason"] for c in choices.json()["choices"]] == ["length"] * 3
