@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -126,22 +126,6 @@ PROMPT_TAIL_IDS = 8
 # so that a proxy's read timeout (nginx's: 60 s) does not cut it.
 KEEP_ALIVE_S = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"
-
-
-class _Quiet:
-    """When a stream last sent something: `due` once it has been quiet for KEEP_ALIVE_S."""
-
-    def __init__(self) -> None:
-        self.since = time.monotonic()
-
-    def sent(self) -> None:
-        self.since = time.monotonic()
-
-    def due(self) -> bool:
-        if time.monotonic() - self.since < KEEP_ALIVE_S:
-            return False
-        self.sent()
-        return True
 
 
 def _usage(
@@ -295,13 +279,45 @@ async def _first_unless_disconnected(work: asyncio.Future, request: Request, tim
     return False
 
 
-async def _kept_alive_until(work: asyncio.Future) -> AsyncIterator[bytes]:
-    """SSE comments every KEEP_ALIVE_S until `work` is done; then its error, if any, raised."""
-    while not work.done():
-        await asyncio.wait({work}, timeout=KEEP_ALIVE_S)
-        if not work.done():
-            yield KEEP_ALIVE
-    work.result()
+async def _sse_stream(
+    choices: Fanout,
+    starting: asyncio.Future,
+    events_of: Callable[[int, RequestOutput], Awaitable[list[bytes]]],
+    error_event: Callable[[dict[str, Any]], bytes],
+    prelude: Sequence[bytes] = (),
+    ending: Callable[[], list[bytes]] = list,
+) -> AsyncIterator[bytes]:
+    """A stream's bytes once it has answered: `prelude`; an SSE comment every
+    KEEP_ALIVE_S until the choices have started, and whenever their outputs make no
+    event for that long; each output's events (`events_of`), then `ending`'s; an error
+    after the start in-band (`error_event` of its body). However it ends, the client
+    gone included, the choices still running are aborted."""
+    quiet_since = time.monotonic()
+    try:
+        for event in prelude:
+            yield event
+        while not starting.done():
+            await asyncio.wait({starting}, timeout=KEEP_ALIVE_S)
+            if not starting.done():
+                yield KEEP_ALIVE
+        starting.result()  # a refusal after the answer: in-band
+        async for choice, out in choices:
+            events = await events_of(choice, out)
+            for event in events:
+                yield event
+            now = time.monotonic()
+            if events:
+                quiet_since = now
+            elif now - quiet_since >= KEEP_ALIVE_S:
+                quiet_since = now
+                yield KEEP_ALIVE
+        for event in ending():
+            yield event
+    except Exception as e:  # the stream has started: report in-band
+        yield error_event(_as_api_error(e).body())
+    finally:
+        starting.cancel()  # where the client left before the choices started
+        await choices.aclose()  # client gone: abort what still runs
 
 
 def build_app(
@@ -542,37 +558,31 @@ def build_app(
         def reasoning_of(choices: list[int]) -> list[int] | None:
             return None if reasoning_so_far is None else [reasoning_so_far(choice) for choice in choices]
 
+        last: dict[int, RequestOutput] = {}  # each choice's latest output
+
+        async def events_of(choice: int, out: RequestOutput) -> list[bytes]:
+            first = choice not in last
+            last[choice] = out
+            if out.prompt_logprobs:  # a whole prompt's logprobs: built and encoded off the loop
+                event = await asyncio.to_thread(lambda: _sse_or_none(chunk_of(choice, out, first)))
+            else:
+                event = _sse_or_none(chunk_of(choice, out, first))
+            return [] if event is None else [event]
+
+        def usage_event() -> list[bytes]:
+            if not body.include_usage:
+                return []
+            usage = _usage(
+                [last[i] for i in sorted(last)],
+                body.n,
+                completed=not body.echo_only,
+                reasoning=reasoning_of(sorted(last)),
+            )
+            return [_sse({**head, "choices": [], "usage": usage})]
+
         async def stream() -> AsyncIterator[bytes]:
-            last: dict[int, RequestOutput] = {}
-            quiet = _Quiet()
-            try:
-                async for comment in _kept_alive_until(starting):
-                    yield comment
-                async for choice, out in choices:
-                    first = choice not in last
-                    last[choice] = out
-                    if out.prompt_logprobs:  # a whole prompt's logprobs: built and encoded off the loop
-                        event = await asyncio.to_thread(lambda: _sse_or_none(chunk_of(choice, out, first)))
-                    else:
-                        event = _sse_or_none(chunk_of(choice, out, first))
-                    if event is not None:
-                        quiet.sent()
-                        yield event
-                    elif quiet.due():
-                        yield KEEP_ALIVE
-                if body.include_usage:
-                    usage = _usage(
-                        [last[i] for i in sorted(last)],
-                        body.n,
-                        completed=not body.echo_only,
-                        reasoning=reasoning_of(sorted(last)),
-                    )
-                    yield _sse({**head, "choices": [], "usage": usage})
-            except Exception as e:  # the stream has started: report in-band
-                yield _sse(_as_api_error(e).body())
-            finally:
-                starting.cancel()  # where the client left before the choices started
-                await choices.aclose()  # client gone: abort what still runs
+            async for event in _sse_stream(choices, starting, events_of, _sse, ending=usage_event):
+                yield event
             yield _sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -1004,34 +1014,20 @@ def build_app(
             reasoning = reasoning if body.include_reasoning else None
             return shape.whole(reasoning, text, calls, logprobs, usage, result.last.finish_reason)
 
-        async def events(choices: Fanout, starting: asyncio.Future) -> AsyncIterator[bytes]:
+        def events(choices: Fanout, starting: asyncio.Future) -> AsyncIterator[bytes]:
             stream = ResponseEvents(shape)
-            quiet = _Quiet()
-            try:
-                for event in stream.start():
-                    yield event
-                async for comment in _kept_alive_until(starting):
-                    yield comment
-                async for _, out in choices:
-                    reasoning, content, entries = pieces(0, out)
-                    logprobs = output_text_logprobs(described(out.logprobs))
-                    sent = stream.step(content, logprobs, entries, reasoning)
-                    for event in sent:
-                        yield event
-                    if sent:
-                        quiet.sent()
-                    elif quiet.due():
-                        yield KEEP_ALIVE
-                    if out.finished:
-                        answered = reading is None or reading[0].answers
-                        spent = None if counting is None else [streamed_reasoning(0)]
-                        for event in stream.finish(_usage([out], 1, reasoning=spent), out.finish_reason, answered):
-                            yield event
-            except Exception as e:  # the stream has started: report in-band
-                yield stream.error(_as_api_error(e).body())
-            finally:
-                starting.cancel()  # where the client left before the choices started
-                await choices.aclose()  # client gone: abort what still runs
+
+            async def events_of(_: int, out: RequestOutput) -> list[bytes]:
+                reasoning, content, entries = pieces(0, out)
+                logprobs = output_text_logprobs(described(out.logprobs))
+                sent = stream.step(content, logprobs, entries, reasoning)
+                if out.finished:
+                    answered = reading is None or reading[0].answers
+                    spent = None if counting is None else [streamed_reasoning(0)]
+                    sent += stream.finish(_usage([out], 1, reasoning=spent), out.finish_reason, answered)
+                return sent
+
+            return _sse_stream(choices, starting, events_of, stream.error, prelude=stream.start())
 
         detached = None
         if shape.request.background:
