@@ -36,6 +36,7 @@ from specserve.errors import ConfigError
 from specserve.logprobs import MAX_LOGPROBS
 
 if TYPE_CHECKING:
+    from specserve.spec.prediction import PredictedText
     from specserve.structured.guide import Guide
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS).
@@ -108,6 +109,9 @@ class SamplingParams:
     # vLLM's bad_words as token id sequences: the last id of each gets no probability
     # where the text ends with the ones before it (a one-id word: everywhere).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # OpenAI's predicted outputs: the text the answer is expected to be, drafted from
+    # (specserve/spec/prediction.py); the answer stays the target's own.
+    prediction: PredictedText | None = None
 
     def __post_init__(self) -> None:
         try:

@@ -48,7 +48,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.config import prefill_chunk_size_for
+from specserve.config import DEFAULT_MAX_SPECULATIVE_TOKENS, prefill_chunk_size_for
 from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
@@ -61,6 +61,7 @@ from specserve.spec.adaptive import MAX_CATCH_UP, AdaptiveSpecLength
 from specserve.spec.features import FedRows
 from specserve.spec.fused import FusedDraftProposer
 from specserve.spec.ngram import NgramProposer
+from specserve.spec.prediction import MAX_MATCH
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.stats import SpecStats
 from specserve.spec.suffix import SuffixProposer
@@ -175,6 +176,10 @@ class Engine:
         # The most tokens a step drafts for a sequence: by the proposer, by a lookup first.
         max_k = self.adaptive.max_k if self.adaptive is not None else self.num_speculative_tokens
         self.lookup_max_k = self.adaptive.lookup_max_k if self.adaptive is not None else self.num_speculative_tokens
+        # A request's prediction drafts in any engine, as far as a lookup does under adaptive k.
+        self.prediction_max_k = (
+            self.adaptive.lookup_max_k if self.adaptive is not None else DEFAULT_MAX_SPECULATIVE_TOKENS
+        )
         # Positions a step may add past a sequence's tokens: its drafts, or a multi-step
         # chain (never past max_model_len: drafts stop at max_tokens).
         self.step_headroom = max(max_k, self.lookup_max_k, num_scheduler_steps) + 1
@@ -338,21 +343,31 @@ class Engine:
             self.adaptive.observe_read(self.proposer.last_tokens_read, max(drafted), seconds)
 
     def _look_up(self, decoding: list[Sequence]) -> dict[int, Draft]:
-        """The lookup-first drafts, by index into decoding (none without lookup_first).
-        A lookup's k is up to num_speculative_tokens (under adaptive k, lookup_max_k: a
-        lookup costs nothing to draft, and its rows are priced by `lookup_ks`), and
-        1 + 2a after a lookup that had a tokens accepted: where the text stops
-        repeating, the next match is often wrong (benchmarks/EXPERIMENTS.md, "Lookup
-        first"). The proposer does not run for a sequence a lookup drafts, and adaptive
-        k learns nothing of the proposer from it."""
-        if self.lookup is None:
-            return {}
-        found = {}
+        """The lookup-first drafts, by index into decoding: from a request's prediction
+        where it has one and it matches (in any engine: spec/prediction.py), else from
+        lookup_first's. A lookup's k is up to num_speculative_tokens (under adaptive k,
+        lookup_max_k: a lookup costs nothing to draft, and its rows are priced by
+        `lookup_ks`; a prediction's, prediction_max_k), and 1 + 2a after a lookup that
+        had a tokens accepted: where the text stops repeating, the next match is often
+        wrong (benchmarks/EXPERIMENTS.md, "Lookup first"). The proposer does not run
+        for a sequence a lookup drafts, and adaptive k learns nothing of the proposer
+        from it."""
+        found, predicted = {}, set()
         for i, seq in enumerate(decoding):
-            k = min(self.lookup_max_k, seq.remaining_tokens - 1)
+            if seq.prediction is None and self.lookup is None:
+                continue
+            k = min(self.lookup_max_k if seq.prediction is None else self.prediction_max_k, seq.remaining_tokens - 1)
             if seq.lookup_accepted is not None:
                 k = min(k, 1 + 2 * seq.lookup_accepted)
-            draft = self.lookup.propose_for(seq, k)
+            draft = Draft.empty()
+            if seq.prediction is not None:
+                seq.prediction.pending = 0
+                answer_tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - MAX_MATCH) :]
+                draft = Draft.of(seq.prediction.draft(answer_tail, k))
+                if draft.num_tokens:
+                    predicted.add(i)
+            if not draft.num_tokens and self.lookup is not None:
+                draft = self.lookup.propose_for(seq, k)
             if draft.num_tokens:
                 found[i] = draft
                 if seq.lookup_pending is None:
@@ -367,6 +382,8 @@ class Engine:
                     found[i] = Draft(found[i].tokens[:k])
                 else:
                     del found[i]
+        for i in predicted & found.keys():
+            decoding[i].prediction.pending = found[i].num_tokens
         return found
 
     def _compare_lookups(self, advanced: list[Sequence]) -> None:
@@ -473,7 +490,8 @@ class Engine:
 
     def _positions_needed(self, seq: Sequence) -> int:
         """Storage seq's target cache takes with room for its tokens and its next step."""
-        return seq.cache.capacity_for(min(len(seq.token_ids) + self.step_headroom, self.max_model_len))
+        headroom = self.step_headroom if seq.prediction is None else max(self.step_headroom, self.prediction_max_k + 1)
+        return seq.cache.capacity_for(min(len(seq.token_ids) + headroom, self.max_model_len))
 
     def kv_positions_needed(self) -> int:
         """Storage the running sequences' target caches take with room for their next step."""
@@ -526,6 +544,8 @@ class Engine:
             if num_drafted:
                 seq.spec.record(num_drafted, verdict.num_accepted)
                 self.spec_stats.record(num_drafted, verdict.num_accepted)
+            if seq.prediction is not None and seq.prediction.pending:
+                seq.prediction.settle(verdict.num_accepted)
             # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:

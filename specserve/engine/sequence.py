@@ -20,6 +20,7 @@ from specserve.logprobs import TokenLogprob
 from specserve.model.kv_cache import KVCache
 from specserve.penalties import distinct_ids
 from specserve.sampling import SamplingParams, keyed_uniform, seed_key
+from specserve.spec.prediction import PredictionDrafts
 from specserve.spec.stats import SpecStats
 
 
@@ -39,6 +40,7 @@ class Sequence:
     # A lookup draft being compared with the tokens that follow it: (where it starts in
     # token_ids, its tokens); see Engine._compare_lookups.
     lookup_pending: tuple[int, list[int]] | None = None
+    prediction: PredictionDrafts | None = None  # where params.prediction is given: its drafts' state
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     num_preemptions: int = 0  # times it gave its caches up for others (engine.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
@@ -48,6 +50,10 @@ class Sequence:
     priority: int = 0  # lower runs first, under the engine's "priority" scheduling policy
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prediction is not None:
+            self.prediction = PredictionDrafts(self.params.prediction)
 
     @property
     def output_ids(self) -> list[int]:

@@ -68,6 +68,7 @@ from specserve.server.responses import (
 )
 from specserve.server.tool_calls import ForcedToolCalls, ToolCall, ToolCallParser
 from specserve.server.transport import BODY_TIMEOUT_S, WholeBody
+from specserve.spec.prediction import PredictedText
 from specserve.spec.stats import SpecStats
 from specserve.structured.guide import Guide, GuideCache
 from specserve.structured.thinking import BlockMasks, ThinkingFirst
@@ -147,8 +148,15 @@ def _usage(
         # hit rate rather than a rate of 0 for a cache that is not there.
         "prompt_tokens_details": None if None in cached else {"cached_tokens": sum(cached)},
     }
+    details = {}
     if reasoning is not None:  # OpenAI's field, as vLLM fills it: only under a reasoning parser
-        usage["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+        details["reasoning_tokens"] = sum(reasoning)
+    predictions = [out.prediction for out in outs if out.prediction is not None]
+    if predictions:  # OpenAI's fields, where the request sent a prediction: its drafted tokens' fate
+        details["accepted_prediction_tokens"] = sum(accepted for accepted, _ in predictions)
+        details["rejected_prediction_tokens"] = sum(rejected for _, rejected in predictions)
+    if details:
+        usage["completion_tokens_details"] = details
     return usage
 
 
@@ -506,9 +514,10 @@ def build_app(
         if guide is not None and thinking is not None:
             guide = ThinkingFirst(guide, await _off_the_loop(block_masks), thinking.starts_thinking)
         bad_words = await _off_the_loop(bad_words_ids, tokenizer, body.bad_words) if body.bad_words else ()
+        prediction = await predicted(body.prediction_text())
         for prompt_ids in prompts:
             max_tokens = max_tokens_for(body.requested_max_tokens(), len(prompt_ids))
-            params = body.sampling_params(max_tokens, guide, bad_words)
+            params = body.sampling_params(max_tokens, guide, bad_words, prediction)
             try:
                 requests += [(prompt_ids, sample_params(params, j)) for j in range(body.n)]
             except SpecserveError as e:  # a seed + j past 64 bits
@@ -636,6 +645,23 @@ def build_app(
                 engine.check_token_ids(ids)
             except SpecserveError as e:
                 raise APIError(str(e), param=param) from None
+
+    async def predicted(text: str | None) -> PredictedText | None:
+        """A prediction's tokens, read and indexed on a worker thread (spec/prediction.py);
+        refused past the model's length."""
+        if text is None:
+            return None
+        limit = settings.max_model_len
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False, at_most=limit)
+        try:
+            ids = await _off_the_loop(encode, text)
+        except SpecserveError:  # refused after reading its start: past the limit
+            ids = None
+        if ids is None or len(ids) > limit:
+            raise APIError(
+                f"the prediction is more than {limit} tokens, the maximum model length; shorten it", param="prediction"
+            )
+        return await _off_the_loop(PredictedText, ids)
 
     async def encoded(encode: Callable, text: Any, param: str, keep: int | None) -> list[int]:
         """A prompt's ids, read on a worker thread: refused past the model's length, or,

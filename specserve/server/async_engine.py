@@ -84,6 +84,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far
     num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: no prefix caching)
+    prediction: tuple[int, int] | None = None  # (accepted, rejected) predicted tokens so far, where it has a prediction
     spec: SpecStats | None = None  # the request's so far (a copy), None without speculation
     logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked for them
     # Of the prompt's tokens from the second (specserve/logprobs.py), on the request's
@@ -397,6 +398,7 @@ class AsyncEngine:
             self._requests.pop(seq.seq_id, None)
             self._record_finish(seq)
         spec = seq.spec.copy() if self.engine.proposer is not None else None
+        prediction = None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected)
         for i, (piece, text) in enumerate(zip(pieces, texts)):
             last = i == len(texts) - 1
             request.post(
@@ -411,6 +413,7 @@ class AsyncEngine:
                     num_output_tokens=num_sent + piece.stop,
                     num_cached_tokens=num_cached_tokens,
                     spec=spec,
+                    prediction=prediction,
                     logprobs=tuple(seq.logprobs[num_sent:][piece]),
                     prompt_logprobs=tuple(seq.prompt_logprobs)
                     if first and i == 0 and seq.params.prompt_logprobs is not None

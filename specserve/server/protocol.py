@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationInfo, fie
 from specserve.errors import SpecserveError
 from specserve.logprobs import MAX_LOGPROBS
 from specserve.sampling import LOGIT_BIAS_MAX, InvalidSamplingValue, SamplingParams
+from specserve.spec.prediction import PredictedText
 from specserve.structured.guide import Guide
 from specserve.structured.outputs import KINDS, StructuredOutput
 from specserve.tokenizer import CHAT_ROLES, TEMPLATE_VARIABLES, template_arguments, template_role
@@ -159,6 +160,9 @@ class _Sampling(RequestBody):
     guided_whitespace_pattern: str | None = None  # vLLM's: what JSON may put between its tokens
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's predicted outputs: {"type": "content", "content": a text or text parts},
+    # what the answer is expected to be; drafted from, never changing it (spec/prediction.py).
+    prediction: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.n < 1:
@@ -212,6 +216,7 @@ class _Sampling(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
         self.structured_output()  # a malformed one, or two, refused here; compiled later
+        self.prediction_text()
 
     def structured_output(self) -> StructuredOutput | None:
         """What the answer must follow, from whichever field asks (APIError(400) where two
@@ -278,11 +283,32 @@ class _Sampling(RequestBody):
             pairs[token_id] = min(LOGIT_BIAS_MAX, max(-LOGIT_BIAS_MAX, bias))
         return tuple(sorted(pairs.items()))
 
+    def prediction_text(self) -> str | None:
+        """The text of the body's prediction (None: none, or empty); APIError for a malformed one."""
+        if self.prediction is None:
+            return None
+        content = self.prediction.get("content")
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            content = "".join(part["text"] for part in content)
+        if self.prediction.get("type") != "content" or not isinstance(content, str):
+            raise APIError(
+                'prediction must be {"type": "content", "content": a text or a list of {"type": "text", "text": ...}}',
+                param="prediction",
+            )
+        return content or None
+
     def sampling_params(
-        self, max_tokens: int, guide: Guide | None = None, bad_words_ids: tuple[tuple[int, ...], ...] = ()
+        self,
+        max_tokens: int,
+        guide: Guide | None = None,
+        bad_words_ids: tuple[tuple[int, ...], ...] = (),
+        prediction: PredictedText | None = None,
     ) -> SamplingParams:
-        """SamplingParams of this body (with the compiled guide of its structured output
-        and its bad words' ids); out-of-range values become APIError(400, param)."""
+        """SamplingParams of this body (with the compiled guide of its structured output,
+        its bad words' ids and its prediction's); out-of-range values become APIError(400, param)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -305,6 +331,7 @@ class _Sampling(RequestBody):
                 allowed_token_ids=tuple(self.allowed_token_ids or ()),
                 guide=guide,
                 bad_words_ids=bad_words_ids,
+                prediction=prediction,
             )
         except InvalidSamplingValue as e:
             param = self.logprobs_param if e.param == "logprobs" else e.param  # the field the body used
