@@ -322,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     structure.add_argument("--guided-regex", metavar="REGEX", help="a regex the answer matches in full")
     structure.add_argument("--guided-choice", metavar="TEXT", nargs="+", help="texts, one of which is the answer")
     structure.add_argument("--json-object", action="store_true", help="the answer is a JSON object (JSON mode)")
+    gen.add_argument(
+        "--prediction",
+        metavar="TEXT",
+        help="what the answer is expected to be (its text, or @FILE): drafted from, as OpenAI's `prediction`",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object with figures")
     gen.set_defaults(run=run_generate)
 
@@ -734,6 +739,16 @@ def run_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def text_or_file(value: str, flag: str) -> str:
+    """A flag's text as given, or the file's that `@FILE` names."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as error:
+        raise ConfigError(f"{flag} {value}: {error}") from None
+
+
 def structured_output_of(args: argparse.Namespace) -> StructuredOutput | None:
     """What `generate`'s --guided-* or --json-object flag holds the answer to (None: free)."""
     if args.json_object:
@@ -744,12 +759,7 @@ def structured_output_of(args: argparse.Namespace) -> StructuredOutput | None:
         return StructuredOutput("choice", tuple(args.guided_choice))
     if args.guided_json is None:
         return None
-    text = args.guided_json
-    if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text()
-        except OSError as error:
-            raise ConfigError(f"--guided-json {args.guided_json}: {error}") from None
+    text = text_or_file(args.guided_json, "--guided-json")
     try:
         return StructuredOutput("json", json.dumps(json.loads(text)))
     except ValueError as error:
@@ -759,6 +769,7 @@ def structured_output_of(args: argparse.Namespace) -> StructuredOutput | None:
 def run_generate(args: argparse.Namespace) -> int:
     from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.sampling import SamplingParams
+    from specserve.spec.prediction import PredictedText
 
     spec = SpecConfig.parse(args.speculative_config)  # refuse a bad config before loading
     if args.suffix is not None and args.chat is not None:
@@ -793,6 +804,9 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if wanted is not None:
         params = dataclasses.replace(params, guide=GuideCache(tokenizer).guide(wanted))
+    if args.prediction:
+        predicted = tokenizer.encode(text_or_file(args.prediction, "--prediction"), add_special_tokens=False)
+        params = dataclasses.replace(params, prediction=PredictedText(predicted))
     prompt_ids = encode_prompt(tokenizer, prompt=args.prompt, chat=args.chat, suffix=args.suffix)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = run_one(engine, tokenizer, prompt_ids, params, on_text=stream)

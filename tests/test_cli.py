@@ -69,6 +69,17 @@ def test_speculation_from_the_cli_gives_the_same_tokens(plain, prepared_cache, s
     assert out["spec"]["num_drafts"] > 0
 
 
+def test_a_prediction_drafts_for_the_answer_and_leaves_it_as_it_is(plain, prepared_cache, tmp_path):
+    (tmp_path / "expected.txt").write_text(plain["text"])
+    result = specserve(
+        "generate", *CHAT, "--json", "--prediction", f"@{tmp_path / 'expected.txt'}", cache=prepared_cache
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["token_ids"] == plain["token_ids"] and plain["prediction"] is None
+    assert out["prediction"]["rejected"] == 0 and out["prediction"]["accepted"] > len(plain["token_ids"]) // 2
+
+
 def test_readable_output_streams_text_then_a_stats_line(prepared_cache, capsys):
     os.environ["SPECSERVE_CACHE"] = prepared_cache  # the fixture restores it afterwards
     assert main(["generate", *CHAT, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']) == 0

@@ -279,4 +279,8 @@ def run_one(
         # Tokens after the first, per second after the first: the decode rate alone.
         "decode_tokens_per_s": (seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
         "spec": seq.spec.to_dict() if engine.proposer is not None else None,
+        # Where a prediction was given: its drafted tokens the target accepted and rejected.
+        "prediction": None
+        if seq.prediction is None
+        else {"accepted": seq.prediction.accepted, "rejected": seq.prediction.rejected},
     }
