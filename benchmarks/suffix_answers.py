@@ -27,11 +27,8 @@ from pathlib import Path
 import torch
 
 from specserve.catalogue import LoadedModel, load_model
-from specserve.config import SpecConfig
-from specserve.engine.build import engine_over, run_one
-from specserve.engine.engine import Engine
+from specserve.engine.build import engine_for_spec, run_one
 from specserve.sampling import SamplingParams
-from specserve.spec.factory import make_proposer
 
 MODES = {
     "plain": None,
@@ -69,15 +66,6 @@ def parse_modes(text: str) -> dict[str, str | None]:
     return modes
 
 
-def engine_for(target: LoadedModel, spec_json: str | None, quantization: str) -> Engine:
-    """An engine over the loaded target as `specserve serve` builds one for the config."""
-    spec = SpecConfig.parse(spec_json)
-    proposer = None
-    if spec is not None:
-        proposer, spec = make_proposer(spec, target, target.decoder.dtype, quantization=quantization)
-    return engine_over(target.decoder, target.tokenizer.eos_token_ids, proposer, spec)
-
-
 def read_prompts(path: Path, target: LoadedModel, requests: int | None) -> list[tuple[str, list[int], int | None]]:
     """(name, prompt ids, max_tokens or None) of each line: chat `messages` or a user `prompt`."""
     prompts = []
@@ -102,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = parse_modes(args.modes)
     dtype = torch.bfloat16 if args.quantization != "none" else torch.float32
     target = load_model(args.target, dtype, args.quantization)
-    engines = {name: engine_for(target, spec, args.quantization) for name, spec in modes.items()}
+    engines = {name: engine_for_spec(target, spec, args.quantization) for name, spec in modes.items()}
     prompts = read_prompts(args.prompts_file, target, args.requests)
     decode_tokens = dict.fromkeys(modes, 0)
     decode_s = dict.fromkeys(modes, 0.0)

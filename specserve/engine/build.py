@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from specserve.catalogue import load_model
+from specserve.catalogue import LoadedModel, load_model
 from specserve.config import SpecConfig, prefill_chunk_size_for
 from specserve.engine.engine import DEFAULT_MAX_NUM_SEQS, Engine
 from specserve.errors import ConfigError
@@ -119,6 +119,17 @@ def build_engine(
         **engine_options,
     )
     return engine, target.tokenizer
+
+
+def engine_for_spec(target: LoadedModel, spec_json: str | None, quantization: str = "none") -> Engine:
+    """An engine over a loaded target as `specserve serve` builds one for a
+    `--speculative-config` (None: plain), its draft quantized as the target: what the
+    benchmarks that keep one target for several modes run."""
+    spec = SpecConfig.parse(spec_json)
+    proposer = None
+    if spec is not None:
+        proposer, spec = make_proposer(spec, target, target.decoder.dtype, quantization=quantization)
+    return engine_over(target.decoder, target.tokenizer.eos_token_ids, proposer, spec)
 
 
 def engine_over(
