@@ -6,9 +6,7 @@ each checked against the `openai` package's own models."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -16,13 +14,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import TypeAdapter
 
-from specserve.engine.engine import Engine
-from specserve.server.app import ApiSettings, build_app
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import APIError
 from specserve.server.responses import ResponsesRequest, ResponseStore, StoredResponse
-from tests.server.test_server_tools import SCRIPTS, TARGET, scripted_tokenizer
+from tests.server.test_server_tools import SCRIPTS, scripted_tokenizer, serving
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
@@ -31,15 +25,8 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "paramete
 
 async def post(requests: list[tuple[str, dict]], parser: str | None = "hermes") -> list[httpx.Response]:
     """Each (path, body) sent in turn to one server whose target answers the hermes script."""
-    tokenizer = scripted_tokenizer(SCRIPTS["hermes"])
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser=parser))
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return [await client.post(path, json=body) for path, body in requests]
-    finally:
-        engine.stop()
+    async with serving(scripted_tokenizer(SCRIPTS["hermes"]), tool_call_parser=parser) as client:
+        return [await client.post(path, json=body) for path, body in requests]
 
 
 def events(response: httpx.Response) -> list:
@@ -264,25 +251,11 @@ def test_text_format_and_tool_choice_become_the_chat_requests():
         ResponsesRequest.model_validate({"input": "x", "background": True, "stream": True}).chat_request()
 
 
-@contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[httpx.AsyncClient]:
-    """A client of one server in process (the hermes script's target and parser)."""
-    tokenizer = scripted_tokenizer(SCRIPTS["hermes"])
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser="hermes"))
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield client
-    finally:
-        engine.stop()
-
-
 async def conversation(steps: list) -> list[httpx.Response]:
     """Each step a (method, path, body) or a function of the responses so far giving one,
     sent in turn to one server (`serving`)."""
     sent: list[httpx.Response] = []
-    async with serving() as client:
+    async with serving(scripted_tokenizer(SCRIPTS["hermes"]), tool_call_parser="hermes") as client:
         for step in steps:
             method, path, body = step(sent) if callable(step) else step
             sent.append(await client.request(method, path, json=body))
@@ -485,7 +458,7 @@ def test_a_background_response_runs_on_its_own_and_is_read_or_cancelled():
     ask = {"input": "weather", "temperature": 0, "max_output_tokens": 20}
 
     async def scenario() -> dict[str, dict]:
-        async with serving() as client:
+        async with serving(scripted_tokenizer(SCRIPTS["hermes"]), tool_call_parser="hermes") as client:
 
             async def ended(response_id: str) -> dict:
                 while (kept := (await client.get(f"/v1/responses/{response_id}")).json())["status"] == "in_progress":

@@ -9,11 +9,7 @@ import asyncio
 import httpx
 
 from specserve import __version__
-from specserve.engine.engine import Engine
-from specserve.server.app import ApiSettings, build_app
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.metrics import ServerMetrics
-from tests.server.test_server_tools import TARGET, scripted_tokenizer
+from tests.server.test_server_tools import scripted_tokenizer, serving
 
 KEY = "page-key"
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
@@ -24,16 +20,8 @@ async def sent(
     requests: list[tuple[str, str, dict, dict | None]], root_path: str = "", **settings
 ) -> list[httpx.Response]:
     """Each (method, path, headers, json) sent in turn to a fresh app with the API key."""
-    tokenizer = scripted_tokenizer(["a"])
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, api_key=KEY, **settings))
-    engine.start()
-    try:
-        transport = httpx.ASGITransport(app=app, root_path=root_path)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return [await client.request(m, path, headers=h, json=body) for m, path, h, body in requests]
-    finally:
-        engine.stop()
+    async with serving(scripted_tokenizer(["a"]), root_path, api_key=KEY, **settings) as client:
+        return [await client.request(m, path, headers=h, json=body) for m, path, h, body in requests]
 
 
 def test_a_web_page_may_call_the_api_by_default_as_vllm_allows():

@@ -10,12 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from specserve.engine.engine import Engine
-from specserve.server.app import ApiSettings, build_app
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.metrics import ServerMetrics
 from specserve.tokenizer import FIM_TOKENS
-from tests.server.test_server_tools import TARGET, scripted_tokenizer, streamed
+from tests.server.test_server_tools import scripted_tokenizer, serving, streamed
 
 BEGIN, HOLE, END = FIM_TOKENS[0]
 MIDDLE = ["a,", "b", "=", "b,", "a+b"]  # what the target writes after the middle's token
@@ -23,14 +19,8 @@ MIDDLE = ["a,", "b", "=", "b,", "a+b"]  # what the target writes after the middl
 
 async def complete(bodies: list[dict], fim: bool = True) -> list[httpx.Response]:
     tokenizer = scripted_tokenizer(MIDDLE, ask=END, others=(BEGIN, HOLE)) if fim else scripted_tokenizer(MIDDLE)
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256))
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return [await client.post("/v1/completions", json=body) for body in bodies]
-    finally:
-        engine.stop()
+    async with serving(tokenizer) as client:
+        return [await client.post("/v1/completions", json=body) for body in bodies]
 
 
 def infill(**fields) -> dict:

@@ -10,26 +10,15 @@ import json
 
 import httpx
 
-from specserve.engine.engine import Engine
-from specserve.server.app import ApiSettings, build_app
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.metrics import ServerMetrics
-from tests.server.test_server_tools import TARGET, scripted_tokenizer
+from tests.server.test_server_tools import scripted_tokenizer, serving
 
 SCRIPT = ["def", "area(r):", "return", "3.14", "*", "r**2", "#", "the", "circle's", "area,", "in", "square", "units"]
 ANSWER = " ".join(SCRIPT)
 
 
 async def chats(bodies: list[dict]) -> list[httpx.Response]:
-    tokenizer = scripted_tokenizer(SCRIPT)
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256))
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return [await client.post("/v1/chat/completions", json=body) for body in bodies]
-    finally:
-        engine.stop()
+    async with serving(scripted_tokenizer(SCRIPT)) as client:
+        return [await client.post("/v1/chat/completions", json=body) for body in bodies]
 
 
 def chat(**fields) -> dict:

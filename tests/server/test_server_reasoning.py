@@ -12,12 +12,8 @@ import httpx
 import pytest
 from openai.types.responses import Response
 
-from specserve.engine.engine import Engine
-from specserve.server.app import ApiSettings, build_app
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.metrics import ServerMetrics
 from tests.server.test_responses import events
-from tests.server.test_server_tools import TARGET, TEMPLATE, TOOLS, body, scripted_tokenizer, streamed
+from tests.server.test_server_tools import TEMPLATE, TOOLS, body, scripted_tokenizer, serving, streamed
 
 THOUGHT = ["<think>", "the", "user", "asks.", "</think>"]
 ANSWER = ["It", "is", "sunny."]
@@ -44,24 +40,14 @@ async def post(
     body may be a function of the responses before it."""
     tokenizer = scripted_tokenizer(script)
     tokenizer.use_chat_template(template)
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    settings = ApiSettings(
-        "tiny",
-        max_model_len=256,
-        reasoning_parser=parser,
-        tool_call_parser=tool_call_parser,
-        default_chat_template_kwargs=default_kwargs or {},
+    settings = dict(
+        reasoning_parser=parser, tool_call_parser=tool_call_parser, default_chat_template_kwargs=default_kwargs or {}
     )
-    app = build_app(engine, tokenizer, settings)
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            sent: list[httpx.Response] = []
-            for path, body in requests:
-                sent.append(await client.post(path, json=body(sent) if callable(body) else body))
-            return sent
-    finally:
-        engine.stop()
+    async with serving(tokenizer, **settings) as client:
+        sent: list[httpx.Response] = []
+        for path, body in requests:
+            sent.append(await client.post(path, json=body(sent) if callable(body) else body))
+        return sent
 
 
 def chats(*bodies: dict) -> list[tuple[str, dict]]:

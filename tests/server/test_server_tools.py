@@ -9,7 +9,10 @@ The scripted words make the answer `<tool_call>{"name": "get_weather", "argument
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -54,19 +57,27 @@ def scripted_tokenizer(script: list[str], ask: str = ASK, others: tuple[str, ...
     return Tokenizer(backend, bos_token_id=None, declared_eos_ids=[eos], add_bos=False, chat_template=TEMPLATE)
 
 
+@contextlib.asynccontextmanager
+async def serving(tokenizer: Tokenizer, root_path: str = "", **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of a fresh server in process: the real app (ApiSettings "tiny" of 256
+    positions, and `settings`) over the permutation target, as `tokenizer` reads it."""
+    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
+    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, **settings))
+    engine.start()
+    try:
+        transport = httpx.ASGITransport(app=app, root_path=root_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+    finally:
+        engine.stop()
+
+
 async def chat(parser: str | None, bodies: list[dict], completions: list[dict] = ()) -> list[httpx.Response]:
     """Each chat body, then each completions body, sent to a fresh server whose target
     answers parser's script."""
-    tokenizer = scripted_tokenizer(SCRIPTS[parser or "hermes"])
-    engine = AsyncEngine(Engine(TARGET, eos_token_ids=tokenizer.eos_token_ids), tokenizer, ServerMetrics("tiny"))
-    app = build_app(engine, tokenizer, ApiSettings("tiny", max_model_len=256, tool_call_parser=parser))
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            sent = [await client.post("/v1/chat/completions", json=body) for body in bodies]
-            return sent + [await client.post("/v1/completions", json=body) for body in completions]
-    finally:
-        engine.stop()
+    async with serving(scripted_tokenizer(SCRIPTS[parser or "hermes"]), tool_call_parser=parser) as client:
+        sent = [await client.post("/v1/chat/completions", json=body) for body in bodies]
+        return sent + [await client.post("/v1/completions", json=body) for body in completions]
 
 
 def body(**fields) -> dict:
