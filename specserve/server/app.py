@@ -647,8 +647,8 @@ def build_app(
                 raise APIError(str(e), param=param) from None
 
     async def predicted(text: str | None) -> PredictedText | None:
-        """A prediction's tokens, read and indexed on a worker thread (spec/prediction.py);
-        refused past the model's length."""
+        """A prediction's tokens (spec/prediction.py), read on a worker thread; refused
+        past the model's length."""
         if text is None:
             return None
         limit = settings.max_model_len
@@ -661,7 +661,7 @@ def build_app(
             raise APIError(
                 f"the prediction is more than {limit} tokens, the maximum model length; shorten it", param="prediction"
             )
-        return await _off_the_loop(PredictedText, ids)
+        return PredictedText(ids)
 
     async def encoded(encode: Callable, text: Any, param: str, keep: int | None) -> list[int]:
         """A prompt's ids, read on a worker thread: refused past the model's length, or,

@@ -12,45 +12,51 @@ repeated line is read in order and, past an edit, drafting resumes at the next t
 the answer and the prediction share.
 
 Invariants: drafts are deterministic (one-hot for the verifier); `PredictedText` is
-immutable once built (off the engine's thread; a request's choices share it), and each
-sequence reads it through a `PredictionDrafts` of its own.
+immutable (a request's choices share it), and each sequence reads it through a
+`PredictionDrafts` of its own.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_MATCH = 6  # the longest run of the answer's last tokens looked up in the prediction
 
 
 class PredictedText:
-    """A prediction's token ids, with where every run of 1..MAX_MATCH of them ends."""
+    """A prediction's token ids, searched with numpy at each step rather than indexed
+    up front: building a Python index of a long prediction holds the interpreter, which
+    the engine's thread shares. A search is a pass over the ids for the answer's last
+    token, then one over those matches per token before it (benchmarks/EXPERIMENTS.md,
+    "A prediction searched, not indexed")."""
 
     def __init__(self, token_ids: Sequence[int]):
-        self.token_ids = tuple(token_ids)
-        # For n in 1..MAX_MATCH: each n-token run -> the positions just past its occurrences, ascending.
-        self.ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(MAX_MATCH)]
-        for end in range(1, len(self.token_ids) + 1):
-            for n in range(1, min(MAX_MATCH, end) + 1):
-                self.ends[n - 1].setdefault(self.token_ids[end - n : end], []).append(end)
+        self.ids = np.asarray(token_ids, dtype=np.int64)  # [P]
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.ids)
 
     def aligned(self, answer: Sequence[int], after: int) -> int | None:
         """Where in the prediction the answer's end lies: just past the longest run of
-        its last tokens that the prediction holds, the occurrence nearest at or after
-        `after` (else the last before it); 0 for an empty answer; None: no match."""
+        its last tokens (up to MAX_MATCH) that the prediction holds, the occurrence
+        nearest at or after `after` (else the last before it); 0 for an empty answer;
+        None: no match."""
         if not answer:
             return 0
-        for n in range(min(MAX_MATCH, len(answer)), 0, -1):
-            ends = self.ends[n - 1].get(tuple(answer[-n:]))
-            if ends:
-                i = bisect.bisect_left(ends, after)
-                return ends[i] if i < len(ends) else ends[-1]
-        return None
+        ends = np.flatnonzero(self.ids == answer[-1]) + 1  # [M]: just past each match of its last token
+        for n in range(2, min(MAX_MATCH, len(answer)) + 1):
+            starts = ends - n
+            longer = ends[(starts >= 0) & (self.ids[np.maximum(starts, 0)] == answer[-n])]
+            if not len(longer):
+                break
+            ends = longer
+        if not len(ends):
+            return None
+        i = int(np.searchsorted(ends, after))
+        return int(ends[min(i, len(ends) - 1)])
 
 
 @dataclass(eq=False)
@@ -70,7 +76,7 @@ class PredictionDrafts:
         if at is None or k <= 0:
             return []
         self.at = at
-        return list(self.text.token_ids[at : at + k])
+        return self.text.ids[at : at + k].tolist()
 
     def settle(self, accepted: int) -> None:
         """The step's verdict on its `pending` predicted tokens: `accepted` of them came next."""
