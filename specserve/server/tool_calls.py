@@ -301,9 +301,10 @@ class StreamedToolCalls(_CallsAsWritten):
     def _next_call(self, entries: dict[int, dict[str, Any]]) -> bool:
         if self.whole_answer:
             head = (_NEXT_IN_LIST if self.calls else _ANSWER_HEAD).match(self.text, self.read)
-            if head is None or _name(head) not in self.parser.tool_names:
+            name = None if head is None else _name(head)
+            if name not in self.parser.tool_names:
                 return False  # not (yet) a call's head: the answer's end decides
-            self._begin(_name(head), head.end(), entries)
+            self._begin(name, head.end(), entries)
             return True
         while (start := self.text.find(CALL_START, self.read)) >= 0:
             inside = start + len(CALL_START)

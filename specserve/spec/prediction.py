@@ -72,8 +72,10 @@ class PredictionDrafts:
 
     def draft(self, answer: Sequence[int], k: int) -> list[int]:
         """Up to k tokens the prediction expects after `answer` (the output so far)."""
+        if k <= 0:
+            return []
         at = self.text.aligned(answer, self.at)
-        if at is None or k <= 0:
+        if at is None:
             return []
         self.at = at
         return self.text.ids[at : at + k].tolist()
