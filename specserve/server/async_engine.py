@@ -53,6 +53,19 @@ log = logging.getLogger("specserve")
 MAX_RETRY_AFTER_S = 30
 
 
+class Place:
+    """One unfinished request's place under the queue's bound; released once, however
+    often `release` is called."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine: AsyncEngine | None = engine
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine.num_unfinished -= 1
+            self.engine = None
+
+
 class QueueFullError(SpecserveError):
     """Too many requests are waiting already; a slot is likely to free within
     `retry_after_s` seconds."""
@@ -192,40 +205,40 @@ class AsyncEngine:
         arrival_time: float | None = None,
         per_token: bool = False,
         priority: int = 0,
-        admitted: bool = False,
+        place: Place | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yield its outputs until the finished one: one per engine step
         (its several tokens under speculation), or with `per_token` one per token, in
         the same order and at the same moment. Stopping the iteration early (client
-        gone) aborts the request in the engine. `admitted`: the caller's `check_room`
-        let it in (a choice of a request admitted whole), so it is not refused for room."""
+        gone) aborts the request in the engine. `place`: the one `take_places` gave it
+        (a choice of a request admitted whole); else it takes one, or is refused."""
         self.check_request(prompt_ids, params)
-        if not admitted:
-            self.check_room()
-        request = _Request(
-            prompt_ids=list(prompt_ids),
-            params=params,
-            stop=tuple(stop),
-            per_token=per_token,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-            priority=priority,
-            outputs=asyncio.Queue(),
-            loop=asyncio.get_running_loop(),
-        )
-        self._commands.put("add", request)
-        self.num_unfinished += 1
+        place = place or self.take_places(1)[0]
         try:
-            while True:
-                item = await request.outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+            request = _Request(
+                prompt_ids=list(prompt_ids),
+                params=params,
+                stop=tuple(stop),
+                per_token=per_token,
+                arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                priority=priority,
+                outputs=asyncio.Queue(),
+                loop=asyncio.get_running_loop(),
+            )
+            self._commands.put("add", request)
+            try:
+                while True:
+                    item = await request.outputs.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    if item.finished:
+                        return
+            finally:
+                if not request.done:
+                    self._commands.put("abort", request)
         finally:
-            self.num_unfinished -= 1
-            if not request.done:
-                self._commands.put("abort", request)
+            place.release()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise what `generate` would refuse this request with: ShuttingDownError, or
@@ -233,6 +246,14 @@ class AsyncEngine:
         if self._stopping or not self.alive:
             raise ShuttingDownError("the server is shutting down; retry against another replica")
         self.engine.check_request(prompt_ids, params)
+
+    def take_places(self, count: int) -> list[Place]:
+        """Places for a request's `count` choices, taken at once (so that requests arriving
+        together cannot all pass the check before any is counted); QueueFullError unless
+        one place is free (see the invariants)."""
+        self.check_room()
+        self.num_unfinished += count
+        return [Place(self) for _ in range(count)]
 
     def check_room(self) -> None:
         """Raise QueueFullError unless a place is free for a request (of any number of choices)."""

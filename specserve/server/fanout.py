@@ -66,13 +66,13 @@ class Fanout:
         choice goes in (AsyncEngine's invariants)."""
         for prompt_ids, params in requests:
             engine.check_request(prompt_ids, params)
-        engine.check_room()
+        self._places = engine.take_places(len(requests))  # counted now: a burst cannot pass the bound
         self._queue: asyncio.Queue = asyncio.Queue()  # of (choice, RequestOutput or Exception)
         self._unfinished = len(requests)
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._tasks = [
             asyncio.create_task(
-                self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token, priority, admitted=True))
+                self._pump(i, engine.generate(prompt_ids, params, stop, arrival, per_token, priority, self._places[i]))
             )
             for i, (prompt_ids, params) in enumerate(requests)
         ]
@@ -129,3 +129,5 @@ class Fanout:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for place in self._places:  # those of choices cancelled before their request began
+            place.release()

@@ -10,7 +10,7 @@ import pytest
 
 from specserve.errors import ConfigError
 from specserve.sampling import SEED_MAX, SamplingParams
-from specserve.server.async_engine import QueueFullError, RequestOutput
+from specserve.server.async_engine import Place, QueueFullError, RequestOutput
 from specserve.server.fanout import Fanout, sample_params
 from tests.server.test_async_engine import GREEDY, HEALTHY, make_engine
 
@@ -26,12 +26,10 @@ class StandInEngine:
     def check_request(self, prompt_ids, params) -> None:
         pass
 
-    def check_room(self) -> None:
-        pass
+    def take_places(self, count: int) -> list:
+        return [Place(None) for _ in range(count)]
 
-    async def generate(
-        self, prompt_ids, params, stop=(), arrival_time=None, per_token=False, priority=0, admitted=False
-    ):
+    async def generate(self, prompt_ids, params, stop=(), arrival_time=None, per_token=False, priority=0, place=None):
         if prompt_ids == [self.refused]:
             raise QueueFullError("full", retry_after_s=1)
         done = False
@@ -151,3 +149,23 @@ def test_a_request_of_choices_goes_in_whole_while_one_place_is_free():
 
     assert asyncio.run(admitted()) == async_engine.max_unfinished + 1
     assert sent_commands(async_engine).count("add") == 2
+    assert async_engine.num_unfinished == async_engine.max_unfinished - 1  # their places given back
+
+
+def test_requests_arriving_together_cannot_all_pass_the_bound():
+    """Requests admitted in one turn of the event loop, before any choice's request has
+    begun: each is counted as it is admitted, so the one past the bound gets 429."""
+    async_engine = unstarted_engine()
+
+    async def burst() -> list[Fanout]:
+        admitted = []
+        for _ in range(async_engine.max_unfinished):
+            admitted.append(Fanout(async_engine, [(HEALTHY, GREEDY)], (), 0.0))
+        with pytest.raises(QueueFullError):
+            Fanout(async_engine, [(HEALTHY, GREEDY)], (), 0.0)
+        for choices in admitted:
+            await choices.aclose()  # cancelled before their requests began: places given back
+        return admitted
+
+    asyncio.run(burst())
+    assert async_engine.num_unfinished == 0
