@@ -8,7 +8,9 @@ sequence by one verified step.
   drafts, ragged k), keeps 1..k+1 tokens a sequence and rolls the target cache back past
   rejected drafts; greedy sequences of a verifying `FusedDraftProposer` do so in one C call.
 - A step that feeds a prompt chunk (at most `prefill_chunk_size` tokens) drafts nothing,
-  so TTFT is what it is without speculation.
+  so TTFT is what it is without speculation. The chunk budget goes first to the prompt
+  that would have been read first had each had the whole budget since it joined
+  (`_reading_order`): a short prompt is not held behind every chunk of a long one.
 - A seeded sampling request is verified by its keyed draws (spec/verify.py,
   `verify_keyed`): its tokens are plain sampling's whatever k, drafts or neighbours its
   steps had, so adaptive k chooses its k as any other's.
@@ -193,6 +195,7 @@ class Engine:
                     "raise --kv-cache-space or lower --max-model-len"
                 )
         self.num_preemptions = 0
+        self.prompt_tokens_read = 0  # prompt chunks fed so far (`Sequence.read_turn`)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # in order of admission
         self.chained: set[int] = set()  # the sequences the last step decoded in a multi-step chain
@@ -416,6 +419,7 @@ class Engine:
             seq = self.waiting.popleft()
             if self.prefix_cache is not None and not seq.num_preemptions:
                 self.prefix_cache.count_query(seq.num_prompt_tokens)
+            seq.read_turn = self.prompt_tokens_read + len(seq.token_ids)
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
         # A step that reads a prompt decodes the others plainly: a prompt's first token
@@ -447,9 +451,9 @@ class Engine:
 
         budget = self.prefill_chunk_size
         reads = ChunkReads()
-        for seq in self.running.values():
-            if seq.prefilled or budget == 0:
-                continue
+        for seq in self._reading_order():
+            if budget == 0:
+                break
             # A preempted sequence reads all but its newest token, unscored: its next step
             # is then the step it would have taken (see the module's docstring).
             end = len(seq.token_ids) - 1 if seq.output_ids else len(seq.token_ids)
@@ -480,6 +484,7 @@ class Engine:
             if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), shares):
                 continue
             budget -= len(chunk)
+            self.prompt_tokens_read += len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (
             work,
@@ -487,6 +492,19 @@ class Engine:
             [wanted[i] for i in in_one_call],
             {speculating[i].seq_id for i in looked_up} | {s.seq_id for s in plain},
         )
+
+    def _reading_order(self) -> list[Sequence]:
+        """The running sequences still reading their prompt, in the order the step's chunk
+        budget goes to them: by `read_turn`, when each would have finished reading had it
+        had the whole budget since it joined (under "priority", by priority first). So a
+        short prompt is read before a long one that joined a little earlier, instead of
+        waiting out all of its chunks, and a long one is overtaken only by prompts that
+        joined before it would have finished: none waits without end. A request's n
+        choices share a turn (the first admitted reads, the others copy)."""
+        reading = [s for s in self.running.values() if not s.prefilled]
+        if self.scheduling_policy == "priority":
+            return sorted(reading, key=lambda s: (s.priority, s.read_turn))
+        return sorted(reading, key=lambda s: s.read_turn)
 
     def _positions_needed(self, seq: Sequence) -> int:
         """Storage seq's target cache takes with room for its tokens and its next step."""

@@ -4,6 +4,7 @@ off, ragged batches, stopping rules, seeded reproducibility, and rollback of bot
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -475,6 +476,38 @@ def test_chunked_prefill_keeps_running_sequences_decoding(target):
         engine.step()
     assert running.output_ids == plain_tokens(target, PROMPTS[0])
     assert late.output_ids == plain_tokens(target, long_prompt)
+
+
+def test_a_short_prompt_is_read_before_a_long_one_that_joined_first(target):
+    """A prompt joining while a long one is being read takes the chunk budget ahead of
+    it, where it would otherwise wait out every chunk of the long one; both outputs
+    equal their solo runs."""
+    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=8)
+    long_prompt = list(range(3, 60))  # 57 tokens: 8 chunks
+    long = engine.add_request(long_prompt, GREEDY)
+    engine.step()
+    short = engine.add_request(PROMPTS[0], GREEDY)  # 5 tokens
+    assert engine.step() == [short]  # its whole prompt and 3 of the long one's in one step
+    assert long.cache.length == 8 + 3
+    while engine.has_unfinished():
+        engine.step()
+    assert short.output_ids == plain_tokens(target, PROMPTS[0])
+    assert long.output_ids == plain_tokens(target, long_prompt)
+
+
+def test_a_long_prompt_is_not_overtaken_without_end(target):
+    """Prompts keep overtaking a long one only while they join before it would have
+    been read with the whole budget: a steady stream of short prompts delays it, and it
+    still gets its first token."""
+    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=8, max_num_seqs=64)
+    long = engine.add_request(list(range(3, 60)), GREEDY)  # 8 chunks on its own
+    steps = 0
+    while long.num_output_tokens == 0:
+        engine.add_request(list(range(3, 11)), dataclasses.replace(GREEDY, max_tokens=2))  # a chunk each step
+        engine.step()
+        steps += 1
+        assert steps < 40
+    assert steps > 8  # overtaken at first
 
 
 def test_a_cpu_engine_reads_prompts_in_small_chunks_by_default(target):

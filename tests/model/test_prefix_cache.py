@@ -187,14 +187,14 @@ def test_a_shared_prompt_is_read_once_by_requests_that_run_together(target):
     the first's cache as far as it was read, and nothing is stored until one finishes.
     The tokens are those of runs without the cache."""
     system = [(11 * i) % 89 for i in range(4 * BLOCK)]
-    first, second = system + [1, 2, 3], system + [4, 5]
+    first, second = system + [1, 2], system + [4, 5, 6]  # the shorter prompt's turn comes first
     store = PrefixCache(10_000)
     engine = Engine(target, eos_token_ids=[EOS], prefix_cache=store, prefill_chunk_size=2 * BLOCK)
     a, b = engine.add_request(first, GREEDY), engine.add_request(second, GREEDY)
     engine.step()
     engine.step()  # a has read the system prompt, b nothing yet
     assert (a.cache.length, b.cache.length, store.num_tokens) == (4 * BLOCK, 0, 0)
-    engine.step()  # a reads its last 3 tokens; b copies 4 blocks and reads 1 token
+    engine.step()  # a reads its last 2 tokens; b copies 4 blocks and reads 3 tokens
     assert a.prefilled and b.prefilled and b.num_cached_tokens == 4 * BLOCK
     while engine.has_unfinished():
         engine.step()
@@ -355,7 +355,7 @@ def test_running_slots_of_a_pool_are_sources_too(target):
     model = copy.deepcopy(target)
     model.use_cuda_graphs(num_slots=2, capacity=256)
     system = [(3 * i) % 89 for i in range(3 * BLOCK)]
-    prompts = [system + [1, 2], system + [3]]
+    prompts = [system + [1], system + [2, 3]]  # the shorter prompt's turn comes first
     engine = Engine(
         model, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000), max_num_seqs=2, prefill_chunk_size=2 * BLOCK
     )
