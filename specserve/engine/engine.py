@@ -303,7 +303,7 @@ class Engine:
     def _num_draft_tokens(self, decoding: list[Sequence]) -> list[int]:
         ks = [self.num_speculative_tokens] * len(decoding)
         if self.adaptive is not None and decoding:
-            remaining = [s.remaining_tokens for s in decoding]
+            remaining = [self._proposer_horizon(s) for s in decoding]
             # What a chain left to read comes back after the next chain: it pays within one.
             spreads = [self.num_scheduler_steps if s.seq_id in self.chained else n for s, n in zip(decoding, remaining)]
             ks = self.adaptive.choose(
@@ -315,6 +315,19 @@ class Engine:
             )
         # A step emits at most k + 1 tokens; drafting past max_tokens is wasted work.
         return [max(0, min(k, s.remaining_tokens - 1)) for k, s in zip(ks, decoding)]
+
+    @staticmethod
+    def _proposer_horizon(seq: Sequence) -> int:
+        """The tokens within which reading seq's backlog into the proposer must pay
+        (`AdaptiveSpecLength.choose`'s remaining): those left; where the answer follows
+        its prediction, those until it does again. What a prediction drafted comes back
+        to be read once it drafts again past the answer's edit to it, an edit taken to go
+        on as long again as it has so far: the proposer reads (a probe, the prompt too)
+        only on a long edit, and a short one decodes plainly, as without a proposer."""
+        followed = None if seq.prediction is None else seq.prediction.followed_at
+        if followed is None:
+            return seq.remaining_tokens
+        return min(seq.remaining_tokens, 1 + seq.num_output_tokens - followed)
 
     def _propose(self, decoding: list[Sequence], wanted: list[int], batch: int, rows: int) -> list[Draft]:
         """The proposer's drafts for a step of `batch` decoding sequences and `rows` rows
@@ -563,7 +576,7 @@ class Engine:
                 seq.spec.record(num_drafted, verdict.num_accepted)
                 self.spec_stats.record(num_drafted, verdict.num_accepted)
             if seq.prediction is not None and seq.prediction.pending:
-                seq.prediction.settle(verdict.num_accepted)
+                seq.prediction.settle(verdict.num_accepted, seq.num_output_tokens)
             # A lookup's draft tells nothing about the proposer's (see _compare_lookups),
             # and a step that read a prompt chose no k for the others.
             if seq.seq_id not in not_proposed and self.adaptive is not None:

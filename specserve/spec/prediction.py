@@ -69,6 +69,7 @@ class PredictionDrafts:
     pending: int = 0  # tokens of the step's draft taken from the prediction, to settle
     accepted: int = 0
     rejected: int = 0
+    followed_at: int | None = None  # the answer's length after its last step that accepted predicted tokens
 
     def draft(self, answer: Sequence[int], k: int) -> list[int]:
         """Up to k tokens the prediction expects after `answer` (the output so far)."""
@@ -80,8 +81,11 @@ class PredictionDrafts:
         self.at = at
         return self.text.ids[at : at + k].tolist()
 
-    def settle(self, accepted: int) -> None:
-        """The step's verdict on its `pending` predicted tokens: `accepted` of them came next."""
+    def settle(self, accepted: int, answer_length: int) -> None:
+        """The step's verdict on its `pending` predicted tokens: `accepted` of them came
+        next, the answer now `answer_length` tokens long."""
+        if accepted:
+            self.followed_at = answer_length
         self.accepted += accepted
         self.rejected += self.pending - accepted
         self.pending = 0

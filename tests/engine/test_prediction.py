@@ -14,10 +14,11 @@ from specserve.engine.engine import Engine
 from specserve.model.decoder import Decoder
 from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
+from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.prediction import PredictedText, PredictionDrafts
 from tests.conftest import tiny_config
-from tests.engine.test_engine import EOS, GREEDY, PROMPTS, plain_tokens, random_decoder
+from tests.engine.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,36 @@ def test_greedy_answers_are_the_targets_whatever_the_prediction(target, kind):
                 assert seq.prediction.rejected == 0 and seq.prediction.accepted > len(answer) // 2 and steps <= 6
             if prediction is edited:
                 assert 0 < seq.prediction.rejected and seq.prediction.accepted > len(answer) // 2
+
+
+def test_a_short_edit_to_a_followed_prediction_decodes_plainly(target):
+    """Where the answer leaves a prediction it has followed, the draft model would first
+    read the prompt and all the prediction drafted, which comes back to be read after
+    the edit: a short edit decodes plainly instead. Without a prediction the same
+    engine drafts; the answers are the target's."""
+    adaptive = AdaptiveSpecLength(7, 0.3)
+    # Costs as a quiet machine measures them, so that the choice does not depend on this one.
+    observe_draft, observe_target, observe_read = adaptive.observe_draft, adaptive.observe_target, adaptive.observe_read
+    adaptive.observe_draft = lambda positions, seconds: observe_draft(positions, 3e-3 * positions)
+    adaptive.observe_target = lambda rows, seconds: observe_target(rows, 1e-2 + 1e-3 * rows)
+    adaptive.observe_read = lambda tokens, positions, seconds: observe_read(tokens, positions, 1e-3 * tokens)
+    proposer = DraftModelProposer(perturbed(target, 0.05, seed=2))
+    engine = Engine(target, eos_token_ids=[EOS], proposer=proposer, num_speculative_tokens=3, adaptive=adaptive)
+    drafted_for, propose = [], proposer.propose
+    proposer.propose = lambda seqs, ks, *rest: (
+        drafted_for.extend(s.seq_id for s, k in zip(seqs, ks) if k),
+        propose(seqs, ks, *rest),
+    )[1]
+    params = dataclasses.replace(GREEDY, max_tokens=96)
+    prompt = PROMPTS[2]
+    answer = plain_tokens(target, prompt, params)
+    plain = engine.generate(prompt, params)  # learns the costs, and that the draft pays
+    assert plain.output_ids == answer and plain.seq_id in drafted_for
+    edit = answer[46:54]  # 8 tokens found nowhere else in the answer: nothing to draft from while it is written
+    assert not set(edit) & set(answer[:46] + answer[54:])
+    seq = engine.generate(prompt, predicted(params, answer[:46] + answer[54:]))
+    assert seq.output_ids == answer and seq.prediction.accepted > len(answer) // 2
+    assert seq.seq_id not in drafted_for
 
 
 def test_a_seeded_request_gets_plain_samplings_tokens_with_a_prediction(target):
