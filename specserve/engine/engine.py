@@ -432,7 +432,10 @@ class Engine:
             seq = self.waiting.popleft()
             if self.prefix_cache is not None and not seq.num_preemptions:
                 self.prefix_cache.count_query(seq.num_prompt_tokens)
-            seq.read_turn = self.prompt_tokens_read + len(seq.token_ids)
+            to_read = len(seq.token_ids)
+            if self.prefix_cache is not None:  # a chat's next turn: only its new message
+                to_read -= self.prefix_cache.cached_length(seq.token_ids, len(seq.token_ids) - 1)
+            seq.read_turn = self.prompt_tokens_read + to_read
             self.running[seq.seq_id] = seq
         decoding = [s for s in self.running.values() if s.prefilled]
         # A step that reads a prompt decodes the others plainly: a prompt's first token
@@ -508,8 +511,9 @@ class Engine:
 
     def _reading_order(self) -> list[Sequence]:
         """The running sequences still reading their prompt, in the order the step's chunk
-        budget goes to them: by `read_turn`, when each would have finished reading had it
-        had the whole budget since it joined (under "priority", by priority first). So a
+        budget goes to them: by `read_turn`, when each would have finished reading what
+        the prefix cache did not hold had it had the whole budget since it joined (under
+        "priority", by priority first). So a
         short prompt is read before a long one that joined a little earlier, instead of
         waiting out all of its chunks, and a long one is overtaken only by prompts that
         joined before it would have finished: none waits without end. A request's n

@@ -44,7 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     num_preemptions: int = 0  # times it gave its caches up for others (engine.py)
     # Its turn among the prompts being read: the prompt tokens the engine had read when it
-    # joined, plus its own (Engine._reading_order); lower reads first.
+    # joined, plus those it must read (Engine._reading_order); lower reads first.
     read_turn: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
     # One per prompt token from the second, in order, as the prompt is read, if params.prompt_logprobs is set.

@@ -204,6 +204,20 @@ def test_a_shared_prompt_is_read_once_by_requests_that_run_together(target):
     assert (store.queried_tokens, store.hit_tokens) == (len(first) + len(second), 4 * BLOCK)
 
 
+def test_a_prompt_mostly_in_the_store_takes_its_turn_by_what_it_reads(target):
+    """A chat's next turn, its history in the prefix cache, reads only its new message:
+    it goes ahead of a shorter prompt that must be read whole."""
+    history = [(7 * i) % 89 for i in range(6 * BLOCK)]
+    engine = Engine(target, eos_token_ids=[EOS], prefix_cache=PrefixCache(10_000), prefill_chunk_size=BLOCK)
+    engine.generate(history, GREEDY)
+    fresh = engine.add_request([(3 * i) % 89 for i in range(2 * BLOCK)], GREEDY)
+    next_turn = engine.add_request(history + [5, 6, 7], GREEDY)
+    assert engine.step() == [next_turn] and fresh.cache.length == BLOCK - 3  # the rest of the budget
+    while engine.has_unfinished():
+        engine.step()
+    assert next_turn.num_cached_tokens >= 6 * BLOCK - 1
+
+
 def test_a_prompt_copies_from_a_sequence_still_reading_it_and_then_from_the_store(target):
     """A request arriving while another reads the same long prompt copies what was read
     so far, before each of its chunks, and waits rather than read a block the other reads
