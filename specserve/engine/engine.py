@@ -513,11 +513,11 @@ class Engine:
         """The running sequences still reading their prompt, in the order the step's chunk
         budget goes to them: by `read_turn`, when each would have finished reading what
         the prefix cache did not hold had it had the whole budget since it joined (under
-        "priority", by priority first). So a
-        short prompt is read before a long one that joined a little earlier, instead of
-        waiting out all of its chunks, and a long one is overtaken only by prompts that
-        joined before it would have finished: none waits without end. A request's n
-        choices share a turn (the first admitted reads, the others copy)."""
+        "priority", by priority first). So a short prompt is read before a long one that
+        joined a little earlier, instead of waiting out all of its chunks, and a long one
+        is overtaken only by prompts that joined before it would have finished: none
+        waits without end. A request's n choices share a turn (the first admitted reads,
+        the others copy)."""
         reading = [s for s in self.running.values() if not s.prefilled]
         if self.scheduling_policy == "priority":
             return sorted(reading, key=lambda s: (s.priority, s.read_turn))
