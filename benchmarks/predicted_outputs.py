@@ -11,6 +11,7 @@ predicted tokens the target accepted and rejected.
 
     .venv/bin/python benchmarks/predicted_outputs.py
     .venv/bin/python benchmarks/predicted_outputs.py --modes plain,draft,ngram --rounds 3
+    .venv/bin/python benchmarks/predicted_outputs.py --modes plain,eagle3
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MODES = {
     "plain": None,
     "ngram": '{"method": "ngram", "num_speculative_tokens": 5}',
     "draft": '{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7}',
+    "eagle3": '{"method": "eagle3", "model": "qwen2.5-coder-1.5b-eagle3", "num_speculative_tokens": 3}',
 }
 
 STATS = '''import math
