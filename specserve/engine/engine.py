@@ -11,6 +11,9 @@ sequence by one verified step.
   so TTFT is what it is without speculation. The chunk budget goes first to the prompt
   that would have been read first had each had the whole budget since it joined
   (`_reading_order`): a short prompt is not held behind every chunk of a long one.
+  Beside decoding sequences the budget is priced by where each chunk lies
+  (`ChunkCosts`): far into a long prompt a chunk is shorter, so the step the others
+  wait for costs about what a whole chunk at a prompt's start does.
 - A seeded sampling request is verified by its keyed draws (spec/verify.py,
   `verify_keyed`): its tokens are plain sampling's whatever k, drafts or neighbours its
   steps had, so adaptive k chooses its k as any other's.
@@ -51,6 +54,7 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.config import DEFAULT_MAX_SPECULATIVE_TOKENS, prefill_chunk_size_for
+from specserve.engine.chunk_costs import ChunkCosts, arithmetic_horizon
 from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
@@ -139,12 +143,14 @@ class Engine:
         num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
         kv_cache_positions: int | None = None,
         scheduling_policy: str = "fcfs",
+        price_chunks: bool = True,
     ):
         """With `adaptive`, each sequence's k is chosen per step (see spec/adaptive.py);
         without, every step drafts num_speculative_tokens. lookup_first
         (see `_look_up`), prefix_cache (the target's), num_scheduler_steps (1: off) and
         kv_cache_positions (None: no bound; it must hold one sequence of max_model_len)
         and scheduling_policy (SCHEDULING_POLICIES): see the module's docstring.
+        price_chunks False: a step reads prefill_chunk_size prompt tokens wherever they lie.
         prefill_chunk_size None: the target's device's default (`prefill_chunk_size_for`)."""
         prefill_chunk_size = prefill_chunk_size or prefill_chunk_size_for(target.device)
         for name, value in (
@@ -173,6 +179,7 @@ class Engine:
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
+        self.chunk_costs = ChunkCosts(arithmetic_horizon(target.config)) if price_chunks else None
         self.prefix_cache = prefix_cache
         self.num_scheduler_steps = num_scheduler_steps
         # The most tokens a step drafts for a sequence: by the proposer, by a lookup first.
@@ -465,10 +472,13 @@ class Engine:
         ]
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
-        budget = self.prefill_chunk_size
+        # Beside decoding sequences a chunk is priced by where it lies, so that the step
+        # they wait for costs about what a whole chunk at a prompt's start does (`ChunkCosts`).
+        horizon = self.chunk_costs.horizon if decoding and self.chunk_costs is not None else None
+        budget = self.prefill_chunk_size if horizon is None else ChunkCosts.cost(0, self.prefill_chunk_size, horizon)
         reads = ChunkReads()
         for seq in self._reading_order():
-            if budget == 0:
+            if budget <= 0:
                 break
             # A preempted sequence reads all but its newest token, unscored: its next step
             # is then the step it would have taken (see the module's docstring).
@@ -490,7 +500,8 @@ class Engine:
                 source = max(siblings, key=lambda s: s.cache.length).cache
                 copy_prefix(source, seq.cache, min(limit, source.length, seq.num_prompt_tokens))
             start = seq.cache.length
-            chunk = seq.token_ids[start : min(start + budget, end)]
+            length = int(budget) if horizon is None else ChunkCosts.chunk_length(start, budget, horizon)
+            chunk = seq.token_ids[start : min(start + length, end)]
             # It waits a step for a chunk another reads where it can copy it then (with
             # the rows' logprobs, where it owes them: a sibling's).
             copies_later = (self.prefix_cache is not None and owed is None) or any(
@@ -499,7 +510,7 @@ class Engine:
             shares = copies_later and start < copyable
             if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), shares):
                 continue
-            budget -= len(chunk)
+            budget -= len(chunk) if horizon is None else ChunkCosts.cost(start, len(chunk), horizon)
             self.prompt_tokens_read += len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (
@@ -694,6 +705,7 @@ class Engine:
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
         fed = [FedRows(w.seq.seq_id, w.seq.cache.length, len(w.tokens)) for w in work]  # before the caches move
+        chunks = [(w.seq.cache.length, len(w.tokens)) for w in work if not w.seq.prefilled]  # (start, tokens)
         started = time.perf_counter()
         logits = self.target(
             flat, segments, torch.tensor(rows, dtype=torch.int64, device=device), capture=capture
@@ -701,8 +713,13 @@ class Engine:
         # Every greedy verdict comes from this one argmax; on a GPU, reading it back is
         # also where the step's work is waited for, so the timing below includes it.
         argmax = logits[:num_scored].argmax(dim=-1).tolist()  # [num_scored]
+        seconds = time.perf_counter() - started
         if self.adaptive is not None and len(flat) == num_scored:  # a pure decode step
-            self.adaptive.observe_target(len(flat), time.perf_counter() - started)
+            self.adaptive.observe_target(len(flat), seconds)
+        if chunks and num_scored and self.chunk_costs is not None:  # timed where a read-back waited for the forward
+            tokens = sum(n for _, n in chunks)
+            positions = sum(n * (start + (n - 1) / 2) for start, n in chunks)
+            self.chunk_costs.observe(tokens, positions / tokens, seconds)
         if features is not None:  # a head reads every row the target computed (its observe drops the rejected)
             features.read(capture, fed)
         self._read_prompt_logprobs(owed, logits[num_scored:])

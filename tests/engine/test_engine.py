@@ -462,7 +462,7 @@ def test_max_num_seqs_bounds_the_batch_and_the_rest_wait(target):
 def test_chunked_prefill_keeps_running_sequences_decoding(target):
     """A long prompt arriving mid-run is fed in chunks while the running sequence still
     gets tokens every step; both outputs equal their solo runs."""
-    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=8)
+    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=8, price_chunks=False)
     running = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()  # PROMPTS[0] (5 tokens) fits one chunk
     long_prompt = list(range(3, 60))  # 57 tokens: 8 chunks
