@@ -87,6 +87,7 @@ OUR_MODES = (
     "draft",
     "adaptive",
     "ngram",
+    "suffix",
     "draft-fused",
     "adaptive-fused",
     "draft-unfused",
@@ -231,6 +232,8 @@ def our_spec(mode: str, args) -> SpecConfig | None:
     if mode in HEAD_MODES:
         heads = {"eagle_head": args.eagle_head, "medusa_head": args.medusa_head}
         return SpecConfig.parse(speculative_config(mode, args.k, **heads))
+    if mode == "suffix":  # drafts as far as its matches reach (vLLM's default), not --k
+        return SpecConfig.parse({"method": "suffix"})
     raw: dict[str, Any] = {"num_speculative_tokens": args.k}
     raw.update({"method": "ngram"} if mode == "ngram" else {"model": args.draft})
     if mode != "ngram" and args.draft_quantization:

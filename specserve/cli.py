@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafts",
         default=catalogue.DEFAULT_DRAFT,
         help="comma-separated drafts: catalogue names (a head's too), paths, METHOD:FOLDER for a head "
-        f"(eagle3:, eagle:, medusa:) and/or 'ngram' (default {catalogue.DEFAULT_DRAFT})",
+        f"(eagle3:, eagle:, medusa:), 'ngram' and/or 'suffix' (default {catalogue.DEFAULT_DRAFT})",
     )
     tune.add_argument(
         "--k",

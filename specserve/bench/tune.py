@@ -1,6 +1,6 @@
 """`specserve tune`: which draft and which k pay, per test case, measured in-process.
 
-A draft is a draft model, `ngram`, or an EAGLE or Medusa head: a catalogue head's name
+A draft is a draft model, `ngram` or `suffix`, or an EAGLE or Medusa head: a catalogue head's name
 or METHOD:FOLDER (`eagle3:heads/mine`); a Medusa checkpoint is swept at the ks its
 heads reach. The target and every draft are loaded once; each configuration (plain,
 every draft with every k, every draft adaptive) decodes the same prompts of the chosen
@@ -54,8 +54,10 @@ from specserve.spec.factory import check_same_vocabulary, draft_format, draft_pr
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer
 from specserve.spec.stats import SpecStats
+from specserve.spec.suffix import SuffixProposer
 
-NGRAM = "ngram"
+NGRAM, SUFFIX = "ngram", "suffix"
+LOOKUPS = (NGRAM, SUFFIX)  # proposers that read tokens alone: no model to load
 PLAIN = "plain"
 ADAPTIVE = "adaptive"  # the k column of adaptive rows
 FULL_ACCEPTANCE_ROUNDS = 3  # of every k and plain taking turns (`full_acceptance`)
@@ -92,7 +94,7 @@ def predicted_speedup(alpha: float | None, k: float, cost_ratio: float) -> float
 
 def head_of(name: str) -> tuple[str, str] | None:
     """(method, head) where `name` is an EAGLE or Medusa head: a catalogue head's name, or
-    METHOD:FOLDER; None for a draft model or `ngram`."""
+    METHOD:FOLDER; None for a draft model or a lookup (`ngram`, `suffix`)."""
     if name in HEADS:
         return HEADS[name].method, name
     method, colon, folder = name.partition(":")
@@ -100,12 +102,12 @@ def head_of(name: str) -> tuple[str, str] | None:
 
 
 def proposer_config(draft: str, k: int | None = None) -> dict:
-    """`--speculative-config`'s proposer keys for `draft`, a draft model, `ngram` or a head
+    """`--speculative-config`'s proposer keys for `draft`, a draft model, a lookup or a head
     (see `head_of`), drafting k tokens (None: 3 for a head, 7 otherwise)."""
     head = head_of(draft)
     if head is not None:
         return {"method": head[0], "model": head[1], "num_speculative_tokens": k or 3}
-    proposer = {"method": NGRAM} if draft == NGRAM else {"model": draft}
+    proposer = {"method": draft} if draft in LOOKUPS else {"model": draft}
     return {**proposer, "num_speculative_tokens": k or 7}
 
 
@@ -137,13 +139,13 @@ class Tuner:
         to max(ks), as served by default."""
         self.target = load_model(target, dtype, quantization, batch_invariant, device=device)
         self.quantization = quantization
-        self.drafts: dict[str, LoadedModel | None] = {}  # None: ngram, or a head (`heads`)
+        self.drafts: dict[str, LoadedModel | None] = {}  # None: a lookup, or a head (`heads`)
         self.heads: dict[str, tuple[str, str]] = {}  # name -> (method, head)
         self.head_counts: dict[str, int] = {}  # a Medusa checkpoint's heads: the most it drafts
         self.loaded_heads: dict[str, Proposer] = {}  # one proposer per head, for its costs
         for name in drafts:
             head = head_of(name)
-            if name == NGRAM or head is not None:
+            if name in LOOKUPS or head is not None:
                 self.drafts[name] = None
                 if head is not None:  # loaded now, so that a head that does not fit fails first
                     self.heads[name] = head
@@ -191,6 +193,8 @@ class Tuner:
         proposer = None
         if proposer_name == NGRAM:
             proposer = NgramProposer(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
+        elif proposer_name == SUFFIX:  # vLLM's defaults; the answers before teach the ones after
+            proposer = SuffixProposer()
         elif proposer_name in self.heads:
             proposer, _ = self._head_proposer(proposer_name, self.most_k(proposer_name) if k == ADAPTIVE else k)
         elif proposer_name != PLAIN:
@@ -233,7 +237,7 @@ class Tuner:
     def cost_ratios(self) -> dict[str, float]:
         """Draft decode step / target decode step, per draft model (measured), per head
         (its weight bytes per position against the target's: `prior_cost_ratio`); an
-        n-gram lookup costs ~0."""
+        lookup costs ~0."""
         ids = next(iter(self.prompts.values()))[0]
         target_s = decode_step_seconds(self.target, ids, 32)
         ratios = {}
@@ -277,8 +281,8 @@ class Tuner:
         """Per draft model and head: each k's speed were every draft accepted, from the
         engine's own steps with the draft always drafting k
         (`specserve.bench.measured_ceiling`): the bound the serving code reaches on this
-        machine at any acceptance. The n-gram proposer is left out: it drafts nothing
-        where its lookup finds nothing."""
+        machine at any acceptance. The lookups are left out: they draft nothing where
+        they find no match."""
         ids = next(iter(self.prompts.values()))[0]
         found = {}
         for name, draft in self.drafts.items():

@@ -24,11 +24,12 @@ def test_predicted_speedup_is_leviathans_formula():
 
 
 def test_a_proposer_by_name_becomes_the_speculative_config_serve_takes():
-    """As tune names them: a draft model, ngram, a catalogue head or METHOD:FOLDER (a
+    """As tune names them: a draft model, a lookup, a catalogue head or METHOD:FOLDER (a
     head drafts from k = 3 unless told, the others from 7); each parses as serve's flag."""
     cases = {
         "qwen2.5-coder-0.5b": {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 7},
         "ngram": {"method": "ngram", "num_speculative_tokens": 7},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 7},
         "qwen2.5-coder-1.5b-eagle3": {
             "method": "eagle3",
             "model": "qwen2.5-coder-1.5b-eagle3",
@@ -123,6 +124,25 @@ def test_tune_sweeps_drafts_and_k_on_real_weights(prepared_cache, tmp_path, caps
     )
     assert "Measured with every draft accepted" in (tmp_path / "tune.md").read_text()
     assert json.loads((tmp_path / "tune.json").read_text())["rows"] == rows
+
+
+def test_tune_sweeps_suffix_decoding_as_a_free_lookup(prepared_cache, tmp_path, capsys):
+    """Suffix decoding's rows, its answers before teaching the ones after: no model to
+    time (cost 0) and no steps to force (no measured bound)."""
+    os.environ["SPECSERVE_CACHE"] = prepared_cache
+    argv = ["tune", "smollm2-135m", "--drafts", "suffix", "--k", "1,3", "--suites", "structured"]
+    assert main([*argv, "--max-tokens", "12", "--results-dir", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert [(r["proposer"], r["k"]) for r in rows] == [
+        ("plain", 0),
+        ("suffix", 1),
+        ("suffix", 3),
+        ("suffix", "adaptive"),
+    ]
+    assert all(r["cost_ratio"] == 0.0 for r in rows[1:])
+    assert any(r["acceptance_rate"] for r in rows[1:])  # `repeat` and `count` repeat themselves
+    assert report["full_acceptance"] == {}
 
 
 def test_tune_sweeps_heads_within_their_reach(prepared_cache, tmp_path, capsys):
