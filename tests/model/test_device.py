@@ -41,6 +41,9 @@ def run_batch(target, make_proposer, adaptive: bool) -> list[list[int]]:
         num_speculative_tokens=3,
         adaptive=AdaptiveSpecLength(5, prior_draft_cost_ratio=0.1) if adaptive else None,
         prefill_chunk_size=8,
+        # Whole chunks: the 12-token requests still have tokens to draft once the 30-token
+        # prompt is read (the tiny model's chunks priced by position take a step more).
+        price_chunks=False,
     )
     seqs = [engine.add_request(prompt, params) for prompt, params in REQUESTS]
     while engine.has_unfinished():
