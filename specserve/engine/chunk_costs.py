@@ -1,5 +1,5 @@
 """What a prompt chunk costs by where it lies, so that a step beside decoding sequences
-costs about what a chunk at the prompt's start does.
+costs about what a whole chunk at a prompt's start does.
 
 A chunk token at position p attends to the p positions before it: its step costs
 seconds per token ~= base + slope * p, so n tokens from position p cost what
@@ -21,9 +21,9 @@ from specserve.spec.adaptive import LinearFit
 # slope fitted over a few steps of one prompt is mostly noise.
 MIN_POSITION_SPREAD = 512.0
 # The fitted horizon is held to at least this share of the arithmetic one, so that a noisy
-# fit (a machine shared with other work) cannot cut a long prompt into slivers; measured
-# on the CPU's int4 layers, it is ~0.4 (benchmarks/EXPERIMENTS.md, "A prompt chunk's step
-# over a long context").
+# fit (a machine shared with other work) cannot cut a long prompt into slivers; on the
+# CPU's int4 layers it was 0.4-0.7 (benchmarks/EXPERIMENTS.md, "A prompt chunk's step over
+# a long context").
 MIN_HORIZON_SHARE = 0.25
 # Weight of older reading steps after each new one: a memory of ~30 chunks.
 CHUNK_TIMING_DECAY = 0.97
@@ -33,7 +33,7 @@ def arithmetic_horizon(config: ModelConfig) -> float:
     """The position at which a token's attention (QK and PV over each head) costs as many
     multiply-adds as its layers' projections and MLP: the horizon before any is measured.
     Kernels run attention less efficiently than their matmuls (on the CPU's int4 layers
-    the measured horizon is ~0.4 of this), so it prices long contexts cheap until fitted."""
+    the measured horizon is 0.4-0.7 of this), so it prices long contexts cheap until fitted."""
     hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     projections = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * config.intermediate_size
