@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--band", type=int, default=2000, help="positions a row of the table covers")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
+    for flag in ("prompt_tokens", "band", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
 
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if args.quantization != "none" or device.type == "cuda" else torch.float32
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     long_prompt = sonnet_tokens(tokenizer, args.prompt_tokens)
     stream_prompt = tokenizer.encode("Write a long story about a lighthouse keeper.")
+    if args.prompt_tokens + len(stream_prompt) + 1 > built.max_model_len:
+        parser.error(f"--prompt-tokens {args.prompt_tokens} leaves no room in {args.target}'s {built.max_model_len}")
 
     steps: dict[str, list[tuple[int, float]]] = {mode: [] for mode in MODES}
     ttfts: dict[str, list[float]] = {mode: [] for mode in MODES}

@@ -74,10 +74,11 @@ class ChunkCosts:
         mean_x = fit.sx / fit.sw
         spread = math.sqrt(max(fit.sxx / fit.sw - mean_x * mean_x, 0.0))
         base, slope = fit.coefficients()
-        if spread < MIN_POSITION_SPREAD or base <= 0:
+        if spread < MIN_POSITION_SPREAD:
             return self.prior_horizon
         if slope <= 0:  # measured: a position costs nothing
             return math.inf
+        # A base at 0 (fitted far from position 0, attention seemingly all) meets the floor.
         return max(base / slope, MIN_HORIZON_SHARE * self.prior_horizon)
 
     @staticmethod

@@ -64,9 +64,11 @@ def test_where_positions_cost_nothing_chunks_are_whole(noise):
     assert ChunkCosts.chunk_length(7000, allowance, costs.horizon) >= 63
 
 
-def test_a_fit_of_dear_attention_is_held_to_a_share_of_the_arithmetic_horizon():
+@pytest.mark.parametrize("base", [1e-3, 0.0, -5e-3])
+def test_a_fit_of_dear_attention_is_held_to_a_share_of_the_arithmetic_horizon(base):
+    """C = 100 fitted, or a base at or below 0 (fitted far from position 0): the floor."""
     costs = ChunkCosts(prior_horizon=15_000.0)
-    _observe_chunks(costs, range(0, 64 * 120, 64), lambda p: 1e-3 + 1e-5 * p)  # C = 100 fitted
+    _observe_chunks(costs, range(6000, 6000 + 64 * 120, 64), lambda p: base + 1e-5 * p)
     assert costs.horizon == MIN_HORIZON_SHARE * 15_000.0
 
 
