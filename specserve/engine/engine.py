@@ -11,8 +11,9 @@ sequence by one verified step.
   so TTFT is what it is without speculation. The chunk budget goes first to the prompt
   that would have been read first had each had the whole budget since it joined
   (`_reading_order`): a short prompt is not held behind every chunk of a long one.
-  Beside decoding sequences the budget is priced by where each chunk lies
-  (`ChunkCosts`): far into a long prompt a chunk is shorter, so the step the others
+  Beside decoding sequences the budget is priced by where each chunk lies and whether
+  its rows' logprobs are owed (`ChunkCosts`): far into a long prompt, or for a prompt
+  that computes the LM head at every row, a chunk is shorter, so the step the others
   wait for costs about what a whole chunk at a prompt's start does.
 - A seeded sampling request is verified by its keyed draws (spec/verify.py,
   `verify_keyed`): its tokens are plain sampling's whatever k, drafts or neighbours its
@@ -54,7 +55,7 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.config import DEFAULT_MAX_SPECULATIVE_TOKENS, prefill_chunk_size_for
-from specserve.engine.chunk_costs import ChunkCosts, arithmetic_horizon
+from specserve.engine.chunk_costs import ChunkCosts, arithmetic_horizon, lm_head_share
 from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
 from specserve.logprobs import TokenLogprob, token_logprobs
@@ -179,7 +180,9 @@ class Engine:
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
-        self.chunk_costs = ChunkCosts(arithmetic_horizon(target.config)) if price_chunks else None
+        self.chunk_costs = (
+            ChunkCosts(arithmetic_horizon(target.config), lm_head_share(target.config)) if price_chunks else None
+        )
         self.prefix_cache = prefix_cache
         self.num_scheduler_steps = num_scheduler_steps
         # The most tokens a step drafts for a sequence: by the proposer, by a lookup first.
@@ -472,8 +475,9 @@ class Engine:
         ]
         work = [_Work(s, s.token_ids[-1:] + d.tokens.tolist(), d, True) for s, d in drafted]
 
-        # Beside decoding sequences a chunk is priced by where it lies, so that the step
-        # they wait for costs about what a whole chunk at a prompt's start does (`ChunkCosts`).
+        # Beside decoding sequences a chunk is priced by where it lies and the LM-head rows
+        # it computes, so that the step they wait for costs about what a whole chunk at a
+        # prompt's start does (`ChunkCosts`).
         horizon = self.chunk_costs.horizon if decoding and self.chunk_costs is not None else None
         budget = self.prefill_chunk_size if horizon is None else ChunkCosts.cost(0, self.prefill_chunk_size, horizon)
         reads = ChunkReads()
@@ -500,7 +504,9 @@ class Engine:
                 source = max(siblings, key=lambda s: s.cache.length).cache
                 copy_prefix(source, seq.cache, min(limit, source.length, seq.num_prompt_tokens))
             start = seq.cache.length
-            length = int(budget) if horizon is None else ChunkCosts.chunk_length(start, budget, horizon)
+            # Owing prompt logprobs, every row of its chunk computes the LM head.
+            row_share = 0.0 if owed is None or horizon is None else self.chunk_costs.row_share
+            length = int(budget) if horizon is None else ChunkCosts.chunk_length(start, budget, horizon, row_share)
             chunk = seq.token_ids[start : min(start + length, end)]
             # It waits a step for a chunk another reads where it can copy it then (with
             # the rows' logprobs, where it owes them: a sibling's).
@@ -510,7 +516,7 @@ class Engine:
             shares = copies_later and start < copyable
             if not chunk or not reads.claim(seq.token_ids, start, start + len(chunk), shares):
                 continue
-            budget -= len(chunk) if horizon is None else ChunkCosts.cost(start, len(chunk), horizon)
+            budget -= len(chunk) if horizon is None else ChunkCosts.cost(start, len(chunk), horizon, row_share)
             self.prompt_tokens_read += len(chunk)
             work.append(_Work(seq, chunk, Draft.empty(), scored=start + len(chunk) == len(seq.token_ids)))
         return (
@@ -705,7 +711,7 @@ class Engine:
         features = None if self.proposer is None else self.proposer.features
         capture = None if features is None else features.new_capture()
         fed = [FedRows(w.seq.seq_id, w.seq.cache.length, len(w.tokens)) for w in work]  # before the caches move
-        chunks = [(w.seq.cache.length, len(w.tokens)) for w in work if not w.seq.prefilled]  # (start, tokens)
+        reads_a_prompt = any(not w.seq.prefilled for w in work)
         started = time.perf_counter()
         logits = self.target(
             flat, segments, torch.tensor(rows, dtype=torch.int64, device=device), capture=capture
@@ -716,10 +722,11 @@ class Engine:
         seconds = time.perf_counter() - started
         if self.adaptive is not None and len(flat) == num_scored:  # a pure decode step
             self.adaptive.observe_target(len(flat), seconds)
-        if chunks and num_scored and self.chunk_costs is not None:  # timed where a read-back waited for the forward
-            tokens = sum(n for _, n in chunks)
-            positions = sum(n * (start + (n - 1) / 2) for start, n in chunks)
-            self.chunk_costs.observe(tokens, positions / tokens, seconds)
+        if (
+            reads_a_prompt and num_scored and self.chunk_costs is not None
+        ):  # timed where a read-back waited for the forward
+            positions = sum(f.num_rows * (f.start + (f.num_rows - 1) / 2) for f in fed)
+            self.chunk_costs.observe(len(flat), positions, len(rows), seconds)
         if features is not None:  # a head reads every row the target computed (its observe drops the rejected)
             features.read(capture, fed)
         self._read_prompt_logprobs(owed, logits[num_scored:])

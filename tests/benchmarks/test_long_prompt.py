@@ -26,8 +26,22 @@ def test_both_engines_are_reported_band_by_band(prepared_cache, capsys):
     args = ["--target", "smollm2-135m", "--quantization", "none", "--prompt-tokens", "150", "--band", "75"]
     assert long_prompt.main([*args, "--rounds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "unpriced" in out and "priced" in out and "prompt TTFT" in out and "horizon:" in out
+    assert "unpriced" in out and "priced" in out and "prompt TTFT" in out and "horizon:" in out and "LM-head" in out
     assert "     0-75 " in out and "    75-150 " in out
+
+
+def test_the_long_prompt_may_ask_for_its_logprobs(prepared_cache, capsys):
+    args = ["--target", "smollm2-135m", "--quantization", "none", "--prompt-tokens", "100", "--band", "50"]
+    assert long_prompt.main([*args, "--rounds", "1", "--prompt-logprobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "100-token prompt asking for 1 prompt logprobs" in out and "prompt TTFT" in out
+
+
+@pytest.mark.parametrize("count", ["-1", "21"])
+def test_prompt_logprobs_are_0_to_20(count, capsys):
+    with pytest.raises(SystemExit):
+        long_prompt.main(["--prompt-logprobs", count])
+    assert "--prompt-logprobs must be 0 to 20" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--prompt-tokens", "--band", "--rounds"])
