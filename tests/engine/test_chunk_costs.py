@@ -167,27 +167,30 @@ def test_a_chunk_whose_rows_compute_the_lm_head_is_shorter_by_their_share(horizo
     )
 
 
+# The layer shapes of a Qwen2.5 1.5B.
+QWEN2_5_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    num_layers=28,
+    vocab_size=151_936,
+)
+QWEN2_5_1_5B_LAYER = 1536 * 2048 + 1536 * 1536 + 3 * 1536 * 8960  # multiply-adds a token in one layer
+
+
 def test_the_arithmetic_horizon_of_a_qwen2_5_1_5b():
     """Per token and layer: q, k, v and o (1536 x 2048 + 1536 x 1536) and the MLP (3 x
     1536 x 8960) against QK and PV over 12 heads of 128 (3072 a position)."""
-    config = tiny_config("qwen2", hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2, head_dim=128)
-    assert arithmetic_horizon(config) == pytest.approx((1536 * 2048 + 1536 * 1536 + 3 * 1536 * 8960) / 3072)
+    config = tiny_config("qwen2", **QWEN2_5_1_5B)
+    assert arithmetic_horizon(config) == pytest.approx(QWEN2_5_1_5B_LAYER / 3072)
 
 
 def test_the_lm_head_share_of_a_qwen2_5_1_5b():
     """152k ids of 1536 against 28 layers of the arithmetic above."""
-    config = tiny_config(
-        "qwen2",
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-        num_layers=28,
-        vocab_size=151_936,
-    )
-    layer = 1536 * 2048 + 1536 * 1536 + 3 * 1536 * 8960
-    assert lm_head_share(config) == pytest.approx(1536 * 151_936 / (28 * layer))
+    config = tiny_config("qwen2", **QWEN2_5_1_5B)
+    assert lm_head_share(config) == pytest.approx(1536 * 151_936 / (28 * QWEN2_5_1_5B_LAYER))
     assert 0.17 < lm_head_share(config) < 0.19
 
 
@@ -197,6 +200,31 @@ def _chunks_read(engine: Engine, seq, steps: int) -> list[int]:
         before = seq.cache.length
         engine.step()
         lengths.append(seq.cache.length - before)
+    return lengths
+
+
+def _read_beside_a_decoding_sequence(target, prompt: list[int], params: SamplingParams, steps: int):
+    """A greedy sequence decoding, then `prompt` joining: (that sequence, the prompt's,
+    the chunks the prompt's first `steps` steps read), both run to their end."""
+    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=16)
+    running = engine.add_request([5, 9, 13], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()
+    late = engine.add_request(prompt, params)
+    lengths = _chunks_read(engine, late, steps)
+    assert running.num_output_tokens == 1 + steps  # a token every step beside the chunks
+    while engine.has_unfinished():
+        engine.step()
+    return running, late, lengths
+
+
+def _priced_chunks(chunk_size: int, horizon: float, steps: int, row_share: float = 0.0) -> list[int]:
+    """The chunks a prompt read from position 0 takes, each priced against a whole chunk
+    at position 0."""
+    lengths, start = [], 0
+    for _ in range(steps):
+        allowance = ChunkCosts.cost(0, chunk_size, horizon)
+        lengths.append(ChunkCosts.chunk_length(start, allowance, horizon, row_share))
+        start += lengths[-1]
     return lengths
 
 
@@ -214,19 +242,9 @@ def test_beside_a_decoding_sequence_a_long_prompts_chunks_shorten_as_it_goes():
     seq = alone.add_request(long_prompt, GREEDY)
     assert _chunks_read(alone, seq, 4) == [16] * 4
 
-    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=16)
-    running = engine.add_request([5, 9, 13], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    engine.step()
-    late = engine.add_request(long_prompt, GREEDY)
-    lengths = _chunks_read(engine, late, 8)
-    expected, start = [], 0
-    for _ in range(8):
-        expected.append(ChunkCosts.chunk_length(start, ChunkCosts.cost(0, 16, horizon), horizon))
-        start += expected[-1]
+    running, late, lengths = _read_beside_a_decoding_sequence(target, long_prompt, GREEDY, 8)
+    expected = _priced_chunks(16, horizon, 8)
     assert lengths == expected and expected[0] == 16 and expected[-1] <= 12
-    assert running.num_output_tokens == 1 + 8  # a token every step beside the chunks
-    while engine.has_unfinished():
-        engine.step()
     assert late.output_ids == solo
     assert running.output_ids == Engine(target, eos_token_ids=[EOS]).generate([5, 9, 13], running.params).output_ids
 
@@ -242,17 +260,8 @@ def test_a_prompt_owing_logprobs_reads_chunks_shorter_by_its_lm_head_rows():
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     solo = Engine(target, eos_token_ids=[EOS]).generate(long_prompt, params)
 
-    engine = Engine(target, eos_token_ids=[EOS], prefill_chunk_size=16)
-    running = engine.add_request([5, 9, 13], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    engine.step()
-    late = engine.add_request(long_prompt, params)
-    lengths = _chunks_read(engine, late, 4)
-    expected, start = [], 0
-    for _ in range(4):
-        expected.append(ChunkCosts.chunk_length(start, ChunkCosts.cost(0, 16, horizon), horizon, share))
-        start += expected[-1]
+    running, late, lengths = _read_beside_a_decoding_sequence(target, long_prompt, params, 4)
+    expected = _priced_chunks(16, horizon, 4, share)
     assert lengths == expected and expected[0] < 16
-    while engine.has_unfinished():
-        engine.step()
     assert late.output_ids == solo.output_ids and late.prompt_logprobs == solo.prompt_logprobs
     assert running.output_ids == Engine(target, eos_token_ids=[EOS]).generate([5, 9, 13], running.params).output_ids
