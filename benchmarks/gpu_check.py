@@ -1,6 +1,7 @@
 """One check of a GPU machine, in one table: the CUDA tests, decode speed against the
 memory roofline (eager, CUDA graphs, graphs with --compile), what on-device sampling's
-pieces cost, long contexts, the ceiling
+pieces cost, long contexts, a stream's steps beside a long prompt read (chunks priced by
+position and not), the ceiling
 of speculation with every draft accepted (the draft model's, and EAGLE-3's and Medusa's
 heads', for a greedy request and at `--sampled-ks` for a seeded sampling one), adaptive
 k against plain decoding by batch size, transformers' static cache, a streamed chat
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.long_prompt import read_beside_a_stream  # noqa: E402
 from specserve import catalogue  # noqa: E402
 from specserve.bench.measured_ceiling import best, measure  # noqa: E402
 from specserve.bench.options import comma_list  # noqa: E402
@@ -76,6 +78,7 @@ SECTIONS = (  # in order
     "heads",
     "adaptive",
     "long",
+    "chunks",
     "serve",
     "transformers",
     "train",
@@ -481,6 +484,51 @@ def section_long(table: Table, args, config: ModelConfig, device: torch.device) 
         release_memory()
 
 
+def section_chunks(table: Table, args, config: ModelConfig, device: torch.device) -> None:
+    """One greedy stream beside a long prompt being read, chunks priced by where they lie
+    (the default) and whole (long_prompt.py's read, the device's default chunk): the
+    stream's median step by quarter of the prompt, its time to first token, and the
+    fitted horizon. Each engine reads it once to warm up (its graphs, its fit), then once
+    measured."""
+    tokens = args.chunk_prompt_tokens
+    long_prompt = prompts(1, tokens, config.vocab_size)[0]
+    stream_prompt = prompts(2, PROMPT_TOKENS, config.vocab_size)[1]
+    quarter = -(-tokens // 4)
+    for priced in (False, True):
+        label = "priced" if priced else "whole chunks"
+        model = build(config, device, args.long_modes[0], 2, tokens + args.capacity, seed=0)
+        # The stream decodes until the prompt's first token: within a slot's positions.
+        engine = Engine(
+            model, eos_token_ids=[], max_num_seqs=2, max_model_len=tokens + args.capacity, price_chunks=priced
+        )
+        read_beside_a_stream(engine, stream_prompt, long_prompt)
+        steps, ttft = read_beside_a_stream(engine, stream_prompt, long_prompt)
+        for low in range(0, tokens, quarter):
+            band = [seconds for start, seconds in steps if low <= start < low + quarter]
+            if band:
+                step = statistics.median(band)
+                table.add(
+                    "chunks",
+                    f"{label}, the stream's step, positions {low}-{low + quarter}",
+                    f"{step * 1e3:.2f} ms",
+                    priced=priced,
+                    low=low,
+                    step_s=step,
+                )
+        horizon = "" if engine.chunk_costs is None else f"; horizon {engine.chunk_costs.horizon:.0f} positions"
+        table.add(
+            "chunks",
+            f"{label}, the prompt's time to first token",
+            f"{ttft:.3f} s",
+            f"{len(steps)} steps{horizon}",
+            priced=priced,
+            ttft_s=ttft,
+            steps=len(steps),
+        )
+        del engine, model
+        release_memory()
+
+
 def add_ceiling_rows(
     table: Table, section: str, label: str, engine: Engine, ks: list[int], args, sampling: dict | None = None
 ) -> None:
@@ -822,6 +870,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-vocab", type=int, default=32768, help="an EAGLE-3 head's draft vocabulary")
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32])
     parser.add_argument("--contexts", type=int_list, default=[4096, 16384], help="positions before decoding (long)")
+    parser.add_argument(
+        "--chunk-prompt-tokens", type=int, default=12000, help="the long prompt read beside a stream (chunks)"
+    )
     parser.add_argument("--ks", type=int_list, default=[1, 3, 5, 7, 11, 15])
     parser.add_argument(
         "--sampled-ks", type=int_list, default=[7], help="the ceiling's and heads' ks timed for a sampling request"
@@ -874,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
         "heads": (section_heads, args, target_config, device),
         "adaptive": (section_adaptive, args, target_config, draft_config, device),
         "long": (section_long, args, target_config, device),
+        "chunks": (section_chunks, args, target_config, device),
         "ceiling": (section_ceiling, args, target_config, draft_config, device),
         "transformers": (section_transformers, args, target_files, device),
         "serve": (section_serve, args, draft_config, target_files, device),

@@ -17,10 +17,11 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
         (tmp_path / name / "config.json").write_text(json.dumps(tiny_config("qwen2", num_layers=layers).to_hf()))
     out = tmp_path / "check.json"
     args = ["--device", "cpu", "--models", str(tmp_path), "--target", "target", "--draft", "draft"]
-    args += ["--sections", "plain,sampling,profile,ceiling,heads,adaptive,long", "--modes", "eager,graphs"]
+    args += ["--sections", "plain,sampling,profile,ceiling,heads,adaptive,long,chunks", "--modes", "eager,graphs"]
     args += ["--batches", "1,2"]
     args += ["--adaptive-mode", "graphs", "--adaptive-k", "2", "--adaptive-max-k", "3"]
     args += ["--tokens", "6", "--batch-tokens", "4", "--contexts", "40", "--long-modes", "graphs"]
+    args += ["--chunk-prompt-tokens", "150", "--capacity", "64"]
     args += ["--ks", "1,2", "--head-ks", "1,2", "--ceiling-tokens", "16", "--rounds", "1", "--draft-vocab", "48"]
     args += ["--ceiling-modes", "graphs", "--heads-mode", "graphs", "--sampled-ks", "2", "--json-out", str(out)]
     assert gpu_check.main(args) == 0
@@ -51,6 +52,13 @@ def test_the_check_fills_its_table_from_config_files_alone(tmp_path, capsys):
     adaptive = {(r["kind"], r["batch"]): r["ratio"] for r in rows if r["section"] == "adaptive"}
     assert set(adaptive) == {(p, b) for p in ("draft", "ngram", "eagle3") for b in (1, 2)}
     assert min(adaptive.values()) > 0
+    chunks = [r for r in rows if r["section"] == "chunks"]
+    for priced in (False, True):  # the stream's step by quarter of the prompt it read beside, the prompt's TTFT
+        rows_of = [r for r in chunks if r["priced"] == priced]
+        assert {r.get("low") for r in rows_of} <= {None, 0, 38, 76, 114} and {None, 0} <= {
+            r.get("low") for r in rows_of
+        }
+        assert min(r.get("step_s", r.get("ttft_s")) for r in rows_of) > 0
     assert "| section | what | figure | note |" in capsys.readouterr().out
 
 
