@@ -29,11 +29,12 @@ MIN_POSITION_SPREAD = 512.0
 MIN_ROW_SPREAD = 2.0
 # The fitted horizon is held to at least this share of the arithmetic one, so that a noisy
 # fit (a machine shared with other work) cannot cut a long prompt into slivers; on the
-# CPU's int4 layers it was 0.4-0.7 (benchmarks/EXPERIMENTS.md, "A prompt chunk's step over
-# a long context").
+# CPU's int4 layers it was 0.26-0.7 by the memory's phase (benchmarks/README.md,
+# "long_prompt.py").
 MIN_HORIZON_SHARE = 0.25
 # The fitted LM-head share is held to at most this many times the arithmetic one: on the
-# CPU's int4 target the LM head, bfloat16, ran at twice it (0.36 of a row for 0.18).
+# CPU's int4 target a row's LM head, with the log-softmax and ranking of its 152k ids,
+# cost twice it (0.36 of a row for 0.18).
 MAX_ROW_SHARE_FACTOR = 4.0
 # Weight of older reading steps after each new one: a memory of ~200 steps, so that late
 # in a long prompt, whose chunks have shortened, the fit still holds its first chunks:
@@ -46,7 +47,7 @@ def arithmetic_horizon(config: ModelConfig) -> float:
     """The position at which a token's attention (QK and PV over each head) costs as many
     multiply-adds as its layers' projections and MLP: the horizon before any is measured.
     Kernels run attention less efficiently than their matmuls (on the CPU's int4 layers
-    the measured horizon is 0.4-0.7 of this), so it prices long contexts cheap until fitted."""
+    the measured horizon is 0.26-0.7 of this), so it prices long contexts cheap until fitted."""
     return _layer_arithmetic(config) / (2 * config.num_heads * config.head_dim)
 
 
