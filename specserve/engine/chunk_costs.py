@@ -33,8 +33,8 @@ MIN_ROW_SPREAD = 2.0
 # "long_prompt.py").
 MIN_HORIZON_SHARE = 0.25
 # The fitted LM-head share is held to at most this many times the arithmetic one: on the
-# CPU's int4 target a row's LM head, with the log-softmax and ranking of its 152k ids,
-# cost twice it (0.36 of a row for 0.18).
+# CPU's int4 target a row's LM head (its int8 weights, then the logprobs of 152k ids)
+# cost twice it: 0.36 of a row for 0.18.
 MAX_ROW_SHARE_FACTOR = 4.0
 # Weight of older reading steps after each new one: a memory of ~200 steps, so that late
 # in a long prompt, whose chunks have shortened, the fit still holds its first chunks:
