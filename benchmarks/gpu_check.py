@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.long_prompt import read_beside_a_stream  # noqa: E402
+from benchmarks.long_prompt import band_medians, read_beside_a_stream  # noqa: E402
 from specserve import catalogue  # noqa: E402
 from specserve.bench.measured_ceiling import best, measure  # noqa: E402
 from specserve.bench.options import comma_list  # noqa: E402
@@ -503,18 +503,15 @@ def section_chunks(table: Table, args, config: ModelConfig, device: torch.device
         )
         read_beside_a_stream(engine, stream_prompt, long_prompt)
         steps, ttft = read_beside_a_stream(engine, stream_prompt, long_prompt)
-        for low in range(0, tokens, quarter):
-            band = [seconds for start, seconds in steps if low <= start < low + quarter]
-            if band:
-                step = statistics.median(band)
-                table.add(
-                    "chunks",
-                    f"{label}, the stream's step, positions {low}-{low + quarter}",
-                    f"{step * 1e3:.2f} ms",
-                    priced=priced,
-                    low=low,
-                    step_s=step,
-                )
+        for low, step in band_medians(steps, tokens, quarter).items():
+            table.add(
+                "chunks",
+                f"{label}, the stream's step, positions {low}-{low + quarter}",
+                f"{step * 1e3:.2f} ms",
+                priced=priced,
+                low=low,
+                step_s=step,
+            )
         horizon = "" if engine.chunk_costs is None else f"; horizon {engine.chunk_costs.horizon:.0f} positions"
         table.add(
             "chunks",

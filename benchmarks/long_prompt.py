@@ -64,6 +64,17 @@ def read_beside_a_stream(
     return steps, ttft
 
 
+def band_medians(steps: list[tuple[int, float]], length: int, band: int) -> dict[int, float]:
+    """{band's first position: the median step seconds of the chunks that began in it},
+    for the bands of `band` positions over a prompt of `length` that any chunk began in."""
+    medians = {}
+    for low in range(0, length, band):
+        seconds = [s for start, s in steps if low <= start < low + band]
+        if seconds:
+            medians[low] = statistics.median(seconds)
+    return medians
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -112,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.quantization}; the stream's step, median ms, by where the chunk began"
     )
     print(f"{'positions':<14} " + " ".join(f"{m:>10}" for m in MODES) + f" {'ratio':>8}")
+    bands = {m: band_medians(steps[m], args.prompt_tokens, args.band) for m in MODES}
     for low in range(0, args.prompt_tokens, args.band):
-        medians = [
-            statistics.median([s for start, s in steps[m] if low <= start < low + args.band] or [float("nan")]) * 1e3
-            for m in MODES
-        ]
+        medians = [bands[m].get(low, float("nan")) * 1e3 for m in MODES]
         print(
             f"{low:>6}-{low + args.band:<7} "
             + " ".join(f"{v:>10.0f}" for v in medians)

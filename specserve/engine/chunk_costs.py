@@ -127,18 +127,14 @@ class ChunkCosts:
         # steps that owed none): their own cost is told apart.
         lm_head_variance = xx[3, 3] - xx[0, 3] ** 2
         lm_head_covariance = xx[1, 3] - xx[0, 1] * xx[0, 3]
-        if lm_head_variance - lm_head_covariance**2 / rows_variance >= MIN_ROW_SPREAD**2:
-            coefficients = _least_squares(self._xx, self._xy)
-            if coefficients is None:
-                return prior
-            _, per_row, per_position, per_lm_head = coefficients
-        else:  # LM-head rows that move only with the rows: counted at the prior's share of a row
-            fold = np.array([[1.0, 0, 0, 0], [0, 1, 0, self.prior_row_share], [0, 0, 1, 0]])
-            coefficients = _least_squares(fold @ self._xx @ fold.T, fold @ self._xy)
-            if coefficients is None:
-                return prior
-            _, per_row, per_position = coefficients
-            per_lm_head = per_row * self.prior_row_share
+        separate = lm_head_variance - lm_head_covariance**2 / rows_variance >= MIN_ROW_SPREAD**2
+        # Else LM-head rows move only with the rows: each counted at the prior's share of a row.
+        fold = np.eye(4) if separate else np.array([[1.0, 0, 0, 0], [0, 1, 0, self.prior_row_share], [0, 0, 1, 0]])
+        coefficients = _least_squares(fold @ self._xx @ fold.T, fold @ self._xy)
+        if coefficients is None:
+            return prior
+        per_row, per_position = coefficients[1], coefficients[2]
+        per_lm_head = coefficients[3] if separate else per_row * self.prior_row_share
         floor = MIN_HORIZON_SHARE * self.prior_horizon
         if per_row <= 0:  # rows seemingly free, attention all: the floor, and the prior's share
             return (floor if per_position > 0 else math.inf), self.prior_row_share

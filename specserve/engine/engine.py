@@ -722,9 +722,8 @@ class Engine:
         seconds = time.perf_counter() - started
         if self.adaptive is not None and len(flat) == num_scored:  # a pure decode step
             self.adaptive.observe_target(len(flat), seconds)
-        if (
-            reads_a_prompt and num_scored and self.chunk_costs is not None
-        ):  # timed where a read-back waited for the forward
+        # Timed where a read-back waited for the forward.
+        if reads_a_prompt and num_scored and self.chunk_costs is not None:
             positions = sum(f.num_rows * (f.start + (f.num_rows - 1) / 2) for f in fed)
             self.chunk_costs.observe(len(flat), positions, len(rows), seconds)
         if features is not None:  # a head reads every row the target computed (its observe drops the rejected)
