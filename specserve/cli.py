@@ -496,8 +496,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_flags(bench)
     bench.set_defaults(run=run_bench)
 
-    ab = sub.add_parser("ab", help="serve the target plainly, then with speculation; bench both; compare")
+    ab = sub.add_parser("ab", help="serve the target plainly and with speculation, in turns; bench both; compare")
     add_model_flags(ab, positional=True)
+    ab.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="parts each test case's requests go in, each part to both servers in turn, the first "
+        "alternating, so that a drift in the machine's pace falls on both alike (default: 4, fewer where a "
+        "part would hold fewer requests than --num-concurrent-requests; 1: each server alone, one after "
+        "the other, for a device that cannot hold both)",
+    )
     ab.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="passed to both servers")
     add_prefix_caching_flags(ab, "; passed to both servers")
     add_bench_flags(ab, own_servers=True)
@@ -1097,7 +1106,7 @@ def run_ab(args: argparse.Namespace) -> int:
     if (prefix_cache_space := prefix_cache_space_of(args)) is not None:
         serve_args += ["--enable-prefix-caching", "--prefix-cache-space", str(prefix_cache_space)]
     root = Path(args.results_dir)
-    results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root)
+    results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root, args.rounds)
     return print_comparison(results_dirs, str(root / "comparison"), None, args.json)
 
 

@@ -55,6 +55,16 @@ def result_name(test_case: str, model: str, mean_input_tokens: int, mean_output_
 
 def run(options: BenchOptions) -> Iterator[BenchResult]:
     """Run the test cases one after another, yielding each one's result once written."""
+    model, count_tokens, planned = plan(options)
+    if options.num_warmups:
+        warm_up(options, planned[0][1][0], count_tokens)
+    for workload, requests in planned:
+        yield run_test_case(options, workload, requests, model, count_tokens)
+
+
+def plan(options: BenchOptions) -> tuple[str, CountTokens | None, list[tuple[Workload, list[BenchRequest]]]]:
+    """The model to send, the token counter (None without a tokenizer) and each test
+    case's requests, every prompt built before any is sent; the server checked first."""
     if options.emf is not None:
         emf.check_variant(options.metadata)
     model = check_server(options)
@@ -76,11 +86,8 @@ def run(options: BenchOptions) -> Iterator[BenchResult]:
             ),
         )
         for workload in options.workloads
-    ]  # every prompt is built before any is sent
-    if options.num_warmups:
-        warm_up(options, planned[0][1][0], count_tokens)
-    for workload, requests in planned:
-        yield run_test_case(options, workload, requests, model, count_tokens)
+    ]
+    return model, count_tokens, planned
 
 
 def check_server(options: BenchOptions) -> str:
@@ -140,48 +147,88 @@ def run_test_case(
     model: str,
     count_tokens: CountTokens | None,
 ) -> BenchResult:
-    metrics_before = scrape_metrics(options)
-    timestamp = time.time()
-    load = asyncio.run(_drive(options, requests, count_tokens, workload.name))
-    metrics_after = scrape_metrics(options)
+    case = TestCaseRun(options, workload, model, count_tokens)
+    case.send(requests)
+    return case.finish()
 
-    records = [
-        request_record(
-            request, response, test_case=workload.name, run_started_at=load.started_at, count_tokens=count_tokens
+
+class TestCaseRun:
+    """One test case against one server, its requests sent in one or more parts
+    (`specserve ab` sends two servers' parts in turn), its result written by `finish`.
+
+    Invariants: the server's metrics are scraped before the first part and after the
+    last, so the server must serve nothing else between them; the duration is the
+    parts' durations added, and each record's start_time_s counts from the first
+    part's start along that serving time alone; the parts together share
+    options.timeout_s."""
+
+    def __init__(self, options: BenchOptions, workload: Workload, model: str, count_tokens: CountTokens | None):
+        self.options, self.workload, self.model, self.count_tokens = options, workload, model, count_tokens
+        self.metrics_before = scrape_metrics(options)
+        self.timestamp = time.time()
+        self.records: list[dict[str, Any]] = []
+        self.responses: list[StreamedResponse] = []
+        self.duration_s = 0.0
+        self.parts = 0
+
+    def send(self, requests: list[BenchRequest]) -> None:
+        """Send one part's requests (those the time left allows) and keep their records."""
+        time_left = self.options.timeout_s - self.duration_s
+        if time_left <= 0:
+            return
+        self.parts += 1
+        description = self.workload.name if self.parts == 1 else f"{self.workload.name} ({self.parts})"
+        options = dataclasses.replace(self.options, timeout_s=time_left)
+        load = asyncio.run(_drive(options, requests, self.count_tokens, description))
+        self.records += [
+            request_record(
+                request,
+                response,
+                test_case=self.workload.name,
+                run_started_at=load.started_at - self.duration_s,
+                count_tokens=self.count_tokens,
+            )
+            for request, response in zip(requests, load.responses)
+        ]
+        self.responses += load.responses
+        self.duration_s += load.duration_s
+
+    def finish(self) -> BenchResult:
+        """Write the summary and the per-request records; the result."""
+        options, metrics_after = self.options, scrape_metrics(self.options)
+        name = result_name(
+            self.workload.name, self.model, options.lengths.mean_input_tokens, options.lengths.mean_output_tokens
         )
-        for request, response in zip(requests, load.responses)
-    ]
-    name = result_name(workload.name, model, options.lengths.mean_input_tokens, options.lengths.mean_output_tokens)
-    summary = {
-        "name": name,
-        "model": model,
-        "test_case": workload.name,
-        "variant": options.metadata.get("variant"),
-        "url": options.url,
-        "mean_input_tokens": options.lengths.mean_input_tokens,
-        "stddev_input_tokens": options.lengths.stddev_input_tokens,
-        "mean_output_tokens": options.lengths.mean_output_tokens,
-        "stddev_output_tokens": options.lengths.stddev_output_tokens,
-        "shared_prefix_tokens": options.lengths.shared_prefix_tokens,
-        "num_concurrent_requests": options.num_concurrent_requests,
-        "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
-        "num_warmups": options.num_warmups,
-        "additional_sampling_params": options.additional_sampling_params,
-        "metadata": options.metadata,
-        "timestamp": timestamp,
-        "version": specserve.__version__,
-        **summarise(records, load.duration_s, options.goodput_slos_ms),
-        "results_num_token_count_disagreements": sum(usage_disagrees(r, count_tokens) for r in load.responses),
-        **spec_figures(metrics_before, metrics_after),
-    }
-    options.results_dir.mkdir(parents=True, exist_ok=True)
-    summary_path = options.results_dir / f"{name}_summary.json"
-    individual_path = options.results_dir / f"{name}_individual_responses.json"
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    individual_path.write_text(json.dumps(records, indent=2) + "\n")
-    if options.emf is not None:
-        emf.emit(options.emf, records, summary)
-    return BenchResult(summary, summary_path, individual_path)
+        summary = {
+            "name": name,
+            "model": self.model,
+            "test_case": self.workload.name,
+            "variant": options.metadata.get("variant"),
+            "url": options.url,
+            "mean_input_tokens": options.lengths.mean_input_tokens,
+            "stddev_input_tokens": options.lengths.stddev_input_tokens,
+            "mean_output_tokens": options.lengths.mean_output_tokens,
+            "stddev_output_tokens": options.lengths.stddev_output_tokens,
+            "shared_prefix_tokens": options.lengths.shared_prefix_tokens,
+            "num_concurrent_requests": options.num_concurrent_requests,
+            "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
+            "num_warmups": options.num_warmups,
+            "additional_sampling_params": options.additional_sampling_params,
+            "metadata": options.metadata,
+            "timestamp": self.timestamp,
+            "version": specserve.__version__,
+            **summarise(self.records, self.duration_s, options.goodput_slos_ms),
+            "results_num_token_count_disagreements": sum(usage_disagrees(r, self.count_tokens) for r in self.responses),
+            **spec_figures(self.metrics_before, metrics_after),
+        }
+        options.results_dir.mkdir(parents=True, exist_ok=True)
+        summary_path = options.results_dir / f"{name}_summary.json"
+        individual_path = options.results_dir / f"{name}_individual_responses.json"
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        individual_path.write_text(json.dumps(self.records, indent=2) + "\n")
+        if options.emf is not None:
+            emf.emit(options.emf, self.records, summary)
+        return BenchResult(summary, summary_path, individual_path)
 
 
 async def _drive(

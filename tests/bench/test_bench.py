@@ -25,8 +25,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import cli
+from specserve.bench import benchmark
 from specserve.bench.benchmark import load_tokenizer
 from specserve.bench.local_server import ServerProcess, ServerStartError, free_port
+from specserve.bench.options import options_from_args
 from specserve.bench.workload import Lengths, build_requests, builtin_workload, shared_prefix, sonnet_prompt
 
 MODEL = "smollm2-135m"
@@ -406,6 +408,43 @@ def test_requests_still_running_at_the_timeout_are_errors(fake_url, tmp_path):
     assert all(r["error_msg"].startswith("timeout") and r["num_chunks"] == 1 for r in records)
     assert summary["results_error_code_frequency"] == {"timeout": 2}
     assert 1.0 <= summary["results_duration_s"] < 10
+
+
+def parted_options(url: str, folder: Path, model: str, *extra: str):
+    flags = ["--url", url, "--model", model, "--test-case", "count", "--results-dir", str(folder), *extra]
+    flags += ["--max-num-completed-requests", "4", "--mean-output-tokens", "6", "--stddev-output-tokens", "0"]
+    return options_from_args(cli.build_parser().parse_args(["bench", *flags]))
+
+
+def test_a_test_case_sent_in_parts_is_one_run_along_its_serving_time(fake_url, tmp_path):
+    """`specserve ab` sends a test case in parts, another server's between them: the
+    result counts the parts' time alone, and the records keep their order along it."""
+    options = parted_options(fake_url, tmp_path, "fake-usage")
+    model, count_tokens, [(workload, requests)] = benchmark.plan(options)
+    case = benchmark.TestCaseRun(options, workload, model, count_tokens)
+    case.send(requests[:2])
+    first_part_s = case.duration_s
+    time.sleep(1.0)  # another server's part
+    case.send(requests[2:])
+    result = case.finish()
+    summary, records = results(tmp_path, "count", "fake-usage", mean_output=6)
+    assert summary == result.summary
+    assert summary["results_num_completed_requests"] == 4 and summary["results_number_errors"] == 0
+    assert first_part_s < summary["results_duration_s"] < 1.0  # the pause is not counted
+    starts = [r["start_time_s"] for r in records]
+    assert starts == sorted(starts) and starts[2] >= first_part_s > starts[1]
+    assert all(r["end_to_end_latency_s"] < 1.0 for r in records)
+
+
+def test_the_parts_of_a_test_case_share_its_timeout(fake_url, tmp_path):
+    options = parted_options(fake_url, tmp_path, "fake-stall", "--timeout", "1", "--num-concurrent-requests", "2")
+    model, count_tokens, [(workload, requests)] = benchmark.plan(options)
+    case = benchmark.TestCaseRun(options, workload, model, count_tokens)
+    case.send(requests[:2])  # stalls until the timeout
+    case.send(requests[2:])  # no time left: nothing is sent
+    summary = case.finish().summary
+    assert summary["results_num_requests_started"] == 2
+    assert summary["results_error_code_frequency"] == {"timeout": 2}
 
 
 # ----- a real server -----
