@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from importlib.resources import files
 
 import torch
 
@@ -28,6 +29,7 @@ from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
 from specserve.model.device import resolve_device
 from specserve.sampling import SamplingParams
+from specserve.spec.prediction import PredictedText
 from specserve.structured.guide import GuideCache
 from specserve.structured.outputs import StructuredOutput
 from specserve.tokenizer import Tokenizer
@@ -50,17 +52,24 @@ KINDS: dict[str, dict] = {
     "allowed": {"temperature": NEIGHBOUR_TEMPERATURE},
     # OpenAI's JSON mode (a guide, given by `params_of`): each row a mask of the JSON state.
     "guided": {"temperature": NEIGHBOUR_TEMPERATURE},
+    # OpenAI's predicted outputs, a prediction its answer does not follow (given by
+    # `params_of`: sonnets): its drafts are what the answer's last tokens match in it.
+    "mispredicted": {"temperature": NEIGHBOUR_TEMPERATURE},
 }
+PREDICTION_CHARACTERS = 4000  # of the sonnets: ~1,000 tokens
 STOP_IDS = 1024
 
 
 def params_of(kind: str, tokenizer: Tokenizer, vocab_size: int) -> dict:
-    """A neighbour's sampling fields: KINDS's, the ids of "stop-ids" and "allowed", and
-    the guide of "guided"."""
+    """A neighbour's sampling fields: KINDS's, the ids of "stop-ids" and "allowed", the
+    guide of "guided" and the prediction of "mispredicted"."""
     if kind == "guided":
         return KINDS[kind] | {"guide": GuideCache(tokenizer).guide(StructuredOutput("json_object"))}
     if kind == "allowed":
         return KINDS[kind] | {"allowed_token_ids": tuple(range(0, vocab_size, 2))}
+    if kind == "mispredicted":
+        sonnets = (files("specserve.bench") / "sonnets.txt").read_text()[:PREDICTION_CHARACTERS]
+        return KINDS[kind] | {"prediction": PredictedText(tokenizer.encode(sonnets, add_special_tokens=False))}
     if kind != "stop-ids":
         return KINDS[kind]
     # Byte-pair merges are numbered as learnt, so the last ones before the special tokens are the rarest.

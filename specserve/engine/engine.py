@@ -375,7 +375,8 @@ class Engine:
         lookup_max_k: a lookup costs nothing to draft, and its rows are priced by
         `lookup_ks`; a prediction's, prediction_max_k), and 1 + 2a after a lookup that
         had a tokens accepted: where the text stops repeating, the next match is often
-        wrong (benchmarks/EXPERIMENTS.md, "Lookup first"). The proposer does not run
+        wrong (benchmarks/EXPERIMENTS.md, "Lookup first"); without adaptive k a
+        prediction is wary (`PredictionDrafts.draft`). The proposer does not run
         for a sequence a lookup drafts, and adaptive k learns nothing of the proposer
         from it."""
         found, predicted = {}, set()
@@ -389,7 +390,7 @@ class Engine:
             if seq.prediction is not None:
                 seq.prediction.pending = 0
                 answer_tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - MAX_MATCH) :]
-                draft = Draft.of(seq.prediction.draft(answer_tail, k))
+                draft = Draft.of(seq.prediction.draft(answer_tail, k, wary=self.adaptive is None))
                 if draft.num_tokens:
                     predicted.add(i)
             if not draft.num_tokens and self.lookup is not None:

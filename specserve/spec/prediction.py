@@ -9,7 +9,8 @@ Which of its tokens are drafted: before the answer's first token, its start; aft
 those that follow where the answer's last tokens (up to MAX_MATCH, the longest found)
 occur in it, at the occurrence nearest after the last one drafted from, so that a
 repeated line is read in order and, past an edit, drafting resumes at the next tokens
-the answer and the prediction share.
+the answer and the prediction share; where no policy prices the rows, a prediction
+rejected whole WARY_AFTER times in a row drafts only from WARY_MATCH matched tokens.
 
 Invariants: drafts are deterministic (one-hot for the verifier); `PredictedText` is
 immutable (a request's choices share it), and each sequence reads it through a
@@ -24,6 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_MATCH = 6  # the longest run of the answer's last tokens looked up in the prediction
+# Where no policy prices a draft's rows (an engine without adaptive k), a prediction
+# whose last WARY_AFTER drafts were rejected whole drafts again only from a match of
+# WARY_MATCH tokens: a prediction the answer does not follow would otherwise verify a
+# row every step from one-token matches, which every request of the batch pays for
+# (benchmarks/EXPERIMENTS.md, "A prediction the answer does not follow").
+WARY_AFTER = 4
+WARY_MATCH = 3
 
 
 class PredictedText:
@@ -39,21 +47,22 @@ class PredictedText:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def aligned(self, answer: Sequence[int], after: int) -> int | None:
+    def aligned(self, answer: Sequence[int], after: int, least_match: int = 1) -> int | None:
         """Where in the prediction the answer's end lies: just past the longest run of
         its last tokens (up to MAX_MATCH) that the prediction holds, the occurrence
         nearest at or after `after` (else the last before it); 0 for an empty answer;
-        None: no match."""
+        None: no match, or none of least_match tokens (or of the whole answer, if shorter)."""
         if not answer:
             return 0
         ends = np.flatnonzero(self.ids == answer[-1]) + 1  # [M]: just past each match of its last token
+        matched = 1
         for n in range(2, min(MAX_MATCH, len(answer)) + 1):
             starts = ends - n
             longer = ends[(starts >= 0) & (self.ids[np.maximum(starts, 0)] == answer[-n])]
             if not len(longer):
                 break
-            ends = longer
-        if not len(ends):
+            ends, matched = longer, n
+        if not len(ends) or matched < min(least_match, len(answer)):
             return None
         i = int(np.searchsorted(ends, after))
         return int(ends[min(i, len(ends) - 1)])
@@ -70,12 +79,16 @@ class PredictionDrafts:
     accepted: int = 0
     rejected: int = 0
     followed_at: int | None = None  # the answer's length after its last step that accepted predicted tokens
+    misses: int = 0  # drafts in a row rejected whole
 
-    def draft(self, answer: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens the prediction expects after `answer` (the output so far)."""
+    def draft(self, answer: Sequence[int], k: int, wary: bool = False) -> list[int]:
+        """Up to k tokens the prediction expects after `answer` (the output so far);
+        wary (no policy prices the rows): after WARY_AFTER misses, only from a match of
+        WARY_MATCH tokens."""
         if k <= 0:
             return []
-        at = self.text.aligned(answer, self.at)
+        least_match = WARY_MATCH if wary and self.misses >= WARY_AFTER else 1
+        at = self.text.aligned(answer, self.at, least_match)
         if at is None:
             return []
         self.at = at
@@ -86,6 +99,7 @@ class PredictionDrafts:
         next, the answer now `answer_length` tokens long."""
         if accepted:
             self.followed_at = answer_length
+        self.misses = 0 if accepted else self.misses + 1
         self.accepted += accepted
         self.rejected += self.pending - accepted
         self.pending = 0

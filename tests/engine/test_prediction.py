@@ -16,7 +16,7 @@ from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.prediction import PredictedText, PredictionDrafts
+from specserve.spec.prediction import WARY_AFTER, PredictedText, PredictionDrafts
 from tests.conftest import tiny_config
 from tests.engine.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
 
@@ -39,6 +39,34 @@ def test_drafts_follow_the_answer_through_the_prediction():
     edited = PredictionDrafts(PredictedText([10, 11, 12, 13, 14, 15, 16]))
     assert edited.draft([10, 11, 50, 51, 13], 3) == [14, 15, 16]  # past an edit, the next shared token resyncs
     assert edited.draft([60, 61], 3) == []  # nothing shared: nothing drafted
+
+
+def test_a_wary_prediction_rejected_whole_twice_drafts_from_three_matched_tokens():
+    drafts = PredictionDrafts(PredictedText([1, 2, 3, 4, 5, 6, 7, 8]))
+    for _ in range(WARY_AFTER):
+        assert drafts.draft([9, 9, 5], 1, wary=True) == [6]  # one token matched
+        drafts.pending = 1
+        drafts.settle(0, answer_length=3)
+    assert drafts.draft([9, 9, 5], 1, wary=True) == []
+    assert drafts.draft([9, 9, 5], 1) == [6]  # where a policy prices the rows: any match
+    assert drafts.draft([3, 4, 5], 2, wary=True) == [6, 7]
+    drafts.pending = 2
+    drafts.settle(1, answer_length=4)  # accepted: trusted again
+    assert drafts.draft([9, 6], 1, wary=True) == [7]
+
+
+def test_a_prediction_the_answer_does_not_follow_stops_drafting_in_a_plain_engine(target):
+    """Each of the answer's tokens occurs in the prediction, but never three in a row as
+    the answer has them: after WARY_AFTER rejected drafts, no more rows are verified,
+    where every step drafted one before."""
+    params = dataclasses.replace(GREEDY, max_tokens=48, ignore_eos=True)
+    answer = plain_tokens(target, PROMPTS[1], params)
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prediction = torch.cat([torch.randperm(vocab, generator=generator) for _ in range(2)]).tolist()
+    seq = engines(target)["plain"].generate(PROMPTS[1], predicted(params, prediction))
+    assert seq.output_ids == answer
+    assert seq.prediction.accepted == 0 and seq.spec.num_drafts <= WARY_AFTER + 1  # of 48 steps
 
 
 def engines(target: Decoder) -> dict[str, Engine]:
