@@ -504,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="parts each test case's requests go in, each part to both servers in turn, the first "
         "alternating, so that a drift in the machine's pace falls on both alike (default: 4, fewer where a "
-        "part would hold fewer requests than --num-concurrent-requests; 1: each server alone, one after "
-        "the other, for a device that cannot hold both)",
+        "part would hold fewer requests than --num-concurrent-requests; 1, each server alone, one after "
+        "the other, on a GPU, whose memory both would share, and where the free memory cannot hold both)",
     )
     ab.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="passed to both servers")
     add_prefix_caching_flags(ab, "; passed to both servers")
@@ -1106,7 +1106,10 @@ def run_ab(args: argparse.Namespace) -> int:
     if (prefix_cache_space := prefix_cache_space_of(args)) is not None:
         serve_args += ["--enable-prefix-caching", "--prefix-cache-space", str(prefix_cache_space)]
     root = Path(args.results_dir)
-    results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root, args.rounds)
+    # On a GPU both servers' cache pools would share its memory, and a second server that
+    # cannot fit its CUDA graphs runs eagerly, unseen: one after the other unless asked.
+    rounds = args.rounds if args.rounds is not None or device_of(args).type != "cuda" else 1
+    results_dirs = ab(args.model, spec, serve_args, options_from_args(args), root, rounds)
     return print_comparison(results_dirs, str(root / "comparison"), None, args.json)
 
 

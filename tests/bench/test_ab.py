@@ -10,8 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from specserve import catalogue
+from specserve import catalogue, cli
 from specserve.bench import ab
 from specserve.bench.options import options_from_args
 from specserve.cli import build_parser, main
@@ -211,3 +212,15 @@ def test_too_many_rounds_are_refused_before_any_server_starts(capsys, tmp_path):
     assert main([*argv, "--results-dir", str(tmp_path)]) == 2
     assert "--rounds 5 splits 4 requests a test case into parts of fewer than" in capsys.readouterr().err
     assert not Path(tmp_path, "baseline").exists()
+
+
+@pytest.mark.parametrize("device, flags, rounds", [("cpu", [], None), ("cuda", [], 1), ("cuda", ["--rounds", "2"], 2)])
+def test_a_gpu_runs_the_servers_one_after_the_other_unless_asked(monkeypatch, tmp_path, device, flags, rounds):
+    """Both servers' cache pools would share one GPU's memory, and one that could not fit
+    its CUDA graphs would run eagerly unseen."""
+    asked = []
+    monkeypatch.setattr(cli, "device_of", lambda args: torch.device(device))
+    monkeypatch.setattr(ab, "run_ab", lambda *args: asked.append(args[-1]) or [tmp_path, tmp_path])
+    monkeypatch.setattr(cli, "print_comparison", lambda *args: 0)
+    assert main(["ab", "--results-dir", str(tmp_path), *flags]) == 0
+    assert asked == [rounds]
