@@ -3,7 +3,8 @@
 
 - `<name>_summary.json`: one flat object: the run's settings ("name", "model",
   "test_case", "variant", "url", the length flags, "num_concurrent_requests",
-  "request_rate", "additional_sampling_params", "metadata", "timestamp", "version"),
+  "request_rate", "additional_sampling_params", "metadata", "timestamp", "version",
+  "parts": how many parts its requests were sent in, `specserve ab`'s rounds),
   then the `results_*` keys of `summary.summarise` and `spec_metrics.spec_figures`,
   and "results_num_token_count_disagreements" (requests whose usage and tokenizer
   count differ by more than one token; usage is kept);
@@ -213,6 +214,7 @@ class TestCaseRun:
             "num_concurrent_requests": options.num_concurrent_requests,
             "request_rate": "inf" if math.isinf(options.request_rate) else options.request_rate,
             "num_warmups": options.num_warmups,
+            "parts": self.parts,
             "additional_sampling_params": options.additional_sampling_params,
             "metadata": options.metadata,
             "timestamp": self.timestamp,

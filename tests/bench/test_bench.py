@@ -49,6 +49,7 @@ SUMMARY_KEYS = {
     "metadata",
     "timestamp",
     "version",
+    "parts",
     *(
         f"results_{metric}_{figure}"
         for metric in (
@@ -428,7 +429,7 @@ def test_a_test_case_sent_in_parts_is_one_run_along_its_serving_time(fake_url, t
     case.send(requests[2:])
     result = case.finish()
     summary, records = results(tmp_path, "count", "fake-usage", mean_output=6)
-    assert summary == result.summary
+    assert summary == result.summary and summary["parts"] == 2
     assert summary["results_num_completed_requests"] == 4 and summary["results_number_errors"] == 0
     assert first_part_s < summary["results_duration_s"] < 1.0  # the pause is not counted
     starts = [r["start_time_s"] for r in records]
@@ -443,7 +444,7 @@ def test_the_parts_of_a_test_case_share_its_timeout(fake_url, tmp_path):
     case.send(requests[:2])  # stalls until the timeout
     case.send(requests[2:])  # no time left: nothing is sent
     summary = case.finish().summary
-    assert summary["results_num_requests_started"] == 2
+    assert summary["results_num_requests_started"] == 2 and summary["parts"] == 1
     assert summary["results_error_code_frequency"] == {"timeout": 2}
 
 
