@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from importlib import resources
 
 import torch
 
+from specserve.bench.suites import SONNETS_PATH
 from specserve.engine.build import build_engine
 from specserve.engine.engine import Engine
 from specserve.model.device import resolve_device
@@ -34,7 +34,7 @@ MODES = ("unpriced", "priced")
 
 def sonnet_tokens(tokenizer, count: int) -> list[int]:
     """`count` tokens of the bundled sonnets, repeated as needed."""
-    text = resources.files("specserve.bench").joinpath("sonnets.txt").read_text()
+    text = SONNETS_PATH.read_text()
     ids = tokenizer.encode(text)
     return (ids * (count // len(ids) + 1))[:count]
 

@@ -19,11 +19,10 @@ import argparse
 import json
 import statistics
 import time
-from importlib.resources import files
 
 import torch
 
-from specserve.bench.suites import SUITES
+from specserve.bench.suites import SONNETS_PATH, SUITES
 from specserve.bench.tune import proposer_config
 from specserve.config import SpecConfig
 from specserve.engine.build import build_engine, encode_prompt
@@ -68,7 +67,7 @@ def params_of(kind: str, tokenizer: Tokenizer, vocab_size: int) -> dict:
     if kind == "allowed":
         return KINDS[kind] | {"allowed_token_ids": tuple(range(0, vocab_size, 2))}
     if kind == "mispredicted":
-        sonnets = (files("specserve.bench") / "sonnets.txt").read_text()[:PREDICTION_CHARACTERS]
+        sonnets = SONNETS_PATH.read_text()[:PREDICTION_CHARACTERS]
         return KINDS[kind] | {"prediction": PredictedText(tokenizer.encode(sonnets, add_special_tokens=False))}
     if kind != "stop-ids":
         return KINDS[kind]
