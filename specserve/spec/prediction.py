@@ -9,8 +9,9 @@ Which of its tokens are drafted: before the answer's first token, its start; aft
 those that follow where the answer's last tokens (up to MAX_MATCH, the longest found)
 occur in it, at the occurrence nearest after the last one drafted from, so that a
 repeated line is read in order and, past an edit, drafting resumes at the next tokens
-the answer and the prediction share; where no policy prices the rows, a prediction
-rejected whole WARY_AFTER times in a row drafts only from WARY_MATCH matched tokens.
+the answer and the prediction share. Where no policy prices the rows, a prediction's
+first verified draft holds at most WARY_FIRST tokens, and one rejected whole
+WARY_AFTER times in a row drafts only from WARY_MATCH matched tokens.
 
 Invariants: drafts are deterministic (one-hot for the verifier); `PredictedText` is
 immutable (a request's choices share it), and each sequence reads it through a
@@ -32,6 +33,10 @@ MAX_MATCH = 6  # the longest run of the answer's last tokens looked up in the pr
 # (benchmarks/EXPERIMENTS.md, "A prediction the answer does not follow").
 WARY_AFTER = 4
 WARY_MATCH = 3
+# And its first draft, before the target has judged any, holds WARY_FIRST tokens at most
+# (the engine's 1 + 2a then grows k as drafts are accepted: 3, 7, 15), so that a wrong
+# prediction's start costs its batch 3 rows, not 15.
+WARY_FIRST = 3
 
 
 class PredictedText:
@@ -83,8 +88,10 @@ class PredictionDrafts:
 
     def draft(self, answer: Sequence[int], k: int, wary: bool = False) -> list[int]:
         """Up to k tokens the prediction expects after `answer` (the output so far);
-        wary (no policy prices the rows): after WARY_AFTER misses, only from a match of
-        WARY_MATCH tokens."""
+        wary (no policy prices the rows): WARY_FIRST tokens at most until a draft is
+        judged, and after WARY_AFTER misses, only from a match of WARY_MATCH tokens."""
+        if wary and not (self.accepted or self.rejected):
+            k = min(k, WARY_FIRST)
         if k <= 0:
             return []
         least_match = WARY_MATCH if wary and self.misses >= WARY_AFTER else 1

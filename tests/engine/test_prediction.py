@@ -16,7 +16,7 @@ from specserve.sampling import SamplingParams
 from specserve.spec.adaptive import AdaptiveSpecLength
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.prediction import WARY_AFTER, PredictedText, PredictionDrafts
+from specserve.spec.prediction import WARY_AFTER, WARY_FIRST, PredictedText, PredictionDrafts
 from tests.conftest import tiny_config
 from tests.engine.test_engine import EOS, GREEDY, PROMPTS, perturbed, plain_tokens, random_decoder
 
@@ -41,7 +41,16 @@ def test_drafts_follow_the_answer_through_the_prediction():
     assert edited.draft([60, 61], 3) == []  # nothing shared: nothing drafted
 
 
-def test_a_wary_prediction_rejected_whole_twice_drafts_from_three_matched_tokens():
+def test_a_wary_predictions_first_draft_is_short_until_one_is_judged():
+    drafts = PredictionDrafts(PredictedText(list(range(1, 21))))
+    assert drafts.draft([], 10, wary=True) == list(range(1, WARY_FIRST + 1))
+    assert drafts.draft([], 10) == list(range(1, 11))  # where a policy prices the rows: as asked
+    drafts.pending = WARY_FIRST
+    drafts.settle(0, answer_length=1)  # judged, and rejected: k is the caller's again
+    assert drafts.draft([5], 10, wary=True) == list(range(6, 16))
+
+
+def test_a_wary_prediction_rejected_whole_repeatedly_drafts_from_three_matched_tokens():
     drafts = PredictionDrafts(PredictedText([1, 2, 3, 4, 5, 6, 7, 8]))
     for _ in range(WARY_AFTER):
         assert drafts.draft([9, 9, 5], 1, wary=True) == [6]  # one token matched
@@ -57,8 +66,8 @@ def test_a_wary_prediction_rejected_whole_twice_drafts_from_three_matched_tokens
 
 def test_a_prediction_the_answer_does_not_follow_stops_drafting_in_a_plain_engine(target):
     """Each of the answer's tokens occurs in the prediction, but never three in a row as
-    the answer has them: after WARY_AFTER rejected drafts, no more rows are verified,
-    where every step drafted one before."""
+    the answer has them: the first draft holds WARY_FIRST tokens, and after WARY_AFTER
+    rejected drafts no more rows are verified, where every step drafted one before."""
     params = dataclasses.replace(GREEDY, max_tokens=48, ignore_eos=True)
     answer = plain_tokens(target, PROMPTS[1], params)
     generator = torch.Generator().manual_seed(0)
@@ -67,6 +76,7 @@ def test_a_prediction_the_answer_does_not_follow_stops_drafting_in_a_plain_engin
     seq = engines(target)["plain"].generate(PROMPTS[1], predicted(params, prediction))
     assert seq.output_ids == answer
     assert seq.prediction.accepted == 0 and seq.spec.num_drafts <= WARY_AFTER + 1  # of 48 steps
+    assert seq.prediction.rejected <= WARY_FIRST + WARY_AFTER  # the start, then one token a miss
 
 
 def engines(target: Decoder) -> dict[str, Engine]:
