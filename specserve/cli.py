@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     structure.add_argument("--guided-regex", metavar="REGEX", help="a regex the answer matches in full")
     structure.add_argument("--guided-choice", metavar="TEXT", nargs="+", help="texts, one of which is the answer")
+    structure.add_argument(
+        "--guided-grammar", metavar="GBNF", help="a grammar (its text, or @FILE; `root ::= ...`) the answer follows"
+    )
     structure.add_argument("--json-object", action="store_true", help="the answer is a JSON object (JSON mode)")
     gen.add_argument(
         "--prediction",
@@ -766,6 +769,8 @@ def structured_output_of(args: argparse.Namespace) -> StructuredOutput | None:
         return StructuredOutput("regex", args.guided_regex)
     if args.guided_choice is not None:
         return StructuredOutput("choice", tuple(args.guided_choice))
+    if args.guided_grammar is not None:
+        return StructuredOutput("grammar", text_or_file(args.guided_grammar, "--guided-grammar"))
     if args.guided_json is None:
         return None
     text = text_or_file(args.guided_json, "--guided-json")

@@ -119,6 +119,7 @@ def test_seeded_sampling_repeats(prepared_cache, capsys):
     [
         (["--guided-regex", "1, 2, 3(, [0-9]+){0,3}"], r"1, 2, 3(, [0-9]+){0,3}"),
         (["--guided-choice", "ten", "eleven"], "ten|eleven"),
+        (["--guided-grammar", 'root ::= "1, 2, 3" (", " n){0,3}\nn ::= [0-9]+'], r"1, 2, 3(, [0-9]+){0,3}"),
         (["--guided-json", '{"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}'], None),
     ],
 )
@@ -151,6 +152,8 @@ def test_a_structured_answer_from_the_cli(prepared_cache, capsys, flags, answer)
         (["--guided-json", "@/no/such/schema.json"], "--guided-json @/no/such/schema.json"),
         (["--guided-json", '{"type": "object", "not": {}}'], "keyword 'not' at # is not supported"),
         (["--guided-regex", "(a"], "is not closed"),
+        (["--guided-grammar", "root ::= n\nn ::= n n"], "the grammar's rule 'n' refers to itself (n -> n)"),
+        (["--guided-grammar", "@/no/such/grammar.gbnf"], "--guided-grammar @/no/such/grammar.gbnf"),
         (["--suffix", "return x"], "--suffix fills the gap after a --prompt; a --chat message has none"),
     ],
 )

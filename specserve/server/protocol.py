@@ -61,7 +61,6 @@ MAX_BAD_WORDS = 256
 VLLM_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, ""),
     ("length_penalty", lambda v: v == 1, " (it weighs beams, and there is no beam search)"),
-    ("guided_grammar", lambda v: v is None, " (grammars are not served; use guided_json or guided_regex)"),
 )
 
 
@@ -150,13 +149,13 @@ class _Sampling(RequestBody):
     # as if it had not.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    guided_grammar: Any = None
     bad_words: Texts | None = None  # vLLM's: words the answer must not write (penalties.without_bad_words)
     # Structured outputs (specserve/structured/): vLLM's older fields, its newer
     # `structured_outputs` object, and OpenAI's response_format; one of them at most.
     guided_json: Any = None  # a schema: an object, a boolean, or its JSON text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: Any = None  # GBNF text (structured/grammar.py)
     guided_whitespace_pattern: str | None = None  # vLLM's: what JSON may put between its tokens
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -254,6 +253,8 @@ class _Sampling(RequestBody):
             asked.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
         if self.guided_choice is not None:
             asked.append(("guided_choice", _choices(self.guided_choice, "guided_choice")))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", _grammar(self.guided_grammar, "guided_grammar")))
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", _vllm_structured_outputs(self.structured_outputs)))
         if self.response_format is not None:
@@ -389,21 +390,31 @@ def _choices(choices: Any, param: str) -> StructuredOutput:
     return StructuredOutput("choice", tuple(choices))
 
 
+def _grammar(grammar: Any, param: str) -> StructuredOutput:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise APIError(f"{param} must be a grammar's text (GBNF: `root ::= ...`)", param=param)
+    return StructuredOutput("grammar", grammar)
+
+
 def _vllm_structured_outputs(value: dict[str, Any]) -> StructuredOutput:
-    """vLLM's `structured_outputs` object: one of json, regex, choice, json_object."""
+    """vLLM's `structured_outputs` object: one of json, regex, choice, grammar, json_object."""
     param = "structured_outputs"
     given = {k: v for k, v in value.items() if v is not None and v is not False}
     unknown = sorted(set(given) - set(KINDS) - {"disable_fallback", "whitespace_pattern"})
     if unknown:
-        raise APIError(f"{param}.{unknown[0]} is not supported; use json, regex, choice or json_object", param=param)
+        raise APIError(
+            f"{param}.{unknown[0]} is not supported; use json, regex, choice, grammar or json_object", param=param
+        )
     kinds = [k for k in KINDS if k in given]
     if len(kinds) != 1:
-        raise APIError(f"{param} must set exactly one of json, regex, choice and json_object", param=param)
+        raise APIError(f"{param} must set exactly one of json, regex, choice, grammar and json_object", param=param)
     kind = kinds[0]
     if kind == "json":
         return _json_schema(given["json"], f"{param}.json")
     if kind == "choice":
         return _choices(given["choice"], f"{param}.choice")
+    if kind == "grammar":
+        return _grammar(given["grammar"], f"{param}.grammar")
     if kind == "regex":
         if not isinstance(given["regex"], str):
             raise APIError(f"{param}.regex must be a string", param=param)

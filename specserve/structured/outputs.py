@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from specserve.structured.grammar import grammar_regex
 from specserve.structured.json_schema import (
     CALL_ARRAY,
     CALL_OBJECT,
@@ -20,13 +21,19 @@ from specserve.structured.json_schema import (
 from specserve.structured.regex import DFA, compile_regex, mask_classes
 
 # Each kind of structure, as error messages name it.
-KINDS = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object"}
+KINDS = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+    "json_object": "JSON object",
+}
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's answer must be: `kind` one of KINDS, `spec` the schema (JSON
-    text), the regex, or the choices (a tuple); None for json_object."""
+    text), the regex, the choices (a tuple), or the grammar (GBNF); None for json_object."""
 
     kind: str
     spec: Any = None
@@ -44,6 +51,8 @@ class StructuredOutput:
             return list(json_object_levels(whitespace)), {1: CALL_OBJECT, 2: CALL_ARRAY}
         if self.kind == "choice":
             return ["|".join(f"(?:{re.escape(choice)})" for choice in self.spec)], {}
+        if self.kind == "grammar":
+            return [grammar_regex(self.spec)], {}
         return [self.spec], {}
 
     def describe(self) -> str:

@@ -1,6 +1,6 @@
 """Structured outputs through the whole server, in process: a random target over a
 vocabulary of characters (and a few longer pieces) behind the real app, held to a JSON
-schema, any JSON object, a regex or a choice list, by each field that asks for one,
+schema, any JSON object, a regex, a choice list or a grammar, by each field that asks for one,
 plain and with a draft model; bad specifications are 400s that name their field, and
 a guided request leaves its free neighbour's answer as it was."""
 
@@ -36,6 +36,14 @@ SCHEMA = {
     },
     "required": ["ok", "color"],
 }
+
+# A grammar (GBNF) and the regex of its language.
+GRAMMAR = """
+root ::= key ":" value ("," key ":" value){0,2}
+key ::= [a-z]{1,3}  # a name
+value ::= [0-9]+ | "true" | "null"
+"""
+GRAMMAR_REGEX = r"[a-z]{1,3}:(?:[0-9]+|true|null)(?:,[a-z]{1,3}:(?:[0-9]+|true|null)){0,2}"
 
 
 def character_tokenizer() -> Tokenizer:
@@ -108,6 +116,8 @@ def test_each_field_holds_the_answer_to_its_structure(draft):
                 chat(guided_choice=["yes", "no", "maybe"], temperature=0.8, seed=7),
                 completion(structured_outputs={"choice": ["left", "right"]}, temperature=0),
                 chat(temperature=0, max_tokens=12, ignore_eos=True),  # a free neighbour
+                completion(guided_grammar=GRAMMAR, temperature=0),
+                chat(structured_outputs={"grammar": GRAMMAR}, temperature=0.9, seed=4),
             ],
             draft=draft,
         )
@@ -127,6 +137,8 @@ def test_each_field_holds_the_answer_to_its_structure(draft):
     free = responses[9].json()["choices"][0]["message"]["content"]
     (alone,) = asyncio.run(served([chat(temperature=0, max_tokens=12, ignore_eos=True)]))
     assert free == alone.json()["choices"][0]["message"]["content"]
+    for response in responses[10:]:
+        assert re.fullmatch(GRAMMAR_REGEX, text_of(response))
 
 
 def test_greedy_answers_are_the_same_plain_and_speculative():
@@ -134,6 +146,7 @@ def test_greedy_answers_are_the_same_plain_and_speculative():
         completion(guided_json=SCHEMA, temperature=0),
         chat(response_format={"type": "json_object"}, temperature=0),
         completion(guided_regex=r"[0-9a-z]{4,20}", temperature=0, stream=False),
+        completion(guided_grammar=GRAMMAR, temperature=0),
     ]
     plain = [answer(r) for r in asyncio.run(served(bodies))]
     speculative = [answer(r) for r in asyncio.run(served(bodies, draft=True))]
@@ -165,12 +178,14 @@ def test_a_streamed_guided_answer_is_the_whole_ones():
         (dict(guided_regex="(a|b"), "guided_regex", "regex"),
         (dict(guided_regex="a(?=b)"), "guided_regex", "lookarounds"),
         (dict(guided_choice=[]), "guided_choice", "non-empty strings"),
-        (dict(guided_grammar="root ::= 'a'"), "guided_grammar", "grammars are not served"),
+        (dict(guided_grammar='root ::= "(" root ")" | "x"'), "guided_grammar", "refers to itself (root -> root)"),
+        (dict(guided_grammar="root ::= item"), "guided_grammar", "line 1, column 10: the rule 'item' is not defined"),
         (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "both constrain"),
         (dict(response_format={"type": "xml"}), "response_format", "not supported"),
         (dict(response_format={"type": "json_schema"}), "response_format", "needs"),
         (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs", "exactly one"),
-        (dict(structured_outputs={"grammar": "x"}), "structured_outputs", "not supported"),
+        (dict(structured_outputs={"grammar": 'start: "a"'}), "structured_outputs", "Lark grammars are not read"),
+        (dict(structured_outputs={"lark": "x"}), "structured_outputs", "not supported"),
     ],
 )
 def test_a_bad_structure_is_a_400_naming_its_field(fields, param, says):
