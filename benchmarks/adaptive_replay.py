@@ -38,6 +38,7 @@ import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,6 +426,34 @@ def head_chains(proposer, target, prompt_ids: list[int], output: list[int], dept
     }
 
 
+RANDOM_HEAD = "random"  # `--head eagle3:random`: a head whose guesses are no better than chance
+
+
+def write_random_head(method: str, target: str, folder: Path) -> Path:
+    """A head of `train-head`'s default shape for `target`, its weights random (seed 0),
+    written into `folder`: one whose guesses are right by chance alone, which adaptive k
+    must decode plainly beside at little cost."""
+    import torch
+
+    from specserve.catalogue import resolve
+    from specserve.model.checkpoint import read_config
+    from specserve.spec.heads.checkpoint import save_head
+    from specserve.spec.heads.eagle import EagleConfig, EagleHead
+    from specserve.train.run import TrainHeadSettings
+
+    if method != "eagle3":
+        raise SystemExit(f"adaptive_replay: a random head is an EAGLE-3 head (eagle3:{RANDOM_HEAD}), not {method}")
+    defaults = TrainHeadSettings(target)
+    config = read_config(resolve(target))
+    head_config = EagleConfig.for_target(config, 3, defaults.draft_vocab_size)
+    layer = dataclasses.replace(head_config.layer, intermediate_size=defaults.head_intermediate_size)
+    torch.manual_seed(0)
+    head = EagleHead(dataclasses.replace(head_config, layer=layer))
+    head.target_ids = torch.arange(defaults.draft_vocab_size)  # [draft_vocab]: the target's first ids
+    save_head(head, folder)
+    return folder
+
+
 def record(target: str, draft: str, quantization: str, max_tokens: int, head: str | None = None) -> dict[str, Any]:
     """Run the pair (the target and a draft model, or `head`: METHOD:NAME) on every
     suite prompt: the traces, and the costs fitted on the way."""
@@ -434,14 +463,18 @@ def record(target: str, draft: str, quantization: str, max_tokens: int, head: st
     from specserve.engine.build import build_engine, encode_prompt, run_one
     from specserve.sampling import SamplingParams
 
+    scratch = tempfile.TemporaryDirectory(prefix="random-head-")  # a random head's folder, while it loads
     if head is None:
         spec = SpecConfig.parse({"model": draft, "num_speculative_tokens": 7})
     else:
         method, _, name = head.partition(":")
+        if name == RANDOM_HEAD:
+            name = str(write_random_head(method, target, Path(scratch.name)))
         depth = {} if method == "medusa" else {"num_speculative_tokens": 7}  # Medusa: its heads
         spec = SpecConfig.parse({"method": method, "model": name, **depth})
     dtype = torch.bfloat16 if quantization != "none" else torch.float32
     engine, tokenizer = build_engine(target, spec, dtype, quantization=quantization)
+    scratch.cleanup()
     fits = engine.adaptive
     # Random k (0 included) so the fits see steps of every shape, past 8 rows too.
     rng = random.Random(0)
@@ -482,7 +515,11 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--head", default=None, help="record a head instead of the draft: METHOD:NAME (eagle3:HEAD)")
+    parser.add_argument(
+        "--head",
+        default=None,
+        help=f"record a head instead of the draft: METHOD:NAME (eagle3:HEAD; eagle3:{RANDOM_HEAD}: random weights)",
+    )
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument(

@@ -32,13 +32,14 @@ B * (1 + D(k)) rows:
 
 The draft runs for the whole batch at once, so the batch's ks are chosen together
 (`batch_ks`). Where no k beats plain decoding by MIN_SPEEDUP (a run of drafting goes on
-down to CONTINUE_SPEEDUP) a sequence decodes plainly (k = 0) and probes with a short
-draft: at once when new, then after PROBE_INTERVAL plain steps, the wait doubling after
-each drafting run shorter than that (up to MAX_PROBE_INTERVAL) and B times longer in a
-batch of B, since a probe holds up the whole batch. A probe is skipped while reading its
-backlog would cost more than it can be expected to gain (`_affordable_read`); a fully
-accepted one restarts the estimate from that probe. As the batch grows, verified rows
-cost more against the draft's fixed costs, and k falls.
+down to CONTINUE_SPEEDUP while its last step verified a guess) a sequence decodes
+plainly (k = 0) and probes with a short draft: at once when new, then after
+PROBE_INTERVAL plain steps, the wait doubling after each drafting run shorter than that
+(up to MAX_PROBE_INTERVAL) and B times longer in a batch of B, since a probe holds up
+the whole batch. A probe is skipped while reading its backlog would cost more than it
+can be expected to gain (`_affordable_read`); a fully accepted one restarts the estimate
+from that probe. As the batch grows, verified rows cost more against the draft's fixed
+costs, and k falls.
 
 Lookup-first drafts (engine.py) cost only their verified rows: each sequence's lookups
 have an `Acceptance` of their own, learnt from every lookup compared with the tokens that
@@ -65,7 +66,9 @@ MAX_CATCH_UP = 2
 # Predicted speedup over plain decoding needed to start a run of drafting, and to go on
 # with one: the estimate is noisy and plain steps bring no news of it, so a lower bar to
 # go on keeps one unlucky streak from ending a run that pays ("A run of drafting goes on
-# at 0.97x").
+# at 0.97x"). A step that dropped its first guess verified nothing, so a run is held to
+# the higher bar after one: the prior alone keeps a useless head's estimate near
+# break-even, and each such step costs a head step ("A run of dropped guesses").
 MIN_SPEEDUP = 1.03
 CONTINUE_SPEEDUP = 0.97
 # Target steps measured before CONTINUE_SPEEDUP applies: until then the costs are still
@@ -279,6 +282,7 @@ class Acceptance:
         self.chosen = 0  # this step's k
         self.plain_steps = 0  # since the last draft
         self.drafting_steps = 0  # in the current run of drafting steps
+        self.dropped_last = False  # the last drafting step dropped its first guess: it verified nothing
         self.probe_interval = PROBE_INTERVAL
         self.probing = False  # this step's draft is a probe
         self.fresh = True  # no step recorded yet: its first probe need not wait
@@ -562,7 +566,9 @@ class AdaptiveSpecLength:
         hopeful = None  # worked out once, if some sequence is due a probe
         # A batch whose every sequence is in a run of drafting goes on at a lower bar
         # than one that would start, once the costs are measured (see CONTINUE_SPEEDUP).
-        running = self.target_steps >= COSTS_KNOWN_STEPS and all(state.drafting_steps for state in states)
+        running = self.target_steps >= COSTS_KNOWN_STEPS and all(
+            state.drafting_steps and not state.dropped_last for state in states
+        )
         floor = CONTINUE_SPEEDUP if running and states else MIN_SPEEDUP
         ks = []
         for state, k, read in zip(states, self._batch_ks(seq_ids, states, drafting_reads, others, floor), read_costs):
@@ -650,6 +656,7 @@ class AdaptiveSpecLength:
         state.record(num_drafted, num_accepted)
         state.plain_steps = 0
         state.drafting_steps += 1
+        state.dropped_last = num_drafted == 0
         state.probing = False
 
     def record_plain(self, seq_id: int, steps: int) -> None:

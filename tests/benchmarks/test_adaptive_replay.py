@@ -132,6 +132,18 @@ def test_with_a_head_adaptive_is_never_slower_than_plain_on_any_prompt(method, w
     assert geomean([table[t.name][None] for t in traces if t.suite == "structured"]) > 1.1
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["serving", "new-engine"])
+def test_with_a_head_no_better_than_chance_adaptive_stays_near_plain(warm):
+    """A random head of `train-head`'s shape (`--head eagle3:random`): its first guesses
+    are too unsure to pay for a row, so each drafting step drops them, yet costs a head
+    step. Such a run is held to the bar of a new one, so it ends; before, a serving
+    engine stayed in it at 0.93-0.94x plain on five of the seven prompts."""
+    costs, traces = load_traces(ZEN4_FILE.with_name("head_traces_eagle3_random.json"))
+    table = speedups(traces, costs, [None], warm=warm)
+    assert min(row[None] for row in table.values()) >= 0.965, table
+    assert geomean([row[None] for row in table.values()]) >= 0.98, table
+
+
 def test_replay_counts_every_token_once():
     trace = TRACES[0]
     for k in (None, 0, 1, 7):
@@ -169,6 +181,23 @@ def test_recording_gives_traces_and_costs_the_replay_reads(prepared_cache, tmp_p
     assert costs.target_per_row >= 0 and costs.forward(1) > 0 and costs.forward(64) > 0
     assert costs.draft_per_position >= 0
     replay(traces[0], costs, None)  # the replay runs on what was recorded
+
+
+def test_a_random_head_is_written_in_train_heads_shape_and_records(prepared_cache, tmp_path):
+    import json
+
+    from benchmarks.adaptive_replay import record, write_random_head
+    from specserve.train.run import TrainHeadSettings
+
+    folder = write_random_head("eagle3", "smollm2-135m", tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    defaults = TrainHeadSettings("smollm2-135m")
+    assert (config["draft_vocab_size"], config["intermediate_size"]) == (
+        defaults.draft_vocab_size,
+        defaults.head_intermediate_size,
+    )
+    recorded = record("smollm2-135m", "", "none", max_tokens=4, head="eagle3:random")
+    assert len(recorded["traces"]) >= 7 and recorded["pair"]["draft"] == "eagle3:random"
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])

@@ -701,3 +701,21 @@ def test_chains_before_a_measured_forward_are_not_priced_but_ask_for_one():
     assert not ctl.measuring_plain(4)
     ctl.observe_chain(4, 8, 8 * 0.001)
     assert ctl.chains.share(4) == pytest.approx(0.5)
+
+
+def test_a_proposer_whose_every_guess_is_dropped_stops_drafting():
+    """A head no better than chance: its first guesses are too unsure to pay for their
+    rows, so every drafting step drops them and verifies nothing, yet each costs a head
+    step. The prior keeps such a sequence's estimate near break-even, so a run of these
+    steps must not go on at the lower bar of a run that verifies (CONTINUE_SPEEDUP):
+    it ends, and the sequence only probes."""
+    ctl = controller(fixed=0.0173, per_row=0.0028, draft_fixed=0.0009, per_position=0.0005)
+    drafting = 0
+    for _ in range(256):
+        (k,) = ctl.choose([1])
+        if k:
+            drafting += 1
+            ctl.observe_draft(k, 0.0009 + 0.0005)  # the head ran for one position; the guess was dropped
+        ctl.record(1, 0, 0, num_dropped=int(k > 0))
+        ctl.observe_target(1, 0.0173 + 0.0028)
+    assert drafting <= 16, drafting  # the first steps and the probes, of 256 (all 256 before)
