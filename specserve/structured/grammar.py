@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.errors import ConfigError
+from specserve.structured.regex import escaped, escaped_char
 
 # A grammar written out past this many regex characters is refused: a rule named twice in
 # each of a chain of rules doubles at each link.
@@ -28,9 +29,6 @@ MAX_REGEX_CHARS = 100_000
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 ESCAPES = {"n": "\n", "r": "\r", "t": "\t"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}  # the digits each takes
-# What our regex dialect reads as syntax, outside a class and inside one.
-REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()")
-CLASS_SPECIAL = frozenset("\\]^-[")
 
 
 @dataclass(frozen=True)
@@ -153,9 +151,9 @@ class _Scanner:
                 last = self._char()
                 if ord(last) < ord(first):
                     raise self.fail(f"the range {first!r}-{last!r} runs backwards", start)
-                items.append(f"{_escaped(first, CLASS_SPECIAL)}-{_escaped(last, CLASS_SPECIAL)}")
+                items.append(f"{escaped_char(ord(first), in_class=True)}-{escaped_char(ord(last), in_class=True)}")
             else:
-                items.append(_escaped(first, CLASS_SPECIAL))
+                items.append(escaped_char(ord(first), in_class=True))
         if self.i >= len(self.text):
             raise self.fail("a character class is not closed", start)
         self.i += 1
@@ -175,15 +173,6 @@ class _Scanner:
             raise self.fail(f"the repetition {{{body}}} allows fewer than it needs", start)
         self.i = end + 1
         return "{" + ",".join(parts) + "}"
-
-
-def _escaped(c: str, special: frozenset[str]) -> str:
-    """One character as our regex dialect reads it literally."""
-    if c in ("\n", "\r", "\t"):
-        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[c]
-    if ord(c) < 0x20 or ord(c) == 0x7F:
-        return f"\\x{ord(c):02x}"
-    return "\\" + c if c in special else c
 
 
 class _Rules:
@@ -253,7 +242,7 @@ class _Rules:
             if token.kind == "quantifier":
                 raise self.scanner.fail(f"{token.text!r} follows nothing it could repeat", token.at)
             if token.kind == "literal":
-                atom = "".join(_escaped(c, REGEX_SPECIAL) for c in token.text)
+                atom = escaped(token.text)
                 single = len(token.text) == 1
             elif token.kind == "class":
                 atom, single = token.text, True

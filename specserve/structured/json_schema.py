@@ -65,7 +65,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from specserve.errors import ConfigError
-from specserve.structured.regex import MAX_REPEAT, merged_intervals
+from specserve.structured.regex import MAX_REPEAT, escaped, escaped_char, merged_intervals
 
 WHITESPACE = r"[ \t\n\r]*"  # between JSON tokens, as a generator writes them (pretty-printed or compact)
 MAX_REGEX_CHARS = 200_000
@@ -207,28 +207,9 @@ def _repeat(atom: str, low: int, high: int | None) -> str:
 # -- literals
 
 
-def _literal(code: int, special: str = "\\.^$*+?{}[]()|") -> str:
-    """One character, outside a class (inside one: `_class_char`)."""
-    char = chr(code)
-    if char in special:
-        return "\\" + char
-    if 0x20 <= code < 0x7F or (code >= 0x80 and char.isprintable()):
-        return char
-    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else char
-
-
-def _class_char(code: int) -> str:
-    """One character, inside a class."""
-    return _literal(code, special="\\]^-[")
-
-
-def _escaped(text: str) -> str:
-    return "".join(_literal(ord(c)) for c in text)
-
-
 def _string_literal(text: str) -> str:
     """The JSON string `text` as json.dumps writes it, with or without ensure_ascii."""
-    return _alternation([_escaped(json.dumps(text)), _escaped(json.dumps(text, ensure_ascii=False))])
+    return _alternation([escaped(json.dumps(text)), escaped(json.dumps(text, ensure_ascii=False))])
 
 
 def _is_type(value: Any, kind: str) -> bool:
@@ -475,7 +456,7 @@ class _Compiler:
         if isinstance(value, int | float):
             if not math.isfinite(value):
                 raise ConfigError(f"'enum'/'const' at {where} holds {value}, which JSON cannot write")
-            return _escaped(json.dumps(value))
+            return escaped(json.dumps(value))
         if isinstance(value, str):
             return _string_literal(value)
         if isinstance(value, list | tuple):
@@ -706,9 +687,9 @@ def _without_special(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _class_body(ranges: list[tuple[int, int]]) -> str:
     parts = []
     for lo, hi in merged_intervals(ranges):
-        parts.append(_class_char(lo))
+        parts.append(escaped_char(lo, in_class=True))
         if hi > lo:
-            parts.append(("-" if hi > lo + 1 else "") + _class_char(hi))
+            parts.append(("-" if hi > lo + 1 else "") + escaped_char(hi, in_class=True))
     return "".join(parts)
 
 
@@ -820,7 +801,7 @@ class _PatternTranslator:
             self.at += 1
         if isinstance(item, str):
             return self._charset(_CharSet([], [item])) if item not in "dw" else f"[{SHORTHAND_BODIES[item]}]"
-        return self._charset(_CharSet([(item, item)], [])) if item in SPECIAL else _literal(item)
+        return self._charset(_CharSet([(item, item)], [])) if item in SPECIAL else escaped_char(item)
 
     def _escape(self, in_class: bool) -> int | str:
         """The character after a backslash (a code point), or a shorthand letter."""

@@ -57,6 +57,21 @@ def _complement(intervals: tuple[Interval, ...]) -> tuple[Interval, ...]:
     return tuple(out)
 
 
+def escaped_char(code: int, in_class: bool = False) -> str:
+    """One character as this dialect reads it literally, outside a class or inside one."""
+    char = chr(code)
+    if char in ("\\]^-[" if in_class else "\\.^$*+?{}[]()|"):
+        return "\\" + char
+    if 0x20 <= code < 0x7F or (code >= 0x80 and char.isprintable()):
+        return char
+    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else char
+
+
+def escaped(text: str) -> str:
+    """`text` as a regex that matches it alone."""
+    return "".join(escaped_char(ord(c)) for c in text)
+
+
 DIGITS = merged_intervals([(ord("0"), ord("9"))])
 WORD = merged_intervals([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("a"), ord("z")), (ord("_"), ord("_"))])
 SPACE = merged_intervals([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
